@@ -1,0 +1,34 @@
+# The two commands: `make serve` (the main job on the embedded default) and `make test`.
+# Each one creates or refreshes what it needs; a second run with nothing changed takes seconds.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+CONFIG ?= configs/tiny-cpu.yaml
+TINY_MODEL := .cache/tiny-model
+PYTEST_ARGS ?=
+
+.PHONY: env tiny-model serve launch check test lint bench clean
+
+env:
+	@scripts/bootstrap.sh
+
+tiny-model: env
+	@$(PY) -m gateway.cli build-tiny-model $(TINY_MODEL) --quiet
+
+serve: tiny-model
+	$(VENV)/bin/sglang-gateway serve $(CONFIG)
+
+launch: tiny-model
+	$(VENV)/bin/sglang-gateway launch $(CONFIG)
+
+check: tiny-model
+	$(VENV)/bin/sglang-gateway check $(CONFIG)
+
+test: tiny-model
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: env
+	$(VENV)/bin/ruff check launch gateway model_code tests
+
+clean:
+	rm -rf .cache .pytest_cache .venv

@@ -1,0 +1,171 @@
+"""The ``sglang-gateway`` command line.
+
+Errors reach the user as one line naming the file, key or check that failed (exit code 2 for bad
+input, 1 for an engine that failed); never a stack trace.
+"""
+
+from __future__ import annotations
+
+import shlex
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from loguru import logger
+from rich.console import Console
+
+from launch.argv import build_argv, build_env, effective_engine
+from launch.config import ConfigError, DeploymentConfig, load_config
+from launch.preflight import PreflightError, preflight, require
+from launch.process import EngineError, EngineProcess
+
+app = typer.Typer(
+    name="sglang-gateway",
+    help="An OpenAI-compatible gateway and MLflow packaging for SGLang engines.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+err = Console(stderr=True)
+out = Console()
+
+ConfigArg = Annotated[Path, typer.Argument(help="Deployment YAML file.", show_default=False)]
+
+
+def fail(message: str, code: int = 2) -> typer.Exit:
+    """Print ``error: message`` (one line per problem) and return the exit to raise."""
+    for line in str(message).splitlines() or [""]:
+        err.print(f"[bold red]error:[/] {line}", highlight=False, markup=True, soft_wrap=True)
+    return typer.Exit(code)
+
+
+def configure_logging(verbose: bool) -> None:
+    logger.remove()
+    logger.add(sys.stderr, level="DEBUG" if verbose else "INFO", format="{time:HH:mm:ss} | {level: <7} | {message}")
+
+
+def load_or_exit(path: Path) -> DeploymentConfig:
+    try:
+        return load_config(path)
+    except ConfigError as error:
+        raise fail(str(error)) from None
+
+
+def select_models(config: DeploymentConfig, model: str | None) -> dict:
+    managed = config.managed()
+    if model is None:
+        if not managed:
+            raise fail(f"{config.source}: no model has an engine section to launch")
+        return managed
+    try:
+        return {model: config.engine(model)}
+    except ConfigError as error:
+        raise fail(str(error)) from None
+
+
+@app.command()
+def check(
+    config: ConfigArg,
+    model: Annotated[str | None, typer.Option("--model", "-m", help="Only this model.")] = None,
+) -> None:
+    """Validate CONFIG, run the preflight checks and print each engine's exact command line."""
+    deployment = load_or_exit(config)
+    failed = False
+    for name, engine in select_models(deployment, model).items():
+        result = preflight(engine)
+        for finding in result.findings:
+            style = {"error": "bold red", "warning": "yellow", "info": "dim"}[finding.level]
+            err.print(f"[{style}]{finding.level}:[/] model {name}: {finding.message}", highlight=False)
+        failed = failed or not result.ok
+        launched = effective_engine(result.engine)
+        argv = build_argv(launched, port=launched.port or 0, served_model_name=name)
+        env = build_env(launched, base={})
+        prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.variables.items()))
+        port_note = "  # port 0: a free port is picked at launch" if launched.port == 0 else ""
+        out.print(f"# {name}{port_note}", highlight=False)
+        out.print(f"{prefix + ' ' if prefix else ''}{shlex.join(argv)}", highlight=False, soft_wrap=True)
+    for name, entry in deployment.models.items():
+        if entry.url and (model is None or model == name):
+            out.print(f"# {name}: external engine at {entry.url}", highlight=False)
+    if failed:
+        raise typer.Exit(2)
+
+
+@app.command()
+def launch(
+    config: ConfigArg,
+    model: Annotated[str | None, typer.Option("--model", "-m", help="Model to launch (default: the only one).")] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show the engine's log.")] = False,
+) -> None:
+    """Run one model's engine in the foreground until Ctrl-C (or SIGTERM), then stop it cleanly."""
+    configure_logging(verbose)
+    deployment = load_or_exit(config)
+    models = select_models(deployment, model)
+    if len(models) > 1:
+        raise fail(f"{config}: several models have engines ({', '.join(models)}); choose one with --model")
+    name, engine = next(iter(models.items()))
+    try:
+        engine = require(preflight(engine), name)
+    except PreflightError as error:
+        raise fail(str(error)) from None
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    process = EngineProcess(name, engine)
+    start_errors: list[EngineError] = []
+
+    def wait_ready() -> None:  # in a helper thread, so Ctrl-C stays responsive in this one
+        try:
+            process.wait_ready()
+        except EngineError as error:
+            start_errors.append(error)
+
+    try:
+        with err.status(f"engine {name}: starting") as status:
+            process.on_progress = lambda phase, t: status.update(f"engine {name}: {phase} ({t:.0f}s)")
+            process.start()
+            waiter = threading.Thread(target=wait_ready, daemon=True)
+            waiter.start()
+            while waiter.is_alive() and not stop.is_set():
+                waiter.join(0.2)
+        if start_errors:
+            raise fail(str(start_errors[0]), code=1)
+        if stop.is_set():
+            return
+        err.print(f"engine [bold]{name}[/] ready at {process.url}  (Ctrl-C to stop; log: {process.log_file})", highlight=False)
+        while not stop.wait(1.0):
+            if not process.running:
+                raise fail(f"engine {name} exited with code {process.returncode}; see {process.log_file}", code=1)
+    finally:
+        process.stop()
+
+
+@app.command("build-tiny-model")
+def build_tiny_model_command(
+    out_dir: Annotated[Path, typer.Argument(help="Where to write the model.")] = Path(".cache/tiny-model"),
+    force: Annotated[bool, typer.Option(help="Rebuild even if an up-to-date build is there.")] = False,
+    quiet: Annotated[bool, typer.Option(help="Print nothing when it is already built.")] = False,
+) -> None:
+    """Build the tiny offline test model (2-layer Qwen2, random weights) used by configs/tiny-cpu.yaml."""
+    from launch.tiny_model import is_built, build_tiny_model
+
+    if not force and is_built(out_dir):
+        if not quiet:
+            out.print(f"tiny model already built at {out_dir}")
+        return
+    with err.status("building the tiny model"):
+        path = build_tiny_model(out_dir, force=force)
+    out.print(f"tiny model written to {path}")
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,285 @@
+"""The deployment YAML, parsed and validated once (pydantic).
+
+One file describes a deployment: ``models`` maps a model name to either an ``engine`` section
+(an SGLang server this project launches) or a ``url`` (an SGLang server or router run elsewhere).
+A top-level ``gateway`` section belongs to the gateway package; this module keeps it as an opaque
+mapping so that ``launch`` never imports ``gateway``.
+
+Every error names the file, the key path and the reason on one line (:class:`ConfigError`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+Device = Literal["cuda", "cpu"]
+DType = Literal["auto", "half", "float16", "bfloat16", "float", "float32"]
+GrammarBackend = Literal["xgrammar", "outlines", "llguidance", "none"]
+
+# Default KV-cache size on CPU: without it SGLang sizes the cache from free RAM (15 GB, 70 s start).
+CPU_DEFAULT_MAX_TOTAL_TOKENS = 8192
+_MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be used; the message is one line: ``file: key: reason``."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True, frozen=True)
+
+
+class EngineConfig(_Strict):
+    """One SGLang server process: every field maps to a ``sglang.launch_server`` flag (see ``argv``)."""
+
+    model_path: str = Field(description="Local directory with the weights, or a Hugging Face id.")
+    tokenizer_path: str | None = Field(None, description="Tokenizer directory or id, if not the model's.")
+    served_model_name: str | None = Field(
+        None, description="Name the engine reports; defaults to the model's name in this file."
+    )
+    host: str = Field("127.0.0.1", description="Interface the engine binds to.")
+    port: int = Field(0, ge=0, le=65535, description="Engine port; 0 picks a free one at launch.")
+    tp_size: int = Field(1, ge=1, description="Tensor-parallel size (GPUs per replica).")
+    dp_size: int = Field(1, ge=1, description="Data-parallel replicas.")
+    mem_fraction_static: float | None = Field(
+        None, gt=0.0, lt=1.0, description="Fraction of GPU memory for weights and KV cache."
+    )
+    max_total_tokens: int | None = Field(
+        None, gt=0, description=f"KV-cache size in tokens (CPU default {CPU_DEFAULT_MAX_TOTAL_TOKENS})."
+    )
+    context_length: int | None = Field(None, gt=0, description="Override the model's context length.")
+    max_running_requests: int | None = Field(None, gt=0, description="Concurrent requests in the engine.")
+    dtype: DType = Field("auto", description="Weight and activation dtype.")
+    quantization: str | None = Field(None, description="SGLang quantization method, e.g. fp8, awq.")
+    cuda_graph: bool | None = Field(
+        None, description="Capture CUDA graphs (default: on for cuda, off for cpu)."
+    )
+    cuda_graph_max_bs: int | None = Field(None, gt=0, description="Largest batch captured in a CUDA graph.")
+    chunked_prefill_size: int | None = Field(
+        None, description="Prefill chunk size in tokens; -1 disables chunking."
+    )
+    grammar_backend: GrammarBackend | None = Field(None, description="Structured-output backend.")
+    tool_call_parser: str | None = Field(None, description="Tool-call parser, e.g. qwen25, llama3, hermes.")
+    reasoning_parser: str | None = Field(None, description="Reasoning parser, e.g. deepseek-r1, qwen3.")
+    chat_template: str | None = Field(None, description="Chat template name or file.")
+    attention_backend: str | None = Field(
+        None, description="Attention kernels (default: SGLang's choice on cuda, torch_native on cpu)."
+    )
+    device: Device = Field("cuda", description="cuda (GPU) or cpu (development).")
+    trust_remote_code: bool = Field(False, description="Allow custom model code from the model repo.")
+    json_disable_any_whitespace: bool = Field(
+        False, description="Forbid free whitespace in constrained JSON (helps small models)."
+    )
+    sleep_on_idle: bool | None = Field(
+        None, description="Let the scheduler sleep when idle (default: on for cpu)."
+    )
+    skip_server_warmup: bool = Field(False, description="Skip SGLang's warm-up request (faster start).")
+    enable_metrics: bool = Field(True, description="Expose the engine's Prometheus /metrics.")
+    random_seed: int | None = Field(None, description="Engine random seed.")
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the engine.")
+    python: str | None = Field(None, description="Python executable to run SGLang with (default: this one).")
+    extra_args: list[str] = Field(default_factory=list, description="Flags passed to SGLang verbatim.")
+    startup_timeout_s: float = Field(900.0, gt=0, description="How long to wait for /health to answer 200.")
+
+    @field_validator("model_path")
+    @classmethod
+    def _non_empty(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must not be empty")
+        return value
+
+    @field_validator("chunked_prefill_size")
+    @classmethod
+    def _chunk(cls, value: int | None) -> int | None:
+        if value is not None and value != -1 and value <= 0:
+            raise ValueError("must be a positive number of tokens, or -1 to disable chunking")
+        return value
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env_strings(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            return {str(k): v if isinstance(v, str) else _scalar_to_str(k, v) for k, v in value.items()}
+        return value
+
+    @field_validator("extra_args")
+    @classmethod
+    def _extra(cls, value: list[str]) -> list[str]:
+        if value and not value[0].startswith("--"):
+            raise ValueError(f"must start with a flag (--name), got {value[0]!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> EngineConfig:
+        if self.device == "cpu":
+            if self.cuda_graph:
+                raise ValueError("cuda_graph: true needs device: cuda")
+            if self.cuda_graph_max_bs is not None:
+                raise ValueError("cuda_graph_max_bs needs device: cuda")
+        elif self.cuda_graph is False and self.cuda_graph_max_bs is not None:
+            raise ValueError("cuda_graph_max_bs is set but cuda_graph is false")
+        return self
+
+    @property
+    def cuda_graph_enabled(self) -> bool:
+        return self.cuda_graph if self.cuda_graph is not None else self.device == "cuda"
+
+    @property
+    def python_executable(self) -> str:
+        return self.python or sys.executable
+
+
+def _scalar_to_str(key: Any, value: Any) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, (int, float)):
+        return str(value)
+    raise ValueError(f"env.{key} must be a string, number or boolean")
+
+
+class ModelEntry(_Strict):
+    """A model the deployment serves: launched here (``engine``) or reached at ``url``."""
+
+    engine: EngineConfig | None = None
+    url: str | None = Field(None, description="Base URL of an SGLang server or router run elsewhere.")
+    aliases: list[str] = Field(default_factory=list, description="Other names clients may use.")
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str | None) -> str | None:
+        if value is not None and not re.match(r"^https?://[^\s/]+", value):
+            raise ValueError(f"must be an http(s) URL, got {value!r}")
+        return value.rstrip("/") if value else value
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelEntry:
+        if (self.engine is None) == (self.url is None):
+            raise ValueError("give exactly one of 'engine' (launched here) or 'url' (run elsewhere)")
+        return self
+
+
+class DeploymentConfig(_Strict):
+    """The whole YAML file."""
+
+    models: dict[str, ModelEntry] = Field(min_length=1)
+    gateway: dict[str, Any] = Field(default_factory=dict, description="Validated by the gateway package.")
+    source: Path | None = Field(None, exclude=True, description="The file this was read from.")
+
+    @field_validator("models")
+    @classmethod
+    def _names(cls, value: dict[str, ModelEntry]) -> dict[str, ModelEntry]:
+        seen: dict[str, str] = {}
+        for name, entry in value.items():
+            for label in (name, *entry.aliases):
+                if not _MODEL_NAME.match(label):
+                    raise ValueError(f"{label!r} is not a valid model name")
+                if label in seen and seen[label] != name:
+                    raise ValueError(f"name {label!r} is used by both {seen[label]!r} and {name!r}")
+                seen[label] = name
+        return value
+
+    def engine(self, name: str) -> EngineConfig:
+        """The engine section of model ``name`` (ConfigError when absent)."""
+        entry = self.models.get(name)
+        if entry is None:
+            known = ", ".join(self.models)
+            raise ConfigError(f"{self.source or 'config'}: no model named {name!r} (models: {known})")
+        if entry.engine is None:
+            raise ConfigError(f"{self.source or 'config'}: model {name!r} has a url, not an engine section")
+        return entry.engine
+
+    def managed(self) -> dict[str, EngineConfig]:
+        """Models whose engine this deployment launches, by name."""
+        return {name: entry.engine for name, entry in self.models.items() if entry.engine is not None}
+
+
+def _resolve_relative_paths(data: Any, base: Path) -> Any:
+    """Make ``./x`` and ``../x`` model/tokenizer paths relative to the YAML file, not the CWD."""
+    models = data.get("models") if isinstance(data, dict) else None
+    if not isinstance(models, dict):
+        return data
+    for entry in models.values():
+        engine = entry.get("engine") if isinstance(entry, dict) else None
+        if not isinstance(engine, dict):
+            continue
+        for key in ("model_path", "tokenizer_path", "chat_template"):
+            value = engine.get(key)
+            if isinstance(value, str) and value.startswith(("./", "../")):
+                engine[key] = str((base / value).resolve())
+    return data
+
+
+def format_validation_error(source: str, error: ValidationError) -> str:
+    """One line per problem: ``file: models.tiny.engine.tp_size: Input should be ...``."""
+    lines = []
+    for problem in error.errors():
+        location = ".".join(str(part) for part in problem["loc"]) or "(top level)"
+        message = problem["msg"].removeprefix("Value error, ")
+        if problem["type"] == "extra_forbidden":
+            message = "unknown key"
+        elif problem["type"] == "missing":
+            message = "required key is missing"
+        lines.append(f"{source}: {location}: {message}")
+    return "\n".join(lines)
+
+
+def parse_config(data: Any, source: str | Path = "<config>") -> DeploymentConfig:
+    """Validate an already-loaded mapping (used for MLflow ``model_config`` dicts too)."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping with a 'models' key, got {type(data).__name__}")
+    try:
+        config = DeploymentConfig.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(format_validation_error(str(source), error)) from None
+    return config.model_copy(update={"source": Path(source)}) if source != "<config>" else config
+
+
+def load_config(path: str | Path) -> DeploymentConfig:
+    """Read, expand ``${VAR}`` / ``${VAR:-default}``, and validate a deployment YAML file."""
+    file = Path(path)
+    try:
+        text = file.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"{file}: no such file") from None
+    except OSError as error:
+        raise ConfigError(f"{file}: cannot read: {error.strerror}") from None
+    try:
+        data = yaml.safe_load(expand_env(text, file))
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f"line {mark.line + 1}: " if mark else ""
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise ConfigError(f"{file}: {where}invalid YAML: {problem}") from None
+    return parse_config(_resolve_relative_paths(data, file.parent), file)
+
+
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+def expand_env(text: str, source: str | Path = "<config>") -> str:
+    """Replace ``${VAR}`` and ``${VAR:-default}``; an unset variable without default is an error."""
+
+    def replace(match: re.Match[str]) -> str:
+        name, default = match.group(1), match.group(2)
+        value = os.environ.get(name)
+        if value is not None:
+            return value
+        if default is not None:
+            return default
+        raise ConfigError(f"{source}: environment variable {name} is not set (write ${{{name}:-default}})")
+
+    return _ENV_REF.sub(replace, text)

@@ -1,0 +1,164 @@
+"""Checks run before launching an engine, each failing with a message that says what to do.
+
+``preflight`` returns the engine config to launch (possibly adjusted: CUDA_HOME found, or CUDA
+graphs turned off with a warning) and the findings; errors stop the launch.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from launch.config import EngineConfig
+from launch.ports import port_is_free
+
+_HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass(frozen=True)
+class Finding:
+    level: Literal["error", "warning", "info"]
+    message: str
+
+
+@dataclass
+class PreflightResult:
+    engine: EngineConfig
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def errors(self) -> list[Finding]:
+        return [f for f in self.findings if f.level == "error"]
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+
+class PreflightError(RuntimeError):
+    """At least one preflight check failed; the message lists them, one per line."""
+
+
+def check_model_path(engine: EngineConfig) -> list[Finding]:
+    path = Path(engine.model_path).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            return [Finding("error", f"model_path {engine.model_path}: not a directory")]
+        if not (path / "config.json").is_file() and not any(path.glob("*.gguf")):
+            return [Finding("error", f"model_path {engine.model_path}: no config.json in this directory")]
+        return []
+    if engine.model_path.startswith(("/", "./", "../", "~")) or not _HF_ID.match(engine.model_path):
+        return [Finding("error", f"model_path {engine.model_path}: no such directory, and not a Hugging Face id (org/name)")]
+    return [Finding("info", f"model_path {engine.model_path}: not a local directory; SGLang will fetch it from the Hugging Face Hub")]
+
+
+def check_port(engine: EngineConfig) -> list[Finding]:
+    if engine.port and not port_is_free(engine.host, engine.port):
+        return [Finding("error", f"port {engine.port} on {engine.host} is already in use (set port: 0 to pick a free one)")]
+    return []
+
+
+def visible_gpu_count() -> int:
+    """GPUs this process may use: ``nvidia-smi -L`` narrowed by ``CUDA_VISIBLE_DEVICES``."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return 0
+    try:
+        listing = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    count = sum(1 for line in listing.stdout.splitlines() if line.startswith("GPU "))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        count = min(count, len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"]))
+    return count
+
+
+def check_gpus(engine: EngineConfig, gpu_count: int | None = None) -> list[Finding]:
+    if engine.device != "cuda":
+        return []
+    gpus = visible_gpu_count() if gpu_count is None else gpu_count
+    if gpus == 0:
+        return [Finding("error", "device: cuda but no NVIDIA GPU is visible (use device: cpu for development)")]
+    needed = engine.tp_size * engine.dp_size
+    if needed > gpus:
+        return [Finding("error", f"tp_size x dp_size = {needed} GPUs needed, {gpus} visible")]
+    return []
+
+
+def find_cuda_home(search_roots: list[str] | None = None) -> str | None:
+    """A CUDA toolkit with ``bin/nvcc``: ``CUDA_HOME``, ``nvcc`` on PATH, pip ``nvidia-*`` packages, standard paths."""
+    if os.environ.get("CUDA_HOME") and Path(os.environ["CUDA_HOME"], "bin", "nvcc").exists():
+        return os.environ["CUDA_HOME"]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        return str(Path(nvcc).resolve().parent.parent)
+    roots = search_roots if search_roots is not None else _default_cuda_roots()
+    for root in roots:
+        for candidate in sorted(glob.glob(root), reverse=True):
+            if Path(candidate, "bin", "nvcc").exists():
+                return candidate
+    return None
+
+
+def _default_cuda_roots() -> list[str]:
+    import site
+    import sys
+
+    site_dirs = [*site.getsitepackages(), str(Path(sys.executable).resolve().parent.parent / "lib")]
+    pip_roots = [f"{d}/nvidia/cuda_nvcc" for d in site_dirs] + [f"{d}/nvidia/cu*" for d in site_dirs]
+    return ["/usr/local/cuda", "/usr/local/cuda-*", "/opt/cuda", *pip_roots]
+
+
+def check_cuda_home(engine: EngineConfig, cuda_home: str | None = None) -> tuple[EngineConfig, list[Finding]]:
+    """CUDA graphs and FlashInfer's JIT need ``nvcc``; find the toolkit or turn graphs off, saying why."""
+    if engine.device != "cuda" or "CUDA_HOME" in engine.env:
+        return engine, []
+    home = cuda_home if cuda_home is not None else find_cuda_home()
+    if home:
+        if os.environ.get("CUDA_HOME") == home:
+            return engine, []
+        env = {**engine.env, "CUDA_HOME": home}
+        return engine.model_copy(update={"env": env}), [Finding("info", f"CUDA_HOME is unset; using the toolkit at {home}")]
+    if engine.cuda_graph_enabled:
+        return engine.model_copy(update={"cuda_graph": False, "cuda_graph_max_bs": None}), [
+            Finding(
+                "warning",
+                "CUDA_HOME is unset and no CUDA toolkit (nvcc) was found: CUDA graphs are turned off "
+                "(slower decoding). Install the toolkit or set CUDA_HOME / env.CUDA_HOME to keep them.",
+            )
+        ]
+    return engine, [Finding("warning", "CUDA_HOME is unset and no nvcc was found: FlashInfer JIT kernels may fail to build")]
+
+
+def check_python(engine: EngineConfig) -> list[Finding]:
+    python = engine.python_executable
+    if not (Path(python).is_file() or shutil.which(python)):
+        return [Finding("error", f"python {python}: no such executable")]
+    return []
+
+
+def preflight(engine: EngineConfig, *, gpu_count: int | None = None, cuda_home: str | None = None) -> PreflightResult:
+    """Run every check; the returned engine is the one to launch."""
+    adjusted, cuda_findings = check_cuda_home(engine, cuda_home) if engine.device == "cuda" else (engine, [])
+    findings = [
+        *check_python(engine),
+        *check_model_path(engine),
+        *check_port(engine),
+        *check_gpus(engine, gpu_count),
+        *cuda_findings,
+    ]
+    return PreflightResult(adjusted, findings)
+
+
+def require(result: PreflightResult, name: str) -> EngineConfig:
+    """The engine to launch, or :class:`PreflightError` listing every failed check for model ``name``."""
+    if not result.ok:
+        raise PreflightError("\n".join(f"model {name}: {f.message}" for f in result.errors))
+    return result.engine

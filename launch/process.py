@@ -1,0 +1,339 @@
+"""A supervised SGLang engine process: start, wait for readiness, stop without leaving anything behind.
+
+The engine runs in its own process group (so one signal reaches the scheduler and detokenizer it
+forks) with a parent-death signal (so it cannot outlive a crashed parent). Its output goes to a log
+file and to the logger; start-up phases are parsed from it to show progress.
+
+``start()`` must be called from a long-lived thread (normally the main one): Linux delivers the
+parent-death signal when the *thread* that forked the child exits.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import os
+import re
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+import httpx
+from loguru import logger
+
+from launch.argv import build_argv, build_env
+from launch.config import EngineConfig
+from launch.ports import pick_free_port
+from launch.shm import owned_shm_files, remove_files
+
+_PR_SET_PDEATHSIG = 1
+LOG_TAIL_LINES = 200
+
+# Start-up phases, in the order SGLang logs them (first match wins for each line).
+PHASES: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("loading weights", re.compile(r"Load weight begin")),
+    ("weights loaded", re.compile(r"Load weight end")),
+    ("allocating KV cache", re.compile(r"KV Cache is allocated")),
+    ("capturing CUDA graphs", re.compile(r"Capture (cuda|CUDA) graph begin")),
+    ("CUDA graphs captured", re.compile(r"Capture (cuda|CUDA) graph end")),
+    ("HTTP server up", re.compile(r"Uvicorn running on")),
+    ("warming up", re.compile(r"POST /generate")),
+    ("ready", re.compile(r"fired up and ready to roll")),
+)
+
+
+class EngineError(RuntimeError):
+    """The engine could not be started or answered wrongly; carries its exit code and log tail."""
+
+    def __init__(self, message: str, *, name: str, returncode: int | None, log_tail: list[str], log_file: Path | None):
+        self.name = name
+        self.returncode = returncode
+        self.log_tail = log_tail
+        self.log_file = log_file
+        tail = "\n".join(f"    {line}" for line in log_tail[-30:])
+        where = f" (full log: {log_file})" if log_file else ""
+        super().__init__(f"{message}{where}\n  last lines of the engine log:\n{tail}" if log_tail else message + where)
+
+
+class EngineExited(EngineError):
+    """The engine process exited (during start-up or afterwards)."""
+
+
+class EngineStartTimeout(EngineError):
+    """The engine did not become ready within its start-up timeout."""
+
+
+ProgressCallback = Callable[[str, float], None]
+
+
+@dataclass(frozen=True)
+class EngineStatus:
+    name: str
+    pid: int | None
+    port: int
+    url: str
+    running: bool
+    ready: bool
+    phase: str
+    started_at: float | None
+    returncode: int | None
+
+
+def _set_parent_death_signal() -> None:  # runs in the child between fork and exec
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class EngineProcess:
+    """One ``sglang.launch_server`` subprocess for one model.
+
+    >>> with EngineProcess("tiny", engine_config) as engine:   # starts and waits for /health
+    ...     print(engine.url)
+    """
+
+    def __init__(
+        self,
+        name: str,
+        config: EngineConfig,
+        *,
+        log_dir: str | Path | None = None,
+        on_progress: ProgressCallback | None = None,
+        stop_grace_s: float = 15.0,
+    ) -> None:
+        self.name = name
+        self.config = config
+        self.stop_grace_s = stop_grace_s
+        self.on_progress = on_progress
+        self._log_dir = Path(log_dir) if log_dir else Path(tempfile.gettempdir()) / "sglang-gateway-logs"
+        self._tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._reader: threading.Thread | None = None
+        self._phase = "not started"
+        self._ready = False
+        self._started_at: float | None = None
+        self._lock = threading.Lock()
+        self.port = config.port
+        self.log_file: Path | None = None
+        self.argv: list[str] = []
+        self.uses_cpu_shim = False
+        self._known_shm: set[Path] = set()  # remembered while alive: a crashed engine's files are still ours
+
+    # ----------------------------------------------------------------- properties
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.config.host in ("0.0.0.0", "::", "") else self.config.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.poll() if self._proc else None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def ready(self) -> bool:
+        return self._ready and self.running
+
+    @property
+    def phase(self) -> str:
+        return self._phase
+
+    def log_tail(self, lines: int = 40) -> list[str]:
+        with self._lock:
+            return list(self._tail)[-lines:]
+
+    def status(self) -> EngineStatus:
+        return EngineStatus(
+            self.name, self.pid, self.port, self.url, self.running, self.ready, self._phase, self._started_at, self.returncode
+        )
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Spawn the engine (returns at once; see :meth:`wait_ready`)."""
+        if self._proc is not None:
+            raise RuntimeError(f"engine {self.name!r} was already started")
+        if self.port == 0:
+            self.port = pick_free_port(self.config.host)
+        self.argv = build_argv(self.config, port=self.port, served_model_name=self.name)
+        engine_env = build_env(self.config)
+        self.uses_cpu_shim = engine_env.uses_cpu_shim
+        self._log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_file = self._log_dir / f"{_safe(self.name)}-{self.port}-{int(time.time())}.log"
+        logger.info("engine {}: starting on port {}: {}", self.name, self.port, " ".join(self.argv))
+        self._proc = subprocess.Popen(
+            self.argv,
+            env=engine_env.variables,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_set_parent_death_signal,
+        )
+        self._started_at = time.monotonic()
+        self._set_phase("starting")
+        self._reader = threading.Thread(target=self._pump_log, name=f"engine-log-{self.name}", daemon=True)
+        self._reader.start()
+
+    def wait_ready(self, timeout_s: float | None = None, poll_s: float = 0.25) -> None:
+        """Block until ``/health`` answers 200; raise :class:`EngineExited` / :class:`EngineStartTimeout`."""
+        if self._proc is None:
+            raise RuntimeError(f"engine {self.name!r} was not started")
+        timeout = self.config.startup_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        with httpx.Client(timeout=httpx.Timeout(2.0, connect=1.0), trust_env=False) as client:
+            while True:
+                if self._proc.poll() is not None:
+                    self._join_reader()
+                    raise EngineExited(
+                        f"engine {self.name!r} exited with code {self._proc.returncode} while starting",
+                        name=self.name,
+                        returncode=self._proc.returncode,
+                        log_tail=self.log_tail(LOG_TAIL_LINES),
+                        log_file=self.log_file,
+                    )
+                if self.health(client):
+                    self._known_shm |= owned_shm_files(self._proc.pid)
+                    self._ready = True
+                    self._set_phase("ready")
+                    logger.info("engine {}: ready at {} after {:.1f}s", self.name, self.url, self.uptime_s)
+                    return
+                if time.monotonic() >= deadline:
+                    raise EngineStartTimeout(
+                        f"engine {self.name!r} was not ready after {timeout:.0f}s (last phase: {self._phase})",
+                        name=self.name,
+                        returncode=None,
+                        log_tail=self.log_tail(LOG_TAIL_LINES),
+                        log_file=self.log_file,
+                    )
+                time.sleep(poll_s)
+
+    def health(self, client: httpx.Client | None = None) -> bool:
+        """One ``GET /health``: True only on 200 (SGLang answers 503 until warm-up is done)."""
+        try:
+            if client is None:
+                response = httpx.get(f"{self.url}/health", timeout=2.0, trust_env=False)
+            else:
+                response = client.get(f"{self.url}/health")
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+    @property
+    def uptime_s(self) -> float:
+        return time.monotonic() - self._started_at if self._started_at else 0.0
+
+    def stop(self, grace_s: float | None = None) -> int | None:
+        """SIGTERM the process group, SIGKILL it after ``grace_s``, then remove its ``/dev/shm`` files."""
+        proc = self._proc
+        if proc is None:
+            return None
+        grace = self.stop_grace_s if grace_s is None else grace_s
+        self._ready = False
+        self._known_shm |= owned_shm_files(proc.pid)
+        if proc.poll() is None or _group_alive(proc.pid):
+            logger.info("engine {}: stopping (pid {})", self.name, proc.pid)
+            _signal_group(proc.pid, signal.SIGTERM)
+            if not _wait_group(proc, grace):
+                logger.warning("engine {}: still running {:.0f}s after SIGTERM; sending SIGKILL", self.name, grace)
+                _signal_group(proc.pid, signal.SIGKILL)
+                _wait_group(proc, 10.0)
+        proc.wait()
+        self._join_reader()
+        removed = remove_files(self._known_shm)
+        if removed:
+            logger.debug("engine {}: removed {} /dev/shm file(s)", self.name, len(removed))
+        self._set_phase(f"stopped (exit code {proc.returncode})")
+        return proc.returncode
+
+    def __enter__(self) -> EngineProcess:
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ internals
+    def _pump_log(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None and self.log_file is not None
+        with open(self.log_file, "w", encoding="utf-8", errors="replace") as sink:
+            for raw in iter(self._proc.stdout.readline, b""):
+                line = raw.decode("utf-8", errors="replace").rstrip()
+                sink.write(line + "\n")
+                sink.flush()
+                with self._lock:
+                    self._tail.append(line)
+                logger.debug("[{}] {}", self.name, line)
+                self._parse_phase(line)
+        self._proc.stdout.close()
+
+    def _parse_phase(self, line: str) -> None:
+        if self._ready:
+            return
+        for phase, pattern in PHASES:
+            if pattern.search(line):
+                self._set_phase(phase)
+                return
+
+    def _set_phase(self, phase: str) -> None:
+        if phase == self._phase:
+            return
+        self._phase = phase
+        if self.on_progress is not None:
+            try:
+                self.on_progress(phase, self.uptime_s)
+            except Exception:  # a broken progress display must not break the engine
+                logger.exception("progress callback failed")
+
+    def _join_reader(self) -> None:
+        if self._reader is not None:
+            self._reader.join(timeout=5.0)
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name)
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _wait_group(proc: subprocess.Popen[bytes], timeout_s: float) -> bool:
+    """Wait until the leader is reaped and no process is left in its group."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        proc.poll()
+        if proc.returncode is not None and not _group_alive(proc.pid):
+            return True
+        time.sleep(0.1)
+    proc.poll()
+    return proc.returncode is not None and not _group_alive(proc.pid)

@@ -1,0 +1,80 @@
+"""Find and remove the ``/dev/shm`` files an engine leaves behind.
+
+Each SGLang run leaves ``sglang_loads_*.shm`` and multiprocessing semaphores (``sem.*``) in
+``/dev/shm``. Only files that belong to *this* engine are removed: the ones its processes have
+mapped or open, and loky semaphores named after one of its pids. Another engine's files are never
+touched, so engines of several tests or gateways can run side by side.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+SHM_DIR = Path("/dev/shm")
+
+
+def group_pids(pgid: int) -> set[int]:
+    """Pids of the live processes in process group ``pgid``."""
+    pids: set[int] = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # The command name is in parentheses and may contain spaces: split after the last ')'.
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if len(fields) > 2 and int(fields[2]) == pgid:
+            pids.add(int(entry.name))
+    return pids
+
+
+def _shm_paths_of(pid: int) -> set[Path]:
+    found: set[Path] = set()
+    try:
+        for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+            parts = line.split(maxsplit=5)
+            if len(parts) == 6 and parts[5].startswith(str(SHM_DIR) + "/"):
+                found.add(Path(parts[5].removesuffix(" (deleted)")))
+    except OSError:
+        pass
+    try:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith(str(SHM_DIR) + "/"):
+                found.add(Path(target.removesuffix(" (deleted)")))
+    except OSError:
+        pass
+    return found
+
+
+def owned_shm_files(pgid: int) -> set[Path]:
+    """``/dev/shm`` files the engine in group ``pgid`` is using now (call before and after stopping)."""
+    pids = group_pids(pgid) | {pgid}
+    owned: set[Path] = set()
+    for pid in pids:
+        owned |= _shm_paths_of(pid)
+    if SHM_DIR.is_dir():
+        for pid in pids:
+            owned |= set(SHM_DIR.glob(f"sem.loky-{pid}-*"))
+    return owned
+
+
+def remove_files(paths: Iterable[Path]) -> list[Path]:
+    """Remove the files that still exist; return those removed."""
+    removed = []
+    for path in paths:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            continue
+        except OSError:
+            continue
+        removed.append(path)
+    return removed

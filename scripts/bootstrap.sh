@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Create or refresh the project's virtual environment, idempotently.
+#
+# The environment lives in a cache keyed by a hash of everything that decides its contents
+# (pyproject.toml, requirements/*.txt, this script, the GPU/CPU flavour), so a second run, or
+# another clone of the repository on the same machine, reuses it in seconds. `.venv` in the
+# repository is a symlink to it.
+#
+#   GPU machine (nvidia-smi sees a GPU): the full sglang==0.5.23 stack (pip install .[sglang]).
+#   Otherwise: SGLang without its CUDA-only kernels (requirements/engine-cpu.txt + sglang --no-deps).
+# Override with SGLANG_GATEWAY_FLAVOR=cpu|gpu, the location with SGLANG_GATEWAY_VENV_CACHE.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$(pwd)
+
+python=${PYTHON:-python3}
+flavor=${SGLANG_GATEWAY_FLAVOR:-}
+if [ -z "$flavor" ]; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then flavor=gpu; else flavor=cpu; fi
+fi
+case "$flavor" in cpu|gpu) ;; *) echo "bootstrap: SGLANG_GATEWAY_FLAVOR must be cpu or gpu, got '$flavor'" >&2; exit 2;; esac
+
+key=$( { echo "$flavor"; "$python" --version; cat pyproject.toml requirements/*.txt scripts/bootstrap.sh; } | sha256sum | cut -c1-16)
+cache=${SGLANG_GATEWAY_VENV_CACHE:-$HOME/.cache/sglang-gateway}
+venv="$cache/venv-$flavor-$key"
+
+if [ ! -f "$venv/.complete" ]; then
+  echo "bootstrap: building the $flavor environment in $venv (first run: several minutes)" >&2
+  start=$(date +%s)
+  rm -rf "$venv"
+  mkdir -p "$cache"
+  "$python" -m venv "$venv"
+  pip=("$venv/bin/python" -m pip --disable-pip-version-check)
+  "${pip[@]}" install -q --upgrade "pip>=24" "setuptools>=64" wheel
+  if [ "$flavor" = gpu ]; then
+    "${pip[@]}" install -q "$root[sglang,mlflow,dev]"
+  else
+    "${pip[@]}" install -q -r requirements/engine-cpu.txt
+    "${pip[@]}" install -q --no-deps "sglang==0.5.23"
+    "${pip[@]}" install -q "$root[mlflow,dev]"
+  fi
+  "${pip[@]}" uninstall -q -y sglang-gateway
+  touch "$venv/.complete"
+  echo "bootstrap: environment ready in $(( $(date +%s) - start ))s, $(du -sh "$venv" | cut -f1)" >&2
+fi
+
+# Point .venv at it, and install this checkout (editable, no dependencies: seconds) if it is not the one installed.
+if [ "$(readlink .venv 2>/dev/null)" != "$venv" ]; then
+  rm -rf .venv
+  ln -s "$venv" .venv
+fi
+installed=$("$venv/bin/python" -c 'import launch, os; print(os.path.dirname(os.path.dirname(os.path.abspath(launch.__file__))))' 2>/dev/null || true)
+if [ "$installed" != "$root" ] || [ ! -x "$venv/bin/sglang-gateway" ]; then
+  "$venv/bin/python" -m pip --disable-pip-version-check install -q --no-deps --no-build-isolation -e "$root"
+fi
