@@ -144,6 +144,27 @@ def launch(
         process.stop()
 
 
+@app.command()
+def serve(
+    config: ConfigArg,
+    host: Annotated[str | None, typer.Option("--host", help="Interface to bind (overrides gateway.host).")] = None,
+    port: Annotated[int | None, typer.Option("--port", help="Port to bind (overrides gateway.port).")] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show the engines' logs.")] = False,
+) -> None:
+    """Start CONFIG's engines and serve the OpenAI-compatible gateway until Ctrl-C (or SIGTERM)."""
+    from gateway.server import run
+
+    configure_logging(verbose)
+    try:
+        run(config, host=host, port=port, verbose=verbose)
+    except (ConfigError, PreflightError) as error:
+        raise fail(str(error)) from None
+    except EngineError as error:
+        raise fail(str(error), code=1) from None
+    except OSError as error:
+        raise fail(f"cannot serve: {error.strerror or error}", code=1) from None
+
+
 @app.command("build-tiny-model")
 def build_tiny_model_command(
     out_dir: Annotated[Path, typer.Argument(help="Where to write the model.")] = Path(".cache/tiny-model"),

@@ -1,0 +1,121 @@
+"""The app factory: compose routes, middleware, error handlers and the lifespan.
+
+``create_app`` takes ready-made settings and a model registry, so tests can build an app around
+an engine they already run; ``app_from_config`` builds all of it (engines included) from one YAML.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from loguru import logger
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
+from starlette.responses import Response
+
+from gateway.auth import AuthMiddleware
+from gateway.config import GatewaySettings, gateway_settings
+from gateway.context import request_info
+from gateway.engines import EngineManager
+from gateway.errors import GatewayError, error_response
+from gateway.metrics import Metrics
+from gateway.middleware import BodyLimitMiddleware, RequestContextMiddleware
+from gateway.proxy import Proxy
+from gateway.registry import Registry, build_registry
+from gateway.routes import GatewayState, router
+from launch.config import DeploymentConfig
+
+
+def create_app(settings: GatewaySettings, registry: Registry, *, engines: EngineManager | None = None) -> FastAPI:
+    """A gateway app serving ``registry``; ``engines`` (if given) are started and stopped by its lifespan."""
+    state = GatewayState(settings=settings, registry=registry, metrics=Metrics(registry))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        timeout = httpx.Timeout(
+            connect=settings.upstream_connect_timeout_s,
+            read=settings.upstream_read_timeout_s,
+            write=settings.upstream_read_timeout_s,
+            pool=settings.upstream_connect_timeout_s,
+        )
+        limits = httpx.Limits(max_connections=settings.upstream_max_connections, max_keepalive_connections=64)
+        async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
+            state.proxy = Proxy(client, state.metrics)
+            if engines is not None:
+                try:
+                    await engines.start_all()
+                except BaseException as error:
+                    app.state.startup_error = error
+                    raise
+            try:
+                yield
+            finally:
+                if engines is not None:
+                    await engines.stop_all()
+
+    app = FastAPI(title="sglang-gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.gateway = state
+    app.state.startup_error = None
+    app.include_router(router)
+    _install_error_handlers(app)
+    # Outermost last: request id/log -> CORS -> auth -> body limit -> routes.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(AuthMiddleware, keys=settings.resolved_keys(), open_paths=settings.open_paths)
+    if settings.cors_allow_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.cors_allow_origins,
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["authorization", "content-type", "x-request-id"],
+            expose_headers=["x-request-id", "retry-after"],
+        )
+    app.add_middleware(RequestContextMiddleware, metrics=state.metrics, log_requests=settings.log_requests)
+    return app
+
+
+def app_from_config(
+    deployment: DeploymentConfig, *, host: str | None = None, port: int | None = None, log_dir: str | Path | None = None
+) -> tuple[FastAPI, GatewaySettings]:
+    """The app for a whole deployment: managed engines (started by the lifespan) and external URLs."""
+    settings = gateway_settings(deployment, host=host, port=port)
+    engines = EngineManager(deployment, log_dir=log_dir)
+    registry = build_registry(deployment, settings, engines.engines)
+    return create_app(settings, registry, engines=engines), settings
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    """Every error leaves as OpenAI-shaped JSON; never a stack trace."""
+
+    @app.exception_handler(GatewayError)
+    async def _gateway_error(request: Request, error: GatewayError) -> Response:
+        _note(request, error.message)
+        return error_response(error)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, error: StarletteHTTPException) -> Response:
+        message = {404: f"no route {request.url.path}", 405: f"method {request.method} is not allowed on {request.url.path}"}
+        gateway_error = GatewayError(error.status_code, message.get(error.status_code, str(error.detail)), headers=dict(error.headers or {}))
+        return await _gateway_error(request, gateway_error)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, error: RequestValidationError) -> Response:
+        return await _gateway_error(request, GatewayError(400, "invalid request"))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, error: Exception) -> Response:
+        info = request_info(request.scope)
+        trace = "".join(traceback.format_exception(error))
+        logger.error("unhandled error in request {}: {}", info.request_id if info else "-", trace)
+        return error_response(GatewayError(500, "internal gateway error", code="internal_error"))
+
+
+def _note(request: Request, message: str) -> None:
+    info = request_info(request.scope)
+    if info is not None and info.error is None:
+        info.error = message[:200]

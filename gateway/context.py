@@ -1,0 +1,34 @@
+"""What the gateway learns about one request while serving it (for the log line and metrics)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+SCOPE_KEY = "gateway.request"
+
+
+@dataclass
+class RequestInfo:
+    request_id: str
+    method: str
+    path: str
+    started: float = field(default_factory=time.perf_counter)
+    model: str | None = None  # the route's model name, set once the name resolved (bounded label set)
+    stream: bool = False
+    status: int | None = None
+    ttft_s: float | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    error: str | None = None  # short reason for failures (never a key or a body)
+
+    def set_usage(self, usage: Any) -> None:
+        if isinstance(usage, dict):
+            prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+            self.prompt_tokens = prompt if isinstance(prompt, int) else self.prompt_tokens
+            self.completion_tokens = completion if isinstance(completion, int) else self.completion_tokens
+
+
+def request_info(scope: dict[str, Any]) -> RequestInfo | None:
+    return scope.get(SCOPE_KEY)

@@ -1,0 +1,51 @@
+"""Start the managed engines of a deployment in parallel, and stop every one of them.
+
+``start()`` of each :class:`EngineProcess` runs on the calling (event-loop) thread, because Linux ties
+the parent-death signal to the thread that forked; the blocking readiness waits run in worker
+threads so that several engines load at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from loguru import logger
+
+from launch.config import DeploymentConfig
+from launch.preflight import preflight, require
+from launch.process import EngineError, EngineProcess
+
+
+class EngineManager:
+    """The engines this gateway owns (one per managed model)."""
+
+    def __init__(self, deployment: DeploymentConfig, *, log_dir: str | Path | None = None) -> None:
+        self.engines: dict[str, EngineProcess] = {}
+        for name, engine in deployment.managed().items():
+            self.engines[name] = EngineProcess(name, require(preflight(engine), name), log_dir=log_dir)
+
+    async def start_all(self) -> None:
+        """Start every engine and wait until all are ready; on any failure stop them all and raise."""
+        if not self.engines:
+            return
+        try:
+            for engine in self.engines.values():
+                engine.start()
+            results = await asyncio.gather(
+                *(asyncio.to_thread(engine.wait_ready) for engine in self.engines.values()), return_exceptions=True
+            )
+        except BaseException:
+            await self.stop_all()
+            raise
+        errors = [result for result in results if isinstance(result, BaseException)]
+        if errors:
+            await self.stop_all()
+            raise errors[0] if isinstance(errors[0], EngineError) else errors[0]
+        logger.info("engines ready: {}", ", ".join(f"{n} at {e.url}" for n, e in self.engines.items()))
+
+    async def stop_all(self) -> None:
+        """Stop every started engine (in parallel: each may take seconds to exit)."""
+        started = [engine for engine in self.engines.values() if engine.pid is not None]
+        if started:
+            await asyncio.gather(*(asyncio.to_thread(engine.stop) for engine in started), return_exceptions=True)

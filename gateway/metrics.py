@@ -1,0 +1,50 @@
+"""Prometheus metrics, on a CollectorRegistry of their own per app (tests build many apps).
+
+Request counters and histograms are recorded once per request by the request-context middleware;
+engine up/down is computed at scrape time from the model registry, so it is never stale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from gateway.registry import Registry
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class Metrics:
+    """Every metric the gateway exports."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("gateway_requests", "Requests by model, route and HTTP status.", ["model", "route", "status"], registry=r)
+        self.latency = Histogram("gateway_request_duration_seconds", "Time from request to last byte.", ["model", "route"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("gateway_time_to_first_token_seconds", "Time to the first upstream byte of a stream.", ["model"], buckets=_TTFT_BUCKETS, registry=r)
+        self.in_flight = Gauge("gateway_in_flight_requests", "Requests being proxied now.", ["model"], registry=r)
+        self.tokens = Counter("gateway_tokens", "Tokens reported by the engines' usage.", ["model", "kind"], registry=r)
+        self.stream_errors = Counter("gateway_stream_errors", "Streams ended by an upstream failure after 200.", ["model"], registry=r)
+        self.engine_restarts = Counter("gateway_engine_restarts", "Engine restarts by the gateway.", ["model"], registry=r)
+        r.register(_EngineUp(registry))
+
+
+class _EngineUp(Collector):
+    def __init__(self, models: Registry) -> None:
+        self.models = models
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily("gateway_engine_up", "1 when the model's engine is ready (managed) or last answered /health (external).", labels=["model"])
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily("gateway_engine_up", "1 when the model's engine is ready (managed) or last answered /health (external).", labels=["model"])
+        for route in self.models.routes():
+            backend = route.backend
+            up = backend.unavailable_reason() is None if backend.managed else bool(backend.last_health)
+            family.add_metric([route.name], 1.0 if up else 0.0)
+        yield family

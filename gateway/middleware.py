@@ -1,0 +1,131 @@
+"""Pure-ASGI middleware: request ids + the per-request log line and metrics, and the body-size cap.
+
+Pure ASGI (not ``BaseHTTPMiddleware``) so streaming responses pass through untouched and a client
+disconnect reaches the streaming response itself.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from typing import Any
+
+from loguru import logger
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.context import SCOPE_KEY, RequestInfo
+from gateway.errors import GatewayError, error_response
+from gateway.metrics import Metrics
+
+_GOOD_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+_KNOWN_ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/health", "/ready", "/metrics"}
+
+
+class RequestContextMiddleware:
+    """Gives every response an ``X-Request-Id`` and records one log line and the metrics per request."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics, log_requests: bool = True) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.log_requests = log_requests
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        incoming = _header(scope, b"x-request-id")
+        request_id = incoming if incoming and _GOOD_ID.match(incoming) else uuid.uuid4().hex
+        info = RequestInfo(request_id=request_id, method=scope["method"], path=scope["path"])
+        scope[SCOPE_KEY] = info
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                info.status = message["status"]
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", request_id.encode())]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        except BaseException:
+            info.status = info.status or 500
+            raise
+        finally:
+            self._record(info)
+
+    def _record(self, info: RequestInfo) -> None:
+        elapsed = time.perf_counter() - info.started
+        model = info.model or "-"
+        route = info.path if info.path in _KNOWN_ROUTES or info.path.startswith("/v1/models/") else "other"
+        route = "/v1/models/{id}" if route.startswith("/v1/models/") else route
+        status = str(info.status or 0)
+        m = self.metrics
+        m.requests.labels(model, route, status).inc()
+        m.latency.labels(model, route).observe(elapsed)
+        if info.ttft_s is not None:
+            m.ttft.labels(model).observe(info.ttft_s)
+        if info.prompt_tokens:
+            m.tokens.labels(model, "prompt").inc(info.prompt_tokens)
+        if info.completion_tokens:
+            m.tokens.labels(model, "completion").inc(info.completion_tokens)
+        if not self.log_requests:
+            return
+        fields: dict[str, Any] = {
+            "request_id": info.request_id,
+            "method": info.method,
+            "path": info.path,
+            "model": info.model,
+            "status": info.status,
+            "stream": info.stream,
+            "latency_ms": round(elapsed * 1000, 1),
+            "ttft_ms": round(info.ttft_s * 1000, 1) if info.ttft_s is not None else None,
+            "tokens_in": info.prompt_tokens,
+            "tokens_out": info.completion_tokens,
+            "error": info.error,
+        }
+        text = " ".join(f"{k}={v}" for k, v in fields.items() if v is not None)
+        logger.bind(**fields).info("request {}", text)
+
+
+class BodyLimitMiddleware:
+    """413 for bodies over ``max_bytes``: by ``Content-Length`` first, then by counting streamed bytes."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _header(scope, b"content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                await error_response(GatewayError(400, "invalid Content-Length header", code="invalid_header"))(scope, receive, send)
+                return
+            if int(declared) > self.max_bytes:
+                await error_response(self._too_large())(scope, receive, send)
+                return
+        seen = 0
+
+        async def counting_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise self._too_large()
+            return message
+
+        await self.app(scope, counting_receive, send)
+
+    def _too_large(self) -> GatewayError:
+        return GatewayError(413, f"request body is larger than {self.max_bytes} bytes", code="request_too_large")
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", []):
+        if key.lower() == name:
+            return value.decode("latin-1").strip()
+    return None

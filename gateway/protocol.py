@@ -1,0 +1,93 @@
+"""The few request fields the gateway must understand, validated before anything goes upstream.
+
+Bodies are *not* re-serialized from these models: the client's JSON goes upstream with every field it
+sent (SGLang extensions included), only ``model`` rewritten. Validation exists so that malformed or
+type-confused requests get a clean 400 here instead of a traceback-laden error (or worse) from the
+engine. Unknown fields are allowed and passed through.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+
+from gateway.errors import GatewayError
+
+_Number = Annotated[float, Field(allow_inf_nan=False)]
+_TokenIds = list[StrictInt]
+
+
+class _Loose(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class StreamOptions(_Loose):
+    include_usage: StrictBool | None = None
+
+
+class _Common(_Loose):
+    model: StrictStr = Field(min_length=1, max_length=256)
+    stream: StrictBool | None = None
+    stream_options: StreamOptions | None = None
+    n: StrictInt | None = Field(None, ge=1, le=128)
+    max_tokens: StrictInt | None = Field(None, ge=0)
+    temperature: _Number | None = Field(None, ge=0)
+    top_p: _Number | None = Field(None, ge=0, le=1)
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    user: StrictStr | None = None
+
+
+class ChatMessage(_Loose):
+    role: StrictStr
+    content: StrictStr | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=0)
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: StrictStr | dict[str, Any] | None = None
+
+
+class CompletionRequest(_Common):
+    prompt: StrictStr | list[StrictStr] | _TokenIds | list[_TokenIds] = Field(min_length=1)
+    logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    echo: StrictBool | None = None
+    suffix: StrictStr | None = None
+
+
+class EmbeddingRequest(_Loose):
+    model: StrictStr = Field(min_length=1, max_length=256)
+    input: StrictStr | list[StrictStr] | _TokenIds | list[_TokenIds] = Field(min_length=1)
+    encoding_format: StrictStr | None = None
+    dimensions: StrictInt | None = Field(None, ge=1)
+
+
+def parse_body(raw: bytes, schema: type[_Loose]) -> dict[str, Any]:
+    """The JSON object in ``raw``, checked against ``schema``; GatewayError(400) otherwise."""
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as error:
+        raise GatewayError(400, f"request body is not valid JSON: {error}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise GatewayError(400, f"request body must be a JSON object, got {_json_type(data)}", code="invalid_json")
+    try:
+        schema.model_validate(data)
+    except ValidationError as error:
+        problem = error.errors(include_url=False, include_input=False)[0]
+        where = ".".join(str(part) for part in problem["loc"]) or None
+        # Union errors name each alternative; the first segment is the field the client got wrong.
+        field = str(problem["loc"][0]) if problem["loc"] else None
+        more = f" (and {error.error_count() - 1} more problem(s))" if error.error_count() > 1 else ""
+        raise GatewayError(400, f"{where}: {problem['msg']}{more}" if where else problem["msg"] + more, param=field) from None
+    return data
+
+
+def _json_type(value: Any) -> str:
+    return {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}.get(type(value), "null")

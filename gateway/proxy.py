@@ -1,0 +1,221 @@
+"""Forward one validated request to its model's backend, plain or streaming.
+
+The body goes upstream as the client sent it, with only ``model`` rewritten to the engine's served
+name. Streams are relayed event by event (complete ``\\n\\n``-terminated SSE events, exactly as the
+engine wrote them) without parsing JSON, except for the rare event that carries ``usage`` (for token
+metrics) or an engine ``error`` (which is sanitized). A client that goes away closes the upstream
+response, so the engine stops generating; an upstream failure after the 200 ends the stream with an
+OpenAI-shaped error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import AsyncExitStack
+from typing import Any
+
+import httpx
+import orjson
+from starlette.responses import Response
+from starlette.types import Message, Receive, Scope, Send
+
+from gateway.context import RequestInfo
+from gateway.errors import GatewayError, sanitize_message, sse_error_event, upstream_error
+from gateway.metrics import Metrics
+from gateway.registry import ModelRoute
+
+_MAX_PENDING = 4 * 1024 * 1024  # an SSE event larger than this is forwarded unsplit, unscanned
+_SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+
+
+def transport_error(error: httpx.HTTPError, backend: str, retry_after_s: int = 1) -> GatewayError:
+    """Map an httpx failure talking to ``backend`` to 503 (unreachable / connection lost) or 504 (timeout)."""
+    retry = {"Retry-After": str(retry_after_s)}
+    if isinstance(error, httpx.ConnectTimeout):
+        return GatewayError(504, f"timed out connecting to the engine of {backend}", code="upstream_timeout")
+    if isinstance(error, httpx.TimeoutException):
+        return GatewayError(504, f"timed out waiting for the engine of {backend}", code="upstream_timeout")
+    if isinstance(error, httpx.ConnectError):
+        return GatewayError(503, f"the engine of {backend} is unreachable", code="engine_unavailable", headers=retry)
+    return GatewayError(503, f"lost the connection to the engine of {backend}", code="engine_unavailable", headers=retry)
+
+
+class Proxy:
+    """Sends requests upstream over one shared, pooled ``httpx.AsyncClient``."""
+
+    def __init__(self, client: httpx.AsyncClient, metrics: Metrics) -> None:
+        self.client = client
+        self.metrics = metrics
+
+    async def forward(self, route: ModelRoute, body: dict[str, Any], path: str, info: RequestInfo) -> Response:
+        """Admit the request (limits, backend state), send it, and answer plain JSON or an SSE stream."""
+        stack = AsyncExitStack()
+        handed_over = False
+        try:
+            limiter = route.limiter
+            await limiter.acquire(route.name)
+            stack.callback(limiter.release)
+            backend = route.backend  # read once: a swap mid-request must not split it across backends
+            reason = backend.unavailable_reason()
+            if reason is not None:
+                raise GatewayError(
+                    503, f"model {route.name!r} is unavailable: {reason}", code="engine_unavailable",
+                    headers={"Retry-After": str(limiter.settings.retry_after_s)},
+                )
+            backend.in_flight += 1
+            stack.callback(_decrement, backend)
+            gauge = self.metrics.in_flight.labels(route.name)
+            gauge.inc()
+            stack.callback(gauge.dec)
+
+            body["model"] = backend.served_name
+            request = self.client.build_request(
+                "POST",
+                backend.url + path,
+                content=orjson.dumps(body),
+                headers={"content-type": "application/json", "x-request-id": info.request_id},
+            )
+            try:
+                upstream = await self.client.send(request, stream=True)
+            except httpx.HTTPError as error:
+                raise transport_error(error, route.name, limiter.settings.retry_after_s) from None
+            stack.push_async_callback(upstream.aclose)
+            try:
+                if upstream.status_code != 200 or not info.stream:
+                    content = await upstream.aread()
+            except httpx.HTTPError as error:
+                raise transport_error(error, route.name, limiter.settings.retry_after_s) from None
+            if upstream.status_code != 200:
+                raise upstream_error(upstream.status_code, content)
+            if not info.stream:
+                info.ttft_s = time.perf_counter() - info.started
+                _record_usage(content, info)
+                media = upstream.headers.get("content-type", "application/json")
+                return Response(content, status_code=200, media_type=media)
+            handed_over = True
+            return SSEProxyResponse(upstream, stack, info, self.metrics, route.name)
+        finally:
+            if not handed_over:
+                await stack.aclose()
+
+
+def _decrement(backend: Any) -> None:
+    backend.in_flight -= 1
+
+
+def _record_usage(content: bytes, info: RequestInfo) -> None:
+    if b'"usage"' not in content:
+        return
+    try:
+        data = orjson.loads(content)
+    except orjson.JSONDecodeError:
+        return
+    if isinstance(data, dict):
+        info.set_usage(data.get("usage"))
+
+
+class SSEProxyResponse(Response):
+    """An ASGI response relaying an upstream SSE stream; owns the upstream response and admission slot."""
+
+    def __init__(self, upstream: httpx.Response, stack: AsyncExitStack, info: RequestInfo, metrics: Metrics, model: str) -> None:
+        super().__init__(status_code=200, media_type="text/event-stream")
+        self.upstream = upstream
+        self.stack = stack
+        self.info = info
+        self.metrics = metrics
+        self.model = model
+        self._pending = b""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:  # type: ignore[override]
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+            pump = asyncio.ensure_future(self._pump(send))
+            watch = asyncio.ensure_future(_wait_disconnect(receive))
+            try:
+                done, _ = await asyncio.wait({pump, watch}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in (pump, watch):
+                    task.cancel()
+                await asyncio.gather(pump, watch, return_exceptions=True)
+            if pump not in done:
+                self.info.error = "client disconnected"
+            elif pump.exception() is not None:
+                raise pump.exception()  # type: ignore[misc]
+        finally:
+            await self.stack.aclose()  # closes the upstream response: the engine aborts the request
+
+    async def _pump(self, send: Send) -> None:
+        failure: GatewayError | None = None
+        try:
+            async for chunk in self.upstream.aiter_raw():
+                if self.info.ttft_s is None:
+                    self.info.ttft_s = time.perf_counter() - self.info.started
+                events = self._complete_events(chunk)
+                if events:
+                    await send({"type": "http.response.body", "body": events, "more_body": True})
+        except httpx.HTTPError as error:
+            failure = transport_error(error, self.model)
+        if self._pending:
+            tail, self._pending = self._pending, b""
+            await send({"type": "http.response.body", "body": self._inspect(tail), "more_body": True})
+        if failure is not None:
+            self.info.error = failure.message
+            self.metrics.stream_errors.labels(self.model).inc()
+            await send({"type": "http.response.body", "body": sse_error_event(failure), "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def _complete_events(self, chunk: bytes) -> bytes:
+        """The complete events received so far (held back: a partial event at the end)."""
+        data = self._pending + chunk if self._pending else chunk
+        cut = data.rfind(b"\n\n")
+        if cut < 0:
+            if len(data) > _MAX_PENDING:
+                self._pending = b""
+                return data
+            self._pending = data
+            return b""
+        self._pending = data[cut + 2 :]
+        return self._inspect(data[: cut + 2])
+
+    def _inspect(self, events: bytes) -> bytes:
+        """Byte scans only; JSON is parsed just for events carrying usage or an error."""
+        has_usage = b'"usage":{' in events or b'"usage": {' in events
+        has_error = b'"error"' in events
+        if not (has_usage or has_error):
+            return events
+        out = []
+        for line in events.split(b"\n"):
+            if line.startswith(b"data: {") and (b'"usage"' in line or b'"error"' in line):
+                line = self._inspect_line(line)
+            out.append(line)
+        return b"\n".join(out)
+
+    def _inspect_line(self, line: bytes) -> bytes:
+        try:
+            data = orjson.loads(line[6:])
+        except orjson.JSONDecodeError:
+            return line
+        if not isinstance(data, dict):
+            return line
+        if isinstance(data.get("usage"), dict):
+            self.info.set_usage(data["usage"])
+        error = data.get("error")
+        if error is not None and "choices" not in data:
+            detail = error if isinstance(error, dict) else {"message": error}
+            status = detail.get("code") if isinstance(detail.get("code"), int) else 500
+            sanitized = upstream_error(status, orjson.dumps({"error": {**detail, "message": sanitize_message(detail.get("message"))}}))
+            self.info.error = sanitized.message
+            return sse_error_event(sanitized).rstrip(b"\n")
+        return line
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while True:
+        message: Message = await receive()
+        if message["type"] == "http.disconnect":
+            return

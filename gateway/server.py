@@ -1,0 +1,64 @@
+"""Owns uvicorn: build the app from a YAML file and serve it until SIGTERM / Ctrl-C.
+
+On SIGTERM or Ctrl-C uvicorn stops accepting connections, lets in-flight requests (streams included)
+finish for up to ``gateway.shutdown_grace_s``, then the app's lifespan stops the engines it started.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import uvicorn
+from fastapi import FastAPI
+from loguru import logger
+
+from gateway.app import app_from_config
+from gateway.config import GatewaySettings
+from launch.config import ConfigError, load_config
+from launch.ports import port_is_free
+
+
+def uvicorn_config(app: FastAPI, settings: GatewaySettings, *, log_level: str = "info") -> uvicorn.Config:
+    """The uvicorn settings the gateway runs with (also used by tests that serve on a real socket)."""
+    return uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        lifespan="on",
+        access_log=False,  # the gateway writes its own line per request
+        log_level=log_level,
+        timeout_graceful_shutdown=int(settings.shutdown_grace_s) or None,
+        timeout_keep_alive=30,
+        loop="auto",  # uvloop when installed
+        http="auto",
+    )
+
+
+class _HideStartupTraceback(logging.Filter):
+    """A failed engine start is reported once, as one clear error, not as uvicorn's lifespan traceback."""
+
+    def __init__(self, app: FastAPI) -> None:
+        super().__init__()
+        self.app = app
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.app.state.startup_error is None
+
+
+def run(config_path: str | Path, host: str | None = None, port: int | None = None, *, verbose: bool = False) -> None:
+    """Serve the deployment in ``config_path``; raises ConfigError / PreflightError / EngineError."""
+    deployment = load_config(config_path)
+    app, settings = app_from_config(deployment, host=host, port=port)
+    if settings.port and not port_is_free(settings.host, settings.port):
+        raise ConfigError(f"{config_path}: gateway.port: port {settings.port} on {settings.host} is already in use (or use --port)")
+    server = uvicorn.Server(uvicorn_config(app, settings, log_level="debug" if verbose else "info"))
+    hide = _HideStartupTraceback(app)
+    logging.getLogger("uvicorn.error").addFilter(hide)
+    try:
+        logger.info("gateway: serving {} model(s) from {} on http://{}:{}", len(deployment.models), config_path, settings.host, settings.port)
+        server.run()
+    finally:
+        logging.getLogger("uvicorn.error").removeFilter(hide)
+    if app.state.startup_error is not None:
+        raise app.state.startup_error
