@@ -136,7 +136,11 @@ def launch(
             raise fail(str(start_errors[0]), code=1)
         if stop.is_set():
             return
-        err.print(f"engine [bold]{name}[/] ready at {process.url}  (Ctrl-C to stop; log: {process.log_file})", highlight=False)
+        err.print(
+            f"engine [bold]{name}[/] (pid {process.pid}) ready at {process.url}  (Ctrl-C to stop; log: {process.log_file})",
+            highlight=False,
+            soft_wrap=True,
+        )
         while not stop.wait(1.0):
             if not process.running:
                 raise fail(f"engine {name} exited with code {process.returncode}; see {process.log_file}", code=1)

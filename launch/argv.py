@@ -127,10 +127,13 @@ def real_sgl_kernel_importable(python: str) -> bool:
 
     if os.path.realpath(python) == os.path.realpath(sys.executable) and importlib.util.find_spec("sgl_kernel") is None:
         return False
-    probe = subprocess.run(
-        [python, "-c", "import sgl_kernel, sys; sys.exit(0 if not getattr(sgl_kernel, 'IS_SGLANG_GATEWAY_CPU_SHIM', False) else 1)"],
-        capture_output=True,
-        timeout=120,
-        check=False,
-    )
+    try:
+        probe = subprocess.run(
+            [python, "-c", "import sgl_kernel, sys; sys.exit(1 if getattr(sgl_kernel, 'IS_SGLANG_GATEWAY_CPU_SHIM', False) else 0)"],
+            capture_output=True,
+            timeout=120,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False  # the launch itself will report a broken interpreter
     return probe.returncode == 0
