@@ -1,0 +1,175 @@
+"""``log_model``: one call from a deployment YAML (or dict) to a logged MLflow model, without starting an engine."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from launch.config import ConfigError, load_config
+from model_code.engine_client import NO_ENGINE_ENV, SETTINGS_KEY, WEIGHTS_ARTIFACT, resolve_target, split_model_config
+from model_code.requirements import DEFAULT_CUDA, TORCH_VERSION, pip_requirements
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+REPO_DIR = PACKAGE_DIR.parent
+CODE_PATHS = [str(REPO_DIR / "launch"), str(PACKAGE_DIR)]
+
+Flavor = Literal["chat_agent", "chat_model", "responses_agent"]
+FLAVOR_FILES: dict[str, Path] = {
+    "chat_agent": PACKAGE_DIR / "chat_agent.py",
+    "chat_model": PACKAGE_DIR / "chat_model.py",
+    "responses_agent": PACKAGE_DIR / "responses_agent.py",
+}
+CHAT_TASK = "llm/v1/chat"
+
+_EXAMPLE_QUESTION = "What is Databricks?"
+INPUT_EXAMPLES: dict[str, dict[str, Any]] = {
+    # seed 002's shape: parameters in custom_inputs
+    "chat_agent": {
+        "messages": [{"role": "user", "content": _EXAMPLE_QUESTION}],
+        "custom_inputs": {"temperature": 0.1, "max_tokens": 50},
+    },
+    # seed 004's shape: OpenAI chat fields at the top level
+    "chat_model": {"messages": [{"role": "user", "content": _EXAMPLE_QUESTION}], "temperature": 0.1, "max_tokens": 50},
+    "responses_agent": {
+        "input": [{"role": "user", "content": _EXAMPLE_QUESTION}],
+        "temperature": 0.1,
+        "max_output_tokens": 50,
+    },
+}
+
+
+@contextlib.contextmanager
+def no_engine() -> Iterator[None]:
+    """Load models without starting an engine while the block runs (what ``log_model`` uses)."""
+    previous = os.environ.get(NO_ENGINE_ENV)
+    os.environ[NO_ENGINE_ENV] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(NO_ENGINE_ENV, None)
+        else:
+            os.environ[NO_ENGINE_ENV] = previous
+
+
+def config_dict(config: str | os.PathLike[str] | Mapping[str, Any]) -> dict[str, Any]:
+    """A plain ``model_config`` mapping: a YAML path is read with ``${VAR}`` expansion and relative paths resolved.
+
+    A YAML file stays loadable by the gateway, so it has no ``mlflow:`` section: give the wrapper
+    settings to :func:`log_model` as ``settings=`` (a mapping may carry an ``mlflow:`` key itself).
+    """
+    if isinstance(config, Mapping):
+        data = dict(config)
+    else:
+        path = Path(config)
+        deployment = load_config(path)  # validates, expands ${VAR}, resolves ./ paths against the file
+        data = {"models": deployment.model_dump(mode="json", exclude_defaults=True)["models"]}
+        if deployment.gateway:
+            data["gateway"] = dict(deployment.gateway)
+    deployment_part, _ = split_model_config(data)  # bare engine section -> models mapping; settings checked
+    settings = data.get(SETTINGS_KEY)
+    return {**deployment_part, **({SETTINGS_KEY: settings} if settings else {})}
+
+
+def log_model(
+    config: str | os.PathLike[str] | Mapping[str, Any],
+    *,
+    flavor: Flavor = "responses_agent",
+    model_path: str | os.PathLike[str] | None = None,
+    name: str = "model",
+    registered_model_name: str | None = None,
+    task: str | None = None,
+    flashinfer: str | Sequence[str] | None = "auto",
+    torch: str = TORCH_VERSION,
+    cuda: str = DEFAULT_CUDA,
+    python: str | None = None,
+    extra_pip_requirements: Sequence[str] = (),
+    pip_requirements: Sequence[str] | None = None,
+    input_example: Mapping[str, Any] | None = None,
+    model: str | None = None,
+    settings: Mapping[str, Any] | None = None,
+    **log_kwargs: Any,
+) -> Any:
+    """Log the SGLang engine of ``config`` as an MLflow models-from-code model. Starts no engine.
+
+    Args:
+        config: deployment YAML path, or the same as a mapping (a bare engine section works too).
+            It becomes the model's ``model_config``; an optional ``mlflow:`` section configures the
+            wrapper (see :class:`model_code.engine_client.ModelCodeSettings`).
+        flavor: ``responses_agent`` (MLflow's recommended interface), ``chat_agent`` or ``chat_model``.
+        model_path: local weights directory, logged as the ``llm-model`` artifact and used instead of the
+            config's ``model_path`` when the model is loaded. ``None``: the engine loads the config's
+            ``model_path`` where the model is served (a Hugging Face id or a path such as ``/Volumes/...``).
+        name: the model's name in the run (``name=`` of ``mlflow.pyfunc.log_model``).
+        registered_model_name: also register it (e.g. ``catalog.schema.model`` in Unity Catalog).
+        task: metadata task override, e.g. ``"llm/v1/chat"`` (``"chat"`` is short for it): lets Databricks
+            serve a ChatAgent / ResponsesAgent without the agents SDK. ``None`` keeps MLflow's
+            (``agent/v2/chat``, ``agent/v1/chat``, ``agent/v1/responses``).
+        flashinfer: ``"auto"`` (wheel URLs from the table for ``torch`` / ``cuda`` / ``python``), a wheel URL
+            or list of URLs, or ``None`` (no FlashInfer line: CPU targets).
+        extra_pip_requirements: appended to the computed requirements; ``pip_requirements`` replaces them.
+        model: which entry of ``models`` to serve, when the config has several (same as ``mlflow.model``).
+        settings: the wrapper's ``mlflow:`` section (``defaults``, ``request_timeout_s``, ``api_key_env``...),
+            merged over the one a mapping ``config`` may carry.
+        log_kwargs: passed to ``mlflow.pyfunc.log_model`` (``metadata``, ``tags``, ``await_registration_for``...).
+
+    Returns:
+        MLflow's ``ModelInfo``.
+    """
+    import mlflow
+
+    if flavor not in FLAVOR_FILES:
+        raise ValueError(f"flavor must be one of {', '.join(FLAVOR_FILES)}, got {flavor!r}")
+    model_config = config_dict(config)
+    merged_settings = {**model_config.get(SETTINGS_KEY, {}), **(settings or {}), **({"model": model} if model else {})}
+    if merged_settings:
+        model_config[SETTINGS_KEY] = merged_settings
+    artifacts = None
+    if model_path is not None:
+        weights = Path(model_path).expanduser()
+        if not weights.is_dir():
+            raise ConfigError(f"model_path {model_path}: not a local directory (give None to let the engine load the config's model_path)")
+        artifacts = {WEIGHTS_ARTIFACT: str(weights.resolve())}
+    target = resolve_target(model_config, artifacts)  # fail here, not at serving time
+    if target.engine is None and artifacts:
+        raise ConfigError(f"model {target.name!r} is reached at a url: model_path (weights) would not be used")
+
+    metadata = dict(log_kwargs.pop("metadata", None) or {})
+    if task is not None:
+        metadata["task"] = CHAT_TASK if task == "chat" else task
+    requirements = (
+        list(pip_requirements)
+        if pip_requirements is not None
+        else pip_requirements_for(flashinfer, torch=torch, cuda=cuda, python=python, target_is_cpu=_is_cpu(target))
+    )
+    requirements += list(extra_pip_requirements)
+
+    with no_engine():
+        return mlflow.pyfunc.log_model(
+            name=name,
+            python_model=str(FLAVOR_FILES[flavor]),
+            model_config=model_config,
+            artifacts=artifacts,
+            code_paths=CODE_PATHS,
+            pip_requirements=requirements,
+            input_example=dict(input_example) if input_example is not None else INPUT_EXAMPLES[flavor],
+            metadata=metadata or None,
+            registered_model_name=registered_model_name,
+            **log_kwargs,
+        )
+
+
+def _is_cpu(target: Any) -> bool:
+    return target.engine is not None and target.engine.device == "cpu"
+
+
+def pip_requirements_for(
+    flashinfer: str | Sequence[str] | None, *, torch: str, cuda: str, python: str | None, target_is_cpu: bool
+) -> list[str]:
+    """Requirements for a target: a CPU engine gets no FlashInfer / CUDA torch unless asked explicitly."""
+    if target_is_cpu and flashinfer == "auto":
+        flashinfer = None
+    return pip_requirements(flashinfer, torch=torch, cuda=cuda, python=python)

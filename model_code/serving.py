@@ -1,0 +1,124 @@
+"""What a server needs to serve a logged model: ``load_for_serving(model_uri)`` -> an object with
+``predict(body)`` / ``predict_stream(body)`` taking the Databricks request shapes of its flavour.
+
+Request shapes (the body of ``POST /invocations``):
+
+- ChatAgent: ``{"messages": [...], "context": {...}, "custom_inputs": {...}, "stream": bool}``
+- ChatModel: ``{"messages": [...], "temperature": ..., "max_tokens": ..., "custom_inputs": {...}, "stream": bool}``
+- ResponsesAgent: ``{"input": [...], "temperature": ..., "max_output_tokens": ..., "custom_inputs": {...}, "stream": bool}``
+
+MLflow's generic wrappers are unwrapped too: ``{"inputs": {...}}``, ``{"dataframe_records": [{...}]}``
+(first record), ``{"dataframe_split": ...}``. ``stream`` is removed before the model sees the body:
+call :meth:`ServedModel.predict_stream` when :func:`wants_stream` is true (what Databricks does).
+Errors are :class:`model_code.errors.EngineRequestError` subclasses with ``status_code``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+FLAVORS = ("chat_agent", "chat_model", "responses_agent")
+
+
+def wants_stream(body: Mapping[str, Any]) -> bool:
+    """Whether a request body asks for streaming (``"stream": true`` at the top level or inside ``inputs``)."""
+    inner = body.get("inputs")
+    return bool(body.get("stream")) or (isinstance(inner, Mapping) and bool(inner.get("stream")))
+
+
+def normalize_request(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The flavour's own request mapping from a serving body (wrappers removed, ``stream`` dropped)."""
+    from model_code.errors import BadRequestError
+
+    if not isinstance(body, Mapping):
+        raise BadRequestError(f"request body must be a JSON object, got {type(body).__name__}")
+    data: Any = dict(body)
+    if "inputs" in data and isinstance(data["inputs"], Mapping):
+        data = {**data["inputs"], **(data.get("params") or {})}
+    elif "dataframe_records" in data:
+        records = data["dataframe_records"]
+        if not records:
+            raise BadRequestError("dataframe_records is empty")
+        data = dict(records[0])
+    elif "dataframe_split" in data:
+        split = data["dataframe_split"]
+        if not split.get("data"):
+            raise BadRequestError("dataframe_split has no data")
+        data = dict(zip(split["columns"], split["data"][0], strict=False))
+    data.pop("stream", None)
+    return data
+
+
+class ServedModel:
+    """A loaded model plus its flavour; ``predict`` / ``predict_stream`` take serving bodies."""
+
+    def __init__(self, pyfunc_model: Any) -> None:
+        self.pyfunc_model = pyfunc_model
+        self.python_model = python_model_of(pyfunc_model)
+        self.flavor = flavor_of(self.python_model)
+        self.metadata = pyfunc_model.metadata
+
+    @property
+    def task(self) -> str | None:
+        return (self.metadata.metadata or {}).get("task")
+
+    @property
+    def model_name(self) -> str | None:
+        """The engine's served model name (the YAML key)."""
+        client = getattr(self.python_model, "client", None)
+        return getattr(client, "model", None)
+
+    def predict(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        return self.pyfunc_model.predict(normalize_request(body))
+
+    def predict_stream(self, body: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
+        return self.pyfunc_model.predict_stream(normalize_request(body))
+
+    def close(self) -> None:
+        """Stop the engine the model started (if any)."""
+        close = getattr(self.python_model, "close", None)
+        if close is not None:
+            close()
+
+
+def python_model_of(model: Any) -> Any:
+    """The flavour instance behind a model from ``mlflow.pyfunc.load_model``.
+
+    ``PyFuncModel.unwrap_python_model()`` does not work for ChatAgent / ChatModel / ResponsesAgent
+    models in MLflow 3.17 (their loader wrappers expose ``get_raw_model()`` instead): use this.
+    """
+    if hasattr(model, "get_raw_model"):
+        try:
+            return model.get_raw_model()
+        except NotImplementedError:
+            pass
+    if hasattr(model, "unwrap_python_model"):
+        return model.unwrap_python_model()
+    return model
+
+
+def close_model(model: Any) -> None:
+    """Stop the engine a loaded model started (no-op for URL mode). Same as ``python_model_of(model).close()``."""
+    close = getattr(python_model_of(model), "close", None)
+    if close is not None:
+        close()
+
+
+def flavor_of(python_model: Any) -> str:
+    from mlflow.pyfunc import ChatAgent, ChatModel, ResponsesAgent
+
+    if isinstance(python_model, ResponsesAgent):
+        return "responses_agent"
+    if isinstance(python_model, ChatAgent):
+        return "chat_agent"
+    if isinstance(python_model, ChatModel):
+        return "chat_model"
+    raise TypeError(f"not a chat model: {type(python_model).__name__} (log it with model_code.log_model)")
+
+
+def load_for_serving(model_uri: str) -> ServedModel:
+    """``mlflow.pyfunc.load_model(model_uri)`` (starts the engine, or connects to the config's URL) for serving."""
+    import mlflow.pyfunc
+
+    return ServedModel(mlflow.pyfunc.load_model(model_uri))

@@ -1,0 +1,200 @@
+"""The three flavours through ``mlflow.pyfunc.load_model``, reaching the shared real engine by URL.
+
+Payload shapes are the seeds' (002: ChatAgent with ``custom_inputs``; 004: ChatModel fields; 000: batch
+with system prompt + JSON schema). Random weights: structure is asserted, not content.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from model_code import errors, python_model_of
+from tests.model_code.conftest import engine_children, last_trace
+
+pytestmark = pytest.mark.engine
+
+MESSAGES = [{"role": "user", "content": "What is Databricks?"}]
+GRADE_SCHEMA = {
+    "type": "object",
+    "properties": {"grade": {"type": "string", "enum": ["yes", "no"]}, "score": {"type": "integer", "enum": [0, 1, 2, 3]}, "ok": {"type": "boolean"}},
+    "required": ["grade", "score", "ok"],
+    "additionalProperties": False,
+}
+
+
+def _check_grade(text: str) -> None:
+    parsed = json.loads(text)
+    assert parsed["grade"] in ("yes", "no")
+    assert isinstance(parsed["score"], int) and isinstance(parsed["ok"], bool)
+
+
+# ------------------------------------------------------------------------------------ ChatAgent
+def test_chat_agent_predict_seed_shape(url_models):
+    _, model = url_models["chat_agent"]
+    out = model.predict({"messages": MESSAGES, "custom_inputs": {"temperature": 0.1, "max_tokens": 50}})
+    [message] = out["messages"]
+    assert message["role"] == "assistant" and isinstance(message["content"], str) and message["id"]
+    assert out["finish_reason"] in ("stop", "length")
+    assert out["usage"]["completion_tokens"] > 0 and out["usage"]["total_tokens"] > out["usage"]["completion_tokens"]
+
+    trace = last_trace()
+    root = trace.data.spans[0]
+    assert root.inputs["messages"][0]["content"] == "What is Databricks?"
+    assert root.outputs["messages"][0]["content"] == message["content"]
+    assert trace.info.token_usage["output_tokens"] == out["usage"]["completion_tokens"]
+
+
+def test_chat_agent_without_custom_inputs(url_models):
+    _, model = url_models["chat_agent"]
+    out = model.predict({"messages": MESSAGES})  # defaults from the config: max_tokens 24
+    assert out["usage"]["completion_tokens"] <= 24
+
+
+def test_chat_agent_stream(url_models):
+    _, model = url_models["chat_agent"]
+    chunks = list(model.predict_stream({"messages": MESSAGES, "custom_inputs": {"temperature": 0.0, "max_tokens": 16}}))
+    assert len(chunks) >= 2
+    assert all(c["delta"]["role"] == "assistant" for c in chunks)
+    assert len({c["delta"]["id"] for c in chunks}) == 1
+    finishes = [c for c in chunks if c.get("finish_reason")]
+    assert len(finishes) == 1 and finishes[0]["finish_reason"] in ("stop", "length")
+    assert any(c.get("usage") for c in chunks)
+    text = "".join(c["delta"].get("content") or "" for c in chunks)
+
+    trace = last_trace()
+    assert trace.data.spans[0].outputs["messages"][0]["content"] == text
+    assert trace.info.token_usage["output_tokens"] > 0
+
+    # the same request without streaming gives the same text (temperature 0)
+    out = model.predict({"messages": MESSAGES, "custom_inputs": {"temperature": 0.0, "max_tokens": 16}})
+    assert out["messages"][0]["content"] == text
+
+
+def test_chat_agent_json_schema(url_models):
+    _, model = url_models["chat_agent"]
+    for custom in (
+        {"temperature": 0.0, "max_tokens": 64, "json_schema": GRADE_SCHEMA},
+        {"temperature": 0.0, "max_tokens": 64, "json_schema": json.dumps(GRADE_SCHEMA)},  # seed 000 passes a string
+        {"temperature": 0.0, "max_tokens": 64, "response_format": {"type": "json_schema", "json_schema": {"name": "grade", "schema": GRADE_SCHEMA}}},
+    ):
+        out = model.predict({"messages": MESSAGES, "custom_inputs": custom})
+        _check_grade(out["messages"][0]["content"])
+
+
+def test_chat_agent_errors_are_typed(url_models):
+    _, model = url_models["chat_agent"]
+    with pytest.raises(errors.BadRequestError, match="unknown generation parameter"):
+        model.predict({"messages": MESSAGES, "custom_inputs": {"temprature": 0.1}})
+    with pytest.raises(errors.BadRequestError):  # the engine refuses: more tokens than the context holds
+        model.predict({"messages": MESSAGES, "custom_inputs": {"max_tokens": 10_000_000}})
+
+
+# ------------------------------------------------------------------------------------ ChatModel
+def test_chat_model_predict(url_models):
+    _, model = url_models["chat_model"]
+    out = model.predict({"messages": MESSAGES, "temperature": 0.1, "max_tokens": 20})
+    [choice] = out["choices"]
+    assert choice["message"]["role"] == "assistant" and isinstance(choice["message"]["content"], str)
+    assert choice["finish_reason"] in ("stop", "length")
+    assert out["usage"]["completion_tokens"] <= 20
+    trace = last_trace()
+    assert trace.data.spans[0].outputs["choices"][0]["message"]["content"] == choice["message"]["content"]
+    assert trace.info.token_usage["output_tokens"] == out["usage"]["completion_tokens"]
+
+
+def test_chat_model_n_and_schema(url_models):
+    _, model = url_models["chat_model"]
+    out = model.predict({"messages": MESSAGES, "temperature": 0.8, "max_tokens": 8, "n": 2})
+    assert [c["index"] for c in out["choices"]] == [0, 1]
+    out = model.predict(
+        {"messages": MESSAGES, "temperature": 0.0, "max_tokens": 64, "custom_inputs": {"json_schema": GRADE_SCHEMA}}
+    )
+    _check_grade(out["choices"][0]["message"]["content"])
+
+
+def test_chat_model_stream(url_models):
+    _, model = url_models["chat_model"]
+    chunks = list(model.predict_stream({"messages": MESSAGES, "temperature": 0.0, "max_tokens": 12}))
+    choices = [c for chunk in chunks for c in chunk["choices"]]
+    assert choices and all(c["delta"]["role"] == "assistant" for c in choices)
+    assert [c["finish_reason"] for c in choices if c.get("finish_reason")] in (["stop"], ["length"])
+    assert chunks[-1]["usage"]["completion_tokens"] > 0
+    assert last_trace().info.token_usage["output_tokens"] > 0
+
+
+# ------------------------------------------------------------------------------------ ResponsesAgent
+def test_responses_agent_predict(url_models):
+    _, model = url_models["responses_agent"]
+    out = model.predict({"input": MESSAGES, "temperature": 0.1, "max_output_tokens": 20})
+    [item] = out["output"]
+    assert item["type"] == "message" and item["role"] == "assistant"
+    assert isinstance(item["content"][0]["text"], str)
+    assert out["usage"]["output_tokens"] <= 20
+    assert out["custom_outputs"]["finish_reason"] in ("stop", "length")
+    assert last_trace().info.token_usage["output_tokens"] == out["usage"]["output_tokens"]
+
+
+def test_responses_agent_json_schema_via_text_format(url_models):
+    _, model = url_models["responses_agent"]
+    out = model.predict(
+        {
+            "input": MESSAGES,
+            "temperature": 0.0,
+            "max_output_tokens": 64,
+            "text": {"format": {"type": "json_schema", "name": "grade", "schema": GRADE_SCHEMA, "strict": True}},
+        }
+    )
+    _check_grade(out["output"][0]["content"][0]["text"])
+    out = model.predict({"input": MESSAGES, "custom_inputs": {"temperature": 0.0, "max_tokens": 64, "json_schema": GRADE_SCHEMA}})
+    _check_grade(out["output"][0]["content"][0]["text"])
+
+
+def test_responses_agent_stream(url_models):
+    _, model = url_models["responses_agent"]
+    events = list(model.predict_stream({"input": MESSAGES, "temperature": 0.0, "max_output_tokens": 12}))
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    done = [e for e in events if e["type"] == "response.output_item.done"]
+    completed = [e for e in events if e["type"] == "response.completed"]
+    assert deltas and len(done) == 1 and len(completed) == 1 and events[-1]["type"] == "response.completed"
+    text = "".join(e["delta"] for e in deltas)
+    assert done[0]["item"]["content"][0]["text"] == text
+    assert completed[0]["response"]["usage"]["output_tokens"] > 0
+    assert completed[0]["custom_outputs"]["finish_reason"] in ("stop", "length")
+    trace = last_trace()
+    assert trace.info.token_usage["output_tokens"] == completed[0]["response"]["usage"]["output_tokens"]
+
+
+# ------------------------------------------------------------------------------------ batch
+@pytest.mark.parametrize("flavor", ["chat_agent", "responses_agent"])
+def test_batch_of_five_with_schema(url_models, flavor):
+    import pandas as pd
+
+    from model_code import batch_predict
+
+    _, model = url_models[flavor]
+    prompts = pd.DataFrame({"prompt": [f"Document {i}: Databricks has feature {i}." for i in range(5)], "key": range(5)})
+    out = batch_predict(
+        model,
+        prompts,
+        system_prompt="Grade the relevance of the document. Reply with JSON.",
+        json_schema=GRADE_SCHEMA,
+        params={"temperature": 0.0, "max_tokens": 64},
+        max_workers=5,
+    )
+    assert list(out["key"]) == list(range(5)) and list(out["prompt"]) == list(prompts["prompt"])  # input order
+    assert out["error"].isna().all()
+    for parsed in out["parsed"]:
+        assert parsed["grade"] in ("yes", "no")
+    # the same through the flavour instance, as a list: results in input order
+    listed = python_model_of(model).batch(list(prompts["prompt"]), json_schema=GRADE_SCHEMA, params={"temperature": 0.0, "max_tokens": 64})
+    assert [r["prompt"] for r in listed] == list(prompts["prompt"])
+    assert all(r["parsed"]["ok"] in (True, False) and r["error"] is None for r in listed)
+    assert last_trace().info.token_usage["output_tokens"] > 0
+
+
+def test_url_mode_started_no_engine(url_models):
+    assert engine_children() == []
+    for _, model in url_models.values():
+        assert python_model_of(model).engine_process is None
