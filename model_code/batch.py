@@ -44,7 +44,9 @@ def _prompts(prompts: Any, column: str) -> list[str]:
         pd = None
     if pd is not None and isinstance(prompts, pd.DataFrame):
         if column not in prompts.columns:
-            raise BadRequestError(f"the DataFrame has no {column!r} column (columns: {', '.join(map(str, prompts.columns))})")
+            raise BadRequestError(
+                f"the DataFrame has no {column!r} column (columns: {', '.join(map(str, prompts.columns))})"
+            )
         return [str(p) for p in prompts[column].tolist()]
     if isinstance(prompts, str) or not isinstance(prompts, Sequence):
         raise BadRequestError("prompts must be a list of strings, a list of {'prompt': ...} records, or a DataFrame")
@@ -102,8 +104,17 @@ def batch_predict(
     workers = max_workers or client.settings.batch_concurrency
 
     def one(prompt: str) -> dict[str, Any]:
-        messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [{"role": "user", "content": prompt}]
-        result: dict[str, Any] = {"prompt": prompt, "output": None, "parsed": None, "finish_reason": None, "usage": None, "error": None}
+        messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+            {"role": "user", "content": prompt}
+        ]
+        result: dict[str, Any] = {
+            "prompt": prompt,
+            "output": None,
+            "parsed": None,
+            "finish_reason": None,
+            "usage": None,
+            "error": None,
+        }
         try:
             response = client.chat(messages, request)
         except EngineRequestError as error:
@@ -112,7 +123,9 @@ def batch_predict(
             result["error"] = str(error)
             return result
         choice = response.choices[0]
-        result.update(output=choice.message.content, finish_reason=choice.finish_reason, usage=usage_dict(response.usage))
+        result.update(
+            output=choice.message.content, finish_reason=choice.finish_reason, usage=usage_dict(response.usage)
+        )
         if json_schema is not None and choice.message.content is not None:
             try:
                 result["parsed"] = json.loads(choice.message.content)
@@ -120,7 +133,9 @@ def batch_predict(
                 result["error"] = f"output is not valid JSON ({error}); finish_reason={choice.finish_reason}"
         return result
 
-    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(texts) or 1)), thread_name_prefix="sglang-batch") as pool:
+    with ThreadPoolExecutor(
+        max_workers=max(1, min(workers, len(texts) or 1)), thread_name_prefix="sglang-batch"
+    ) as pool:
         results = list(pool.map(one, texts))  # map keeps the input order and re-raises the first error
 
     totals = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}

@@ -56,11 +56,17 @@ class ModelCodeSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model: str | None = Field(None, description="Which entry of 'models' to serve (default: the only one, or the one aliased 'default').")
-    defaults: dict[str, Any] = Field(default_factory=dict, description="Default generation parameters, e.g. max_tokens.")
+    model: str | None = Field(
+        None, description="Which entry of 'models' to serve (default: the only one, or the one aliased 'default')."
+    )
+    defaults: dict[str, Any] = Field(
+        default_factory=dict, description="Default generation parameters, e.g. max_tokens."
+    )
     request_timeout_s: float = Field(600.0, gt=0, description="Timeout of one engine request.")
     max_retries: int = Field(0, ge=0, description="openai client retries (connection errors, 429, 5xx).")
-    api_key_env: str | None = Field(None, description="Environment variable holding the API key of a URL target (gateway with auth).")
+    api_key_env: str | None = Field(
+        None, description="Environment variable holding the API key of a URL target (gateway with auth)."
+    )
     keep_port: bool = Field(False, description="Use the engine port of the config instead of a free one.")
     batch_concurrency: int = Field(8, ge=1, description="Concurrent requests of batch_predict.")
     log_dir: str | None = Field(None, description="Directory for engine logs (default: the system temp dir).")
@@ -116,7 +122,9 @@ def _pick_model(deployment: DeploymentConfig, settings: ModelCodeSettings) -> st
         for name, entry in deployment.models.items():
             if settings.model == name or settings.model in entry.aliases:
                 return name
-        raise ConfigError(f"model_config: mlflow.model: no model named {settings.model!r} (models: {', '.join(deployment.models)})")
+        raise ConfigError(
+            f"model_config: mlflow.model: no model named {settings.model!r} (models: {', '.join(deployment.models)})"
+        )
     if len(deployment.models) == 1:
         return next(iter(deployment.models))
     for name, entry in deployment.models.items():
@@ -312,7 +320,9 @@ class EngineClient:
         record_usage(usage_dict(response.usage))
         return response
 
-    def stream(self, messages: list[dict[str, Any]], params: Mapping[str, Any] | None = None) -> Iterator[ChatCompletionChunk]:
+    def stream(
+        self, messages: list[dict[str, Any]], params: Mapping[str, Any] | None = None
+    ) -> Iterator[ChatCompletionChunk]:
         """Engine chunks as they arrive (usage in the last one); typed errors, also mid-stream."""
         kwargs = self.request(params)
         self._check_open()
@@ -374,14 +384,28 @@ class LogTimeClient:
             }
         )
 
-    def stream(self, messages: list[dict[str, Any]], params: Mapping[str, Any] | None = None) -> Iterator[ChatCompletionChunk]:
+    def stream(
+        self, messages: list[dict[str, Any]], params: Mapping[str, Any] | None = None
+    ) -> Iterator[ChatCompletionChunk]:
         self.request(params)
         _check_messages(messages)
-        base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()), "model": self.model}
+        base = {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": self.model,
+        }
         yield ChatCompletionChunk.model_validate(
-            {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": LOG_TIME_TEXT}, "finish_reason": None}]}
+            {
+                **base,
+                "choices": [
+                    {"index": 0, "delta": {"role": "assistant", "content": LOG_TIME_TEXT}, "finish_reason": None}
+                ],
+            }
         )
-        yield ChatCompletionChunk.model_validate({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+        yield ChatCompletionChunk.model_validate(
+            {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+        )
 
     def close(self) -> None:
         pass

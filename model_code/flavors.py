@@ -35,8 +35,10 @@ from mlflow.types.llm import (
     TokenUsageStats,
     ToolCall,
 )
-from mlflow.types.responses import ResponsesAgentRequest, ResponsesAgentResponse, ResponsesAgentStreamEvent
 from mlflow.types.responses import (
+    ResponsesAgentRequest,
+    ResponsesAgentResponse,
+    ResponsesAgentStreamEvent,
     create_function_call_item,
     create_text_delta,
     create_text_output_item,
@@ -83,7 +85,11 @@ class ToolCallAccumulator:
 
 def _tool_calls(message: Any) -> list[dict[str, Any]]:
     return [
-        {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": call.function.arguments}}
+        {
+            "id": call.id,
+            "type": "function",
+            "function": {"name": call.function.name, "arguments": call.function.arguments},
+        }
         for call in (getattr(message, "tool_calls", None) or [])
     ]
 
@@ -91,8 +97,10 @@ def _tool_calls(message: Any) -> list[dict[str, Any]]:
 def _cc_messages(messages: Iterable[Any]) -> list[dict[str, Any]]:
     out = []
     for message in messages:
-        data = message.model_dump(exclude_none=True) if hasattr(message, "model_dump") else (
-            message.to_dict() if hasattr(message, "to_dict") else dict(message)
+        data = (
+            message.model_dump(exclude_none=True)
+            if hasattr(message, "model_dump")
+            else (message.to_dict() if hasattr(message, "to_dict") else dict(message))
         )
         out.append({k: data[k] for k in _CC_MESSAGE_KEYS if k in data})
     if not out:
@@ -115,7 +123,9 @@ class _EngineBacked:
 
     def _engine(self) -> EngineClient | LogTimeClient:
         if self.client is None:
-            raise EngineUnavailableError("the model has no engine: load it with mlflow.pyfunc.load_model (load_context was not called)")
+            raise EngineUnavailableError(
+                "the model has no engine: load it with mlflow.pyfunc.load_model (load_context was not called)"
+            )
         return self.client
 
     @property
@@ -167,7 +177,9 @@ def stream_to_chat_agent(chunks: Iterable[Any]) -> Iterator[ChatAgentChunk]:
         usage_model = ChatUsage(**usage) if usage else None
         if not chunk.choices:
             if usage_model:
-                yield ChatAgentChunk(delta=ChatAgentMessage(role="assistant", content="", id=message_id), usage=usage_model)
+                yield ChatAgentChunk(
+                    delta=ChatAgentMessage(role="assistant", content="", id=message_id), usage=usage_model
+                )
             continue
         choice = chunk.choices[0]
         if choice.delta.tool_calls:
@@ -176,12 +188,16 @@ def stream_to_chat_agent(chunks: Iterable[Any]) -> Iterator[ChatAgentChunk]:
         if choice.finish_reason:
             calls = tools.result() or None
             yield ChatAgentChunk(
-                delta=ChatAgentMessage(role="assistant", content=text or (None if calls else ""), tool_calls=calls, id=message_id),
+                delta=ChatAgentMessage(
+                    role="assistant", content=text or (None if calls else ""), tool_calls=calls, id=message_id
+                ),
                 finish_reason=choice.finish_reason,
                 usage=usage_model,
             )
         elif text or usage_model:
-            yield ChatAgentChunk(delta=ChatAgentMessage(role="assistant", content=text or "", id=message_id), usage=usage_model)
+            yield ChatAgentChunk(
+                delta=ChatAgentMessage(role="assistant", content=text or "", id=message_id), usage=usage_model
+            )
 
 
 def reduce_chat_agent_chunks(chunks: list[Any]) -> dict[str, Any]:
@@ -210,7 +226,9 @@ class SGLangChatAgent(_EngineBacked, ChatAgent):
         params = chat_agent_params(custom_inputs)
         return completion_to_chat_agent(self._engine().chat(_cc_messages(messages), params))
 
-    @mlflow.trace(name="SGLangChatAgent.predict_stream", span_type=SpanType.AGENT, output_reducer=reduce_chat_agent_chunks)
+    @mlflow.trace(
+        name="SGLangChatAgent.predict_stream", span_type=SpanType.AGENT, output_reducer=reduce_chat_agent_chunks
+    )
     def predict_stream(
         self,
         messages: list[ChatAgentMessage],
@@ -227,7 +245,10 @@ def _llm_tool_calls(calls: list[dict[str, Any]]) -> list[ToolCall] | None:
     if not calls:
         return None
     return [
-        ToolCall(id=c["id"], function=FunctionToolCallArguments(name=c["function"]["name"], arguments=c["function"]["arguments"]))
+        ToolCall(
+            id=c["id"],
+            function=FunctionToolCallArguments(name=c["function"]["name"], arguments=c["function"]["arguments"]),
+        )
         for c in calls
     ]
 
@@ -240,7 +261,9 @@ def completion_to_chat_model(response: Any) -> ChatCompletionResponse:
         choices.append(
             ChatChoice(
                 index=choice.index,
-                message=ChatMessage(role="assistant", content=content if content is not None or calls else "", tool_calls=calls),
+                message=ChatMessage(
+                    role="assistant", content=content if content is not None or calls else "", tool_calls=calls
+                ),
                 finish_reason=choice.finish_reason or "stop",
             )
         )
@@ -262,7 +285,11 @@ def stream_to_chat_model(chunks: Iterable[Any]) -> Iterator[ChatCompletionChunk]
         for choice in chunk.choices:
             if choice.delta.tool_calls:
                 tools.setdefault(choice.index, ToolCallAccumulator()).add(choice.delta.tool_calls)
-            calls = _llm_tool_calls(tools.pop(choice.index).result()) if choice.finish_reason and choice.index in tools else None
+            calls = (
+                _llm_tool_calls(tools.pop(choice.index).result())
+                if choice.finish_reason and choice.index in tools
+                else None
+            )
             if choice.delta.content is None and not choice.finish_reason and not calls:
                 continue  # a tool-call fragment: emitted whole with the finish reason
             choices.append(
@@ -311,8 +338,12 @@ class SGLangChatModel(_EngineBacked, ChatModel):
     def predict(self, context: Any, messages: list[ChatMessage], params: ChatParams) -> ChatCompletionResponse:
         return completion_to_chat_model(self._engine().chat(_cc_messages(messages), chat_model_params(params)))
 
-    @mlflow.trace(name="SGLangChatModel.predict_stream", span_type=SpanType.CHAT_MODEL, output_reducer=reduce_chat_model_chunks)
-    def predict_stream(self, context: Any, messages: list[ChatMessage], params: ChatParams) -> Iterator[ChatCompletionChunk]:
+    @mlflow.trace(
+        name="SGLangChatModel.predict_stream", span_type=SpanType.CHAT_MODEL, output_reducer=reduce_chat_model_chunks
+    )
+    def predict_stream(
+        self, context: Any, messages: list[ChatMessage], params: ChatParams
+    ) -> Iterator[ChatCompletionChunk]:
         yield from stream_to_chat_model(self._engine().stream(_cc_messages(messages), chat_model_params(params)))
 
 
@@ -341,7 +372,12 @@ def _responses_output(item_id: str, text: str | None, calls: list[dict[str, Any]
         output.append(create_text_output_item(text or "", item_id))
     for call in calls:
         output.append(
-            create_function_call_item(id=call["id"], call_id=call["id"], name=call["function"]["name"], arguments=call["function"]["arguments"])
+            create_function_call_item(
+                id=call["id"],
+                call_id=call["id"],
+                name=call["function"]["name"],
+                arguments=call["function"]["arguments"],
+            )
         )
     return output
 

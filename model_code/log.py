@@ -131,7 +131,9 @@ def log_model(
     if model_path is not None:
         weights = Path(model_path).expanduser()
         if not weights.is_dir():
-            raise ConfigError(f"model_path {model_path}: not a local directory (give None to let the engine load the config's model_path)")
+            raise ConfigError(
+                f"model_path {model_path}: not a local directory (give None to let the engine load the config's model_path)"
+            )
         artifacts = {WEIGHTS_ARTIFACT: str(weights.resolve())}
     target = resolve_target(model_config, artifacts)  # fail here, not at serving time
     if target.engine is None and artifacts:

@@ -145,7 +145,16 @@ def chat_agent_params(custom_inputs: Mapping[str, Any] | None) -> dict[str, Any]
     return dict(custom_inputs or {})
 
 
-_CHAT_PARAMS_FIELDS = ("temperature", "max_tokens", "stop", "n", "top_p", "top_k", "frequency_penalty", "presence_penalty")
+_CHAT_PARAMS_FIELDS = (
+    "temperature",
+    "max_tokens",
+    "stop",
+    "n",
+    "top_p",
+    "top_k",
+    "frequency_penalty",
+    "presence_penalty",
+)
 
 
 def chat_model_params(params: Any) -> dict[str, Any]:

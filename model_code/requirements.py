@@ -51,8 +51,14 @@ def _wheels(cuda_tag: str, version: str = FLASHINFER_VERSION) -> tuple[str, ...]
 # torch 2.14.1 on PyPI is the CUDA 13.0 build; other CUDA builds come from the PyTorch index.
 FLASHINFER_TABLE: dict[tuple[str, str], tuple[tuple[str, ...], tuple[str, ...]]] = {
     (TORCH_VERSION, "13.0"): ((f"torch=={TORCH_VERSION}",), _wheels("cu130")),
-    (TORCH_VERSION, "12.9"): ((f"--extra-index-url {TORCH_INDEX}/cu129", f"torch=={TORCH_VERSION}+cu129"), _wheels("cu129")),
-    (TORCH_VERSION, "12.8"): ((f"--extra-index-url {TORCH_INDEX}/cu128", f"torch=={TORCH_VERSION}+cu128"), _wheels("cu128")),
+    (TORCH_VERSION, "12.9"): (
+        (f"--extra-index-url {TORCH_INDEX}/cu129", f"torch=={TORCH_VERSION}+cu129"),
+        _wheels("cu129"),
+    ),
+    (TORCH_VERSION, "12.8"): (
+        (f"--extra-index-url {TORCH_INDEX}/cu128", f"torch=={TORCH_VERSION}+cu128"),
+        _wheels("cu128"),
+    ),
 }
 DEFAULT_CUDA = "13.0"
 
@@ -94,7 +100,8 @@ def flashinfer_lines(
     if entry is None or target.python not in SUPPORTED_PYTHONS:
         raise UnknownFlashInferTarget(
             f"no known FlashInfer {FLASHINFER_VERSION} wheel for torch {target.torch} / CUDA {target.cuda} / python "
-            f"{target.python} (sglang {SGLANG_VERSION}). Known: " + "; ".join(known_targets())
+            f"{target.python} (sglang {SGLANG_VERSION}). Known: "
+            + "; ".join(known_targets())
             + ". Pass flashinfer='https://...whl' to choose the wheel yourself, or flashinfer=None for none."
         )
     torch_lines, wheels = entry

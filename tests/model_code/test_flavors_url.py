@@ -11,14 +11,18 @@ import json
 import pytest
 
 from model_code import errors, python_model_of
-from tests.model_code.conftest import engine_children, last_trace
+from tests.model_code.helpers import engine_children, last_trace
 
 pytestmark = pytest.mark.engine
 
 MESSAGES = [{"role": "user", "content": "What is Databricks?"}]
 GRADE_SCHEMA = {
     "type": "object",
-    "properties": {"grade": {"type": "string", "enum": ["yes", "no"]}, "score": {"type": "integer", "enum": [0, 1, 2, 3]}, "ok": {"type": "boolean"}},
+    "properties": {
+        "grade": {"type": "string", "enum": ["yes", "no"]},
+        "score": {"type": "integer", "enum": [0, 1, 2, 3]},
+        "ok": {"type": "boolean"},
+    },
     "required": ["grade", "score", "ok"],
     "additionalProperties": False,
 }
@@ -77,7 +81,11 @@ def test_chat_agent_json_schema(url_models):
     for custom in (
         {"temperature": 0.0, "max_tokens": 64, "json_schema": GRADE_SCHEMA},
         {"temperature": 0.0, "max_tokens": 64, "json_schema": json.dumps(GRADE_SCHEMA)},  # seed 000 passes a string
-        {"temperature": 0.0, "max_tokens": 64, "response_format": {"type": "json_schema", "json_schema": {"name": "grade", "schema": GRADE_SCHEMA}}},
+        {
+            "temperature": 0.0,
+            "max_tokens": 64,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "grade", "schema": GRADE_SCHEMA}},
+        },
     ):
         out = model.predict({"messages": MESSAGES, "custom_inputs": custom})
         _check_grade(out["messages"][0]["content"])
@@ -147,7 +155,9 @@ def test_responses_agent_json_schema_via_text_format(url_models):
         }
     )
     _check_grade(out["output"][0]["content"][0]["text"])
-    out = model.predict({"input": MESSAGES, "custom_inputs": {"temperature": 0.0, "max_tokens": 64, "json_schema": GRADE_SCHEMA}})
+    out = model.predict(
+        {"input": MESSAGES, "custom_inputs": {"temperature": 0.0, "max_tokens": 64, "json_schema": GRADE_SCHEMA}}
+    )
     _check_grade(out["output"][0]["content"][0]["text"])
 
 
@@ -174,7 +184,9 @@ def test_batch_of_five_with_schema(url_models, flavor):
     from model_code import batch_predict
 
     _, model = url_models[flavor]
-    prompts = pd.DataFrame({"prompt": [f"Document {i}: Databricks has feature {i}." for i in range(5)], "key": range(5)})
+    prompts = pd.DataFrame(
+        {"prompt": [f"Document {i}: Databricks has feature {i}." for i in range(5)], "key": range(5)}
+    )
     out = batch_predict(
         model,
         prompts,
@@ -188,7 +200,9 @@ def test_batch_of_five_with_schema(url_models, flavor):
     for parsed in out["parsed"]:
         assert parsed["grade"] in ("yes", "no")
     # the same through the flavour instance, as a list: results in input order
-    listed = python_model_of(model).batch(list(prompts["prompt"]), json_schema=GRADE_SCHEMA, params={"temperature": 0.0, "max_tokens": 64})
+    listed = python_model_of(model).batch(
+        list(prompts["prompt"]), json_schema=GRADE_SCHEMA, params={"temperature": 0.0, "max_tokens": 64}
+    )
     assert [r["prompt"] for r in listed] == list(prompts["prompt"])
     assert all(r["parsed"]["ok"] in (True, False) and r["error"] is None for r in listed)
     assert last_trace().info.token_usage["output_tokens"] > 0
