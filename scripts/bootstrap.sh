@@ -20,7 +20,11 @@ if [ -z "$flavor" ]; then
 fi
 case "$flavor" in cpu|gpu) ;; *) echo "bootstrap: SGLANG_GATEWAY_FLAVOR must be cpu or gpu, got '$flavor'" >&2; exit 2;; esac
 
-key=$( { echo "$flavor"; "$python" --version; cat pyproject.toml requirements/*.txt scripts/bootstrap.sh; } | sha256sum | cut -c1-16)
+# Only what decides the environment's contents goes into the key (not pytest or ruff settings).
+deps=$("$python" -c 'import tomllib, json; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; print(json.dumps([p["dependencies"], p["optional-dependencies"]], sort_keys=True))')
+# Bump ENV_RECIPE when a change to the install steps below must rebuild existing environments.
+ENV_RECIPE=1
+key=$( { echo "$flavor $ENV_RECIPE"; "$python" --version; echo "$deps"; cat requirements/*.txt; } | sha256sum | cut -c1-16)
 cache=${SGLANG_GATEWAY_VENV_CACHE:-$HOME/.cache/sglang-gateway}
 venv="$cache/venv-$flavor-$key"
 
@@ -43,6 +47,12 @@ if [ ! -f "$venv/.complete" ]; then
   touch "$venv/.complete"
   echo "bootstrap: environment ready in $(( $(date +%s) - start ))s, $(du -sh "$venv" | cut -f1)" >&2
 fi
+
+# Mark it used, and drop environments of this cache that no run has used for a week.
+touch "$venv/.complete"
+find "$cache" -maxdepth 2 -name .complete -path "$cache/venv-*" -mtime +7 2>/dev/null | while read -r stale; do
+  rm -rf "$(dirname "$stale")"
+done
 
 # Point .venv at it, and install this checkout (editable, no dependencies: seconds) if it is not the one installed.
 if [ "$(readlink .venv 2>/dev/null)" != "$venv" ]; then
