@@ -1,0 +1,96 @@
+"""``log_model`` starts no engine (MLflow loads and predicts at log time), pins the requirements and
+FlashInfer wheel URL, and records config, weights and task as asked."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlflow
+import pytest
+import yaml
+
+from model_code import engine_client, log_model
+from model_code.log import FLAVOR_FILES
+from model_code.requirements import FLASHINFER_VERSION
+from tests.model_code.helpers import engine_children
+
+REPO = Path(__file__).resolve().parents[2]
+QWEN_7B = REPO / "configs" / "qwen2.5-7b-instruct.yaml"
+
+
+def _files(info) -> Path:
+    return Path(mlflow.artifacts.download_artifacts(info.model_uri))
+
+
+@pytest.mark.parametrize("flavor", list(FLAVOR_FILES))
+def test_logging_a_managed_config_starts_no_engine(flavor, mlflow_store, tiny_deployment, tiny_model_dir):
+    starts = engine_client.STARTS
+    with mlflow.start_run():
+        info = log_model(REPO / "configs" / "tiny-cpu.yaml", flavor=flavor, model_path=tiny_model_dir)
+    assert engine_client.STARTS == starts and engine_children() == []
+    files = _files(info)
+    assert (files / "artifacts" / tiny_model_dir.name / "config.json").is_file()  # weights logged
+    for package in ("launch", "model_code"):
+        assert (files / "code" / package / "__init__.py").is_file()  # code_paths
+    config = yaml.safe_load((files / "MLmodel").read_text())["flavors"]["python_function"]["config"]
+    assert config["models"]["tiny"]["engine"]["device"] == "cpu"
+    requirements = (files / "requirements.txt").read_text().splitlines()
+    assert "sglang==0.5.23" in requirements and not any("flashinfer" in r for r in requirements)  # CPU target
+
+
+def test_logging_a_7b_gpu_config_without_gpu(mlflow_store):
+    """The qwen 7B GPU config logs on a machine without a GPU; FlashInfer wheel URL in requirements.txt."""
+    starts = engine_client.STARTS
+    with mlflow.start_run():
+        info = log_model(QWEN_7B, flavor="chat_agent", task="chat", cuda="12.8", python="3.11")
+    assert engine_client.STARTS == starts and engine_children() == []
+    files = _files(info)
+    requirements = (files / "requirements.txt").read_text().splitlines()
+    assert "sglang==0.5.23" in requirements
+    assert "--extra-index-url https://download.pytorch.org/whl/cu128" in requirements
+    assert (
+        f"https://github.com/flashinfer-ai/flashinfer/releases/download/v{FLASHINFER_VERSION}/"
+        f"flashinfer_jit_cache-{FLASHINFER_VERSION}+cu128-cp39-abi3-manylinux_2_28_x86_64.whl"
+    ) in requirements
+    model = yaml.safe_load((files / "MLmodel").read_text())
+    assert model["metadata"]["task"] == "llm/v1/chat"  # override for Databricks serving without the agents SDK
+    assert (
+        model["flavors"]["python_function"]["config"]["models"]["qwen2.5-7b-instruct"]["engine"]["model_path"]
+        == "Qwen/Qwen2.5-7B-Instruct"
+    )
+    assert not (files / "artifacts").exists()  # no local weights: the engine loads model_path where it is served
+
+
+def test_flashinfer_override_and_default_task(mlflow_store):
+    url = "https://example.org/wheels/flashinfer_python-0.7.2-py3-none-any.whl"
+    with mlflow.start_run():
+        info = log_model(QWEN_7B, flavor="responses_agent", flashinfer=url)
+    files = _files(info)
+    assert url in (files / "requirements.txt").read_text().splitlines()
+    assert yaml.safe_load((files / "MLmodel").read_text())["metadata"]["task"] == "agent/v1/responses"
+
+
+def test_plain_mlflow_log_model_starts_no_engine(mlflow_store, tiny_engine_config, tiny_model_dir):
+    """Without our helper: MLflow's own log_model on the models-from-code file is recognised too."""
+    starts = engine_client.STARTS
+    with mlflow.start_run():
+        mlflow.pyfunc.log_model(
+            name="model",
+            python_model=str(FLAVOR_FILES["chat_model"]),
+            model_config={
+                "models": {"tiny": {"engine": tiny_engine_config.model_dump(mode="json", exclude_defaults=True)}}
+            },
+            artifacts={"llm-model": str(tiny_model_dir)},
+            code_paths=[str(REPO / "launch"), str(REPO / "model_code")],
+            pip_requirements=["sglang==0.5.23"],
+        )
+    assert engine_client.STARTS == starts and engine_children() == []
+
+
+def test_bad_arguments(mlflow_store, tmp_path):
+    with pytest.raises(ValueError, match="flavor must be one of"):
+        log_model(QWEN_7B, flavor="chat")
+    with pytest.raises(Exception, match="not a local directory"):
+        log_model(QWEN_7B, model_path=tmp_path / "missing")
+    with pytest.raises(Exception, match="Known: torch"):
+        log_model(QWEN_7B, cuda="11.8")

@@ -1,0 +1,318 @@
+"""Parameter mapping, error mapping, chunk conversion, config handling and the FlashInfer table: no engine.
+
+Engine chunks with tool calls cannot be produced on demand by the tiny random model, so the tool-call
+conversions are fed with hand-built ``openai`` chunk objects (named fakes).
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from launch.config import ConfigError
+from model_code import errors, flashinfer_lines, pip_requirements
+from model_code.engine_client import ModelCodeSettings, in_log_time, resolve_target, split_model_config
+from model_code.flavors import (
+    completion_to_chat_agent,
+    completion_to_chat_model,
+    completion_to_responses,
+    stream_to_chat_agent,
+    stream_to_chat_model,
+    stream_to_responses,
+)
+from model_code.params import build_request, chat_model_params, responses_params
+from model_code.requirements import FLASHINFER_VERSION, UnknownFlashInferTarget
+from model_code.serving import normalize_request, wants_stream
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+
+
+# ------------------------------------------------------------------------------------ params
+def test_build_request_splits_openai_and_sglang_params():
+    kwargs = build_request(
+        {"temperature": 0.1, "max_tokens": 5, "top_k": 3, "stop": "x", "extra_body": {"regex": "a+"}}
+    )
+    assert kwargs == {"temperature": 0.1, "max_tokens": 5, "stop": ["x"], "extra_body": {"top_k": 3, "regex": "a+"}}
+
+
+def test_build_request_defaults_and_none():
+    assert build_request({"max_tokens": None, "temperature": 0.5}, {"max_tokens": 9}) == {
+        "max_tokens": 9,
+        "temperature": 0.5,
+    }
+    assert build_request(None) == {}
+
+
+@pytest.mark.parametrize("schema", [SCHEMA, json.dumps(SCHEMA)])
+def test_json_schema_becomes_response_format(schema):
+    kwargs = build_request({"json_schema": schema})
+    assert kwargs["response_format"]["type"] == "json_schema"
+    assert kwargs["response_format"]["json_schema"]["schema"] == SCHEMA
+
+
+def test_json_schema_from_pydantic_model():
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class Grade(BaseModel):
+        grade: Literal["yes", "no"]
+
+    fmt = build_request({"json_schema": Grade})["response_format"]
+    assert fmt["json_schema"]["name"] == "Grade" and fmt["json_schema"]["schema"]["properties"]["grade"]["enum"] == [
+        "yes",
+        "no",
+    ]
+
+
+@pytest.mark.parametrize(
+    "params, match",
+    [
+        ({"temprature": 1}, "unknown generation parameter"),
+        ({"json_schema": "{not json"}, "not valid JSON"),
+        ({"json_schema": SCHEMA, "response_format": {"type": "json_object"}}, "not both"),
+        ({"response_format": {"type": "yaml"}}, "response_format.type"),
+        ({"response_format": {"type": "json_schema", "json_schema": {}}}, "schema"),
+    ],
+)
+def test_bad_params_are_bad_requests(params, match):
+    with pytest.raises(errors.BadRequestError, match=match):
+        build_request(params)
+
+
+def test_chat_model_params():
+    from mlflow.types.llm import ChatParams
+
+    params = ChatParams.from_dict(
+        {"temperature": 0.2, "max_tokens": 7, "top_k": 4, "custom_inputs": {"json_schema": SCHEMA}}
+    )
+    mapped = chat_model_params(params)
+    assert mapped == {"temperature": 0.2, "max_tokens": 7, "top_k": 4, "json_schema": SCHEMA}
+    assert "n" not in mapped
+
+
+def test_responses_params():
+    from mlflow.types.responses import ResponsesAgentRequest
+
+    request = ResponsesAgentRequest(
+        input=[{"role": "user", "content": "hi"}],
+        temperature=0.0,
+        max_output_tokens=12,
+        tools=[{"type": "function", "name": "f", "parameters": {"type": "object"}}],
+        tool_choice="auto",
+        text={"format": {"type": "json_schema", "name": "x", "schema": SCHEMA, "strict": True}},
+        custom_inputs={"top_k": 2},
+    )
+    mapped = responses_params(request)
+    assert mapped["max_tokens"] == 12 and mapped["temperature"] == 0.0 and mapped["top_k"] == 2
+    assert mapped["tools"] == [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    assert mapped["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "x", "schema": SCHEMA, "strict": True},
+    }
+    build_request(mapped)  # accepted by the request builder
+
+
+# ------------------------------------------------------------------------------------ errors
+def _status_error(status: int, message: str) -> openai.APIStatusError:
+    request = httpx.Request("POST", "http://engine/v1/chat/completions")
+    response = httpx.Response(status, request=request, json={"error": {"message": message}})
+    return openai.APIStatusError(message, response=response, body={"error": {"message": message}})
+
+
+@pytest.mark.parametrize(
+    "status, message, cls, http",
+    [
+        (400, "bad", errors.BadRequestError, 400),
+        (400, "Requested token count exceeds the model's maximum context length", errors.ContextLengthError, 400),
+        (401, "no", errors.AuthenticationError, 401),
+        (404, "no model", errors.ModelNotFoundError, 404),
+        (429, "slow down", errors.OverloadedError, 503),
+        (503, "busy", errors.OverloadedError, 503),
+        (500, "boom", errors.EngineInternalError, 500),
+    ],
+)
+def test_status_mapping(status, message, cls, http):
+    error = errors.from_openai_error(_status_error(status, message))
+    assert type(error) is cls and error.engine_status == status and message in str(error)
+    assert error.get_http_status_code() == http  # what mlflow models serve answers
+
+
+def test_connection_errors():
+    request = httpx.Request("POST", "http://engine/v1/chat/completions")
+    assert isinstance(
+        errors.from_openai_error(openai.APIConnectionError(request=request)), errors.EngineUnavailableError
+    )
+    assert isinstance(errors.from_openai_error(openai.APITimeoutError(request=request)), errors.EngineTimeoutError)
+
+
+# ------------------------------------------------------------------------------------ conversions (fake engine chunks)
+def _chunk(delta=None, finish=None, usage=None, choices=True, index=0):
+    data = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "tiny", "choices": []}
+    if choices:
+        data["choices"] = [{"index": index, "delta": delta or {}, "finish_reason": finish}]
+    if usage:
+        data["usage"] = usage
+    return ChatCompletionChunk.model_validate(data)
+
+
+USAGE = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+TOOL_STREAM = [
+    _chunk({"role": "assistant", "content": ""}),
+    _chunk(
+        {
+            "tool_calls": [
+                {"index": 0, "id": "call_1", "type": "function", "function": {"name": "get_", "arguments": '{"ci'}}
+            ]
+        }
+    ),
+    _chunk({"tool_calls": [{"index": 0, "function": {"name": "weather", "arguments": 'ty": "Tokyo"}'}}]}),
+    _chunk({}, finish="tool_calls"),
+    _chunk(choices=False, usage=USAGE),
+]
+TEXT_STREAM = [
+    _chunk({"role": "assistant", "content": "Hel"}),
+    _chunk({"content": "lo"}),
+    _chunk({"content": ""}, finish="length"),
+    _chunk(choices=False, usage=USAGE),
+]
+FULL_CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Tokyo"}'}}
+
+
+def test_chat_agent_stream_text_and_tools():
+    chunks = [c.model_dump(exclude_none=True) for c in stream_to_chat_agent(TEXT_STREAM)]
+    assert "".join(c["delta"]["content"] for c in chunks) == "Hello"
+    assert [c.get("finish_reason") for c in chunks if c.get("finish_reason")] == ["length"]
+    assert chunks[-1]["usage"]["total_tokens"] == 5 and {c["delta"]["role"] for c in chunks} == {"assistant"}
+
+    chunks = [c.model_dump(exclude_none=True) for c in stream_to_chat_agent(TOOL_STREAM)]
+    final = next(c for c in chunks if c.get("finish_reason") == "tool_calls")
+    assert final["delta"]["tool_calls"] == [FULL_CALL]
+
+
+def test_chat_model_stream_tools():
+    chunks = [c.to_dict() for c in stream_to_chat_model(TOOL_STREAM)]
+    calls = [c["delta"]["tool_calls"] for chunk in chunks for c in chunk["choices"] if c["delta"].get("tool_calls")]
+    assert calls == [[FULL_CALL]]
+    assert chunks[-1]["usage"]["completion_tokens"] == 2
+
+
+def test_responses_stream_tools_and_text():
+    events = [e.model_dump(exclude_none=True) for e in stream_to_responses(TOOL_STREAM)]
+    items = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert items == [
+        {
+            "type": "function_call",
+            "id": "call_1",
+            "call_id": "call_1",
+            "name": "get_weather",
+            "arguments": '{"city": "Tokyo"}',
+        }
+    ]
+    assert events[-1]["response"]["usage"]["total_tokens"] == 5
+
+    events = [e.model_dump(exclude_none=True) for e in stream_to_responses(TEXT_STREAM)]
+    assert [e["delta"] for e in events if e["type"] == "response.output_text.delta"] == ["Hel", "lo"]
+    assert events[-1]["response"]["status"] == "incomplete" and events[-1]["custom_outputs"] == {
+        "finish_reason": "length"
+    }
+
+
+def test_completions_with_tool_calls():
+    completion = ChatCompletion.model_validate(
+        {
+            "id": "chatcmpl-2",
+            "object": "chat.completion",
+            "created": 1,
+            "model": "tiny",
+            "choices": [
+                {
+                    "index": 0,
+                    "finish_reason": "tool_calls",
+                    "message": {"role": "assistant", "content": None, "tool_calls": [FULL_CALL]},
+                }
+            ],
+            "usage": USAGE,
+        }
+    )
+    agent = completion_to_chat_agent(completion).model_dump(exclude_none=True)
+    assert agent["messages"][0]["tool_calls"] == [FULL_CALL] and agent["finish_reason"] == "tool_calls"
+    chat = completion_to_chat_model(completion).to_dict()
+    assert chat["choices"][0]["message"]["tool_calls"] == [FULL_CALL]
+    responses = completion_to_responses(completion).model_dump(exclude_none=True)
+    assert responses["output"][0]["type"] == "function_call" and responses["usage"]["input_tokens"] == 3
+
+
+# ------------------------------------------------------------------------------------ config
+def test_bare_engine_section_and_settings(tiny_model_dir):
+    data, settings = split_model_config(
+        {"model_path": str(tiny_model_dir), "device": "cpu", "mlflow": {"request_timeout_s": 5}}
+    )
+    assert list(data["models"]) == ["model"] and settings.request_timeout_s == 5
+    target = resolve_target({"model_path": "/x", "device": "cpu", "port": 31000}, {"llm-model": str(tiny_model_dir)})
+    assert target.engine.model_path == str(tiny_model_dir) and target.engine.port == 0  # free port at each load
+
+
+def test_model_choice():
+    config = {"models": {"a": {"url": "http://h:1"}, "b": {"url": "http://h:2", "aliases": ["default"]}}}
+    assert resolve_target(config).name == "b"
+    assert resolve_target({**config, "mlflow": {"model": "a"}}).url == "http://h:1"
+    with pytest.raises(ConfigError, match="no model named"):
+        resolve_target({**config, "mlflow": {"model": "c"}})
+    with pytest.raises(ConfigError, match="unknown key"):
+        resolve_target({**config, "mlflow": {"modle": "a"}})
+    with pytest.raises(ConfigError):
+        resolve_target({"models": {"a": {"engine": {"model_path": "/x", "tp_size": 0}}}})
+    assert ModelCodeSettings().batch_concurrency == 8
+
+
+def test_log_time_switch(monkeypatch):
+    assert not in_log_time()
+    monkeypatch.setenv("SGLANG_GATEWAY_MLFLOW_NO_ENGINE", "1")
+    assert in_log_time()
+
+
+# ------------------------------------------------------------------------------------ serving bodies
+def test_serving_bodies():
+    body = {"messages": [{"role": "user", "content": "x"}], "stream": True}
+    assert wants_stream(body) and normalize_request(body) == {"messages": body["messages"]}
+    assert normalize_request({"inputs": {"input": [1]}, "params": {"temperature": 0}}) == {
+        "input": [1],
+        "temperature": 0,
+    }
+    assert normalize_request({"dataframe_records": [{"messages": []}]}) == {"messages": []}
+    assert wants_stream({"inputs": {"stream": True}}) and not wants_stream({"messages": []})
+
+
+# ------------------------------------------------------------------------------------ FlashInfer table
+def test_flashinfer_table():
+    lines = flashinfer_lines("auto", cuda="12.8", python="3.11")
+    assert lines[0].startswith("--extra-index-url https://download.pytorch.org/whl/cu128")
+    assert any(
+        line.endswith(f"flashinfer_jit_cache-{FLASHINFER_VERSION}+cu128-cp39-abi3-manylinux_2_28_x86_64.whl")
+        for line in lines
+    )
+    assert any(line.endswith(f"flashinfer_python-{FLASHINFER_VERSION}-py3-none-any.whl") for line in lines)
+    assert flashinfer_lines(None) == []
+    assert flashinfer_lines("https://example.org/x.whl") == ["https://example.org/x.whl"]
+
+
+@pytest.mark.parametrize("kwargs", [{"cuda": "11.8"}, {"torch": "2.5.1"}, {"python": "3.9"}])
+def test_unknown_flashinfer_target(kwargs):
+    with pytest.raises(UnknownFlashInferTarget, match="Known: torch 2.14.1 / CUDA 13.0"):
+        flashinfer_lines("auto", **kwargs)
+
+
+def test_flashinfer_override_must_be_a_wheel_url():
+    with pytest.raises(ValueError, match="direct wheel URLs"):
+        flashinfer_lines("flashinfer-python==0.7.2")
+
+
+def test_pip_requirements_pins():
+    lines = pip_requirements("auto", python="3.11")
+    assert "sglang==0.5.23" in lines and any(line.startswith("mlflow==") for line in lines)
+    assert any("flashinfer_python" in line for line in lines)
