@@ -48,7 +48,7 @@ class GatewaySettings(_Strict):
     upstream_connect_timeout_s: float = Field(5.0, gt=0, description="Connect timeout to an engine (504).")
     upstream_read_timeout_s: float = Field(600.0, gt=0, description="Longest wait for the next upstream bytes (504).")
     upstream_max_connections: int = Field(256, ge=1, description="Connection pool size to all engines.")
-    health_timeout_s: float = Field(2.0, gt=0, description="Timeout of each /health probe made by /ready.")
+    health_timeout_s: float = Field(5.0, gt=0, description="Timeout of each /health probe made by /ready.")
     cors_allow_origins: list[str] = Field(default_factory=list, description="CORS origins (empty: CORS off).")
     shutdown_grace_s: float = Field(30.0, ge=0, description="In-flight requests may finish this long on SIGTERM.")
     log_requests: bool = Field(True, description="One structured log line per request.")

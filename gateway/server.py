@@ -7,6 +7,7 @@ finish for up to ``gateway.shutdown_grace_s``, then the app's lifespan stops the
 from __future__ import annotations
 
 import logging
+import signal
 from pathlib import Path
 
 import uvicorn
@@ -35,6 +36,10 @@ def uvicorn_config(app: FastAPI, settings: GatewaySettings, *, log_level: str = 
     )
 
 
+def _note_signal(signum: int, frame: object) -> None:
+    logger.info("gateway: stopped by {}", signal.Signals(signum).name)
+
+
 class _HideStartupTraceback(logging.Filter):
     """A failed engine start is reported once, as one clear error, not as uvicorn's lifespan traceback."""
 
@@ -55,10 +60,15 @@ def run(config_path: str | Path, host: str | None = None, port: int | None = Non
     server = uvicorn.Server(uvicorn_config(app, settings, log_level="debug" if verbose else "info"))
     hide = _HideStartupTraceback(app)
     logging.getLogger("uvicorn.error").addFilter(hide)
+    # uvicorn re-raises the signal that stopped it once it has shut down; with these handlers in
+    # place that ends here, so a graceful SIGTERM / Ctrl-C exits 0 instead of dying by the signal.
+    previous = {sig: signal.signal(sig, _note_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         logger.info("gateway: serving {} model(s) from {} on http://{}:{}", len(deployment.models), config_path, settings.host, settings.port)
         server.run()
     finally:
         logging.getLogger("uvicorn.error").removeFilter(hide)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if app.state.startup_error is not None:
         raise app.state.startup_error

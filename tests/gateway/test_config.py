@@ -1,0 +1,41 @@
+"""The ``gateway:`` section: defaults, overrides and one-line errors naming file, key and reason."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.config import gateway_settings
+from launch.config import ConfigError, parse_config
+
+
+def _deployment(gateway: dict) -> object:
+    return parse_config({"models": {"a": {"url": "http://127.0.0.1:1"}}, "gateway": gateway}, "deploy.yaml")
+
+
+def test_defaults_and_cli_overrides() -> None:
+    settings = gateway_settings(_deployment({"port": 9000}), host="0.0.0.0", port=None)
+    assert (settings.host, settings.port) == ("0.0.0.0", 9000)
+    assert settings.open_paths == ["/health", "/ready"]
+    assert settings.limits.max_concurrent is None and settings.resolved_keys() == ()
+
+
+@pytest.mark.parametrize(
+    ("gateway", "message"),
+    [
+        ({"prot": 1}, "deploy.yaml: gateway.prot: unknown key"),
+        ({"port": "x"}, "deploy.yaml: gateway.port: Input should be a valid integer"),
+        ({"limits": {"max_concurrent": 0}}, "deploy.yaml: gateway.limits.max_concurrent: Input should be greater than or equal to 1"),
+        ({"open_paths": ["/v1/models"]}, "deploy.yaml: gateway.open_paths.0: Input should be '/health', '/ready' or '/metrics'"),
+        ({"api_keys": [""]}, "deploy.yaml: gateway.api_keys: API keys must not be empty"),
+        ({"model_limits": {"zzz": {}}}, "deploy.yaml: gateway.model_limits.zzz: no model with this name"),
+    ],
+)
+def test_errors_name_file_key_and_reason(gateway: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        gateway_settings(_deployment(gateway))
+    assert str(caught.value).startswith(message), str(caught.value)
+
+
+def test_keys_are_not_printed() -> None:
+    settings = gateway_settings(_deployment({"api_keys": ["sekrit-value"]}))
+    assert "sekrit-value" not in repr(settings) and "sekrit-value" not in str(settings.model_dump())

@@ -1,0 +1,145 @@
+"""Property-based fuzzing of the request surface (hypothesis, over a real socket).
+
+Malformed, oversized and type-confused bodies, odd headers and unknown paths must get a 4xx in
+OpenAI's error shape: never a 500, never a hang; and the gateway must still serve afterwards.
+"""
+
+from __future__ import annotations
+
+import string
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from launch.process import EngineProcess
+from tests.gateway.helpers import KEY, GatewayServer, assert_openai_error, auth, serve
+
+pytestmark = pytest.mark.engine
+MAX_BODY = 4096
+HELLO = [{"role": "user", "content": "hi"}]
+BASES: dict[str, dict[str, Any]] = {
+    "/v1/chat/completions": {"model": "tiny", "messages": HELLO, "max_tokens": 2},
+    "/v1/completions": {"model": "tiny", "prompt": "hi", "max_tokens": 2},
+    "/v1/embeddings": {"model": "tiny", "input": "hi"},
+}
+# field -> strategy of values of a type the field never accepts
+_text = st.text(max_size=12)
+_ints = st.integers(-5, 5)
+_lists = st.lists(st.integers(), min_size=1, max_size=3)
+_dicts = st.dictionaries(st.text(max_size=4), st.integers(), min_size=1, max_size=2)
+WRONG: dict[str, st.SearchStrategy[Any]] = {
+    "model": st.one_of(_ints, _lists, _dicts, st.booleans(), st.none()),
+    "stream": st.one_of(_text, _ints, _lists, _dicts),
+    "n": st.one_of(_text, _lists, _dicts, st.booleans()),
+    "max_tokens": st.one_of(_text, _lists, _dicts, st.booleans(), st.integers(max_value=-1)),
+    "temperature": st.one_of(_text, _lists, _dicts, st.booleans(), st.floats(max_value=-0.01)),
+    "top_p": st.one_of(_text, _lists, _dicts, st.floats(min_value=1.01, allow_infinity=False)),
+    "stream_options": st.one_of(_text, _ints, _lists),
+}
+CHAT_WRONG = {**WRONG, "messages": st.one_of(_text, _ints, _dicts, _lists, st.just([]))}
+COMPLETION_WRONG = {**WRONG, "prompt": st.one_of(_ints, _dicts, st.booleans(), st.just([]))}
+EMBEDDING_WRONG = {"model": WRONG["model"], "input": st.one_of(_ints, _dicts, st.booleans(), st.just([]))}
+FIELDS = {"/v1/chat/completions": CHAT_WRONG, "/v1/completions": COMPLETION_WRONG, "/v1/embeddings": EMBEDDING_WRONG}
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=6), children, max_size=3),
+    max_leaves=8,
+)
+header_values = st.text(alphabet=string.ascii_letters + string.digits + " -_.:;,=/+*", max_size=60).map(str.strip)
+
+
+@st.composite
+def type_confused(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
+    path = draw(st.sampled_from(sorted(BASES)))
+    body = dict(BASES[path])
+    extras = draw(st.dictionaries(st.text(min_size=1, max_size=8).filter(lambda k: k not in FIELDS[path] and k not in body), json_values, max_size=3))
+    body.update(extras)
+    for field in draw(st.lists(st.sampled_from(sorted(FIELDS[path])), min_size=1, max_size=3, unique=True)):
+        body[field] = draw(FIELDS[path][field])
+    return path, body
+
+
+@pytest.fixture(scope="module")
+def fuzz_gateway(tiny_engine: EngineProcess) -> Iterator[GatewayServer]:
+    with serve({"tiny": {"url": tiny_engine.url}}, {"api_keys": [KEY], "max_body_bytes": MAX_BODY}) as gw:
+        yield gw
+
+
+@pytest.fixture(scope="module")
+def http(fuzz_gateway: GatewayServer) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=fuzz_gateway.url, timeout=httpx.Timeout(20.0)) as client:
+        yield client
+
+
+FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+
+@FUZZ
+@given(case=type_confused())
+def test_type_confused_bodies_are_400(http: httpx.Client, case: tuple[str, dict[str, Any]]) -> None:
+    path, body = case
+    assert_openai_error(http.post(path, json=body, headers=auth()), 400)
+
+
+@FUZZ
+@given(path=st.sampled_from(sorted(BASES)), raw=st.one_of(st.binary(max_size=200), json_values.map(lambda v: __import__("json").dumps(v).encode())))
+def test_malformed_bodies_are_400(http: httpx.Client, path: str, raw: bytes) -> None:
+    response = http.post(path, content=raw, headers=auth())
+    assert_openai_error(response, 400)
+
+
+@FUZZ
+@given(path=st.sampled_from(sorted(BASES)), size=st.integers(MAX_BODY + 1, 4 * MAX_BODY), chunked=st.booleans())
+def test_oversized_bodies_are_413(http: httpx.Client, path: str, size: int, chunked: bool) -> None:
+    raw = b'{"model": "tiny", "pad": "' + b"x" * size + b'"}'
+    content: Any = iter([raw[i : i + 1000] for i in range(0, len(raw), 1000)]) if chunked else raw
+    assert_openai_error(http.post(path, content=content, headers=auth()), 413)
+
+
+@FUZZ
+@given(
+    path=st.sampled_from([*sorted(BASES), "/v1/models", "/metrics"]),
+    headers=st.dictionaries(
+        st.sampled_from(["authorization", "content-type", "x-request-id", "accept", "x-api-key", "accept-encoding", "x-junk"]),
+        header_values,
+        min_size=1,
+        max_size=4,
+    ),
+    junk_json=st.booleans(),
+)
+def test_odd_headers_never_500(http: httpx.Client, path: str, headers: dict[str, str], junk_json: bool) -> None:
+    headers.setdefault("authorization", f"Bearer {KEY}")
+    if path in BASES:
+        body = b"{" if junk_json else b'{"model": "nope", "messages": [], "prompt": "", "input": ""}'
+        response = http.post(path, content=body, headers=headers)
+    else:
+        response = http.get(path, headers=headers)
+    if response.status_code >= 400:
+        assert_openai_error(response, response.status_code)
+        assert response.status_code < 500
+    assert response.headers["x-request-id"]
+
+
+@FUZZ
+@given(segments=st.lists(st.text(alphabet=string.ascii_letters + string.digits + "-._~%", min_size=1, max_size=10), min_size=1, max_size=4),
+       method=st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH"]))
+def test_unknown_paths_and_methods_are_4xx(http: httpx.Client, segments: list[str], method: str) -> None:
+    path = "/" + "/".join(segments)
+    response = http.request(method, path, headers=auth())
+    if path.startswith("/v1/models/") and method == "GET":
+        assert response.status_code in (200, 404)
+        return
+    if path in ("/health", "/ready", "/metrics", "/v1/models", "/openapi.json") and method == "GET":
+        return
+    assert_openai_error(response, response.status_code)
+    assert 400 <= response.status_code < 500
+
+
+def test_gateway_still_serves_after_fuzzing(http: httpx.Client) -> None:
+    ok = http.post("/v1/chat/completions", json={"model": "tiny", "messages": HELLO, "max_tokens": 2}, headers=auth())
+    assert ok.status_code == 200 and ok.json()["choices"]
+    assert http.get("/ready").status_code == 200

@@ -1,0 +1,57 @@
+"""Raw HTTP (curl-style) checks of the SSE framing the gateway relays."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tests.gateway.helpers import GatewayServer, auth
+
+pytestmark = pytest.mark.engine
+
+
+def _raw_stream(gateway: GatewayServer, path: str, body: dict) -> tuple[httpx.Response, bytes]:
+    with httpx.Client(timeout=60) as http, http.stream("POST", gateway.url + path, json=body, headers=auth()) as response:
+        raw = b"".join(response.iter_raw())
+    return response, raw
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", {"model": "default", "messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": True}}),
+        ("/v1/completions", {"model": "tiny", "prompt": "hi"}),
+    ],
+)
+def test_sse_framing(gateway: GatewayServer, path: str, body: dict) -> None:
+    response, raw = _raw_stream(gateway, path, {**body, "stream": True, "max_tokens": 6, "temperature": 0})
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    assert response.headers["x-request-id"]
+    assert raw.endswith(b"\n\n"), raw[-40:]
+    events = raw[:-2].split(b"\n\n")
+    assert all(event.startswith(b"data: ") and b"\n" not in event for event in events), events
+    assert events[-1] == b"data: [DONE]"
+    payloads = [json.loads(event[6:]) for event in events[:-1]]
+    assert all("choices" in p for p in payloads)
+    if "stream_options" in body:
+        assert payloads[-1]["usage"]["completion_tokens"] <= 6
+
+
+def test_stream_error_event_is_sanitized(gateway: GatewayServer) -> None:
+    """An error the engine reports inside a 200 stream reaches the client in OpenAI's shape, without paths."""
+    schema = {"name": "bad", "schema": {"type": "bogus"}}  # SGLang fails compiling it, after the 200
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 4,
+            "response_format": {"type": "json_schema", "json_schema": schema}}
+    response, raw = _raw_stream(gateway, "/v1/chat/completions", body)
+    assert response.status_code == 200
+    events = raw.strip().split(b"\n\n")
+    errors = [json.loads(e[6:]) for e in events if e.startswith(b'data: {"error"')]
+    assert len(errors) == 1, raw
+    error = errors[0]["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    assert "/project" not in error["message"] and ".cc" not in error["message"], error["message"]
+    assert "bogus" in error["message"]
