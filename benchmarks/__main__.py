@@ -1,0 +1,5 @@
+"""``python -m benchmarks``."""
+
+from benchmarks.cli import main
+
+main()

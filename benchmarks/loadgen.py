@@ -1,0 +1,259 @@
+"""The load generator: a minimal keep-alive HTTP/1.1 client on raw asyncio streams (uvloop when installed).
+
+Why not httpx or the openai SDK: on a 2-core machine the client shares the CPU with the gateway and the
+upstream, so it must spend as little as possible per request. This client sends one precomputed request
+body, parses the status line, headers and chunked transfer encoding by hand, and finds SSE events and
+tokens with byte scans (no JSON parsing). One persistent connection per concurrent worker, opened before
+a batch starts, like a client's connection pool.
+
+A *batch* is ``requests`` requests at a fixed concurrency against one target; it stops early at
+``max_seconds`` (bounded runs). Each request yields one :class:`Sample`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import orjson
+
+_USAGE = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+_READ_LIMIT = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What every request of a run looks like (the same bytes for direct and gateway targets)."""
+
+    model: str = "bench"
+    stream: bool = True
+    prompt_tokens: int = 32
+    output_tokens: int = 16
+    ignore_eos: bool = True  # SGLang extension: always generate exactly output_tokens
+    timeout_s: float = 60.0
+    path: str = "/v1/chat/completions"
+
+    def body(self) -> bytes:
+        prompt = " ".join(["hello"] * max(1, self.prompt_tokens - 8))  # the chat template adds a few tokens
+        data: dict[str, Any] = {
+            "model": self.model,
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": self.output_tokens,
+            "temperature": 0,
+            "stream": self.stream,
+        }
+        if self.stream:
+            data["stream_options"] = {"include_usage": True}
+        if self.ignore_eos:
+            data["ignore_eos"] = True
+        return orjson.dumps(data)
+
+
+@dataclass
+class Sample:
+    """One request as the client saw it (seconds from the batch's time origin)."""
+
+    ok: bool
+    start: float
+    end: float
+    ttft: float | None = None  # first content token (streaming); None for plain requests
+    tokens: int = 0  # output tokens (usage when sent, else content events)
+    itl: float | None = None  # mean gap between content events after the first
+    error: str | None = None
+
+    @property
+    def latency(self) -> float:
+        return self.end - self.start
+
+
+@dataclass
+class BatchResult:
+    target: str
+    concurrency: int
+    samples: list[Sample] = field(default_factory=list)
+    wall_s: float = 0.0
+    truncated: bool = False  # stopped by max_seconds before all requests were sent
+    cpu_s: dict[str, float] = field(default_factory=dict)  # CPU seconds spent during the batch, per process
+
+
+class HttpError(Exception):
+    pass
+
+
+class Connection:
+    """One keep-alive HTTP/1.1 connection; reopened when the server closes it."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def open(self) -> None:
+        self.reader, self.writer = await asyncio.open_connection(self.host, self.port, limit=_READ_LIMIT)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.reader = self.writer = None
+
+    async def request(self, head: bytes, body: bytes, on_data: Callable[[bytes, float], None]) -> int:
+        """Send one request; feed body bytes to ``on_data`` as they arrive; return the status."""
+        if self.writer is None:
+            await self.open()
+        assert self.reader is not None and self.writer is not None
+        reader = self.reader
+        self.writer.write(head + body)
+        raw = await reader.readuntil(b"\r\n\r\n")
+        status = int(raw[9:12])
+        chunked, length, close = False, None, False
+        for line in raw[:-4].split(b"\r\n")[1:]:
+            name, _, value = line.partition(b":")
+            name = name.strip().lower()
+            if name == b"transfer-encoding":
+                chunked = b"chunked" in value.lower()
+            elif name == b"content-length":
+                length = int(value)
+            elif name == b"connection":
+                close = b"close" in value.lower()
+        if chunked:
+            while True:
+                size_line = await reader.readuntil(b"\r\n")
+                size = int(size_line.split(b";", 1)[0], 16)
+                if size == 0:
+                    await reader.readuntil(b"\r\n")
+                    break
+                data = await reader.readexactly(size + 2)
+                on_data(data[:-2], time.perf_counter())
+        elif length is not None:
+            if length:
+                on_data(await reader.readexactly(length), time.perf_counter())
+        else:  # read to EOF
+            on_data(await reader.read(), time.perf_counter())
+            close = True
+        if close:
+            self.close()
+        return status
+
+
+class _StreamParser:
+    """SSE bytes -> first-token time, token count, usage, error; byte scans only."""
+
+    __slots__ = ("pending", "first", "last", "events", "usage_tokens", "error", "raw")
+
+    def __init__(self, stream: bool) -> None:
+        self.pending = b""
+        self.first: float | None = None
+        self.last: float | None = None
+        self.events = 0
+        self.usage_tokens: int | None = None
+        self.error: str | None = None
+        self.raw = b"" if not stream else None
+
+    def feed_plain(self, data: bytes, now: float) -> None:
+        self.raw += data  # type: ignore[operator]
+
+    def feed_stream(self, data: bytes, now: float) -> None:
+        data = self.pending + data if self.pending else data
+        cut = data.rfind(b"\n\n")
+        if cut < 0:
+            self.pending = data
+            return
+        self.pending = data[cut + 2 :]
+        for event in data[: cut + 2].split(b"\n\n"):
+            if not event:
+                continue
+            if b'"content":"' in event or b'"content": "' in event:
+                if b'"content":""' not in event and b'"content": ""' not in event:
+                    self.events += 1
+                    if self.first is None:
+                        self.first = now
+                    self.last = now
+            elif b'"completion_tokens"' in event:
+                match = _USAGE.search(event)
+                if match:
+                    self.usage_tokens = int(match.group(1))
+            if b'"error"' in event and b'"choices"' not in event:
+                self.error = event[:200].decode("utf-8", "replace")
+
+
+async def run_batch(
+    url: str,
+    workload: Workload,
+    concurrency: int,
+    requests: int,
+    *,
+    target: str = "target",
+    max_seconds: float = 120.0,
+    on_done: Callable[[], None] | None = None,
+    headers: dict[str, str] | None = None,
+) -> BatchResult:
+    """``requests`` requests at ``concurrency`` against ``url`` (base URL, no path)."""
+    parts = urlsplit(url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 80
+    body = workload.body()
+    extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+    head = (
+        f"POST {parts.path.rstrip('/')}{workload.path} HTTP/1.1\r\nhost: {host}:{port}\r\n"
+        f"content-type: application/json\r\naccept: */*\r\n{extra}content-length: {len(body)}\r\n\r\n"
+    ).encode()
+    result = BatchResult(target, concurrency)
+    connections = [Connection(host, port) for _ in range(concurrency)]
+    await asyncio.gather(*(c.open() for c in connections))
+    issued = 0
+    t0 = time.perf_counter()
+    deadline = t0 + max_seconds
+
+    async def one(conn: Connection) -> Sample:
+        parser = _StreamParser(workload.stream)
+        start = time.perf_counter()
+        try:
+            feed = parser.feed_stream if workload.stream else parser.feed_plain
+            status = await asyncio.wait_for(conn.request(head, body, feed), workload.timeout_s)
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError, ValueError) as error:
+            conn.close()
+            return Sample(False, start - t0, time.perf_counter() - t0, error=f"{type(error).__name__}: {error}"[:200])
+        end = time.perf_counter()
+        if status != 200:
+            return Sample(False, start - t0, end - t0, error=f"HTTP {status}")
+        if workload.stream:
+            tokens = parser.usage_tokens if parser.usage_tokens is not None else parser.events
+            itl = None
+            if parser.events > 1 and parser.first is not None and parser.last is not None:
+                itl = (parser.last - parser.first) / (parser.events - 1)
+            ttft = parser.first - start if parser.first is not None else None
+            return Sample(parser.error is None, start - t0, end - t0, ttft, tokens, itl, parser.error)
+        match = _USAGE.search(parser.raw or b"")
+        return Sample(True, start - t0, end - t0, None, int(match.group(1)) if match else 0)
+
+    async def worker(conn: Connection) -> None:
+        nonlocal issued
+        while issued < requests:
+            if time.perf_counter() > deadline:
+                result.truncated = True
+                return
+            issued += 1
+            result.samples.append(await one(conn))
+            if on_done is not None:
+                on_done()
+
+    try:
+        await asyncio.gather(*(worker(c) for c in connections))
+    finally:
+        result.wall_s = time.perf_counter() - t0
+        for conn in connections:
+            conn.close()
+    return result
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+
+        return uvloop.new_event_loop()
+    except ImportError:
+        return asyncio.new_event_loop()

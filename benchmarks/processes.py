@@ -1,0 +1,201 @@
+"""The processes a benchmark runs: the fake upstream, the gateway (``sglang-gateway serve``), the real
+SGLang CPU engine, and the profiler. Each child runs in its own process group with a parent-death signal
+and is stopped by signalling that group (never by name)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+from launch.ports import pick_free_port
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _pdeathsig() -> None:  # between fork and exec: die with the benchmark
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+
+
+class Child:
+    """A subprocess in its own process group, output to a log file."""
+
+    def __init__(self, name: str, argv: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.argv = argv
+        self.log = log
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self._sink = open(log, "wb")
+        self.proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=self._sink,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+            preexec_fn=_pdeathsig,
+            cwd=REPO,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, grace_s: float = 10.0, sig: signal.Signals = signal.SIGTERM) -> int | None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.proc.wait(10)
+        try:  # whatever else is left in the group
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self._sink.close()
+        return self.proc.returncode
+
+    def tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def wait_http(url: str, child: Child | None = None, timeout_s: float = 60.0) -> None:
+    """Until ``url`` answers 200 (RuntimeError with the log tail when the child exits or time runs out)."""
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(timeout=2.0, trust_env=False) as client:
+        while time.monotonic() < deadline:
+            if child is not None and not child.alive():
+                raise RuntimeError(f"{child.name} exited with code {child.proc.returncode}:\n{child.tail()}")
+            try:
+                if client.get(url).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+    raise RuntimeError(f"{url} was not ready after {timeout_s:.0f}s" + (f":\n{child.tail()}" if child else ""))
+
+
+@contextmanager
+def fake_upstream(kind: str, logs: Path) -> Iterator[tuple[str, Child]]:
+    port = pick_free_port()
+    child = Child(f"fake upstream ({kind})", [sys.executable, "-m", "benchmarks.fake_upstream", "--port", str(port), "--kind", kind], logs / "fake-upstream.log")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_http(url + "/health", child, 60)
+        yield url, child
+    finally:
+        child.stop()
+
+
+def gateway_config(upstream_url: str, port: int, path: Path, model: str = "bench") -> Path:
+    """The gateway YAML for one external model at ``upstream_url``: no auth, no request log lines."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        "# written by benchmarks: one model by URL, auth off (no keys), per-request log off\n"
+        f"models:\n  {model}:\n    url: {upstream_url}\n"
+        f"gateway:\n  host: 127.0.0.1\n  port: {port}\n  log_requests: false\n"
+    )
+    return path
+
+
+def gateway_argv(config: Path) -> list[str]:
+    script = Path(sys.executable).with_name("sglang-gateway")
+    if script.exists():
+        return [str(script), "serve", str(config)]
+    found = shutil.which("sglang-gateway")
+    return [found, "serve", str(config)] if found else [sys.executable, "-m", "gateway.cli", "serve", str(config)]
+
+
+@contextmanager
+def gateway(upstream_url: str, logs: Path, env: dict[str, str] | None = None) -> Iterator[tuple[str, Child]]:
+    """``sglang-gateway serve`` in front of ``upstream_url`` (its own process), until the block ends."""
+    port = pick_free_port()
+    config = gateway_config(upstream_url, port, logs / "gateway.yaml")
+    child = Child("gateway", gateway_argv(config), logs / "gateway.log", env)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_http(url + "/ready", child, 60)
+        yield url, child
+    finally:
+        child.stop(grace_s=15)
+
+
+@contextmanager
+def sglang_engine(logs: Path, config: Path | None = None) -> Iterator[tuple[str, object]]:
+    """The real SGLang CPU engine with the tiny model (configs/tiny-cpu.yaml), via launch.EngineProcess."""
+    from launch.config import load_config
+    from launch.process import EngineProcess
+
+    tiny = os.environ.setdefault("SGLANG_GATEWAY_TINY_MODEL", str(REPO / ".cache" / "tiny-model"))
+    if not Path(tiny).is_dir():
+        from launch.tiny_model import build_tiny_model
+
+        build_tiny_model(Path(tiny))
+    deployment = load_config(config or REPO / "configs" / "tiny-cpu.yaml")
+    name = next(iter(deployment.managed()))
+    engine = EngineProcess("bench", deployment.engine(name), log_dir=logs)
+    with engine:  # starts, waits for /health, stops the process group and its /dev/shm files
+        yield engine.url, engine
+
+
+class Profiler:
+    """py-spy (``record``, nonblocking) or pyinstrument-less fallback: attach to a running pid."""
+
+    def __init__(self, pid: int, out: Path, rate: int = 250) -> None:
+        self.out = out
+        exe = Path(sys.executable).with_name("py-spy")
+        exe_path = str(exe) if exe.exists() else shutil.which("py-spy")
+        if not exe_path:
+            raise RuntimeError("py-spy is not installed (pip install py-spy)")
+        self.svg = out.with_suffix(".svg")
+        self.raw = out.with_suffix(".txt")
+        self.children = [
+            Child("py-spy", [exe_path, "record", "--pid", str(pid), "--rate", str(rate), "--nonblocking", "-f", "flamegraph", "-o", str(self.svg)], out.with_suffix(".svg.log")),
+            Child("py-spy", [exe_path, "record", "--pid", str(pid), "--rate", str(rate), "--nonblocking", "-f", "raw", "-o", str(self.raw)], out.with_suffix(".raw.log")),
+        ]
+        time.sleep(0.5)  # attach before the load starts
+
+    def stop(self) -> None:
+        for child in self.children:
+            child.stop(grace_s=20, sig=signal.SIGINT)  # py-spy writes its output on SIGINT
+
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def group_cpu_s(pgid: int) -> float:
+    """User+system CPU seconds of every live process in process group ``pgid`` (from /proc)."""
+    total = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if int(fields[2]) == pgid:  # fields[0] is state; pgrp is the 5th field of stat
+            total += int(fields[11]) + int(fields[12])
+    return total / _TICK

@@ -1,0 +1,110 @@
+"""Summaries of samples, gateway/direct ratios and the issue's targets."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from benchmarks.loadgen import BatchResult, Sample
+
+# Figures of a summary: (key, label, higher is better)
+FIGURES: list[tuple[str, str, bool]] = [
+    ("req_s", "req/s", True),
+    ("out_tok_s", "out tok/s", True),
+    ("latency_p50_ms", "lat p50 ms", False),
+    ("latency_p90_ms", "lat p90 ms", False),
+    ("latency_p99_ms", "lat p99 ms", False),
+    ("ttft_p50_ms", "TTFT p50 ms", False),
+    ("ttft_p99_ms", "TTFT p99 ms", False),
+    ("itl_p50_ms", "ITL p50 ms", False),
+    ("itl_p99_ms", "ITL p99 ms", False),
+]
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) * 1000 if values else None
+
+
+def summarize(batches: Iterable[BatchResult]) -> dict[str, Any]:
+    """Pool the samples of several batches (rounds) of one target at one concurrency."""
+    samples: list[Sample] = []
+    wall = 0.0
+    truncated = False
+    cpu: dict[str, float] = {}
+    for batch in batches:
+        for name, seconds in batch.cpu_s.items():
+            cpu[name] = cpu.get(name, 0.0) + seconds
+        samples += batch.samples
+        wall += batch.wall_s
+        truncated = truncated or batch.truncated
+    ok = [s for s in samples if s.ok]
+    errors = [s for s in samples if not s.ok]
+    latency = [s.latency for s in ok]
+    ttft = [s.ttft for s in ok if s.ttft is not None]
+    itl = [s.itl for s in ok if s.itl is not None]
+    tokens = sum(s.tokens for s in ok)
+    return {
+        "requests": len(samples),
+        "ok": len(ok),
+        "errors": len(errors),
+        "error_examples": sorted({s.error or "?" for s in errors})[:3],
+        "wall_s": round(wall, 3),
+        "truncated": truncated,
+        "req_s": len(ok) / wall if wall else 0.0,
+        "out_tok_s": tokens / wall if wall else 0.0,
+        "mean_out_tokens": tokens / len(ok) if ok else 0.0,
+        "latency_p50_ms": _pct(latency, 50),
+        "latency_p90_ms": _pct(latency, 90),
+        "latency_p99_ms": _pct(latency, 99),
+        "ttft_p50_ms": _pct(ttft, 50),
+        "ttft_p99_ms": _pct(ttft, 99),
+        "itl_p50_ms": _pct(itl, 50),
+        "itl_p99_ms": _pct(itl, 99),
+        # CPU milliseconds per completed request, per process (noise-robust: CPU time, not wall time)
+        "cpu_ms_per_req": {name: 1000 * seconds / len(ok) for name, seconds in cpu.items()} if ok else {},
+    }
+
+
+def compare(direct: dict[str, Any], gateway: dict[str, Any]) -> dict[str, Any]:
+    """gateway/direct ratio of each figure, and gateway-direct in ms for the latency figures."""
+    out: dict[str, Any] = {}
+    for key, _, _ in FIGURES:
+        d, g = direct.get(key), gateway.get(key)
+        out[key] = {"ratio": (g / d) if d and g is not None else None}
+        if key.endswith("_ms"):
+            out[key]["added_ms"] = (g - d) if d is not None and g is not None else None
+    return out
+
+
+def _check(name: str, value: float | None, limit: float, *, at_most: bool, unit: str) -> dict[str, Any]:
+    met = None if value is None else (value <= limit if at_most else value >= limit)
+    return {"target": name, "value": value, "limit": limit, "op": "<=" if at_most else ">=", "unit": unit, "met": met}
+
+
+def evaluate_targets(upstream: str, levels: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The issue's targets for what this run measured (``levels``: concurrency -> {direct, gateway, vs})."""
+    checks: list[dict[str, Any]] = []
+    if upstream.startswith("stub"):
+        if 1 in levels:
+            vs = levels[1]["vs"]
+            checks.append(_check("stub c=1: added p50 latency", vs["latency_p50_ms"].get("added_ms"), 1.0, at_most=True, unit="ms"))
+            checks.append(_check("stub c=1: added p50 TTFT", vs["ttft_p50_ms"].get("added_ms"), 1.0, at_most=True, unit="ms"))
+            checks.append(_check("stub c=1: added p99 latency", vs["latency_p99_ms"].get("added_ms"), 3.0, at_most=True, unit="ms"))
+            checks.append(_check("stub c=1: added p99 TTFT", vs["ttft_p99_ms"].get("added_ms"), 3.0, at_most=True, unit="ms"))
+        for c in (16, 64, 256):
+            if c in levels:
+                checks.append(_check(f"stub c={c}: req/s kept", levels[c]["vs"]["req_s"]["ratio"], 0.5, at_most=False, unit="x"))
+                # the issue's reading of that target: gateway CPU per request <= the stub's own CPU per request
+                gw = levels[c]["gateway"].get("cpu_ms_per_req", {}).get("gateway")
+                up = levels[c]["direct"].get("cpu_ms_per_req", {}).get("upstream")
+                ratio = gw / up if gw is not None and up else None
+                checks.append(_check(f"stub c={c}: gateway CPU/req vs stub CPU/req", ratio, 1.0, at_most=True, unit="x"))
+    else:
+        for c in (1, 4, 16):
+            if c in levels:
+                vs = levels[c]["vs"]
+                checks.append(_check(f"sglang c={c}: out tok/s kept", vs["out_tok_s"]["ratio"], 0.98, at_most=False, unit="x"))
+                checks.append(_check(f"sglang c={c}: added p50 TTFT", vs["ttft_p50_ms"].get("added_ms"), 2.0, at_most=True, unit="ms"))
+    return checks
