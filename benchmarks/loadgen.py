@@ -214,7 +214,7 @@ async def run_batch(
         try:
             feed = parser.feed_stream if workload.stream else parser.feed_plain
             status = await asyncio.wait_for(conn.request(head, body, feed), workload.timeout_s)
-        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError, ValueError) as error:
+        except (TimeoutError, OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as error:
             conn.close()
             return Sample(False, start - t0, time.perf_counter() - t0, error=f"{type(error).__name__}: {error}"[:200])
         end = time.perf_counter()
