@@ -28,14 +28,24 @@ key=$( { echo "$flavor $ENV_RECIPE"; "$python" --version; echo "$deps"; cat requ
 cache=${SGLANG_GATEWAY_VENV_CACHE:-$HOME/.cache/sglang-gateway}
 venv="$cache/venv-$flavor-$key"
 
+# pip prints a warning per package for this machine's absent local indexes: keep the log readable.
+pip_quiet() {
+  local rc
+  set +e
+  "$@" 2>&1 | grep -v "is ignored: it is neither a file nor a directory"
+  rc=${PIPESTATUS[0]}
+  set -e
+  return "$rc"
+}
+
 if [ ! -f "$venv/.complete" ]; then
   echo "bootstrap: building the $flavor environment in $venv (first run: several minutes)" >&2
   start=$(date +%s)
   rm -rf "$venv"
   mkdir -p "$cache"
   "$python" -m venv "$venv"
-  pip=("$venv/bin/python" -m pip --disable-pip-version-check)
-  "${pip[@]}" install -q --upgrade "pip>=24" "setuptools>=64" wheel
+  pip=(pip_quiet "$venv/bin/python" -m pip --disable-pip-version-check)
+  "${pip[@]}" install -q --upgrade "pip>=24" "setuptools>=77" wheel
   if [ "$flavor" = gpu ]; then
     "${pip[@]}" install -q "$root[sglang,mlflow,dev]"
   else
@@ -61,5 +71,5 @@ if [ "$(readlink .venv 2>/dev/null)" != "$venv" ]; then
 fi
 installed=$("$venv/bin/python" -c 'import launch, os; print(os.path.dirname(os.path.dirname(os.path.abspath(launch.__file__))))' 2>/dev/null || true)
 if [ "$installed" != "$root" ] || [ ! -x "$venv/bin/sglang-gateway" ]; then
-  "$venv/bin/python" -m pip --disable-pip-version-check install -q --no-deps --no-build-isolation -e "$root"
+  pip_quiet "$venv/bin/python" -m pip --disable-pip-version-check install -q --no-deps --no-build-isolation -e "$root"
 fi
