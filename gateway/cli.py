@@ -176,7 +176,7 @@ def build_tiny_model_command(
     quiet: Annotated[bool, typer.Option(help="Print nothing when it is already built.")] = False,
 ) -> None:
     """Build the tiny offline test model (2-layer Qwen2, random weights) used by configs/tiny-cpu.yaml."""
-    from launch.tiny_model import is_built, build_tiny_model
+    from launch.tiny_model import build_tiny_model, is_built
 
     if not force and is_built(out_dir):
         if not quiet:

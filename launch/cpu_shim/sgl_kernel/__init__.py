@@ -33,7 +33,7 @@ def assign_req_to_token_pool_cpu(
     ends = end_offset.tolist()
     rows = req_pool_indices.tolist()
     offset = 0
-    for row, start, end in zip(rows, starts, ends):
+    for row, start, end in zip(rows, starts, ends, strict=False):
         length = end - start
         if length > 0:
             req_to_token[row, start:end] = out_cache_loc[offset : offset + length].to(req_to_token.dtype)
@@ -53,9 +53,9 @@ def copy_all_layer_kv_cache_cpu(
     """
     sources = src_loc.tolist()
     targets = tgt_loc.tolist()
-    for base, stride in zip(data_ptrs.tolist(), strides.tolist()):
+    for base, stride in zip(data_ptrs.tolist(), strides.tolist(), strict=True):
         rows = [ctypes.string_at(base + src * stride, stride) for src in sources]
-        for tgt, row in zip(targets, rows):
+        for tgt, row in zip(targets, rows, strict=True):
             ctypes.memmove(base + tgt * stride, row, stride)
 
 
