@@ -61,6 +61,7 @@ def create_app(settings: GatewaySettings, registry: Registry, *, engines: Engine
 
     app = FastAPI(title="sglang-gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.gateway = state
+    app.state.engines = engines
     app.state.startup_error = None
     app.include_router(router)
     _install_error_handlers(app)

@@ -8,6 +8,7 @@ threads so that several engines load at once.
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 
 from loguru import logger
@@ -17,11 +18,16 @@ from launch.preflight import preflight, require
 from launch.process import EngineError, EngineProcess
 
 
+class StartAborted(Exception):
+    """Shutdown was requested while the engines were still starting."""
+
+
 class EngineManager:
     """The engines this gateway owns (one per managed model)."""
 
     def __init__(self, deployment: DeploymentConfig, *, log_dir: str | Path | None = None) -> None:
         self.engines: dict[str, EngineProcess] = {}
+        self._abort = threading.Event()
         for name, engine in deployment.managed().items():
             self.engines[name] = EngineProcess(name, require(preflight(engine), name), log_dir=log_dir)
 
@@ -32,9 +38,16 @@ class EngineManager:
         try:
             for engine in self.engines.values():
                 engine.start()
-            results = await asyncio.gather(
+            waiting = asyncio.gather(
                 *(asyncio.to_thread(engine.wait_ready) for engine in self.engines.values()), return_exceptions=True
             )
+            while not waiting.done():
+                await asyncio.wait({waiting}, timeout=0.2)
+                if self._abort.is_set():  # stopping the engines ends their wait_ready threads too
+                    await self.stop_all()
+                    await waiting
+                    raise StartAborted("shutdown requested while the engines were starting")
+            results = waiting.result()
         except BaseException:
             await self.stop_all()
             raise
@@ -43,6 +56,10 @@ class EngineManager:
             await self.stop_all()
             raise errors[0] if isinstance(errors[0], EngineError) else errors[0]
         logger.info("engines ready: {}", ", ".join(f"{n} at {e.url}" for n, e in self.engines.items()))
+
+    def abort_start(self) -> None:
+        """Make a running :meth:`start_all` stop the engines and give up (safe from a signal handler)."""
+        self._abort.set()
 
     async def stop_all(self) -> None:
         """Stop every started engine (in parallel: each may take seconds to exit)."""

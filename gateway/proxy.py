@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import time
 from contextlib import AsyncExitStack
-from typing import Any
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 import httpx
 import orjson
@@ -25,6 +26,7 @@ from gateway.errors import GatewayError, sanitize_message, sse_error_event, upst
 from gateway.metrics import Metrics
 from gateway.registry import ModelRoute
 
+T = TypeVar("T")
 _MAX_PENDING = 4 * 1024 * 1024  # an SSE event larger than this is forwarded unsplit, unscanned
 _SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
@@ -52,8 +54,14 @@ class Proxy:
         self.client = client
         self.metrics = metrics
 
-    async def forward(self, route: ModelRoute, body: dict[str, Any], path: str, info: RequestInfo) -> Response:
-        """Admit the request (limits, backend state), send it, and answer plain JSON or an SSE stream."""
+    async def forward(
+        self, route: ModelRoute, body: dict[str, Any], path: str, info: RequestInfo, receive: Receive | None = None
+    ) -> Response:
+        """Admit the request (limits, backend state), send it, and answer plain JSON or an SSE stream.
+
+        ``receive`` (the request's ASGI receive, body already read) lets a plain request notice a
+        client that gave up, and close the upstream request instead of letting the engine finish it.
+        """
         stack = AsyncExitStack()
         handed_over = False
         try:
@@ -80,28 +88,57 @@ class Proxy:
                 content=orjson.dumps(body),
                 headers={"content-type": "application/json", "x-request-id": info.request_id},
             )
-            try:
+
+            async def exchange() -> tuple[httpx.Response, bytes | None]:
                 upstream = await self.client.send(request, stream=True)
-            except httpx.HTTPError as error:
-                raise transport_error(error, route.name, limiter.settings.retry_after_s) from None
-            stack.push_async_callback(upstream.aclose)
+                stack.push_async_callback(upstream.aclose)
+                # Plain answers (and errors) are read whole; a 200 stream is relayed by SSEProxyResponse.
+                content = await upstream.aread() if upstream.status_code != 200 or not info.stream else None
+                return upstream, content
+
             try:
-                if upstream.status_code != 200 or not info.stream:
-                    content = await upstream.aread()
+                finished, result = await _unless_disconnected(exchange(), receive)
             except httpx.HTTPError as error:
                 raise transport_error(error, route.name, limiter.settings.retry_after_s) from None
+            if not finished:
+                info.error = "client disconnected"
+                return Response(b"", status_code=499)  # nobody is listening; 499 only shows in logs/metrics
+            assert result is not None
+            upstream, content = result
             if upstream.status_code != 200:
-                raise upstream_error(upstream.status_code, content)
+                raise upstream_error(upstream.status_code, content or b"")
             if not info.stream:
                 info.ttft_s = time.perf_counter() - info.started
-                _record_usage(content, info)
+                _record_usage(content or b"", info)
                 media = upstream.headers.get("content-type", "application/json")
-                return Response(content, status_code=200, media_type=media)
+                return Response(content or b"", status_code=200, media_type=media)
             handed_over = True
             return SSEProxyResponse(upstream, stack, info, self.metrics, route.name)
         finally:
             if not handed_over:
                 await stack.aclose()
+
+
+async def _unless_disconnected(work: Coroutine[Any, Any, T], receive: Receive | None) -> tuple[bool, T | None]:
+    """Run ``work`` unless the client disconnects first: ``(True, result)``, or ``(False, None)``.
+
+    SGLang sends a plain answer's headers only when generation is done, so without this a client
+    that gives up would leave the engine generating for nobody.
+    """
+    if receive is None:
+        return True, await work
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_wait_disconnect(receive))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for pending in (task, watch):
+            if not pending.done():
+                pending.cancel()
+        await asyncio.gather(task, watch, return_exceptions=True)
+    if task.cancelled():
+        return False, None
+    return True, task.result()
 
 
 def _decrement(backend: Any) -> None:

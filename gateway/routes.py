@@ -54,7 +54,7 @@ async def _proxied(request: Request, schema: type[_Loose], path: str) -> Respons
     info.model = route.name
     info.stream = body.get("stream") is True
     assert state.proxy is not None, "the app's lifespan did not run"
-    return await state.proxy.forward(route, body, path, info)
+    return await state.proxy.forward(route, body, path, info, request.receive)
 
 
 @router.post("/v1/chat/completions")

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import logging
 import signal
+import threading
 from pathlib import Path
+from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI
@@ -16,6 +18,7 @@ from loguru import logger
 
 from gateway.app import app_from_config
 from gateway.config import GatewaySettings
+from gateway.engines import StartAborted
 from launch.config import ConfigError, load_config
 from launch.ports import port_is_free
 
@@ -40,6 +43,16 @@ def _note_signal(signum: int, frame: object) -> None:
     logger.info("gateway: stopped by {}", signal.Signals(signum).name)
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server, plus: a stop signal during engine start-up stops the engines at once."""
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        engines = getattr(getattr(self.config.app, "state", None), "engines", None)
+        if engines is not None and not self.started:
+            engines.abort_start()
+        super().handle_exit(sig, frame)
+
+
 class _HideStartupTraceback(logging.Filter):
     """A failed engine start is reported once, as one clear error, not as uvicorn's lifespan traceback."""
 
@@ -57,18 +70,23 @@ def run(config_path: str | Path, host: str | None = None, port: int | None = Non
     app, settings = app_from_config(deployment, host=host, port=port)
     if settings.port and not port_is_free(settings.host, settings.port):
         raise ConfigError(f"{config_path}: gateway.port: port {settings.port} on {settings.host} is already in use (or use --port)")
-    server = uvicorn.Server(uvicorn_config(app, settings, log_level="debug" if verbose else "info"))
+    server = _Server(uvicorn_config(app, settings, log_level="debug" if verbose else "info"))
     hide = _HideStartupTraceback(app)
     logging.getLogger("uvicorn.error").addFilter(hide)
     # uvicorn re-raises the signal that stopped it once it has shut down; with these handlers in
     # place that ends here, so a graceful SIGTERM / Ctrl-C exits 0 instead of dying by the signal.
-    previous = {sig: signal.signal(sig, _note_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.signal(sig, _note_signal) for sig in (signal.SIGTERM, signal.SIGINT)} if in_main else {}
     try:
         logger.info("gateway: serving {} model(s) from {} on http://{}:{}", len(deployment.models), config_path, settings.host, settings.port)
         server.run()
+    except SystemExit:  # uvicorn exits 3 when the lifespan (engine start-up) failed
+        if app.state.startup_error is None:
+            raise
     finally:
         logging.getLogger("uvicorn.error").removeFilter(hide)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    if app.state.startup_error is not None:
-        raise app.state.startup_error
+    error = app.state.startup_error
+    if error is not None and not isinstance(error, StartAborted):
+        raise error

@@ -57,6 +57,15 @@ def test_client_disconnect_mid_stream_aborts_engine_request(gateway: GatewayServ
     assert "gateway_requests_total" in text
 
 
+def test_client_giving_up_on_plain_request_aborts_engine_request(gateway: GatewayServer, tiny_engine: EngineProcess) -> None:
+    """SGLang sends a plain answer's headers only at the end: the gateway must notice the client leaving."""
+    body = {"model": "tiny", "messages": HELLO, "max_tokens": 1900, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(gateway.url + "/v1/chat/completions", json=body, headers=auth(KEY), timeout=1.5)
+    took = wait_for(lambda: engine_running_requests(tiny_engine) == 0, 8, "the engine's running count to return to 0")
+    assert took < 8
+
+
 @pytest.fixture(scope="module")
 def victim(tiny_engine_config: EngineConfig, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
     """A second real engine that the test kills."""

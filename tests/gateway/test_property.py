@@ -36,7 +36,7 @@ WRONG: dict[str, st.SearchStrategy[Any]] = {
     "stream": st.one_of(_text, _ints, _lists, _dicts),
     "n": st.one_of(_text, _lists, _dicts, st.booleans()),
     "max_tokens": st.one_of(_text, _lists, _dicts, st.booleans(), st.integers(max_value=-1)),
-    "temperature": st.one_of(_text, _lists, _dicts, st.booleans(), st.floats(max_value=-0.01)),
+    "temperature": st.one_of(_text, _lists, _dicts, st.booleans(), st.floats(max_value=-0.01, allow_infinity=False)),
     "top_p": st.one_of(_text, _lists, _dicts, st.floats(min_value=1.01, allow_infinity=False)),
     "stream_options": st.one_of(_text, _ints, _lists),
 }
