@@ -288,8 +288,13 @@ def compare_command(
         levels = drive({"direct": direct_url, "gateway": gateway_url}, workload, levels_list, requests,
                        rounds=rounds, warmup=warmup, max_seconds=max_seconds, cpu_groups=groups)
         profile_report = None
+        (out_dir / "levels.json").write_text(json.dumps(levels, indent=2, default=str))  # kept if profiling fails
         if profile:
-            profile_report = _profile_gateway(gateway_url, gateway_child.pid, workload, profile_concurrency, profile_requests, max_seconds, out_dir)
+            try:
+                profile_report = _profile_gateway(gateway_url, gateway_child.pid, workload, profile_concurrency, profile_requests, max_seconds, out_dir)
+            except Exception as error:  # a missing or refused profiler must not lose the measurements
+                console.print(f"[red]profiling failed:[/] {error}")
+                profile_report = {"error": str(error)}
     checks = evaluate_targets(upstream_label, {int(k): v for k, v in levels.items()})
     result = {
         "title": f"gateway vs direct ({upstream_label})",
@@ -307,7 +312,7 @@ def compare_command(
     }
     print_levels(levels, ["direct", "gateway"])
     print_targets(checks)
-    if profile_report:
+    if profile_report and "error" not in profile_report:
         print_profile(profile_report)
     _save(result, out_dir, plot)
 
@@ -385,7 +390,36 @@ def mlflow_command(
     console.print(f"results: {out_dir / 'result.json'}")
 
 
+@app.command("clients")
+def clients_command(
+    stub_kind: Annotated[str, typer.Option(help="Fake upstream implementation: starlette | raw.")] = "raw",
+    concurrency: Annotated[int, typer.Option("--concurrency", "-c")] = 16,
+    requests: Annotated[int, typer.Option("--requests", "-n")] = 1000,
+    output_tokens: OutputTokens = 16,
+    out: Out = None,
+) -> None:
+    """CPU per streamed request of candidate upstream clients (httpx as the gateway uses it, aiohttp, raw asyncio)."""
+    from benchmarks.clients import measure
+
+    out_dir = _out_dir(out, "clients")
+    with processes.fake_upstream(stub_kind, out_dir) as (url, _):
+        rows = measure(url, concurrency, requests, output_tokens)
+    table = Table(title=f"upstream client CPU per streamed request (c={concurrency}, {output_tokens} tokens, fake upstream {stub_kind})")
+    for column in ("client", "round", "CPU ms/req", "wall s"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(row["client"], str(row["round"]), f"{row['cpu_ms_per_req']:.3f}", f"{row['wall_s']:.2f}")
+    out_console.print(table)
+    (out_dir / "result.json").write_text(json.dumps({"kind": "clients", "machine": machine_info(), "concurrency": concurrency,
+                                                     "requests": requests, "output_tokens": output_tokens, "rows": rows}, indent=2))
+    console.print(f"results: {out_dir / 'result.json'}")
+
+
 def main() -> None:
+    from loguru import logger
+
+    logger.remove()  # loguru's default handler prints every engine log line (DEBUG): costly in the load generator
+    logger.add(sys.stderr, level=os.environ.get("BENCH_LOG_LEVEL", "INFO"), format="{time:HH:mm:ss} | {level: <7} | {message}")
     app()
 
 

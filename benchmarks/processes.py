@@ -160,15 +160,22 @@ def sglang_engine(logs: Path, config: Path | None = None) -> Iterator[tuple[str,
         yield engine.url, engine
 
 
+def find_py_spy() -> str | None:
+    """``$BENCH_PY_SPY``, the venv's ``py-spy``, or one on PATH."""
+    if os.environ.get("BENCH_PY_SPY"):
+        return os.environ["BENCH_PY_SPY"]
+    exe = Path(sys.executable).with_name("py-spy")
+    return str(exe) if exe.exists() else shutil.which("py-spy")
+
+
 class Profiler:
     """py-spy (``record``, nonblocking) or pyinstrument-less fallback: attach to a running pid."""
 
     def __init__(self, pid: int, out: Path, rate: int = 250) -> None:
         self.out = out
-        exe = Path(sys.executable).with_name("py-spy")
-        exe_path = str(exe) if exe.exists() else shutil.which("py-spy")
+        exe_path = find_py_spy()
         if not exe_path:
-            raise RuntimeError("py-spy is not installed (pip install py-spy)")
+            raise RuntimeError("py-spy is not installed (pip install py-spy, or set BENCH_PY_SPY to its path)")
         self.svg = out.with_suffix(".svg")
         self.raw = out.with_suffix(".txt")
         self.children = [
