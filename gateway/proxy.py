@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from contextlib import AsyncExitStack
 from collections.abc import Coroutine
+from contextlib import AsyncExitStack
 from typing import Any, TypeVar
 
 import httpx

@@ -7,11 +7,18 @@ import threading
 import time
 
 import httpx
-import pytest
 
 from gateway.errors import sanitize_message, upstream_error
 from launch.process import EngineProcess
-from tests.gateway.helpers import KEY, GatewayServer, assert_openai_error, auth, closed_port_url, fake_stalled_upstream, serve
+from tests.gateway.helpers import (
+    KEY,
+    GatewayServer,
+    assert_openai_error,
+    auth,
+    closed_port_url,
+    fake_stalled_upstream,
+    serve,
+)
 
 CHAT = "/v1/chat/completions"
 HELLO = [{"role": "user", "content": "hi"}]

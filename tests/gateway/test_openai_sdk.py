@@ -43,7 +43,7 @@ def test_chat_stream_with_usage(client: openai.OpenAI) -> None:
     assert text == plain.choices[0].message.content  # greedy: stream and plain agree
 
 
-class Colour(str, enum.Enum):
+class Colour(enum.StrEnum):
     red = "red"
     green = "green"
     blue = "blue"
