@@ -156,6 +156,10 @@ class ModelEntry(_Strict):
 
     engine: EngineConfig | None = None
     url: str | None = Field(None, description="Base URL of an SGLang server or router run elsewhere.")
+    served_model_name: str | None = Field(
+        None, description="Name the external server expects in 'model' (default: this model's name)."
+    )
+    api_key: str | None = Field(None, description="Bearer key the external server requires (use ${ENV_VAR}).")
     aliases: list[str] = Field(default_factory=list, description="Other names clients may use.")
 
     @field_validator("url")
@@ -169,6 +173,8 @@ class ModelEntry(_Strict):
     def _one_source(self) -> ModelEntry:
         if (self.engine is None) == (self.url is None):
             raise ValueError("give exactly one of 'engine' (launched here) or 'url' (run elsewhere)")
+        if self.engine is not None and (self.served_model_name or self.api_key):
+            raise ValueError("served_model_name and api_key belong to a 'url' model; use engine.served_model_name")
         return self
 
 

@@ -66,6 +66,7 @@ def test_minimal_config_gets_defaults(tmp_path: Path) -> None:
         (f"models:\n  m:\n    url: http://h:1\n    {GOOD_ENGINE}", "models.m", "exactly one of 'engine'"),
         ("models:\n  m:\n    url: ftp://h\n", "models.m.url", "http(s) URL"),
         ("models: {}\n", "models", "at least 1 item"),
+        (f"models:\n  m:\n    api_key: k\n    {GOOD_ENGINE}", "models.m", "belong to a 'url' model"),
         ("gateway: {}\n", "models", "required key is missing"),
         (f"models:\n  m:\n    aliases: [a]\n    {GOOD_ENGINE}  n:\n    aliases: [a]\n    {GOOD_ENGINE}", "models", "'a' is used by both"),
         (f"models:\n  'bad name':\n    {GOOD_ENGINE}", "models", "not a valid model name"),
