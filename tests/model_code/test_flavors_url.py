@@ -208,7 +208,7 @@ def test_batch_of_five_with_schema(url_models, flavor):
     assert last_trace().info.token_usage["output_tokens"] > 0
 
 
-def test_url_mode_started_no_engine(url_models):
-    assert engine_children() == []
+def test_url_mode_started_no_engine(url_models, tiny_engine):
+    assert set(engine_children()) <= {tiny_engine.pid}  # only the shared engine of the session
     for _, model in url_models.values():
         assert python_model_of(model).engine_process is None
