@@ -81,6 +81,8 @@ class Target:
     url: str | None
     settings: ModelCodeSettings
     deployment: DeploymentConfig
+    served_name: str = ""
+    api_key: str | None = None
 
 
 def split_model_config(model_config: Mapping[str, Any] | None) -> tuple[dict[str, Any], ModelCodeSettings]:
@@ -114,7 +116,9 @@ def resolve_target(model_config: Mapping[str, Any] | None, artifacts: Mapping[st
         if not settings.keep_port:
             updates["port"] = 0  # two load_model calls in one process must not collide
         engine = engine.model_copy(update=updates) if updates else engine
-    return Target(name, engine, entry.url, settings, deployment)
+    # the name the engine / upstream expects in "model" (the YAML key unless the config renames it)
+    served = (engine.served_model_name if engine is not None else entry.served_model_name) or name
+    return Target(name, engine, entry.url, settings, deployment, served, entry.api_key)
 
 
 def _pick_model(deployment: DeploymentConfig, settings: ModelCodeSettings) -> str:
@@ -287,13 +291,15 @@ class EngineClient:
         target = resolve_target(model_config, artifacts)
         if in_log_time():
             logger.info("model {}: loaded by MLflow's log/save step: no engine is started", target.name)
-            return LogTimeClient(target.name, target.settings)
-        api_key = os.environ.get(target.settings.api_key_env, "EMPTY") if target.settings.api_key_env else "EMPTY"
+            return LogTimeClient(target.served_name, target.settings)
+        api_key = target.api_key or "EMPTY"
+        if target.settings.api_key_env:
+            api_key = os.environ.get(target.settings.api_key_env, api_key)
         if target.url is not None:
-            return cls(_v1(target.url), target.name, target.settings, api_key=api_key)
+            return cls(_v1(target.url), target.served_name, target.settings, api_key=api_key)
         assert target.engine is not None
         process = start_engine(target.name, target.engine, log_dir=target.settings.log_dir)
-        return cls(_v1(process.url), target.name, target.settings, api_key=api_key, engine=process)
+        return cls(_v1(process.url), target.served_name, target.settings, api_key=api_key, engine=process)
 
     @property
     def client(self) -> openai.OpenAI:

@@ -268,6 +268,10 @@ def test_model_choice():
     with pytest.raises(ConfigError):
         resolve_target({"models": {"a": {"engine": {"model_path": "/x", "tp_size": 0}}}})
     assert ModelCodeSettings().batch_concurrency == 8
+    renamed = resolve_target({"models": {"a": {"url": "http://h:1", "served_model_name": "up", "api_key": "k"}}})
+    assert (renamed.served_name, renamed.api_key) == ("up", "k")
+    engine = resolve_target({"models": {"a": {"engine": {"model_path": "/x", "served_model_name": "e"}}}})
+    assert engine.served_name == "e"
 
 
 def test_log_time_switch(monkeypatch):
