@@ -10,6 +10,7 @@ import traceback
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
@@ -19,9 +20,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import Response
 
-from gateway.auth import AuthMiddleware
+from gateway.admin import router as admin_router
+from gateway.auth import AuthMiddleware, KeyHolder, key_policy
 from gateway.config import GatewaySettings, gateway_settings
 from gateway.context import request_info
+from gateway.control import Controller
 from gateway.engines import EngineManager
 from gateway.errors import GatewayError, error_response
 from gateway.metrics import Metrics
@@ -29,12 +32,36 @@ from gateway.middleware import BodyLimitMiddleware, RequestContextMiddleware
 from gateway.proxy import Proxy
 from gateway.registry import Registry, build_registry
 from gateway.routes import GatewayState, router
+from gateway.swap import SwapExecutor
 from launch.config import DeploymentConfig
 
 
-def create_app(settings: GatewaySettings, registry: Registry, *, engines: EngineManager | None = None) -> FastAPI:
-    """A gateway app serving ``registry``; ``engines`` (if given) are started and stopped by its lifespan."""
+def create_app(
+    settings: GatewaySettings,
+    registry: Registry,
+    *,
+    engines: EngineManager | None = None,
+    deployment: DeploymentConfig | None = None,
+    overrides: dict[str, Any] | None = None,
+    watch: bool = False,
+    log_dir: str | Path | None = None,
+) -> FastAPI:
+    """A gateway app serving ``registry``.
+
+    ``engines`` (if given) are started by the lifespan and then owned by the gateway: supervised by
+    the watchdog, swappable, stopped at shutdown. ``deployment`` (read from a file) enables reloads;
+    ``overrides`` are the CLI's host/port, kept across reloads; ``watch`` reloads on file changes.
+    """
     state = GatewayState(settings=settings, registry=registry, metrics=Metrics(registry))
+    keys = KeyHolder(key_policy(settings.resolved_keys(), settings.resolved_admin_keys(), settings.open_paths))
+    executor = SwapExecutor(
+        registry,
+        owned=engines.engines.values() if engines is not None else (),
+        log_dir=log_dir,
+        drain_timeout_s=lambda: state.settings.drain_timeout_s,
+        swap_retry_after_s=lambda: state.settings.swap_retry_after_s,
+    )
+    controller = Controller(state, keys, executor, deployment=deployment, overrides=overrides, watch=watch)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -54,8 +81,10 @@ def create_app(settings: GatewaySettings, registry: Registry, *, engines: Engine
                     app.state.startup_error = error
                     raise
             try:
+                await controller.start()
                 yield
             finally:
+                await controller.close()
                 if engines is not None:
                     await engines.stop_all()
 
@@ -63,11 +92,13 @@ def create_app(settings: GatewaySettings, registry: Registry, *, engines: Engine
     app.state.gateway = state
     app.state.engines = engines
     app.state.startup_error = None
+    app.state.controller = controller
     app.include_router(router)
+    app.include_router(admin_router)
     _install_error_handlers(app)
     # Outermost last: request id/log -> CORS -> auth -> body limit -> routes.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
-    app.add_middleware(AuthMiddleware, keys=settings.resolved_keys(), open_paths=settings.open_paths)
+    app.add_middleware(AuthMiddleware, holder=keys)
     if settings.cors_allow_origins:
         app.add_middleware(
             CORSMiddleware,
@@ -81,13 +112,21 @@ def create_app(settings: GatewaySettings, registry: Registry, *, engines: Engine
 
 
 def app_from_config(
-    deployment: DeploymentConfig, *, host: str | None = None, port: int | None = None, log_dir: str | Path | None = None
+    deployment: DeploymentConfig,
+    *,
+    host: str | None = None,
+    port: int | None = None,
+    log_dir: str | Path | None = None,
+    watch: bool = False,
 ) -> tuple[FastAPI, GatewaySettings]:
     """The app for a whole deployment: managed engines (started by the lifespan) and external URLs."""
     settings = gateway_settings(deployment, host=host, port=port)
     engines = EngineManager(deployment, log_dir=log_dir)
     registry = build_registry(deployment, settings, engines.engines)
-    return create_app(settings, registry, engines=engines), settings
+    app = create_app(
+        settings, registry, engines=engines, deployment=deployment, overrides={"host": host, "port": port}, watch=watch, log_dir=log_dir
+    )
+    return app, settings
 
 
 def _install_error_handlers(app: FastAPI) -> None:

@@ -154,13 +154,17 @@ def serve(
     host: Annotated[str | None, typer.Option("--host", help="Interface to bind (overrides gateway.host).")] = None,
     port: Annotated[int | None, typer.Option("--port", help="Port to bind (overrides gateway.port).")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show the engines' logs.")] = False,
+    watch: Annotated[bool, typer.Option("--watch", help="Reload CONFIG whenever the file changes.")] = False,
 ) -> None:
-    """Start CONFIG's engines and serve the OpenAI-compatible gateway until Ctrl-C (or SIGTERM)."""
+    """Start CONFIG's engines and serve the OpenAI-compatible gateway until Ctrl-C (or SIGTERM).
+
+    Edit CONFIG and send SIGHUP (or POST /admin/reload, or use --watch) to swap models without downtime.
+    """
     from gateway.server import run
 
     configure_logging(verbose)
     try:
-        run(config, host=host, port=port, verbose=verbose)
+        run(config, host=host, port=port, verbose=verbose, watch=watch)
     except (ConfigError, PreflightError) as error:
         raise fail(str(error)) from None
     except EngineError as error:

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 from launch.config import ConfigError, DeploymentConfig, format_validation_error
 
 OpenPath = Literal["/health", "/ready", "/metrics"]
+SwapPolicy = Literal["blue-green", "stop-first"]
 
 
 class _Strict(BaseModel):
@@ -29,6 +30,18 @@ class LimitSettings(_Strict):
     max_queue: int = Field(0, ge=0, description="Requests that may wait for a slot; 0 answers 429 at once.")
     queue_timeout_s: float = Field(30.0, gt=0, description="How long a queued request waits before 429.")
     retry_after_s: int = Field(1, ge=0, description="Retry-After header sent with 429 and 503.")
+
+
+class WatchdogSettings(_Strict):
+    """Supervision of the engines the gateway launched: restart dead or unhealthy ones, with backoff."""
+
+    enabled: bool = Field(True, description="Watch managed engines and restart them.")
+    interval_s: float = Field(2.0, gt=0, description="Seconds between two checks of each engine.")
+    unhealthy_after: int = Field(3, ge=1, description="Consecutive failed /health probes before a restart.")
+    backoff_initial_s: float = Field(1.0, ge=0, description="Delay before the first restart attempt.")
+    backoff_max_s: float = Field(60.0, ge=0, description="Longest delay between two restart attempts.")
+    max_restarts: int = Field(5, ge=0, description="Failed restart attempts in a row before giving up.")
+    stable_after_s: float = Field(60.0, ge=0, description="Healthy this long after a restart resets the backoff.")
 
 
 class GatewaySettings(_Strict):
@@ -52,8 +65,16 @@ class GatewaySettings(_Strict):
     cors_allow_origins: list[str] = Field(default_factory=list, description="CORS origins (empty: CORS off).")
     shutdown_grace_s: float = Field(30.0, ge=0, description="In-flight requests may finish this long on SIGTERM.")
     log_requests: bool = Field(True, description="One structured log line per request.")
+    admin_keys: list[SecretStr] = Field(default_factory=list, description="Bearer keys of the /admin API (none: it is off).")
+    admin_keys_env: str | None = Field(None, description="Environment variable with comma-separated admin keys.")
+    admin_keys_file: Path | None = Field(None, description="File with one admin key per line (# comments).")
+    drain_timeout_s: float = Field(60.0, ge=0, description="How long a replaced engine may finish its requests.")
+    swap_default: SwapPolicy = Field("blue-green", description="How engines are replaced when their config changes.")
+    swap_policy: dict[str, SwapPolicy] = Field(default_factory=dict, description="Per-model swap policy overrides.")
+    swap_retry_after_s: int = Field(5, ge=0, description="Retry-After sent while a stop-first swap has a model down.")
+    watchdog: WatchdogSettings = Field(default_factory=WatchdogSettings, description="Engine supervision.")
 
-    @field_validator("api_keys")
+    @field_validator("api_keys", "admin_keys")
     @classmethod
     def _non_empty_keys(cls, value: list[SecretStr]) -> list[SecretStr]:
         if any(not key.get_secret_value().strip() for key in value):
@@ -63,23 +84,36 @@ class GatewaySettings(_Strict):
     def limits_for(self, model: str) -> LimitSettings:
         return self.model_limits.get(model, self.limits)
 
+    def swap_policy_for(self, model: str) -> SwapPolicy:
+        return self.swap_policy.get(model, self.swap_default)
+
     def resolved_keys(self, source: str = "config") -> tuple[bytes, ...]:
-        """All accepted keys (YAML, env, file) as bytes; ConfigError when a named source is missing."""
-        keys = [key.get_secret_value().strip() for key in self.api_keys]
-        if self.api_keys_env:
-            value = os.environ.get(self.api_keys_env)
-            if value is None:
-                raise ConfigError(f"{source}: gateway.api_keys_env: environment variable {self.api_keys_env} is not set")
-            keys += [part.strip() for part in value.split(",") if part.strip()]
-        if self.api_keys_file:
-            try:
-                text = self.api_keys_file.read_text()
-            except OSError as error:
-                raise ConfigError(f"{source}: gateway.api_keys_file: cannot read {self.api_keys_file}: {error.strerror}") from None
-            keys += [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
-            if not keys:
-                raise ConfigError(f"{source}: gateway.api_keys_file: {self.api_keys_file} holds no key")
-        return tuple(dict.fromkeys(key.encode() for key in keys))
+        """All accepted client keys (YAML, env, file) as bytes; ConfigError when a named source is missing."""
+        return _resolve_keys(self.api_keys, self.api_keys_env, self.api_keys_file, "api_keys", source)
+
+    def resolved_admin_keys(self, source: str = "config") -> tuple[bytes, ...]:
+        """The /admin keys, resolved like the client keys; empty means the admin API is off."""
+        return _resolve_keys(self.admin_keys, self.admin_keys_env, self.admin_keys_file, "admin_keys", source)
+
+
+def _resolve_keys(
+    listed: list[SecretStr], env: str | None, file: Path | None, field: str, source: str
+) -> tuple[bytes, ...]:
+    keys = [key.get_secret_value().strip() for key in listed]
+    if env:
+        value = os.environ.get(env)
+        if value is None:
+            raise ConfigError(f"{source}: gateway.{field}_env: environment variable {env} is not set")
+        keys += [part.strip() for part in value.split(",") if part.strip()]
+    if file:
+        try:
+            text = file.read_text()
+        except OSError as error:
+            raise ConfigError(f"{source}: gateway.{field}_file: cannot read {file}: {error.strerror}") from None
+        keys += [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+        if not keys:
+            raise ConfigError(f"{source}: gateway.{field}_file: {file} holds no key")
+    return tuple(dict.fromkeys(key.encode() for key in keys))
 
 
 def gateway_settings(deployment: DeploymentConfig, **overrides: object) -> GatewaySettings:
@@ -87,15 +121,20 @@ def gateway_settings(deployment: DeploymentConfig, **overrides: object) -> Gatew
     source = str(deployment.source or "config")
     data = dict(deployment.gateway)
     data.update({key: value for key, value in overrides.items() if value is not None})
-    if isinstance(data.get("api_keys_file"), str) and deployment.source and not Path(data["api_keys_file"]).is_absolute():
-        data["api_keys_file"] = str(Path(deployment.source).parent / data["api_keys_file"])
+    for key in ("api_keys_file", "admin_keys_file"):
+        if isinstance(data.get(key), str) and deployment.source and not Path(data[key]).is_absolute():
+            data[key] = str(Path(deployment.source).parent / data[key])
     try:
         settings = GatewaySettings.model_validate(data)
     except ValidationError as error:
         lines = format_validation_error(source, error).splitlines()
         raise ConfigError("\n".join(line.replace(f"{source}: ", f"{source}: gateway.", 1) for line in lines)) from None
-    unknown = sorted(set(settings.model_limits) - set(deployment.models))
-    if unknown:
-        raise ConfigError(f"{source}: gateway.model_limits.{unknown[0]}: no model with this name")
+    for key in ("model_limits", "swap_policy"):
+        unknown = sorted(set(getattr(settings, key)) - set(deployment.models))
+        if unknown:
+            raise ConfigError(f"{source}: gateway.{key}.{unknown[0]}: no model with this name")
     settings.resolved_keys(source)
+    admin = settings.resolved_admin_keys(source)
+    if set(admin) & set(settings.resolved_keys(source)):
+        raise ConfigError(f"{source}: gateway.admin_keys: an admin key must not also be a client key")
     return settings

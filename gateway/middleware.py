@@ -58,6 +58,8 @@ class RequestContextMiddleware:
         elapsed = time.perf_counter() - info.started
         model = info.model or "-"
         route = info.path if info.path in _KNOWN_ROUTES or info.path.startswith("/v1/models/") else "other"
+        if route == "other" and info.path.startswith("/admin/"):
+            route = "/admin"  # one label for the admin API (its paths carry model names)
         route = "/v1/models/{id}" if route.startswith("/v1/models/") else route
         status = str(info.status or 0)
         m = self.metrics

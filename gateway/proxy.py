@@ -68,12 +68,18 @@ class Proxy:
             limiter = route.limiter
             await limiter.acquire(route.name)
             stack.callback(limiter.release)
+            if route.drained:
+                raise GatewayError(
+                    503, f"model {route.name!r} is drained by an operator; retry later", code="model_drained",
+                    headers={"Retry-After": str(limiter.settings.retry_after_s)},
+                )
             backend = route.backend  # read once: a swap mid-request must not split it across backends
             reason = backend.unavailable_reason()
             if reason is not None:
+                retry = backend.retry_after_s if backend.failure is not None and backend.retry_after_s else limiter.settings.retry_after_s
                 raise GatewayError(
                     503, f"model {route.name!r} is unavailable: {reason}", code="engine_unavailable",
-                    headers={"Retry-After": str(limiter.settings.retry_after_s)},
+                    headers={"Retry-After": str(retry)},
                 )
             backend.in_flight += 1
             stack.callback(_decrement, backend)
@@ -86,7 +92,7 @@ class Proxy:
                 "POST",
                 backend.url + path,
                 content=orjson.dumps(body),
-                headers={"content-type": "application/json", "x-request-id": info.request_id},
+                headers={"content-type": "application/json", "x-request-id": info.request_id, **backend.upstream_headers()},
             )
 
             async def exchange() -> tuple[httpx.Response, bytes | None]:

@@ -11,28 +11,44 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 from gateway.config import GatewaySettings, LimitSettings
 from gateway.limits import ConcurrencyLimiter
-from launch.config import DeploymentConfig
+from launch.config import DeploymentConfig, ModelEntry
 from launch.process import EngineProcess
 
 
 class Backend:
     """An upstream SGLang server (or router) and the name it serves the model under."""
 
-    def __init__(self, served_name: str, *, engine: EngineProcess | None = None, url: str | None = None) -> None:
+    def __init__(
+        self,
+        served_name: str,
+        *,
+        engine: EngineProcess | None = None,
+        url: str | None = None,
+        api_key: str | None = None,
+    ) -> None:
         if (engine is None) == (url is None):
             raise ValueError("a backend has either an engine or a url")
         self.served_name = served_name
         self.engine = engine
         self._url = url
+        self.api_key = api_key  # sent upstream as a bearer token; never logged or listed
         self.in_flight = 0
         self.context_length: int | None = None
         self.last_health: bool | None = None  # result of the latest /health probe (external backends)
+        # Set while this backend must not take requests although its process may run: being
+        # drained by a stop-first swap, or found dead/unhealthy by the watchdog.
+        self.failure: str | None = None
+        self.retry_after_s: int | None = None  # Retry-After for 503s caused by ``failure``
         self.created_at = time.time()
+
+    def upstream_headers(self) -> dict[str, str]:
+        """Headers every upstream call of this backend carries (the upstream's API key, if any)."""
+        return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     @property
     def managed(self) -> bool:
@@ -45,6 +61,8 @@ class Backend:
 
     def unavailable_reason(self) -> str | None:
         """Why requests cannot go upstream now (managed engine not running / not ready), else None."""
+        if self.failure is not None:
+            return self.failure
         if self.engine is None:
             return None
         if not self.engine.running:
@@ -66,10 +84,15 @@ class ModelRoute:
     backend: Backend
     aliases: tuple[str, ...] = ()
     limiter: ConcurrencyLimiter = field(default_factory=lambda: ConcurrencyLimiter(LimitSettings()))
+    drained: bool = False  # set by the admin API: new requests get 503 until undrained
 
     @property
     def names(self) -> tuple[str, ...]:
         return (self.name, *self.aliases)
+
+    def with_backend(self, backend: Backend) -> ModelRoute:
+        """The same route (names, limiter, drain state) sending new requests to ``backend``."""
+        return replace(self, backend=backend)
 
 
 class Registry:
@@ -90,6 +113,25 @@ class Registry:
                     raise ValueError(f"model name {label!r} is used twice")
                 by_name[label] = route
         self._by_name, self._routes = MappingProxyType(by_name), routes
+
+    def put(self, route: ModelRoute) -> None:
+        """Install ``route`` in place of the route of the same name (or add it), atomically."""
+        kept = [r for r in self._routes if r.name != route.name]
+        index = next((i for i, r in enumerate(self._routes) if r.name == route.name), len(kept))
+        self.replace([*kept[:index], route, *kept[index:]])
+
+    def set_backend(self, name: str, backend: Backend) -> Backend | None:
+        """Point model ``name`` at ``backend``; returns the backend it replaced (None: no such model)."""
+        route = self._by_name.get(name)
+        if route is None or route.name != name:
+            return None
+        self.put(route.with_backend(backend))
+        return route.backend
+
+    def route(self, name: str) -> ModelRoute | None:
+        """The route whose model name (not alias) is ``name``."""
+        route = self._by_name.get(name)
+        return route if route is not None and route.name == name else None
 
     def resolve(self, name: str) -> ModelRoute | None:
         return self._by_name.get(name)
@@ -116,6 +158,12 @@ def build_registry(
                 raise ValueError(f"model {name!r} has an engine section but no EngineProcess was given")
             backend = Backend(entry.engine.served_model_name or name, engine=engines[name])
         else:
-            backend = Backend(name, url=entry.url)
+            backend = url_backend(name, entry)
         routes.append(ModelRoute(name, backend, tuple(entry.aliases), ConcurrencyLimiter(settings.limits_for(name))))
     return Registry(routes)
+
+
+def url_backend(name: str, entry: ModelEntry) -> Backend:
+    """The backend of a ``url:`` model: its upstream name defaults to the model's name here."""
+    assert entry.url is not None
+    return Backend(entry.served_model_name or name, url=entry.url, api_key=entry.api_key)

@@ -119,7 +119,9 @@ async def _probe(state: GatewayState, backend: Backend) -> str | None:
     reason = backend.unavailable_reason()
     if reason is None and state.proxy is not None:
         try:
-            response = await state.proxy.client.get(backend.url + "/health", timeout=state.settings.health_timeout_s)
+            response = await state.proxy.client.get(
+                backend.url + "/health", headers=backend.upstream_headers(), timeout=state.settings.health_timeout_s
+            )
             reason = None if response.status_code == 200 else f"/health answered {response.status_code}"
         except httpx.HTTPError as error:
             reason = f"/health failed: {type(error).__name__}"
@@ -137,7 +139,9 @@ async def _fill_context_lengths(state: GatewayState, backends: list[Backend] | N
 async def _context_length(state: GatewayState, backend: Backend) -> None:
     assert state.proxy is not None
     try:
-        response = await state.proxy.client.get(backend.url + "/v1/models", timeout=state.settings.health_timeout_s)
+        response = await state.proxy.client.get(
+            backend.url + "/v1/models", headers=backend.upstream_headers(), timeout=state.settings.health_timeout_s
+        )
         cards = response.json().get("data", []) if response.status_code == 200 else []
     except (httpx.HTTPError, ValueError, AttributeError):
         return

@@ -64,10 +64,15 @@ class _HideStartupTraceback(logging.Filter):
         return self.app.state.startup_error is None
 
 
-def run(config_path: str | Path, host: str | None = None, port: int | None = None, *, verbose: bool = False) -> None:
-    """Serve the deployment in ``config_path``; raises ConfigError / PreflightError / EngineError."""
+def run(
+    config_path: str | Path, host: str | None = None, port: int | None = None, *, verbose: bool = False, watch: bool = False
+) -> None:
+    """Serve the deployment in ``config_path``; raises ConfigError / PreflightError / EngineError.
+
+    SIGHUP reloads the file (as ``POST /admin/reload`` does); ``watch`` also reloads when it changes.
+    """
     deployment = load_config(config_path)
-    app, settings = app_from_config(deployment, host=host, port=port)
+    app, settings = app_from_config(deployment, host=host, port=port, watch=watch)
     if settings.port and not port_is_free(settings.host, settings.port):
         raise ConfigError(f"{config_path}: gateway.port: port {settings.port} on {settings.host} is already in use (or use --port)")
     server = _Server(uvicorn_config(app, settings, log_level="debug" if verbose else "info"))
@@ -77,6 +82,8 @@ def run(config_path: str | Path, host: str | None = None, port: int | None = Non
     # place that ends here, so a graceful SIGTERM / Ctrl-C exits 0 instead of dying by the signal.
     in_main = threading.current_thread() is threading.main_thread()
     previous = {sig: signal.signal(sig, _note_signal) for sig in (signal.SIGTERM, signal.SIGINT)} if in_main else {}
+    if in_main:
+        previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, lambda *_: app.state.controller.request_reload("SIGHUP"))
     try:
         logger.info("gateway: serving {} model(s) from {} on http://{}:{}", len(deployment.models), config_path, settings.host, settings.port)
         server.run()

@@ -1,0 +1,237 @@
+"""Replace the backend of one model without dropping requests: blue-green or stop-first.
+
+Blue-green starts the new backend beside the old one, switches the route in one registry
+assignment once the new one is ready, then lets the old one finish its in-flight requests (up to
+the drain timeout) and stops it. Stop-first is for engines that cannot both fit in memory: the old
+one is drained (new requests get 503 + Retry-After) and stopped before the new one starts.
+
+Every operation on a model runs under that model's ``asyncio.Lock`` (held by the caller), so
+swaps, reloads and watchdog restarts of the same model never interleave. The executor owns every
+engine it started (and the ones the gateway started at boot) and stops them all on shutdown.
+
+``EngineProcess.start()`` runs on the event-loop thread (it lives as long as the gateway, which the
+parent-death signal requires); the blocking preflight, readiness wait and stop run in threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from loguru import logger
+
+from gateway.config import SwapPolicy
+from gateway.registry import Backend, Registry
+from launch.config import EngineConfig
+from launch.preflight import PreflightError, preflight, require
+from launch.process import EngineError, EngineProcess
+
+BackendFactory = Callable[[], Awaitable[Backend]]
+
+
+class SwapError(Exception):
+    """A backend could not be brought up; ``log_tail`` holds the engine's last log lines."""
+
+    def __init__(self, model: str, message: str, log_tail: Iterable[str] = ()) -> None:
+        super().__init__(message)
+        self.model = model
+        self.message = message
+        self.log_tail = list(log_tail)
+
+
+@dataclass
+class SwapResult:
+    """What one swap did, for the reload report and the admin API."""
+
+    model: str
+    policy: SwapPolicy
+    ok: bool = False
+    error: str | None = None
+    log_tail: list[str] = field(default_factory=list)
+    old: dict[str, Any] | None = None
+    new: dict[str, Any] | None = None
+    start_s: float | None = None  # launching the new backend until ready
+    drain_s: float | None = None  # old backend: switch until its last request finished (or the timeout)
+    drain_timed_out: bool = False
+    unavailable_s: float | None = None  # stop-first only: how long the model answered 503
+
+    def as_dict(self) -> dict[str, Any]:
+        return {key: value for key, value in self.__dict__.items() if value is not None and value != []}
+
+
+def describe_backend(backend: Backend) -> dict[str, Any]:
+    engine = backend.engine
+    info: dict[str, Any] = {"url": backend.url, "served_model_name": backend.served_name, "in_flight": backend.in_flight}
+    if engine is not None:
+        info.update(pid=engine.pid, port=engine.port)
+    return info
+
+
+class SwapExecutor:
+    """Starts, switches, drains and stops backends for the controller and the watchdog."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        *,
+        owned: Iterable[EngineProcess] = (),
+        log_dir: str | Path | None = None,
+        drain_timeout_s: Callable[[], float] = lambda: 60.0,
+        swap_retry_after_s: Callable[[], int] = lambda: 5,
+    ) -> None:
+        self.registry = registry
+        self.log_dir = log_dir
+        self._drain_timeout_s = drain_timeout_s
+        self._swap_retry_after_s = swap_retry_after_s
+        self._owned: set[EngineProcess] = set(owned)
+        self._locks: dict[str, asyncio.Lock] = {}
+        self.retiring: dict[str, list[Backend]] = {}  # old backends still finishing requests, by model
+        self._closing = False
+
+    # --------------------------------------------------------------- ownership and locks
+    def lock(self, model: str) -> asyncio.Lock:
+        """The lock every change to ``model``'s backend is made under."""
+        return self._locks.setdefault(model, asyncio.Lock())
+
+    def owns(self, engine: EngineProcess | None) -> bool:
+        return engine is not None and engine in self._owned
+
+    # --------------------------------------------------------------- backends
+    async def engine_backend(self, model: str, config: EngineConfig, *, checked: bool = False) -> Backend:
+        """Launch an engine for ``model`` and wait until it is ready; SwapError (with log tail) if not."""
+        if not checked:
+            try:
+                config = require(await asyncio.to_thread(preflight, config), model)
+            except PreflightError as error:
+                raise SwapError(model, str(error)) from None
+        if self._closing:
+            raise SwapError(model, "the gateway is shutting down")
+        engine = EngineProcess(model, config, log_dir=self.log_dir)
+        engine.start()  # on the event-loop thread: see the module docstring
+        self._owned.add(engine)
+        try:
+            await asyncio.to_thread(engine.wait_ready)
+        except EngineError as error:
+            await self._stop(engine)
+            tail = error.log_tail[-40:]
+            raise SwapError(model, f"new engine for {model!r} failed to start: {str(error).splitlines()[0]}", tail) from None
+        except BaseException:
+            await self._stop(engine)
+            raise
+        return Backend(config.served_model_name or model, engine=engine)
+
+    # --------------------------------------------------------------- swaps (caller holds the model's lock)
+    async def swap(self, model: str, build: BackendFactory, policy: SwapPolicy, *, fixed_port: int = 0) -> SwapResult:
+        """Replace ``model``'s backend with the one ``build`` makes; never raises for a failed start.
+
+        ``fixed_port``: the new engine's configured port; if the old engine holds it, both cannot run
+        at once and the swap is done stop-first.
+        """
+        route = self.registry.route(model)
+        if route is None:
+            return SwapResult(model, policy, error=f"no model named {model!r}")
+        old = route.backend
+        if policy == "blue-green" and fixed_port and old.engine is not None and old.engine.port == fixed_port:
+            logger.info("model {}: the new engine needs port {} held by the old one; swapping stop-first", model, fixed_port)
+            policy = "stop-first"
+        if policy == "stop-first" and not self.owns(old.engine):
+            policy = "blue-green"  # nothing of ours to stop first
+        result = SwapResult(model, policy, old=describe_backend(old))
+        if policy == "stop-first":
+            await self._swap_stop_first(model, old, build, result)
+        else:
+            await self._swap_blue_green(model, old, build, result)
+        return result
+
+    async def _swap_blue_green(self, model: str, old: Backend, build: BackendFactory, result: SwapResult) -> None:
+        started = time.monotonic()
+        try:
+            new = await build()
+        except SwapError as error:
+            result.error, result.log_tail = error.message, error.log_tail
+            return
+        result.start_s = time.monotonic() - started
+        if self.registry.set_backend(model, new) is None:  # removed by a reload meanwhile
+            await self.retire(model, new)
+            result.error = f"model {model!r} was removed while its new engine started"
+            return
+        result.ok, result.new = True, describe_backend(new)
+        logger.info("model {}: now served by {} (ready after {:.1f}s); draining {}", model, new.describe(), result.start_s, old.describe())
+        result.drain_s, result.drain_timed_out = await self.retire(model, old)
+
+    async def _swap_stop_first(self, model: str, old: Backend, build: BackendFactory, result: SwapResult) -> None:
+        down = time.monotonic()
+        old.retry_after_s = self._swap_retry_after_s()
+        old.failure = f"model {model!r} is being swapped (stop-first); retry shortly"
+        logger.info("model {}: stop-first swap: draining and stopping {}", model, old.describe())
+        result.drain_s, result.drain_timed_out = await self._drain(old)
+        await self._stop(old.engine)
+        started = time.monotonic()
+        try:
+            new = await build()
+        except SwapError as error:
+            # The old engine is gone: leave its (dead) backend in place, so the watchdog restarts it
+            # with the previous config, and say so.
+            old.failure = old.retry_after_s = None
+            result.error = f"{error.message}; the old engine was already stopped (stop-first): the watchdog restarts it with the previous config"
+            result.log_tail = error.log_tail
+            return
+        result.start_s = time.monotonic() - started
+        if self.registry.set_backend(model, new) is None:
+            await self.retire(model, new)
+            result.error = f"model {model!r} was removed while its new engine started"
+            return
+        result.unavailable_s = time.monotonic() - down
+        result.ok, result.new = True, describe_backend(new)
+        logger.info("model {}: now served by {}; it was unavailable for {:.1f}s", model, new.describe(), result.unavailable_s)
+
+    async def restart(self, model: str, old: Backend) -> Backend:
+        """Stop ``old`` (dead or hung) and start a fresh engine with its config (watchdog; lock held)."""
+        assert old.engine is not None
+        await self._stop(old.engine)
+        new = await self.engine_backend(model, old.engine.config, checked=True)
+        if self.registry.set_backend(model, new) is None:
+            await self.retire(model, new)
+            raise SwapError(model, f"model {model!r} was removed while its engine restarted")
+        return new
+
+    # --------------------------------------------------------------- draining and stopping
+    async def retire(self, model: str, backend: Backend) -> tuple[float, bool]:
+        """Wait for ``backend``'s in-flight requests (bounded by the drain timeout), then stop its engine."""
+        self.retiring.setdefault(model, []).append(backend)
+        try:
+            drained = await self._drain(backend)
+            await self._stop(backend.engine)
+        finally:
+            self.retiring[model].remove(backend)
+            if not self.retiring[model]:
+                del self.retiring[model]
+        return drained
+
+    async def _drain(self, backend: Backend) -> tuple[float, bool]:
+        started = time.monotonic()
+        deadline = started + self._drain_timeout_s()
+        while backend.in_flight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        timed_out = backend.in_flight > 0
+        if timed_out:
+            logger.warning("{}: {} request(s) still running after the drain timeout; stopping anyway", backend.describe(), backend.in_flight)
+        return time.monotonic() - started, timed_out
+
+    async def _stop(self, engine: EngineProcess | None) -> None:
+        if engine is None or engine not in self._owned:
+            return
+        await asyncio.to_thread(engine.stop)
+        self._owned.discard(engine)
+
+    async def close(self) -> None:
+        """Stop every engine this gateway owns (shutdown); starts in progress fail and stop too."""
+        self._closing = True
+        engines = list(self._owned)
+        if engines:
+            await asyncio.gather(*(asyncio.to_thread(engine.stop) for engine in engines), return_exceptions=True)
+        self._owned.clear()

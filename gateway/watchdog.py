@@ -1,0 +1,163 @@
+"""Supervise the engines the gateway launched: notice a dead or hung engine and restart it.
+
+Every ``interval_s`` each owned engine is checked: a process that exited is down at once; a running
+one that fails ``unhealthy_after`` ``/health`` probes in a row is down too. A down model answers 503
+(its backend carries the reason; ``/ready`` and ``gateway_engine_up`` follow), and a fresh engine
+with the same config is started after an exponential backoff. After ``max_restarts`` restarts with
+no ``stable_after_s`` healthy stretch in between, the watchdog gives up until an operator swaps or
+reloads the model. Restarts take the model's swap lock, so they never race a swap or a reload; the
+backoff wait does not hold it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import httpx
+from loguru import logger
+
+from gateway.config import GatewaySettings, WatchdogSettings
+from gateway.metrics import Metrics
+from gateway.registry import Backend, Registry
+from gateway.swap import SwapError, SwapExecutor
+
+
+def backoff_delay(attempt: int, settings: WatchdogSettings) -> float:
+    """Seconds to wait before restart number ``attempt`` (0-based) of a streak: doubling, capped."""
+    return min(settings.backoff_initial_s * (2**attempt), settings.backoff_max_s)
+
+
+@dataclass
+class ModelHealth:
+    """What the watchdog knows about one model's engine (reset when a swap installs a new one)."""
+
+    backend: Backend | None = None
+    failures: int = 0  # failed /health probes in a row
+    attempts: int = 0  # restarts in the current streak
+    restarts: int = 0  # restarts ever made for this model
+    gave_up: bool = False
+    last_restart_at: float | None = None
+    last_error: str | None = None
+    down_since: float | None = None
+
+
+class Watchdog:
+    def __init__(
+        self,
+        registry: Registry,
+        executor: SwapExecutor,
+        metrics: Metrics,
+        settings: Callable[[], GatewaySettings],
+        client: Callable[[], httpx.AsyncClient | None],
+    ) -> None:
+        self.registry = registry
+        self.executor = executor
+        self.metrics = metrics
+        self._settings = settings
+        self._client = client
+        self.health: dict[str, ModelHealth] = {}
+        self._restarting: dict[str, asyncio.Task[None]] = {}
+
+    async def run(self) -> None:
+        """Check forever (cancel to stop)."""
+        while True:
+            settings = self._settings()
+            await asyncio.sleep(settings.watchdog.interval_s)
+            if settings.watchdog.enabled:
+                await self.check_all(settings)
+
+    async def check_all(self, settings: GatewaySettings) -> None:
+        routes = [r for r in self.registry.routes() if self.executor.owns(r.backend.engine)]
+        await asyncio.gather(*(self._check(r.name, r.backend, settings) for r in routes))
+
+    async def close(self) -> None:
+        for task in self._restarting.values():
+            task.cancel()
+        await asyncio.gather(*self._restarting.values(), return_exceptions=True)
+
+    def model(self, name: str) -> ModelHealth:
+        return self.health.setdefault(name, ModelHealth())
+
+    async def _check(self, name: str, backend: Backend, settings: GatewaySettings) -> None:
+        health = self.model(name)
+        if health.backend is not backend:
+            # A backend the watchdog did not install (boot, swap, reload): start a fresh record.
+            restarts = health.restarts
+            health = self.health[name] = ModelHealth(backend=backend, restarts=restarts)
+        task = self._restarting.get(name)
+        if (task is not None and not task.done()) or self.executor.lock(name).locked():
+            return
+        assert backend.engine is not None
+        reason = None
+        if not backend.engine.running:
+            reason = f"engine exited with code {backend.engine.returncode}"
+        elif backend.failure is None and not await self._healthy(backend, settings.health_timeout_s):
+            health.failures += 1
+            if health.failures >= settings.watchdog.unhealthy_after:
+                reason = f"engine failed {health.failures} /health probes in a row"
+        else:
+            health.failures = 0
+        config = settings.watchdog
+        if reason is None:
+            if health.down_since is None and health.attempts and health.last_restart_at is not None:
+                if time.monotonic() - health.last_restart_at >= config.stable_after_s:
+                    health.attempts = 0  # stable again: the next failure starts a new backoff streak
+            return
+        if health.down_since is None:
+            health.down_since = time.monotonic()
+            tail = "\n".join(f"    {line}" for line in backend.engine.log_tail(20))
+            logger.error("model {}: {} (pid {}); last lines of its log:\n{}", name, reason, backend.engine.pid, tail)
+        if health.gave_up:
+            return
+        if health.attempts >= config.max_restarts:
+            health.gave_up = True
+            backend.failure = (
+                f"engine is down ({reason}) and {health.attempts} restart(s) did not help; "
+                f"an operator must swap or reload model {name!r}"
+            )
+            backend.retry_after_s = None
+            logger.error("model {}: giving up after {} restart(s)", name, health.attempts)
+            return
+        delay = backoff_delay(health.attempts, config)
+        health.attempts += 1
+        backend.failure = f"{reason}; restarting (attempt {health.attempts} of {config.max_restarts})"
+        backend.retry_after_s = max(1, int(delay) + 1)
+        self._restarting[name] = asyncio.ensure_future(self._restart(name, backend, delay, health))
+
+    async def _healthy(self, backend: Backend, timeout_s: float) -> bool:
+        client = self._client()
+        if client is None:
+            return True
+        try:
+            response = await client.get(backend.url + "/health", timeout=timeout_s)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+    async def _restart(self, name: str, backend: Backend, delay: float, health: ModelHealth) -> None:
+        await asyncio.sleep(delay)
+        async with self.executor.lock(name):
+            route = self.registry.route(name)
+            if route is None or route.backend is not backend:
+                return  # swapped or removed meanwhile: nothing to restart
+            health.restarts += 1
+            self.metrics.engine_restarts.labels(name).inc()
+            logger.warning("model {}: restarting its engine (attempt {})", name, health.attempts)
+            started = time.monotonic()
+            try:
+                new = await self.executor.restart(name, backend)
+            except SwapError as error:
+                self.metrics.engine_restart_failures.labels(name).inc()
+                health.last_error = error.message
+                tail = "\n".join(f"    {line}" for line in error.log_tail[-20:])
+                logger.error("model {}: restart failed: {}\n{}", name, error.message, tail)
+                backend.failure = f"engine is down; restart {health.attempts} failed, retrying"
+                return
+        outage = time.monotonic() - (health.down_since or started)
+        logger.info("model {}: back in rotation at {} after {:.1f}s down", name, new.url, outage)
+        self.health[name] = ModelHealth(
+            backend=new, attempts=health.attempts, restarts=health.restarts, last_restart_at=time.monotonic(), last_error=health.last_error
+        )

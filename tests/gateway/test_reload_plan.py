@@ -1,0 +1,91 @@
+"""The reload plan: what changes per model between two validated configs (pure, no engine)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.config import gateway_settings
+from gateway.reload import Action, plan_reload
+from launch.config import parse_config
+
+ENGINE = {"model_path": "/models/tiny", "device": "cpu", "max_total_tokens": 4096}
+
+
+def _plan(old_models: dict[str, Any], new_models: dict[str, Any], old_gw: dict | None = None, new_gw: dict | None = None):
+    old = parse_config({"models": old_models, "gateway": old_gw or {}}, "old.yaml")
+    new = parse_config({"models": new_models, "gateway": new_gw or {}}, "new.yaml")
+    return plan_reload(old, gateway_settings(old), new, gateway_settings(new))
+
+
+def _actions(plan) -> dict[str, Action]:
+    return {change.name: change.action for change in plan.changes}
+
+
+def test_identical_configs_are_a_noop() -> None:
+    models = {"a": {"engine": ENGINE, "aliases": ["x"]}, "b": {"url": "http://h:1"}}
+    plan = _plan(models, models)
+    assert _actions(plan) == {"a": Action.UNCHANGED, "b": Action.UNCHANGED}
+    assert plan.is_noop
+
+
+def test_added_removed_and_order() -> None:
+    plan = _plan({"a": {"url": "http://h:1"}, "b": {"url": "http://h:2"}}, {"b": {"url": "http://h:2"}, "c": {"engine": ENGINE}})
+    assert [(c.name, c.action) for c in plan.changes] == [("a", Action.REMOVED), ("b", Action.UNCHANGED), ("c", Action.ADDED)]
+    added = plan.changes[2]
+    assert added.needs_engine_start and added.old is None and added.new is not None
+    assert plan.summary() == {"removed": ["a"], "unchanged": ["b"], "added": ["c"]}
+
+
+def test_engine_field_change_names_the_field() -> None:
+    plan = _plan({"a": {"engine": ENGINE}}, {"a": {"engine": {**ENGINE, "max_total_tokens": 2048, "served_model_name": "a2"}}})
+    (change,) = plan.changes
+    assert change.action is Action.ENGINE_CHANGED and change.needs_engine_start
+    assert set(change.details) == {"engine.max_total_tokens", "engine.served_model_name"}
+
+
+def test_only_aliases_or_limits_change_the_route_not_the_engine() -> None:
+    old = {"a": {"engine": ENGINE, "aliases": ["x"]}, "b": {"url": "http://h:1"}}
+    new = {"a": {"engine": ENGINE, "aliases": ["y"]}, "b": {"url": "http://h:1"}}
+    plan = _plan(old, new, {}, {"model_limits": {"b": {"max_concurrent": 2}}})
+    assert _actions(plan) == {"a": Action.ROUTE_CHANGED, "b": Action.ROUTE_CHANGED}
+    assert plan.changes[0].details == ("aliases",) and plan.changes[1].details == ("limits",)
+    assert not any(change.needs_engine_start for change in plan.changes)
+    assert plan.settings_changed == ("model_limits",) and plan.restart_required == ()
+
+
+def test_default_limit_change_touches_every_model_without_override() -> None:
+    models = {"a": {"url": "http://h:1"}, "b": {"url": "http://h:2"}}
+    plan = _plan(models, models, {"model_limits": {"b": {"max_concurrent": 1}}},
+                 {"limits": {"max_concurrent": 4}, "model_limits": {"b": {"max_concurrent": 1}}})
+    assert _actions(plan) == {"a": Action.ROUTE_CHANGED, "b": Action.UNCHANGED}
+
+
+def test_url_model_upstream_changes_are_backend_changes() -> None:
+    old = {"a": {"url": "http://h:1"}, "b": {"url": "http://h:1"}, "c": {"url": "http://h:1"}, "d": {"url": "http://h:1"}}
+    new = {
+        "a": {"url": "http://h:2"},
+        "b": {"url": "http://h:1", "served_model_name": "upstream-b"},
+        "c": {"url": "http://h:1", "api_key": "k"},
+        "d": {"engine": ENGINE},
+    }
+    plan = _plan(old, new)
+    assert all(change.action is Action.ENGINE_CHANGED for change in plan.changes)
+    assert [c.details for c in plan.changes] == [("url",), ("served_model_name",), ("api_key",), ("engine",)]
+    assert [c.needs_engine_start for c in plan.changes] == [False, False, False, True]
+
+
+def test_swap_policy_per_model_and_default() -> None:
+    models = {"a": {"engine": ENGINE}, "b": {"engine": ENGINE}}
+    changed = {name: {"engine": {**ENGINE, "max_total_tokens": 1024}} for name in models}
+    plan = _plan(models, changed, {}, {"swap_policy": {"b": "stop-first"}})
+    assert [c.swap_policy for c in plan.changes] == ["blue-green", "stop-first"]
+    plan = _plan(models, changed, {}, {"swap_default": "stop-first", "swap_policy": {"a": "blue-green"}})
+    assert [c.swap_policy for c in plan.changes] == ["blue-green", "stop-first"]
+
+
+def test_gateway_keys_live_or_restart_required() -> None:
+    models = {"a": {"url": "http://h:1"}}
+    plan = _plan(models, models, {"port": 8000, "api_keys": ["k1"]}, {"port": 9000, "api_keys": ["k2"], "drain_timeout_s": 5})
+    assert set(plan.settings_changed) == {"api_keys", "drain_timeout_s"}
+    assert plan.restart_required == ("port",)
+    assert not plan.is_noop
