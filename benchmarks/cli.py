@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -38,12 +39,20 @@ out_console = Console(width=max(Console().width, 220))  # tables stay readable i
 RESULTS = Path(__file__).resolve().parent / "results"
 
 Levels = Annotated[str, typer.Option("--concurrency", "-c", help="Comma-separated concurrency levels.")]
-Requests = Annotated[int, typer.Option("--requests", "-n", help="Requests per target per level (split over the rounds).")]
+Requests = Annotated[
+    int, typer.Option("--requests", "-n", help="Requests per target per level (split over the rounds).")
+]
 Stream = Annotated[bool, typer.Option("--stream/--no-stream", help="Streaming (SSE) chat completions or plain JSON.")]
 PromptTokens = Annotated[int, typer.Option("--prompt-tokens", help="Approximate prompt length in tokens.")]
-OutputTokens = Annotated[int, typer.Option("--output-tokens", help="max_tokens (with ignore_eos: exact output length).")]
-MaxSeconds = Annotated[float, typer.Option("--max-seconds", help="Wall-clock cap of one batch (stops issuing requests).")]
-Out = Annotated[Path | None, typer.Option("--out", help="Results directory (default: benchmarks/results/<time>-<name>).")]
+OutputTokens = Annotated[
+    int, typer.Option("--output-tokens", help="max_tokens (with ignore_eos: exact output length).")
+]
+MaxSeconds = Annotated[
+    float, typer.Option("--max-seconds", help="Wall-clock cap of one batch (stops issuing requests).")
+]
+Out = Annotated[
+    Path | None, typer.Option("--out", help="Results directory (default: benchmarks/results/<time>-<name>).")
+]
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -80,7 +89,22 @@ def machine_info() -> dict[str, Any]:
     except OSError:
         pass
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
-    packages = ["sglang-gateway", "sglang", "torch", "uvicorn", "starlette", "fastapi", "httpx", "httpcore", "h11", "httptools", "uvloop", "openai", "mlflow", "orjson"]
+    packages = [
+        "sglang-gateway",
+        "sglang",
+        "torch",
+        "uvicorn",
+        "starlette",
+        "fastapi",
+        "httpx",
+        "httpcore",
+        "h11",
+        "httptools",
+        "uvloop",
+        "openai",
+        "mlflow",
+        "orjson",
+    ]
     return {
         "cpus": os.cpu_count(),
         "cpu_model": cpu,
@@ -93,8 +117,13 @@ def machine_info() -> dict[str, Any]:
 
 def _progress() -> Progress:
     return Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=console, refresh_per_second=4, transient=False,
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        refresh_per_second=4,
+        transient=False,
     )
 
 
@@ -124,8 +153,16 @@ def drive(
                     task = progress.add_task(f"c={level:<4} warm-up", total=warmup * len(names))
                     for name in names:
                         loop.run_until_complete(
-                            run_batch(targets[name], workload, min(level, warmup), warmup, target=name,
-                                      max_seconds=max_seconds, on_done=lambda t=task: progress.advance(t), headers=headers)
+                            run_batch(
+                                targets[name],
+                                workload,
+                                min(level, warmup),
+                                warmup,
+                                target=name,
+                                max_seconds=max_seconds,
+                                on_done=lambda t=task: progress.advance(t),
+                                headers=headers,
+                            )
                         )
                     progress.remove_task(task)
                 task = progress.add_task(f"c={level:<4} {' vs '.join(names)}", total=per_round * rounds * len(names))
@@ -137,16 +174,39 @@ def drive(
                         before = {label: processes.group_cpu_s(pgid) for label, pgid in groups.items()}
                         client_before = time.process_time()
                         batch = loop.run_until_complete(
-                            run_batch(targets[name], workload, level, per_round, target=name,
-                                      max_seconds=max_seconds, on_done=lambda t=task: progress.advance(t), headers=headers)
+                            run_batch(
+                                targets[name],
+                                workload,
+                                level,
+                                per_round,
+                                target=name,
+                                max_seconds=max_seconds,
+                                on_done=lambda t=task: progress.advance(t),
+                                headers=headers,
+                            )
                         )
-                        batch.cpu_s = {label: processes.group_cpu_s(pgid) - before[label] for label, pgid in groups.items()}
+                        batch.cpu_s = {
+                            label: processes.group_cpu_s(pgid) - before[label] for label, pgid in groups.items()
+                        }
                         batch.cpu_s["client"] = time.process_time() - client_before
                         batches[name].append(batch)
                 entry: dict[str, Any] = {name: summarize(batches[name]) for name in names}
                 if "direct" in entry and "gateway" in entry:
                     entry["vs"] = compare(entry["direct"], entry["gateway"])
-                entry["rounds"] = {name: [round(len([s for s in b.samples if s.ok]) / b.wall_s, 1) if b.wall_s else 0 for b in batches[name]] for name in names}
+                    # rounds run back to back (ABBA): the median of per-round ratios resists load spikes on a shared machine
+                    pairs = [
+                        g.samples and d.samples and (len(g.samples) / g.wall_s) / (len(d.samples) / d.wall_s)
+                        for d, g in zip(batches["direct"], batches["gateway"], strict=True)
+                        if d.wall_s and g.wall_s
+                    ]
+                    entry["vs"]["req_s"]["paired_median_ratio"] = float(statistics.median(pairs)) if pairs else None
+                entry["rounds"] = {
+                    name: [
+                        round(len([s for s in b.samples if s.ok]) / b.wall_s, 1) if b.wall_s else 0
+                        for b in batches[name]
+                    ]
+                    for name in names
+                }
                 out[str(level)] = entry
                 if between_levels is not None:
                     between_levels(level)
@@ -175,13 +235,20 @@ def print_levels(levels: dict[str, dict[str, Any]], targets: list[str]) -> None:
         for name in targets:
             s = entry[name]
             cpu = " ".join(f"{k} {v:.2f}" for k, v in s.get("cpu_ms_per_req", {}).items())
-            table.add_row(level, name, *(_fmt(s[key], 2 if key.endswith("_ms") else 1) for key, _, _ in FIGURES), str(s["errors"]), cpu)
+            table.add_row(
+                level,
+                name,
+                *(_fmt(s[key], 2 if key.endswith("_ms") else 1) for key, _, _ in FIGURES),
+                str(s["errors"]),
+                cpu,
+            )
         if "vs" in entry:
             cells = []
             for key, _, _ in FIGURES:
                 vs = entry["vs"][key]
                 ratio = _fmt(vs["ratio"], 3) if vs["ratio"] is not None else "-"
-                cells.append(ratio + (f" ({vs['added_ms']:+.2f})" if vs.get("added_ms") is not None else ""))
+                extra = f" (paired {vs['paired_median_ratio']:.3f})" if vs.get("paired_median_ratio") else ""
+                cells.append(ratio + extra + (f" ({vs['added_ms']:+.2f})" if vs.get("added_ms") is not None else ""))
             table.add_row(level, "[bold]gw/direct[/]", *cells, "")
     out_console.print(table)
 
@@ -195,7 +262,9 @@ def print_targets(checks: list[dict[str, Any]]) -> None:
     for check in checks:
         value = _fmt(check["value"], 3 if check["unit"] == "x" else 2)
         met = {True: "[green]met[/]", False: "[red]MISSED[/]", None: "-"}[check["met"]]
-        table.add_row(check["target"], f"{value} {check['unit']}", f"{check['op']} {check['limit']} {check['unit']}", met)
+        table.add_row(
+            check["target"], f"{value} {check['unit']}", f"{check['op']} {check['limit']} {check['unit']}", met
+        )
     out_console.print(table)
 
 
@@ -232,16 +301,37 @@ def run(
     workload = Workload(model=model, stream=stream, prompt_tokens=prompt_tokens, output_tokens=output_tokens)
     out_dir = _out_dir(out, "run")
     headers = {"authorization": f"Bearer {api_key}"} if api_key else None
-    levels = drive({"target": url}, workload, _levels(concurrency), requests, warmup=warmup, max_seconds=max_seconds, headers=headers)
-    result = {"title": f"load run: {url}", "kind": "run", "url": url, "machine": machine_info(), "workload": workload.__dict__,
-              "requests_per_level": requests, "targets_measured": ["target"], "levels": levels}
+    levels = drive(
+        {"target": url},
+        workload,
+        _levels(concurrency),
+        requests,
+        warmup=warmup,
+        max_seconds=max_seconds,
+        headers=headers,
+    )
+    result = {
+        "title": f"load run: {url}",
+        "kind": "run",
+        "url": url,
+        "machine": machine_info(),
+        "workload": workload.__dict__,
+        "requests_per_level": requests,
+        "targets_measured": ["target"],
+        "levels": levels,
+    }
     print_levels(levels, ["target"])
     _save(result, out_dir, plot)
 
 
 @app.command("compare")
 def compare_command(
-    upstream: Annotated[str, typer.Option(help="stub (fake upstream, own process) | sglang (real CPU engine, tiny model) | a URL of a running engine.")] = "stub",
+    upstream: Annotated[
+        str,
+        typer.Option(
+            help="stub (fake upstream, own process) | sglang (real CPU engine, tiny model) | a URL of a running engine."
+        ),
+    ] = "stub",
     stub_kind: Annotated[str, typer.Option(help="Fake upstream implementation: starlette | raw.")] = "starlette",
     concurrency: Levels = "1,16,64,256",
     requests: Requests = 1200,
@@ -251,16 +341,29 @@ def compare_command(
     output_tokens: OutputTokens = 16,
     warmup: Annotated[int, typer.Option(help="Warm-up requests per target per level.")] = 16,
     max_seconds: MaxSeconds = 60.0,
-    profile: Annotated[bool, typer.Option(help="Profile the gateway with py-spy during an extra gateway-only load.")] = False,
+    profile: Annotated[
+        bool, typer.Option(help="Profile the gateway with py-spy during an extra gateway-only load.")
+    ] = False,
     profile_concurrency: Annotated[int, typer.Option(help="Concurrency of the profiled load.")] = 64,
     profile_requests: Annotated[int, typer.Option(help="Requests of the profiled load.")] = 3000,
-    gateway_env: Annotated[list[str] | None, typer.Option("--gateway-env", help="KEY=VALUE for the gateway process (repeatable), e.g. PYTHONPATH=... to try httptools.")] = None,
+    label: Annotated[
+        str | None, typer.Option(help="Upstream label for a URL upstream (sglang or stub-...: picks the targets).")
+    ] = None,
+    gateway_env: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--gateway-env",
+            help="KEY=VALUE for the gateway process (repeatable), e.g. PYTHONPATH=... to try httptools.",
+        ),
+    ] = None,
     out: Out = None,
     plot: Annotated[bool, typer.Option(help="Write plot.png.")] = True,
 ) -> None:
     """The same workload against the upstream directly and through the gateway, alternating, with ratios."""
     levels_list = _levels(concurrency)
-    workload = Workload(stream=stream, prompt_tokens=prompt_tokens, output_tokens=output_tokens, timeout_s=max(60.0, max_seconds))
+    workload = Workload(
+        stream=stream, prompt_tokens=prompt_tokens, output_tokens=output_tokens, timeout_s=max(60.0, max_seconds)
+    )
     name = f"compare-{upstream if upstream in ('stub', 'sglang') else 'url'}"
     out_dir = _out_dir(out, name)
     env = dict(item.split("=", 1) for item in gateway_env or [])
@@ -277,21 +380,39 @@ def compare_command(
             console.print(f"engine ready at {direct_url} after {time.monotonic() - t:.0f}s")
         else:
             direct_url, upstream_proc = upstream.rstrip("/"), None
-            upstream_label = "url"
+            upstream_label = label or "url"
         gateway_url, gateway_child = stack.enter_context(processes.gateway(direct_url, out_dir, env))
-        console.print(f"direct: {direct_url}   gateway: {gateway_url} (pid {gateway_child.pid}, {' '.join(gateway_child.argv)})")
+        console.print(
+            f"direct: {direct_url}   gateway: {gateway_url} (pid {gateway_child.pid}, {' '.join(gateway_child.argv)})"
+        )
         upstream_pgid = upstream_proc.pid if upstream_proc is not None else None
         groups = {"direct": {}, "gateway": {"gateway": gateway_child.pid}}
         if upstream_pgid:
             groups["direct"]["upstream"] = upstream_pgid
             groups["gateway"]["upstream"] = upstream_pgid
-        levels = drive({"direct": direct_url, "gateway": gateway_url}, workload, levels_list, requests,
-                       rounds=rounds, warmup=warmup, max_seconds=max_seconds, cpu_groups=groups)
+        levels = drive(
+            {"direct": direct_url, "gateway": gateway_url},
+            workload,
+            levels_list,
+            requests,
+            rounds=rounds,
+            warmup=warmup,
+            max_seconds=max_seconds,
+            cpu_groups=groups,
+        )
         profile_report = None
         (out_dir / "levels.json").write_text(json.dumps(levels, indent=2, default=str))  # kept if profiling fails
         if profile:
             try:
-                profile_report = _profile_gateway(gateway_url, gateway_child.pid, workload, profile_concurrency, profile_requests, max_seconds, out_dir)
+                profile_report = _profile_gateway(
+                    gateway_url,
+                    gateway_child.pid,
+                    workload,
+                    profile_concurrency,
+                    profile_requests,
+                    max_seconds,
+                    out_dir,
+                )
             except Exception as error:  # a missing or refused profiler must not lose the measurements
                 console.print(f"[red]profiling failed:[/] {error}")
                 profile_report = {"error": str(error)}
@@ -317,7 +438,9 @@ def compare_command(
     _save(result, out_dir, plot)
 
 
-def _profile_gateway(url: str, pid: int, workload: Workload, concurrency: int, requests: int, max_seconds: float, out_dir: Path) -> dict[str, Any]:
+def _profile_gateway(
+    url: str, pid: int, workload: Workload, concurrency: int, requests: int, max_seconds: float, out_dir: Path
+) -> dict[str, Any]:
     from benchmarks.profile import analyse
 
     console.print(f"profiling the gateway (pid {pid}) with py-spy at concurrency {concurrency}")
@@ -327,8 +450,15 @@ def _profile_gateway(url: str, pid: int, workload: Workload, concurrency: int, r
         with _progress() as progress:
             task = progress.add_task(f"c={concurrency:<4} gateway (profiled)", total=requests)
             batch = loop.run_until_complete(
-                run_batch(url, workload, concurrency, requests, target="gateway", max_seconds=max_seconds,
-                          on_done=lambda: progress.advance(task))
+                run_batch(
+                    url,
+                    workload,
+                    concurrency,
+                    requests,
+                    target="gateway",
+                    max_seconds=max_seconds,
+                    on_done=lambda: progress.advance(task),
+                )
             )
     finally:
         loop.close()
@@ -341,8 +471,12 @@ def _profile_gateway(url: str, pid: int, workload: Workload, concurrency: int, r
 
 def print_profile(report: dict[str, Any]) -> None:
     console.print(f"profile: {report.get('svg')} ({report.get('samples', 0)} samples while busy)")
-    for key, title in (("self_by_component_pct", "self time by component"), ("inclusive_by_component_pct", "inclusive time by component"),
-                       ("self_by_function_pct", "self time by function"), ("inclusive_by_function_pct", "inclusive time by function")):
+    for key, title in (
+        ("self_by_component_pct", "self time by component"),
+        ("inclusive_by_component_pct", "inclusive time by component"),
+        ("self_by_function_pct", "self time by function"),
+        ("inclusive_by_function_pct", "inclusive time by function"),
+    ):
         table = Table(title=title)
         table.add_column("where")
         table.add_column("% of busy samples", justify="right")
@@ -353,10 +487,16 @@ def print_profile(report: dict[str, Any]) -> None:
 
 @app.command("mlflow")
 def mlflow_command(
-    upstream: Annotated[str, typer.Option(help="stub (fake upstream) | sglang (real CPU engine) | a URL of a running engine.")] = "sglang",
+    upstream: Annotated[
+        str, typer.Option(help="stub (fake upstream) | sglang (real CPU engine) | a URL of a running engine.")
+    ] = "sglang",
     stub_kind: Annotated[str, typer.Option(help="Fake upstream implementation: starlette | raw.")] = "starlette",
-    flavors: Annotated[str, typer.Option(help="Comma-separated: chat_model, chat_agent, responses_agent.")] = "chat_model,chat_agent,responses_agent",
-    requests: Annotated[int, typer.Option("--requests", "-n", help="Sequential calls per flavour and mode for each side.")] = 60,
+    flavors: Annotated[
+        str, typer.Option(help="Comma-separated: chat_model, chat_agent, responses_agent.")
+    ] = "chat_model,chat_agent,responses_agent",
+    requests: Annotated[
+        int, typer.Option("--requests", "-n", help="Sequential calls per flavour and mode for each side.")
+    ] = 60,
     rounds: Annotated[int, typer.Option(help="Alternating raw/wrapper rounds.")] = 4,
     output_tokens: OutputTokens = 16,
     out: Out = None,
@@ -375,17 +515,44 @@ def mlflow_command(
             label = "sglang"
         else:
             url, label = upstream.rstrip("/"), "url"
-        result = run_mlflow_bench(url, [f.strip() for f in flavors.split(",") if f.strip()], requests, rounds, output_tokens, out_dir, console)
-    result.update({"title": f"MLflow wrapper vs raw openai ({label})", "kind": "mlflow", "upstream": label, "machine": machine_info()})
+        result = run_mlflow_bench(
+            url, [f.strip() for f in flavors.split(",") if f.strip()], requests, rounds, output_tokens, out_dir, console
+        )
+    result.update(
+        {
+            "title": f"MLflow wrapper vs raw openai ({label})",
+            "kind": "mlflow",
+            "upstream": label,
+            "machine": machine_info(),
+        }
+    )
     (out_dir / "result.json").write_text(json.dumps(result, indent=2, default=str))
     table = Table(title="MLflow wrapper vs raw openai client (sequential calls)")
-    for column in ("flavour", "mode", "raw p50 ms", "wrapper p50 ms", "added p50 ms", "raw p99 ms", "wrapper p99 ms", "ratio p50", "target"):
+    for column in (
+        "flavour",
+        "mode",
+        "raw p50 ms",
+        "wrapper p50 ms",
+        "added p50 ms",
+        "raw p99 ms",
+        "wrapper p99 ms",
+        "ratio p50",
+        "target",
+    ):
         table.add_column(column, justify="right")
     for row in result["rows"]:
         met = row.get("met")
-        table.add_row(row["flavor"], row["mode"], _fmt(row["raw_p50_ms"], 2), _fmt(row["wrapper_p50_ms"], 2), _fmt(row["added_p50_ms"], 2),
-                      _fmt(row["raw_p99_ms"], 2), _fmt(row["wrapper_p99_ms"], 2), _fmt(row["ratio_p50"], 3),
-                      {True: "[green]met[/]", False: "[red]MISSED[/]", None: "-"}[met])
+        table.add_row(
+            row["flavor"],
+            row["mode"],
+            _fmt(row["raw_p50_ms"], 2),
+            _fmt(row["wrapper_p50_ms"], 2),
+            _fmt(row["added_p50_ms"], 2),
+            _fmt(row["raw_p99_ms"], 2),
+            _fmt(row["wrapper_p99_ms"], 2),
+            _fmt(row["ratio_p50"], 3),
+            {True: "[green]met[/]", False: "[red]MISSED[/]", None: "-"}[met],
+        )
     out_console.print(table)
     console.print(f"results: {out_dir / 'result.json'}")
 
@@ -404,14 +571,27 @@ def clients_command(
     out_dir = _out_dir(out, "clients")
     with processes.fake_upstream(stub_kind, out_dir) as (url, _):
         rows = measure(url, concurrency, requests, output_tokens)
-    table = Table(title=f"upstream client CPU per streamed request (c={concurrency}, {output_tokens} tokens, fake upstream {stub_kind})")
+    table = Table(
+        title=f"upstream client CPU per streamed request (c={concurrency}, {output_tokens} tokens, fake upstream {stub_kind})"
+    )
     for column in ("client", "round", "CPU ms/req", "wall s"):
         table.add_column(column)
     for row in rows:
         table.add_row(row["client"], str(row["round"]), f"{row['cpu_ms_per_req']:.3f}", f"{row['wall_s']:.2f}")
     out_console.print(table)
-    (out_dir / "result.json").write_text(json.dumps({"kind": "clients", "machine": machine_info(), "concurrency": concurrency,
-                                                     "requests": requests, "output_tokens": output_tokens, "rows": rows}, indent=2))
+    (out_dir / "result.json").write_text(
+        json.dumps(
+            {
+                "kind": "clients",
+                "machine": machine_info(),
+                "concurrency": concurrency,
+                "requests": requests,
+                "output_tokens": output_tokens,
+                "rows": rows,
+            },
+            indent=2,
+        )
+    )
     console.print(f"results: {out_dir / 'result.json'}")
 
 
@@ -419,7 +599,9 @@ def main() -> None:
     from loguru import logger
 
     logger.remove()  # loguru's default handler prints every engine log line (DEBUG): costly in the load generator
-    logger.add(sys.stderr, level=os.environ.get("BENCH_LOG_LEVEL", "INFO"), format="{time:HH:mm:ss} | {level: <7} | {message}")
+    logger.add(
+        sys.stderr, level=os.environ.get("BENCH_LOG_LEVEL", "INFO"), format="{time:HH:mm:ss} | {level: <7} | {message}"
+    )
     app()
 
 

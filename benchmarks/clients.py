@@ -23,7 +23,9 @@ async def _httpx(url: str, body: bytes, concurrency: int, requests: int) -> None
             nonlocal left
             while left > 0:
                 left -= 1
-                request = client.build_request("POST", url + "/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+                request = client.build_request(
+                    "POST", url + "/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+                )
                 response = await client.send(request, stream=True)
                 try:
                     async for _ in response.aiter_raw():
@@ -38,14 +40,18 @@ async def _aiohttp(url: str, body: bytes, concurrency: int, requests: int) -> No
     import aiohttp
 
     connector = aiohttp.TCPConnector(limit=256, limit_per_host=256, keepalive_timeout=30)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=600)) as session:
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=600)
+    ) as session:
         left = requests
 
         async def worker() -> None:
             nonlocal left
             while left > 0:
                 left -= 1
-                async with session.post(url + "/v1/chat/completions", data=body, headers={"content-type": "application/json"}) as response:
+                async with session.post(
+                    url + "/v1/chat/completions", data=body, headers={"content-type": "application/json"}
+                ) as response:
                     async for _ in response.content.iter_any():
                         pass
 
@@ -76,8 +82,14 @@ def measure(url: str, concurrency: int, requests: int, output_tokens: int) -> li
                     continue
                 cpu, wall = time.process_time(), time.perf_counter()
                 loop.run_until_complete(make(requests))
-                rows.append({"client": name, "round": _round, "cpu_ms_per_req": 1000 * (time.process_time() - cpu) / requests,
-                             "wall_s": time.perf_counter() - wall})
+                rows.append(
+                    {
+                        "client": name,
+                        "round": _round,
+                        "cpu_ms_per_req": 1000 * (time.process_time() - cpu) / requests,
+                        "wall_s": time.perf_counter() - wall,
+                    }
+                )
     finally:
         loop.close()
     return rows

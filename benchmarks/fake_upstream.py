@@ -52,7 +52,11 @@ def stream_events(model: str, tokens: int, include_usage: bool, prompt_tokens: i
     base = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
 
     def event(delta: dict[str, Any], finish: str | None = None, usage: Any = None, choices: bool = True) -> bytes:
-        data = {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}] if choices else [], "usage": usage}
+        data = {
+            **base,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}] if choices else [],
+            "usage": usage,
+        }
         return b"data: " + orjson.dumps(data) + b"\n\n"
 
     events = [event({"role": "assistant", "content": ""})]
@@ -73,13 +77,26 @@ def completion_body(model: str, tokens: int, prompt_tokens: int) -> bytes:
             "object": "chat.completion",
             "created": int(time.time()),
             "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": TOKEN_TEXT * tokens}, "logprobs": None, "finish_reason": "length"}],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": tokens, "total_tokens": prompt_tokens + tokens},
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": TOKEN_TEXT * tokens},
+                    "logprobs": None,
+                    "finish_reason": "length",
+                }
+            ],
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": tokens,
+                "total_tokens": prompt_tokens + tokens,
+            },
         }
     )
 
 
-MODELS_BODY = orjson.dumps({"object": "list", "data": [{"id": "fake", "object": "model", "owned_by": "fake", "max_model_len": 4096}]})
+MODELS_BODY = orjson.dumps(
+    {"object": "list", "data": [{"id": "fake", "object": "model", "owned_by": "fake", "max_model_len": 4096}]}
+)
 
 
 # ------------------------------------------------------------------------------ Starlette
@@ -120,7 +137,16 @@ def starlette_app() -> Any:
 def serve_starlette(host: str, port: int) -> None:
     import uvicorn
 
-    config = uvicorn.Config(starlette_app(), host=host, port=port, access_log=False, log_level="warning", loop="auto", http="auto", lifespan="off")
+    config = uvicorn.Config(
+        starlette_app(),
+        host=host,
+        port=port,
+        access_log=False,
+        log_level="warning",
+        loop="auto",
+        http="auto",
+        lifespan="off",
+    )
     server = uvicorn.Server(config)
 
     async def main() -> None:
@@ -184,7 +210,8 @@ class _RawProtocol(asyncio.Protocol):
     def _plain(self, status: int, content: bytes) -> None:
         reason = b"OK" if status == 200 else b"Not Found"
         self.transport.write(
-            b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (status, reason, len(content), content)
+            b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+            % (status, reason, len(content), content)
         )
 
 

@@ -24,6 +24,7 @@ import orjson
 
 _USAGE = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 _READ_LIMIT = 8 * 1024 * 1024
+_SENTENCE = "The quick brown fox jumps over the lazy dog.".split()
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,10 @@ class Workload:
     path: str = "/v1/chat/completions"
 
     def body(self) -> bytes:
-        prompt = " ".join(["hello"] * max(1, self.prompt_tokens - 8))  # the chat template adds a few tokens
+        # Natural words: a prompt of one repeated word makes the tiny random model emit byte fragments that
+        # SGLang holds back until they form UTF-8, i.e. one content event at the end (no measurable TTFT).
+        words = (_SENTENCE * (1 + self.prompt_tokens // len(_SENTENCE)))[: max(1, self.prompt_tokens - 8)]
+        prompt = " ".join(words)  # ~1 token per word; the chat template adds a few tokens
         data: dict[str, Any] = {
             "model": self.model,
             "messages": [{"role": "user", "content": prompt}],

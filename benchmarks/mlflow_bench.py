@@ -34,14 +34,18 @@ def _ms(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) * 1000 if values else None
 
 
-def run_mlflow_bench(url: str, flavors: list[str], requests: int, rounds: int, max_tokens: int, out_dir: Path, console: Console) -> dict[str, Any]:
+def run_mlflow_bench(
+    url: str, flavors: list[str], requests: int, rounds: int, max_tokens: int, out_dir: Path, console: Console
+) -> dict[str, Any]:
     import mlflow
     import openai
 
     from model_code import close_model, log_model
 
     mlflow.set_tracking_uri(f"sqlite:///{out_dir / 'mlflow.db'}")
-    experiment = mlflow.create_experiment(f"bench-{time.time_ns()}", artifact_location=str(out_dir / "mlflow-artifacts"))
+    experiment = mlflow.create_experiment(
+        f"bench-{time.time_ns()}", artifact_location=str(out_dir / "mlflow-artifacts")
+    )
     mlflow.set_experiment(experiment_id=experiment)
     config = {"models": {"bench": {"url": url}}}
     raw = openai.OpenAI(base_url=url.rstrip("/") + "/v1", api_key="EMPTY", max_retries=0, timeout=600)
@@ -51,7 +55,12 @@ def run_mlflow_bench(url: str, flavors: list[str], requests: int, rounds: int, m
 
     def raw_stream() -> None:
         stream = raw.chat.completions.create(
-            model="bench", messages=MESSAGES, max_tokens=max_tokens, temperature=0.0, stream=True, stream_options={"include_usage": True}
+            model="bench",
+            messages=MESSAGES,
+            max_tokens=max_tokens,
+            temperature=0.0,
+            stream=True,
+            stream_options={"include_usage": True},
         )
         with stream:
             for _ in stream:
@@ -59,7 +68,14 @@ def run_mlflow_bench(url: str, flavors: list[str], requests: int, rounds: int, m
 
     rows: list[dict[str, Any]] = []
     per_round = max(1, -(-requests // rounds))
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, refresh_per_second=4) as progress:
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        refresh_per_second=4,
+    ) as progress:
         for flavor in flavors:
             task = progress.add_task(f"logging {flavor}", total=None)
             with mlflow.start_run():
@@ -75,7 +91,10 @@ def run_mlflow_bench(url: str, flavors: list[str], requests: int, rounds: int, m
                 for _ in model.predict_stream(inputs):
                     pass
 
-            for mode, raw_call, wrapped_call in (("predict", raw_predict, wrapped_predict), ("predict_stream", raw_stream, wrapped_stream)):
+            for mode, raw_call, wrapped_call in (
+                ("predict", raw_predict, wrapped_predict),
+                ("predict_stream", raw_stream, wrapped_stream),
+            ):
                 sides = {"raw": raw_call, "wrapper": wrapped_call, "wrapper (tracing off)": wrapped_call}
                 times: dict[str, list[float]] = {name: [] for name in sides}
                 for name, call in sides.items():  # warm-up
@@ -118,7 +137,13 @@ def run_mlflow_bench(url: str, flavors: list[str], requests: int, rounds: int, m
             close_model(model)
     mlflow.flush_trace_async_logging()
     raw.close()
-    return {"rows": rows, "requests_per_side": per_round * rounds, "rounds": rounds, "max_tokens": max_tokens, "target": "predict adds <= 2 ms (p50) over the raw openai client"}
+    return {
+        "rows": rows,
+        "requests_per_side": per_round * rounds,
+        "rounds": rounds,
+        "max_tokens": max_tokens,
+        "target": "predict adds <= 2 ms (p50) over the raw openai client",
+    }
 
 
 def _set_tracing(mlflow: Any, side: str) -> None:

@@ -100,7 +100,11 @@ def wait_http(url: str, child: Child | None = None, timeout_s: float = 60.0) -> 
 @contextmanager
 def fake_upstream(kind: str, logs: Path) -> Iterator[tuple[str, Child]]:
     port = pick_free_port()
-    child = Child(f"fake upstream ({kind})", [sys.executable, "-m", "benchmarks.fake_upstream", "--port", str(port), "--kind", kind], logs / "fake-upstream.log")
+    child = Child(
+        f"fake upstream ({kind})",
+        [sys.executable, "-m", "benchmarks.fake_upstream", "--port", str(port), "--kind", kind],
+        logs / "fake-upstream.log",
+    )
     try:
         url = f"http://127.0.0.1:{port}"
         wait_http(url + "/health", child, 60)
@@ -179,8 +183,40 @@ class Profiler:
         self.svg = out.with_suffix(".svg")
         self.raw = out.with_suffix(".txt")
         self.children = [
-            Child("py-spy", [exe_path, "record", "--pid", str(pid), "--rate", str(rate), "--nonblocking", "-f", "flamegraph", "-o", str(self.svg)], out.with_suffix(".svg.log")),
-            Child("py-spy", [exe_path, "record", "--pid", str(pid), "--rate", str(rate), "--nonblocking", "-f", "raw", "-o", str(self.raw)], out.with_suffix(".raw.log")),
+            Child(
+                "py-spy",
+                [
+                    exe_path,
+                    "record",
+                    "--pid",
+                    str(pid),
+                    "--rate",
+                    str(rate),
+                    "--nonblocking",
+                    "-f",
+                    "flamegraph",
+                    "-o",
+                    str(self.svg),
+                ],
+                out.with_suffix(".svg.log"),
+            ),
+            Child(
+                "py-spy",
+                [
+                    exe_path,
+                    "record",
+                    "--pid",
+                    str(pid),
+                    "--rate",
+                    str(rate),
+                    "--nonblocking",
+                    "-f",
+                    "raw",
+                    "-o",
+                    str(self.raw),
+                ],
+                out.with_suffix(".raw.log"),
+            ),
         ]
         time.sleep(0.5)  # attach before the load starts
 

@@ -37,7 +37,18 @@ def _parse(frame: str) -> tuple[str, str]:
 
 
 # Entry frames every sample passes through (the CLI, uvicorn's loop runner): left out of the inclusive list
-_ENTRY = ("<module>", "typer/", "click/", "gateway/cli.py", "gateway/server.py", "uvicorn/server.py", "uvicorn/_compat.py", "asyncio/runners.py", "asyncio/base_events.py", "asyncio/events.py")
+_ENTRY = (
+    "<module>",
+    "typer/",
+    "click/",
+    "gateway/cli.py",
+    "gateway/server.py",
+    "uvicorn/server.py",
+    "uvicorn/_compat.py",
+    "asyncio/runners.py",
+    "asyncio/base_events.py",
+    "asyncio/events.py",
+)
 
 
 def component(file: str) -> str:

@@ -89,22 +89,44 @@ def evaluate_targets(upstream: str, levels: dict[int, dict[str, Any]]) -> list[d
     if upstream.startswith("stub"):
         if 1 in levels:
             vs = levels[1]["vs"]
-            checks.append(_check("stub c=1: added p50 latency", vs["latency_p50_ms"].get("added_ms"), 1.0, at_most=True, unit="ms"))
-            checks.append(_check("stub c=1: added p50 TTFT", vs["ttft_p50_ms"].get("added_ms"), 1.0, at_most=True, unit="ms"))
-            checks.append(_check("stub c=1: added p99 latency", vs["latency_p99_ms"].get("added_ms"), 3.0, at_most=True, unit="ms"))
-            checks.append(_check("stub c=1: added p99 TTFT", vs["ttft_p99_ms"].get("added_ms"), 3.0, at_most=True, unit="ms"))
+            checks.append(
+                _check(
+                    "stub c=1: added p50 latency", vs["latency_p50_ms"].get("added_ms"), 1.0, at_most=True, unit="ms"
+                )
+            )
+            checks.append(
+                _check("stub c=1: added p50 TTFT", vs["ttft_p50_ms"].get("added_ms"), 1.0, at_most=True, unit="ms")
+            )
+            checks.append(
+                _check(
+                    "stub c=1: added p99 latency", vs["latency_p99_ms"].get("added_ms"), 3.0, at_most=True, unit="ms"
+                )
+            )
+            checks.append(
+                _check("stub c=1: added p99 TTFT", vs["ttft_p99_ms"].get("added_ms"), 3.0, at_most=True, unit="ms")
+            )
         for c in (16, 64, 256):
             if c in levels:
-                checks.append(_check(f"stub c={c}: req/s kept", levels[c]["vs"]["req_s"]["ratio"], 0.5, at_most=False, unit="x"))
+                checks.append(
+                    _check(f"stub c={c}: req/s kept", levels[c]["vs"]["req_s"]["ratio"], 0.5, at_most=False, unit="x")
+                )
                 # the reading of that target: gateway CPU per request <= the stub's own CPU per request
                 gw = levels[c]["gateway"].get("cpu_ms_per_req", {}).get("gateway")
                 up = levels[c]["direct"].get("cpu_ms_per_req", {}).get("upstream")
                 ratio = gw / up if gw is not None and up else None
-                checks.append(_check(f"stub c={c}: gateway CPU/req vs stub CPU/req", ratio, 1.0, at_most=True, unit="x"))
+                checks.append(
+                    _check(f"stub c={c}: gateway CPU/req vs stub CPU/req", ratio, 1.0, at_most=True, unit="x")
+                )
     else:
         for c in (1, 4, 16):
             if c in levels:
                 vs = levels[c]["vs"]
-                checks.append(_check(f"sglang c={c}: out tok/s kept", vs["out_tok_s"]["ratio"], 0.98, at_most=False, unit="x"))
-                checks.append(_check(f"sglang c={c}: added p50 TTFT", vs["ttft_p50_ms"].get("added_ms"), 2.0, at_most=True, unit="ms"))
+                checks.append(
+                    _check(f"sglang c={c}: out tok/s kept", vs["out_tok_s"]["ratio"], 0.98, at_most=False, unit="x")
+                )
+                checks.append(
+                    _check(
+                        f"sglang c={c}: added p50 TTFT", vs["ttft_p50_ms"].get("added_ms"), 2.0, at_most=True, unit="ms"
+                    )
+                )
     return checks

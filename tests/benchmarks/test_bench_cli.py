@@ -34,9 +34,32 @@ def test_load_generator_against_fake_upstream(tmp_path: Path) -> None:
 def test_compare_cli_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "result"
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "compare", "--upstream", "stub", "-c", "1,2", "-n", "6",
-         "--rounds", "2", "--warmup", "2", "--output-tokens", "4", "--max-seconds", "30", "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=180,
+        [
+            sys.executable,
+            "-m",
+            "benchmarks",
+            "compare",
+            "--upstream",
+            "stub",
+            "-c",
+            "1,2",
+            "-n",
+            "6",
+            "--rounds",
+            "2",
+            "--warmup",
+            "2",
+            "--output-tokens",
+            "4",
+            "--max-seconds",
+            "30",
+            "--out",
+            str(out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads((out / "result.json").read_text())
