@@ -150,7 +150,10 @@ def launch(
 
 @app.command()
 def serve(
-    config: ConfigArg,
+    config: Annotated[Path | None, typer.Argument(help="Deployment YAML file.", show_default=False)] = None,
+    model_uri: Annotated[
+        str | None, typer.Option("--model-uri", help="Serve a logged MLflow model (models:/..., runs:/...) instead.")
+    ] = None,
     host: Annotated[str | None, typer.Option("--host", help="Interface to bind (overrides gateway.host).")] = None,
     port: Annotated[int | None, typer.Option("--port", help="Port to bind (overrides gateway.port).")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show the engines' logs.")] = False,
@@ -159,18 +162,33 @@ def serve(
     """Start CONFIG's engines and serve the OpenAI-compatible gateway until Ctrl-C (or SIGTERM).
 
     Edit CONFIG and send SIGHUP (or POST /admin/reload, or use --watch) to swap models without downtime.
+    With --model-uri, serve a logged MLflow model: the OpenAI endpoints plus POST /invocations
+    (Databricks request shapes, streaming when the body has "stream": true).
     """
-    from gateway.server import run
-
+    if (config is None) == (model_uri is None):
+        raise fail("give a CONFIG file or --model-uri (one of them)")
+    if model_uri is not None and watch:
+        raise fail("--watch needs a CONFIG file")
     configure_logging(verbose)
     try:
-        run(config, host=host, port=port, verbose=verbose, watch=watch)
+        if model_uri is not None:
+            from gateway.model_uri import run_model_uri
+
+            run_model_uri(model_uri, host=host, port=port, verbose=verbose)
+        else:
+            from gateway.server import run
+
+            run(config, host=host, port=port, verbose=verbose, watch=watch)
     except (ConfigError, PreflightError) as error:
         raise fail(str(error)) from None
     except EngineError as error:
         raise fail(str(error), code=1) from None
     except OSError as error:
         raise fail(f"cannot serve: {error.strerror or error}", code=1) from None
+    except Exception as error:  # e.g. MLflow cannot find or load the model: one line, no traceback
+        if model_uri is None:
+            raise
+        raise fail(f"cannot serve {model_uri}: {str(error).splitlines()[0] if str(error) else type(error).__name__}", code=1) from None
 
 
 @app.command("build-tiny-model")

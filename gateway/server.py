@@ -73,8 +73,14 @@ def run(
     """
     deployment = load_config(config_path)
     app, settings = app_from_config(deployment, host=host, port=port, watch=watch)
+    logger.info("gateway: serving {} model(s) from {}", len(deployment.models), config_path)
+    serve_app(app, settings, verbose=verbose, source=str(config_path))
+
+
+def serve_app(app: FastAPI, settings: GatewaySettings, *, verbose: bool = False, source: str = "gateway") -> None:
+    """Run ``app`` under uvicorn until SIGTERM / Ctrl-C (graceful, exit 0); SIGHUP asks for a reload."""
     if settings.port and not port_is_free(settings.host, settings.port):
-        raise ConfigError(f"{config_path}: gateway.port: port {settings.port} on {settings.host} is already in use (or use --port)")
+        raise ConfigError(f"{source}: gateway.port: port {settings.port} on {settings.host} is already in use (or use --port)")
     server = _Server(uvicorn_config(app, settings, log_level="debug" if verbose else "info"))
     hide = _HideStartupTraceback(app)
     logging.getLogger("uvicorn.error").addFilter(hide)
@@ -85,7 +91,7 @@ def run(
     if in_main:
         previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, lambda *_: app.state.controller.request_reload("SIGHUP"))
     try:
-        logger.info("gateway: serving {} model(s) from {} on http://{}:{}", len(deployment.models), config_path, settings.host, settings.port)
+        logger.info("gateway: listening on http://{}:{}", settings.host, settings.port)
         server.run()
     except SystemExit:  # uvicorn exits 3 when the lifespan (engine start-up) failed
         if app.state.startup_error is None:

@@ -69,6 +69,19 @@ class ServedModel:
         client = getattr(self.python_model, "client", None)
         return getattr(client, "model", None)
 
+    @property
+    def upstream(self) -> tuple[str, str, str | None]:
+        """(engine base URL without ``/v1``, served model name, API key or None) the model talks to.
+
+        Lets a server put the OpenAI endpoints in front of the same engine the model started.
+        """
+        client = getattr(self.python_model, "client", None)
+        base_url = getattr(client, "base_url", None)
+        if not base_url or not self.model_name:
+            raise TypeError("this model has no engine client (was it loaded for logging?)")
+        api_key = getattr(client, "api_key", None)
+        return base_url.removesuffix("/").removesuffix("/v1"), self.model_name, None if api_key in (None, "EMPTY") else api_key
+
     def predict(self, body: Mapping[str, Any]) -> dict[str, Any]:
         return self.pyfunc_model.predict(normalize_request(body))
 

@@ -111,3 +111,86 @@ def test_load_for_serving_request_shapes(url_models, flavor, body):
         assert wrapped.keys() == out.keys()
     finally:
         served.close()
+
+
+@pytest.fixture(scope="module")
+def gateway_model_uri(url_models, mlflow_store):
+    """``sglang-gateway serve --model-uri`` of the logged ChatAgent, as a user runs it."""
+    info, _ = url_models["chat_agent"]
+    port = pick_free_port()
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{mlflow_store}/mlflow.db"}
+    log_path = mlflow_store / f"gateway-{port}.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", "serve", "--model-uri", info.model_uri, "--port", str(port)],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            try:
+                if httpx.get(f"{url}/ping", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        else:
+            pytest.fail("sglang-gateway serve --model-uri did not answer /ping in 180 s")
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def test_gateway_model_uri_answers_the_same_body_as_mlflow_serve(gateway_model_uri, served_agent):
+    url, _ = gateway_model_uri
+    body = {"messages": MESSAGES, "custom_inputs": {"temperature": 0, "max_tokens": 12}}
+    ours = httpx.post(f"{url}/invocations", json=body, timeout=120)
+    theirs = httpx.post(f"{served_agent}/invocations", json=body, timeout=120)
+    assert ours.status_code == theirs.status_code == 200, ours.text
+    assert ours.json().keys() == theirs.json().keys()
+    assert ours.json()["messages"][0]["content"] == theirs.json()["messages"][0]["content"]  # temperature 0
+    bad = httpx.post(f"{url}/invocations", json={"messages": MESSAGES, "custom_inputs": {"temprature": 1}}, timeout=60)
+    assert bad.status_code == 400
+    assert "unknown generation parameter" in bad.json()["error"]["message"]
+    junk = httpx.post(f"{url}/invocations", content=b"{not json", timeout=30)
+    assert junk.status_code == 400 and set(junk.json()["error"]) >= {"message", "type", "param", "code"}
+
+
+def test_gateway_model_uri_streams_invocations_as_sse(gateway_model_uri):
+    import json
+
+    url, _ = gateway_model_uri
+    body = {"messages": MESSAGES, "custom_inputs": {"temperature": 0, "max_tokens": 12}, "stream": True}
+    with httpx.stream("POST", f"{url}/invocations", json=body, timeout=120) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        raw = response.read().decode()
+    events = [event for event in raw.split("\n\n") if event]
+    assert all(event.startswith("data: ") for event in events), raw[:500]
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(event.removeprefix("data: ")) for event in events[:-1]]
+    assert len(chunks) >= 2
+    assert all(chunk["delta"]["role"] == "assistant" for chunk in chunks)
+    assert "".join(chunk["delta"].get("content") or "" for chunk in chunks)
+
+
+def test_gateway_model_uri_also_serves_openai_and_stops_cleanly(gateway_model_uri):
+    import openai
+
+    url, proc = gateway_model_uri
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    reply = client.chat.completions.create(model="default", messages=MESSAGES, max_tokens=6, temperature=0)
+    assert reply.model == "tiny" and reply.choices[0].message.role == "assistant"
+    os.killpg(proc.pid, signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0
