@@ -105,7 +105,26 @@ def machine_info() -> dict[str, Any]:
         "mlflow",
         "orjson",
     ]
+    try:  # which gateway code was measured (other work may be in progress in the tree)
+        import subprocess
+
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=processes.REPO, capture_output=True, text=True, timeout=5
+        ).stdout.strip()
+        dirty = bool(
+            subprocess.run(
+                ["git", "status", "--porcelain", "gateway"],
+                cwd=processes.REPO,
+                capture_output=True,
+                text=True,
+                timeout=5,
+            ).stdout.strip()
+        )
+    except (OSError, subprocess.SubprocessError):
+        commit, dirty = "", False
     return {
+        "git_commit": commit,
+        "gateway_tree_dirty": dirty,
         "cpus": os.cpu_count(),
         "cpu_model": cpu,
         "python": platform.python_version(),
