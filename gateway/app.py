@@ -29,7 +29,7 @@ from gateway.engines import EngineManager
 from gateway.errors import GatewayError, error_response
 from gateway.metrics import Metrics
 from gateway.middleware import BodyLimitMiddleware, RequestContextMiddleware
-from gateway.proxy import Proxy
+from gateway.proxy import Proxy, upstream_session
 from gateway.registry import Registry, build_registry
 from gateway.routes import GatewayState, router
 from gateway.swap import SwapExecutor
@@ -65,15 +65,14 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        timeout = httpx.Timeout(
-            connect=settings.upstream_connect_timeout_s,
-            read=settings.upstream_read_timeout_s,
-            write=settings.upstream_read_timeout_s,
-            pool=settings.upstream_connect_timeout_s,
+        # Requests go upstream over aiohttp (the hot path); health and model-card probes over httpx.
+        session = upstream_session(
+            settings.upstream_connect_timeout_s, settings.upstream_read_timeout_s, settings.upstream_max_connections
         )
-        limits = httpx.Limits(max_connections=settings.upstream_max_connections, max_keepalive_connections=64)
-        async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
-            state.proxy = Proxy(client, state.metrics)
+        probe_timeout = httpx.Timeout(settings.health_timeout_s, connect=settings.upstream_connect_timeout_s)
+        probes = httpx.AsyncClient(timeout=probe_timeout, trust_env=False)
+        async with session, probes:
+            state.proxy = Proxy(session, state.metrics, probes)
             if engines is not None:
                 try:
                     await engines.start_all()

@@ -16,10 +16,11 @@ from collections.abc import Coroutine
 from contextlib import AsyncExitStack
 from typing import Any, TypeVar
 
-import httpx
+import aiohttp
 import orjson
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
+from yarl import URL
 
 from gateway.context import RequestInfo
 from gateway.errors import GatewayError, sanitize_message, sse_error_event, upstream_error
@@ -33,26 +34,71 @@ _SSE_HEADERS = [
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
 ]
+# Idle upstream connections are kept this long: under the 5 s keep-alive of uvicorn (SGLang's server),
+# so the gateway never reuses a connection the engine is closing (aiohttp does not retry a POST on one).
+UPSTREAM_KEEPALIVE_S = 4.0
 
 
-def transport_error(error: httpx.HTTPError, backend: str, retry_after_s: int = 1) -> GatewayError:
-    """Map an httpx failure talking to ``backend`` to 503 (unreachable / connection lost) or 504 (timeout)."""
+def upstream_session(connect_timeout_s: float, read_timeout_s: float, max_connections: int) -> aiohttp.ClientSession:
+    """The one pooled ``aiohttp.ClientSession`` that forwards every request (create it inside the event loop).
+
+    Connections are kept alive and reused up to ``max_connections`` in all (no per-host cap and no
+    smaller keep-alive cap: every concurrency level reuses its connections). ``connect_timeout_s``
+    bounds the wait for a pooled connection plus the TCP connect; ``read_timeout_s`` is the longest
+    silence between upstream bytes (response headers included); there is no total timeout, a
+    stream lasts as long as the engine keeps sending.
+    """
+    connector = aiohttp.TCPConnector(
+        limit=max_connections, limit_per_host=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S, ttl_dns_cache=300
+    )
+    timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_connect=connect_timeout_s, sock_read=read_timeout_s)
+    return aiohttp.ClientSession(
+        connector=connector,
+        timeout=timeout,
+        trust_env=False,  # no proxy variables: engines are reached directly
+        auto_decompress=False,  # bytes are relayed as the engine sent them (we ask for no encoding)
+        skip_auto_headers=("Accept-Encoding", "User-Agent"),
+        cookie_jar=aiohttp.DummyCookieJar(),
+        raise_for_status=False,
+    )
+
+
+def transport_error(error: BaseException, backend: str, retry_after_s: int = 1) -> GatewayError:
+    """Map a failure talking to ``backend`` to 503 (unreachable / connection lost) or 504 (timeout)."""
     retry = {"Retry-After": str(retry_after_s)}
-    if isinstance(error, httpx.ConnectTimeout):
+    if isinstance(error, aiohttp.ConnectionTimeoutError):
         return GatewayError(504, f"timed out connecting to the engine of {backend}", code="upstream_timeout")
-    if isinstance(error, httpx.TimeoutException):
+    if isinstance(error, TimeoutError):  # aiohttp's ServerTimeoutError (sock_read) is one too
         return GatewayError(504, f"timed out waiting for the engine of {backend}", code="upstream_timeout")
-    if isinstance(error, httpx.ConnectError):
+    if isinstance(error, aiohttp.ClientConnectorError):
         return GatewayError(503, f"the engine of {backend} is unreachable", code="engine_unavailable", headers=retry)
     return GatewayError(503, f"lost the connection to the engine of {backend}", code="engine_unavailable", headers=retry)
 
 
-class Proxy:
-    """Sends requests upstream over one shared, pooled ``httpx.AsyncClient``."""
+# What a failed upstream exchange can raise: aiohttp's errors, its timeouts, and OS errors under them.
+UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
 
-    def __init__(self, client: httpx.AsyncClient, metrics: Metrics) -> None:
+
+class Proxy:
+    """Forwards requests upstream over one shared, pooled ``aiohttp.ClientSession`` (``session``).
+
+    ``client`` is the ``httpx.AsyncClient`` of the health and model-card probes (``/ready``, the
+    watchdog, ``/v1/models``): off the request path, so they keep the simpler API.
+    """
+
+    def __init__(self, session: aiohttp.ClientSession, metrics: Metrics, client: Any = None) -> None:
+        self.session = session
         self.client = client
         self.metrics = metrics
+        self._urls: dict[str, URL] = {}
+
+    def _url(self, text: str) -> URL:
+        url = self._urls.get(text)
+        if url is None:
+            if len(self._urls) > 1024:  # backends come and go with swaps; never grow without bound
+                self._urls.clear()
+            url = self._urls[text] = URL(text)
+        return url
 
     async def forward(
         self, route: ModelRoute, body: dict[str, Any], path: str, info: RequestInfo, receive: Receive | None = None
@@ -88,41 +134,50 @@ class Proxy:
             stack.callback(gauge.dec)
 
             body["model"] = backend.served_name
-            request = self.client.build_request(
-                "POST",
-                backend.url + path,
-                content=orjson.dumps(body),
-                headers={"content-type": "application/json", "x-request-id": info.request_id, **backend.upstream_headers()},
-            )
+            url = self._url(backend.url + path)
+            payload = orjson.dumps(body)
+            headers = {"Content-Type": "application/json", "X-Request-Id": info.request_id, **backend.upstream_headers()}
+            streamed = info.stream
 
-            async def exchange() -> tuple[httpx.Response, bytes | None]:
-                upstream = await self.client.send(request, stream=True)
-                stack.push_async_callback(upstream.aclose)
+            async def exchange() -> tuple[aiohttp.ClientResponse, bytes | None]:
+                upstream = await self.session.post(url, data=payload, headers=headers)
+                stack.callback(_finish, upstream)
                 # Plain answers (and errors) are read whole; a 200 stream is relayed by SSEProxyResponse.
-                content = await upstream.aread() if upstream.status_code != 200 or not info.stream else None
+                content = await upstream.read() if upstream.status != 200 or not streamed else None
                 return upstream, content
 
             try:
                 finished, result = await _unless_disconnected(exchange(), receive)
-            except httpx.HTTPError as error:
+            except UPSTREAM_ERRORS as error:
                 raise transport_error(error, route.name, limiter.settings.retry_after_s) from None
             if not finished:
                 info.error = "client disconnected"
                 return Response(b"", status_code=499)  # nobody is listening; 499 only shows in logs/metrics
             assert result is not None
             upstream, content = result
-            if upstream.status_code != 200:
-                raise upstream_error(upstream.status_code, content or b"")
-            if not info.stream:
+            if upstream.status != 200:
+                raise upstream_error(upstream.status, content or b"")
+            if not streamed:
                 info.ttft_s = time.perf_counter() - info.started
                 _record_usage(content or b"", info)
-                media = upstream.headers.get("content-type", "application/json")
+                media = upstream.headers.get("Content-Type", "application/json")
                 return Response(content or b"", status_code=200, media_type=media)
             handed_over = True
             return SSEProxyResponse(upstream, stack, info, self.metrics, route.name)
         finally:
             if not handed_over:
                 await stack.aclose()
+
+
+def _finish(upstream: aiohttp.ClientResponse) -> None:
+    """Give a fully read response's connection back to the pool; close one cut short.
+
+    Closing is what tells the engine that nobody listens any more: it aborts the request.
+    """
+    if upstream.content.at_eof():
+        upstream.release()
+    else:
+        upstream.close()
 
 
 async def _unless_disconnected(work: Coroutine[Any, Any, T], receive: Receive | None) -> tuple[bool, T | None]:
@@ -165,7 +220,7 @@ def _record_usage(content: bytes, info: RequestInfo) -> None:
 class SSEProxyResponse(Response):
     """An ASGI response relaying an upstream SSE stream; owns the upstream response and admission slot."""
 
-    def __init__(self, upstream: httpx.Response, stack: AsyncExitStack, info: RequestInfo, metrics: Metrics, model: str) -> None:
+    def __init__(self, upstream: aiohttp.ClientResponse, stack: AsyncExitStack, info: RequestInfo, metrics: Metrics, model: str) -> None:
         super().__init__(status_code=200, media_type="text/event-stream")
         self.upstream = upstream
         self.stack = stack
@@ -195,13 +250,13 @@ class SSEProxyResponse(Response):
     async def _pump(self, send: Send) -> None:
         failure: GatewayError | None = None
         try:
-            async for chunk in self.upstream.aiter_raw():
+            async for chunk in self.upstream.content.iter_any():
                 if self.info.ttft_s is None:
                     self.info.ttft_s = time.perf_counter() - self.info.started
                 events = self._complete_events(chunk)
                 if events:
                     await send({"type": "http.response.body", "body": events, "more_body": True})
-        except httpx.HTTPError as error:
+        except UPSTREAM_ERRORS as error:
             failure = transport_error(error, self.model)
         if self._pending:
             tail, self._pending = self._pending, b""

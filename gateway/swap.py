@@ -116,11 +116,11 @@ class SwapExecutor:
         try:
             await asyncio.to_thread(engine.wait_ready)
         except EngineError as error:
-            await self._stop(engine)
+            await self._stop(engine, forget=True)
             tail = error.log_tail[-40:]
             raise SwapError(model, f"new engine for {model!r} failed to start: {str(error).splitlines()[0]}", tail) from None
         except BaseException:
-            await self._stop(engine)
+            await self._stop(engine, forget=True)
             raise
         return Backend(config.served_model_name or model, engine=engine)
 
@@ -185,6 +185,7 @@ class SwapExecutor:
             await self.retire(model, new)
             result.error = f"model {model!r} was removed while its new engine started"
             return
+        self._owned.discard(old.engine)  # type: ignore[arg-type]
         result.unavailable_s = time.monotonic() - down
         result.ok, result.new = True, describe_backend(new)
         logger.info("model {}: now served by {}; it was unavailable for {:.1f}s", model, new.describe(), result.unavailable_s)
@@ -197,6 +198,7 @@ class SwapExecutor:
         if self.registry.set_backend(model, new) is None:
             await self.retire(model, new)
             raise SwapError(model, f"model {model!r} was removed while its engine restarted")
+        self._owned.discard(old.engine)
         return new
 
     # --------------------------------------------------------------- draining and stopping
@@ -205,7 +207,7 @@ class SwapExecutor:
         self.retiring.setdefault(model, []).append(backend)
         try:
             drained = await self._drain(backend)
-            await self._stop(backend.engine)
+            await self._stop(backend.engine, forget=True)
         finally:
             self.retiring[model].remove(backend)
             if not self.retiring[model]:
@@ -222,11 +224,14 @@ class SwapExecutor:
             logger.warning("{}: {} request(s) still running after the drain timeout; stopping anyway", backend.describe(), backend.in_flight)
         return time.monotonic() - started, timed_out
 
-    async def _stop(self, engine: EngineProcess | None) -> None:
+    async def _stop(self, engine: EngineProcess | None, *, forget: bool = False) -> None:
+        """Stop an engine we own. ``forget`` once its backend has left the registry: an engine stopped
+        while its backend still routes the model stays owned, so the watchdog restarts it."""
         if engine is None or engine not in self._owned:
             return
         await asyncio.to_thread(engine.stop)
-        self._owned.discard(engine)
+        if forget:
+            self._owned.discard(engine)
 
     async def close(self) -> None:
         """Stop every engine this gateway owns (shutdown); starts in progress fail and stop too."""

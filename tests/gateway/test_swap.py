@@ -1,0 +1,385 @@
+"""Model swaps and engine crashes under real load, with the real SGLang CPU engine.
+
+One gateway (started from a YAML file, owning its engine) serves the whole module while a bounded
+loop of concurrent streaming and plain requests runs through the ``openai`` SDK. In order:
+
+(b) a broken YAML is reloaded: nothing changes;
+(c) the YAML points the model at a directory with a broken config.json: the new engine fails,
+    the old one keeps serving, the reload reports the error with the engine's log tail;
+(a) the engine section changes (max_total_tokens 4096 -> 2048, served_model_name tiny -> tiny-v2):
+    zero failed requests, new requests reach the new engine, the old process is gone after the drain;
+    a second reload sent at the same time finds nothing left to do;
+    then two concurrent stop-first swaps share one swap: only 503 + Retry-After while the model is down;
+(d) the engine is SIGKILLed: requests get 503 (never a hang, never a 500) until the watchdog's
+    restart, then succeed again.
+
+The numbers (failed requests, swap time, outage length) are printed (run with ``-s`` to see them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from gateway.app import app_from_config
+from launch.config import load_config
+from launch.shm import owned_shm_files
+from tests.gateway.helpers import KEY, GatewayServer, auth, prometheus_value
+
+pytestmark = pytest.mark.engine
+ADMIN = "swap-admin-key"
+PROMPT = [{"role": "user", "content": "Say something."}]
+
+
+# ----------------------------------------------------------------------------- load
+
+
+@dataclass
+class Outcome:
+    started: float
+    ended: float
+    stream: bool
+    kind: str  # ok | 503 | stream_cut | timeout | error
+    model: str | None = None
+    status: int | None = None
+    retry_after: str | None = None
+    detail: str = ""
+
+
+@dataclass
+class Load:
+    """A bounded loop of concurrent requests (half streaming) from ``workers`` threads, recorded."""
+
+    base_url: str
+    workers: int = 3
+    max_requests: int = 5000
+    outcomes: list[Outcome] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(self.workers)]
+
+    def __enter__(self) -> Load:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(90)
+        assert not any(t.is_alive() for t in self._threads), "a load worker hung"
+
+    def _run(self, worker: int) -> None:
+        client = openai.OpenAI(base_url=self.base_url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+        n = 0
+        while not self._stop.is_set() and len(self.outcomes) < self.max_requests:
+            stream = (n + worker) % 2 == 0
+            n += 1
+            outcome = self._one(client, stream)
+            with self._lock:
+                self.outcomes.append(outcome)
+            time.sleep(0.05 if outcome.kind == "ok" else 0.5)  # a polite client (Retry-After, shortened)
+
+    def _one(self, client: openai.OpenAI, stream: bool) -> Outcome:
+        started = time.monotonic()
+        out = Outcome(started, started, stream, "ok")
+        try:
+            if stream:
+                chunks = client.chat.completions.create(model="tiny", messages=PROMPT, max_tokens=8, temperature=0, stream=True)
+                for chunk in chunks:
+                    out.model = chunk.model
+            else:
+                reply = client.chat.completions.create(model="tiny", messages=PROMPT, max_tokens=8, temperature=0)
+                out.model = reply.model
+        except openai.APITimeoutError as error:
+            out.kind, out.detail = "timeout", str(error)
+        except openai.APIStatusError as error:
+            out.status = error.status_code
+            out.kind = "503" if error.status_code == 503 else "error"
+            out.retry_after = error.response.headers.get("retry-after")
+            out.detail = str(error.body)[:300]
+        except openai.APIError as error:  # an error event inside a 200 stream
+            out.kind, out.detail = ("stream_cut" if stream else "error"), f"{type(error).__name__}: {error}"[:300]
+        out.ended = time.monotonic()
+        return out
+
+    def between(self, start: float, end: float = float("inf")) -> list[Outcome]:
+        with self._lock:
+            return [o for o in self.outcomes if o.started >= start and o.started < end]
+
+    def counts(self, outcomes: list[Outcome]) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for o in outcomes:
+            out[o.kind] = out.get(o.kind, 0) + 1
+        return out
+
+    def wait_for_requests(self, n: int, since: float, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while len([o for o in self.between(since) if o.kind == "ok"]) < n:
+            assert time.monotonic() < deadline, f"fewer than {n} successful requests in {timeout_s}s: {self.counts(self.between(since))}"
+            time.sleep(0.1)
+
+
+def report(title: str, **numbers: Any) -> None:
+    print(f"\n[swap-test] {title}: " + json.dumps(numbers, default=str), flush=True)
+
+
+# ----------------------------------------------------------------------------- the gateway
+
+
+def _deployment(model_dir: Path | str, *, max_total_tokens: int = 4096, served: str | None = None) -> dict[str, Any]:
+    engine: dict[str, Any] = {
+        "model_path": str(model_dir),
+        "device": "cpu",
+        "dtype": "float32",
+        "max_total_tokens": max_total_tokens,
+        "skip_server_warmup": True,
+        "startup_timeout_s": 300,
+    }
+    if served:
+        engine["served_model_name"] = served
+    return {
+        "models": {"tiny": {"engine": engine}},
+        "gateway": {
+            "api_keys": [KEY],
+            "admin_keys": [ADMIN],
+            "drain_timeout_s": 60,
+            "swap_retry_after_s": 2,
+            "watchdog": {"interval_s": 0.5, "backoff_initial_s": 0.5, "max_restarts": 3},
+        },
+    }
+
+
+@dataclass
+class SwapRig:
+    server: GatewayServer
+    config: Path
+    model_dir: Path
+    tmp: Path
+    pids: set[int] = field(default_factory=set)
+    shm: set[Path] = field(default_factory=set)  # /dev/shm files our engines used (others' engines may run too)
+
+    def write(self, data: dict[str, Any] | str) -> None:
+        self.config.write_text(data if isinstance(data, str) else yaml.safe_dump(data, sort_keys=False))
+
+    def admin(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        return httpx.request(method, self.server.url + path, headers=auth(ADMIN), timeout=600, **kwargs)
+
+    def model(self) -> dict[str, Any]:
+        """The model's entry in GET /admin/models; also notes its engine's pid and /dev/shm files."""
+        (model,) = self.admin("GET", "/admin/models").json()["models"]
+        pid = model.get("engine", {}).get("pid")
+        if pid:
+            self.pids.add(pid)
+            self.shm |= owned_shm_files(pid)
+        return model
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def rig(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SwapRig]:
+    tmp = tmp_path_factory.mktemp("swap")
+    config = tmp / "deploy.yaml"
+    config.write_text(yaml.safe_dump(_deployment(tiny_model_dir)))
+    started = time.monotonic()
+    app, settings = app_from_config(load_config(config), log_dir=tmp / "logs")
+    server = GatewayServer(app, settings).start(timeout_s=400)
+    rig = SwapRig(server, config, tiny_model_dir, tmp)
+    report("gateway up", start_s=round(time.monotonic() - started, 1), engine=rig.model()["engine"])
+    try:
+        yield rig
+    finally:
+        server.stop()
+        leftovers = [pid for pid in rig.pids if _group_alive(pid)]
+        assert not leftovers, f"engine process groups still alive after shutdown: {leftovers}"
+        assert rig.shm, "no /dev/shm file of our engines was seen"
+        left = sorted(str(path) for path in rig.shm if path.exists())
+        assert not left, f"/dev/shm leftovers of this module's engines: {left}"
+
+
+# ----------------------------------------------------------------------------- scenarios
+
+
+def test_b_broken_yaml_changes_nothing(rig: SwapRig) -> None:
+    before = rig.model()
+    with Load(rig.server.url) as load:
+        load.wait_for_requests(4, 0)
+        t0 = time.monotonic()
+        rig.write("models:\n  tiny:\n    engine:\n      model_path: x\n      max_total_tokenz: 1\n")
+        response = rig.admin("POST", "/admin/reload")
+        assert response.status_code == 400, response.text
+        message = response.json()["error"]["message"]
+        assert "deploy.yaml: models.tiny.engine.max_total_tokenz: unknown key" in message, message
+        rig.write("models: [unclosed\n")
+        assert "invalid YAML" in rig.admin("POST", "/admin/reload").json()["error"]["message"]
+        load.wait_for_requests(4, time.monotonic())
+    after = rig.model()
+    assert after["engine"]["pid"] == before["engine"]["pid"] and after["state"] == "ready"
+    during = load.between(t0)
+    assert load.counts(during).keys() == {"ok"}, load.counts(during)
+    report("(b) broken YAML", requests=len(load.outcomes), failed=sum(o.kind != "ok" for o in load.outcomes), error=message)
+
+
+def test_c_engine_that_cannot_start_leaves_the_old_one_serving(rig: SwapRig) -> None:
+    broken = rig.tmp / "broken-model"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", ')  # cut short
+    before = rig.model()
+    rig.write(_deployment(broken))
+    with Load(rig.server.url) as load:
+        load.wait_for_requests(4, 0)
+        t0 = time.monotonic()
+        response = rig.admin("POST", "/admin/reload")
+        took = time.monotonic() - t0
+        load.wait_for_requests(4, time.monotonic())
+    assert response.status_code == 502, response.text
+    body = response.json()
+    assert body["error"]["code"] == "engine_start_failed" and "tiny" in body["error"]["message"]
+    item = body["reload"]["models"]["tiny"]
+    assert item["action"] == "engine_changed" and item["ok"] is False
+    assert "failed to start" in item["error"] and item["log_tail"], item
+    after = rig.model()
+    assert after["engine"]["pid"] == before["engine"]["pid"] and after["state"] == "ready"
+    assert "failed to start" in after["last_error"]
+    failed = [o for o in load.outcomes if o.kind != "ok"]
+    assert not failed, failed[:3]
+    report(
+        "(c) engine that cannot start",
+        requests=len(load.outcomes), failed=len(failed), reload_s=round(took, 1),
+        error=item["error"], log_tail_last_lines=item["log_tail"][-3:],
+    )  # fmt: skip
+
+
+def test_a_engine_change_swaps_blue_green_without_failed_requests(rig: SwapRig) -> None:
+    before = rig.model()
+    old_pid, old_port = before["engine"]["pid"], before["engine"]["port"]
+    rig.write(_deployment(rig.model_dir, max_total_tokens=2048, served="tiny-v2"))
+    with Load(rig.server.url) as load:
+        load.wait_for_requests(6, 0)
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(rig.admin, "POST", "/admin/reload")
+            time.sleep(1.0)
+            second = pool.submit(rig.admin, "POST", "/admin/reload")  # arrives while the first one works
+            response, again = first.result(), second.result()
+        swapped_at = time.monotonic()
+        assert not _group_alive(old_pid), "the old engine is still running after the reload returned"
+        load.wait_for_requests(8, swapped_at)
+        ended = time.monotonic()
+    assert response.status_code == 200, response.text
+    item = response.json()["models"]["tiny"]
+    assert item["action"] == "engine_changed" and item["ok"] is True
+    assert set(item["changed"]) == {"engine.max_total_tokens", "engine.served_model_name"}
+    assert again.status_code == 200 and again.json()["models"]["tiny"]["action"] == "unchanged"
+    after = rig.model()
+    assert (after["engine"]["pid"], after["engine"]["port"]) != (old_pid, old_port)
+    assert after["served_model_name"] == "tiny-v2" and after["retiring"] == [] and after["state"] == "ready"
+
+    failed = [o for o in load.outcomes if o.kind != "ok"]
+    assert not failed, failed[:3]
+    old_answers = [o for o in load.between(0, swapped_at) if o.model == "tiny"]
+    new_answers = [o for o in load.between(swapped_at, ended)]
+    assert old_answers and new_answers and all(o.model == "tiny-v2" for o in new_answers), {o.model for o in new_answers}
+    during = load.between(t0, swapped_at)
+    report(
+        "(a) blue-green swap under load",
+        requests=len(load.outcomes), failed=len(failed), requests_during_swap=len(during),
+        served_by_old=sum(o.model == "tiny" for o in load.outcomes), served_by_new=sum(o.model == "tiny-v2" for o in load.outcomes),
+        reload_s=round(swapped_at - t0, 1), new_engine_start_s=round(item["start_s"], 1), drain_s=round(item["drain_s"], 2),
+        old={"pid": old_pid, "port": old_port}, new={"pid": after["engine"]["pid"], "port": after["engine"]["port"]},
+    )  # fmt: skip
+
+
+def test_stop_first_swap_answers_503_with_retry_after_meanwhile(rig: SwapRig) -> None:
+    before = rig.model()
+    with Load(rig.server.url, workers=2) as load:
+        load.wait_for_requests(4, 0)
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(2) as pool:
+            calls = [pool.submit(rig.admin, "POST", "/admin/models/tiny/swap", params={"policy": "stop-first"}) for _ in range(2)]
+            responses = [call.result() for call in calls]
+        done = time.monotonic()
+        load.wait_for_requests(4, done)
+    results = [r.json() for r in responses]
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+    assert results[0] == results[1], "two concurrent swap calls must share one swap"
+    assert results[0]["policy"] == "stop-first" and results[0]["new"]["pid"] != before["engine"]["pid"]
+    after = rig.model()
+    assert after["engine"]["pid"] == results[0]["new"]["pid"] and not _group_alive(before["engine"]["pid"])
+    during = load.between(t0, done)
+    kinds = load.counts(load.outcomes)
+    assert set(kinds) <= {"ok", "503"}, [o for o in load.outcomes if o.kind not in ("ok", "503")][:3]
+    refused = [o for o in load.outcomes if o.kind == "503"]
+    assert refused and all(o.retry_after == "2" for o in refused), refused[:3]
+    assert max(o.ended - o.started for o in refused) < 5
+    report(
+        "stop-first swap (two concurrent calls)",
+        requests=len(load.outcomes), outcomes=kinds, requests_during_swap=len(during),
+        swap_s=round(done - t0, 1), unavailable_s=round(results[0]["unavailable_s"], 1), new_engine_start_s=round(results[0]["start_s"], 1),
+    )  # fmt: skip
+
+
+def test_d_sigkilled_engine_is_restarted_and_requests_get_503_meanwhile(rig: SwapRig) -> None:
+    before = rig.model()
+    pid = before["engine"]["pid"]
+    with Load(rig.server.url, workers=2) as load:
+        load.wait_for_requests(4, 0)
+        killed = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        deadline = killed + 10
+        while (ready := httpx.get(rig.server.url + "/ready", timeout=10)).status_code == 200:
+            assert time.monotonic() < deadline, "/ready still 200 after the kill"
+            time.sleep(0.05)
+        assert ready.status_code == 503 and ready.json()["models"]["tiny"]["ready"] is False
+        metrics = httpx.get(rig.server.url + "/metrics", headers=auth(KEY)).text
+        assert prometheus_value(metrics, "gateway_engine_up", {"model": "tiny"}) == 0
+        deadline = killed + 300
+        while rig.model()["state"] != "ready" or rig.model()["engine"]["pid"] == pid:
+            assert time.monotonic() < deadline, f"not restarted within 300s: {rig.model()}"
+            time.sleep(0.25)
+        back = time.monotonic()
+        load.wait_for_requests(6, back)
+    after = rig.model()
+    assert after["restarts"] == 1 and after["engine"]["pid"] != pid
+    metrics = httpx.get(rig.server.url + "/metrics", headers=auth(KEY)).text
+    assert prometheus_value(metrics, "gateway_engine_restarts_total", {"model": "tiny"}) == 1
+    assert prometheus_value(metrics, "gateway_engine_up", {"model": "tiny"}) == 1
+    assert httpx.get(rig.server.url + "/ready").status_code == 200
+
+    kinds = load.counts(load.outcomes)
+    bad = [o for o in load.outcomes if o.kind not in ("ok", "503", "stream_cut")]
+    assert not bad, bad[:3]  # no 500, no other error, no timeout (hang)
+    refused = [o for o in load.outcomes if o.kind == "503"]
+    assert refused and all(o.retry_after for o in refused)
+    cut = [o for o in load.outcomes if o.kind == "stream_cut"]
+    assert all(o.started < killed for o in cut), "only streams already running at the kill may be cut"
+    first_ok = min(o.ended for o in load.between(killed) if o.kind == "ok")
+    report(
+        "(d) SIGKILL and automatic restart",
+        requests=len(load.outcomes), outcomes=kinds, answered_503=len(refused), streams_cut_by_the_kill=len(cut),
+        slowest_503_s=round(max(o.ended - o.started for o in refused), 3),
+        outage_s=round(first_ok - killed, 1), restart_detected_to_ready_s=round(back - killed, 1),
+        old_pid=pid, new_pid=after["engine"]["pid"],
+    )  # fmt: skip

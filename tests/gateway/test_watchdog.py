@@ -1,0 +1,73 @@
+"""The watchdog's backoff and its give-up rule, without an SGLang engine.
+
+The engine here is a real process that can never become ready (``python: /bin/false`` exits 1 at
+once), so each restart attempt fails in milliseconds the way a broken engine fails in seconds. The
+restart of a real SGLang engine after SIGKILL is tested in ``test_swap.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from gateway.config import GatewaySettings, WatchdogSettings
+from gateway.metrics import Metrics
+from gateway.registry import Backend, ModelRoute, Registry
+from gateway.swap import SwapExecutor
+from gateway.watchdog import Watchdog, backoff_delay
+from launch.config import EngineConfig
+from launch.process import EngineProcess
+
+
+def test_backoff_doubles_and_is_capped() -> None:
+    settings = WatchdogSettings(backoff_initial_s=0.5, backoff_max_s=3)
+    assert [backoff_delay(n, settings) for n in range(6)] == [0.5, 1, 2, 3, 3, 3]
+    assert backoff_delay(0, WatchdogSettings(backoff_initial_s=0)) == 0
+
+
+def test_dead_engine_is_restarted_with_backoff_then_given_up(tmp_path: Path) -> None:
+    config = EngineConfig(model_path=str(tmp_path), device="cpu", python="/bin/false")
+    engine = EngineProcess("m", config, log_dir=tmp_path)  # never started: not running, like a dead engine
+    backend = Backend("m", engine=engine)
+    registry = Registry([ModelRoute("m", backend)])
+    metrics = Metrics(registry)
+    settings = GatewaySettings(watchdog=WatchdogSettings(interval_s=0.01, backoff_initial_s=0.05, backoff_max_s=0.2, max_restarts=3))
+    executor = SwapExecutor(registry, owned=[engine], log_dir=tmp_path)
+    watchdog = Watchdog(registry, executor, metrics, lambda: settings, lambda: None)
+
+    async def scenario() -> list[str]:
+        reasons = []
+        for _ in range(2000):
+            await watchdog.check_all(settings)
+            if backend.failure and backend.failure not in reasons:
+                reasons.append(backend.failure)
+            if watchdog.health["m"].gave_up:
+                return reasons
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"the watchdog did not give up: {watchdog.health}")
+
+    reasons = asyncio.run(scenario())
+    health = watchdog.health["m"]
+    assert health.restarts == 3 and health.attempts == 3
+    assert "failed to start" in (health.last_error or "")
+    assert any("restarting (attempt 1 of 3)" in r for r in reasons) and any("attempt 3 of 3" in r for r in reasons)
+    assert "an operator must swap or reload model 'm'" in (backend.failure or "")
+    assert backend.unavailable_reason() == backend.failure  # requests get 503 with this reason
+    assert registry.route("m").backend is backend  # no half-started engine was installed
+    sample = metrics.registry.get_sample_value
+    assert sample("gateway_engine_restarts_total", {"model": "m"}) == 3
+    assert sample("gateway_engine_restart_failures_total", {"model": "m"}) == 3
+    asyncio.run(executor.close())
+
+
+@pytest.mark.parametrize("max_restarts", [0])
+def test_no_restart_when_max_restarts_is_zero(tmp_path: Path, max_restarts: int) -> None:
+    engine = EngineProcess("m", EngineConfig(model_path=str(tmp_path), device="cpu", python="/bin/false"), log_dir=tmp_path)
+    backend = Backend("m", engine=engine)
+    registry = Registry([ModelRoute("m", backend)])
+    settings = GatewaySettings(watchdog=WatchdogSettings(max_restarts=max_restarts))
+    watchdog = Watchdog(registry, SwapExecutor(registry, owned=[engine]), Metrics(registry), lambda: settings, lambda: None)
+    asyncio.run(watchdog.check_all(settings))
+    assert watchdog.health["m"].gave_up and watchdog.health["m"].restarts == 0
