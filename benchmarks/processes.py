@@ -185,38 +185,10 @@ class Profiler:
         self.children = [
             Child(
                 "py-spy",
-                [
-                    exe_path,
-                    "record",
-                    "--pid",
-                    str(pid),
-                    "--rate",
-                    str(rate),
-                    "--nonblocking",
-                    "-f",
-                    "flamegraph",
-                    "-o",
-                    str(self.svg),
-                ],
-                out.with_suffix(".svg.log"),
-            ),
-            Child(
-                "py-spy",
-                [
-                    exe_path,
-                    "record",
-                    "--pid",
-                    str(pid),
-                    "--rate",
-                    str(rate),
-                    "--nonblocking",
-                    "-f",
-                    "raw",
-                    "-o",
-                    str(self.raw),
-                ],
-                out.with_suffix(".raw.log"),
-            ),
+                [exe_path, "record", "--pid", str(pid), "--rate", str(rate), "--nonblocking", "-f", fmt, "-o", str(path)],
+                out.with_suffix(log_suffix),
+            )
+            for fmt, path, log_suffix in (("flamegraph", self.svg, ".svg.log"), ("raw", self.raw, ".raw.log"))
         ]
         time.sleep(0.5)  # attach before the load starts
 

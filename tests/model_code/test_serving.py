@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
-from launch.ports import pick_free_port
 from model_code import load_for_serving
+from tests.model_code.helpers import http_server_process
 
 pytestmark = pytest.mark.engine
 
@@ -23,55 +21,28 @@ MESSAGES = [{"role": "user", "content": "What is Databricks?"}]
 
 @pytest.fixture(scope="module")
 def served_agent(url_models, mlflow_store):
+    """``mlflow models serve --env-manager local`` of the logged ChatAgent."""
     info, _ = url_models["chat_agent"]
-    port = pick_free_port()
     # the scoring server runs `uvicorn` from PATH: put this interpreter's bin directory first
     path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
     env = {**os.environ, "PATH": path, "MLFLOW_TRACKING_URI": f"sqlite:///{mlflow_store}/mlflow.db"}
-    log = open(mlflow_store / f"serve-{port}.log", "wb")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "mlflow",
-            "models",
-            "serve",
-            "-m",
-            info.model_uri,
-            "--env-manager",
-            "local",
-            "-h",
-            "127.0.0.1",
-            "-p",
-            str(port),
-        ],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, (mlflow_store / f"serve-{port}.log").read_text()[-3000:]
-            try:
-                if httpx.get(f"{url}/ping", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        else:
-            pytest.fail("mlflow models serve did not answer /ping in 180 s")
+    argv = [
+        sys.executable,
+        "-m",
+        "mlflow",
+        "models",
+        "serve",
+        "-m",
+        info.model_uri,
+        "--env-manager",
+        "local",
+        "-h",
+        "127.0.0.1",
+        "-p",
+        "{port}",
+    ]
+    with http_server_process(argv, log_path=mlflow_store / "mlflow-serve.log", env=env) as (url, _proc):
         yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
 
 
 def test_mlflow_models_serve_invocations(served_agent):
@@ -117,39 +88,10 @@ def test_load_for_serving_request_shapes(url_models, flavor, body):
 def gateway_model_uri(url_models, mlflow_store):
     """``sglang-gateway serve --model-uri`` of the logged ChatAgent, as a user runs it."""
     info, _ = url_models["chat_agent"]
-    port = pick_free_port()
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{mlflow_store}/mlflow.db"}
-    log_path = mlflow_store / f"gateway-{port}.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "serve", "--model-uri", info.model_uri, "--port", str(port)],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, log_path.read_text()[-3000:]
-            try:
-                if httpx.get(f"{url}/ping", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        else:
-            pytest.fail("sglang-gateway serve --model-uri did not answer /ping in 180 s")
-        yield url, proc
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+    argv = [sys.executable, "-m", "gateway.cli", "serve", "--model-uri", info.model_uri, "--port", "{port}"]
+    with http_server_process(argv, log_path=mlflow_store / "gateway-model-uri.log", env=env) as served:
+        yield served
 
 
 def test_gateway_model_uri_answers_the_same_body_as_mlflow_serve(gateway_model_uri, served_agent):
