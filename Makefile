@@ -27,8 +27,12 @@ check: tiny-model
 test: tiny-model
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# The gateway's own overhead against a fake instant upstream, direct vs through the gateway, same run.
+bench: env
+	$(PY) -m benchmarks compare --upstream stub -c 1,16,64,256 -n 1200 --rounds 4
+
 lint: env
-	$(VENV)/bin/ruff check launch gateway model_code tests
+	$(VENV)/bin/ruff check launch gateway model_code benchmarks tests
 
 clean:
 	rm -rf .cache .pytest_cache .venv
