@@ -6,7 +6,6 @@ an engine they already run; ``app_from_config`` builds all of it (engines includ
 
 from __future__ import annotations
 
-import traceback
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -15,15 +14,14 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from loguru import logger
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 from gateway.admin import router as admin_router
 from gateway.auth import AuthMiddleware, KeyHolder, key_policy
 from gateway.config import GatewaySettings, gateway_settings
-from gateway.context import request_info
 from gateway.control import Controller
 from gateway.engines import EngineManager
 from gateway.errors import GatewayError, error_response
@@ -31,9 +29,29 @@ from gateway.metrics import Metrics
 from gateway.middleware import BodyLimitMiddleware, RequestContextMiddleware
 from gateway.proxy import Proxy, upstream_session
 from gateway.registry import Registry, build_registry
-from gateway.routes import GatewayState, router
+from gateway.routes import PROXIED_PATHS, GatewayState, note_error, proxied_endpoint, router, unexpected_error_response
 from gateway.swap import SwapExecutor
 from launch.config import DeploymentConfig
+
+
+class GatewayAPI(FastAPI):
+    """FastAPI, with the proxied POST routes served ahead of it by the same middleware around
+    :func:`gateway.routes.proxied_endpoint` (``proxied``).
+
+    Those routes carry nearly all the traffic, and a streamed answer sends one message per SSE
+    chunk: FastAPI's per-request machinery (telemetry check, exception and exit-stack middleware,
+    router, dependency solving) and its ``send`` wrappers cost more than the proxying itself.
+    Everything else (other paths and methods, lifespan) goes through FastAPI as usual.
+    """
+
+    proxied: Any = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.proxied is not None and scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in PROXIED_PATHS:
+            scope["app"] = self
+            await self.proxied(scope, receive, send)
+            return
+        await super().__call__(scope, receive, send)
 
 
 def create_app(
@@ -87,7 +105,7 @@ def create_app(
                 if engines is not None:
                     await engines.stop_all()
 
-    app = FastAPI(title="sglang-gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = GatewayAPI(title="sglang-gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.gateway = state
     app.state.engines = engines
     app.state.startup_error = None
@@ -96,17 +114,24 @@ def create_app(
     app.include_router(admin_router)
     _install_error_handlers(app)
     # Outermost last: request id/log -> CORS -> auth -> body limit -> routes.
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
-    app.add_middleware(AuthMiddleware, holder=keys)
+    layers: list[tuple[type[Any], dict[str, Any]]] = [
+        (BodyLimitMiddleware, {"max_bytes": settings.max_body_bytes}),
+        (AuthMiddleware, {"holder": keys}),
+    ]
     if settings.cors_allow_origins:
-        app.add_middleware(
-            CORSMiddleware,
-            allow_origins=settings.cors_allow_origins,
-            allow_methods=["GET", "POST", "OPTIONS"],
-            allow_headers=["authorization", "content-type", "x-request-id"],
-            expose_headers=["x-request-id", "retry-after"],
-        )
-    app.add_middleware(RequestContextMiddleware, metrics=state.metrics, log_requests=settings.log_requests)
+        cors = {
+            "allow_origins": settings.cors_allow_origins,
+            "allow_methods": ["GET", "POST", "OPTIONS"],
+            "allow_headers": ["authorization", "content-type", "x-request-id"],
+            "expose_headers": ["x-request-id", "retry-after"],
+        }
+        layers.append((CORSMiddleware, cors))
+    layers.append((RequestContextMiddleware, {"metrics": state.metrics, "log_requests": settings.log_requests}))
+    fast: Any = proxied_endpoint
+    for middleware, options in layers:
+        app.add_middleware(middleware, **options)
+        fast = middleware(fast, **options)
+    app.proxied = fast
     return app
 
 
@@ -133,7 +158,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(GatewayError)
     async def _gateway_error(request: Request, error: GatewayError) -> Response:
-        _note(request, error.message)
+        note_error(request.scope, error.message)
         return error_response(error)
 
     @app.exception_handler(StarletteHTTPException)
@@ -148,13 +173,4 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, error: Exception) -> Response:
-        info = request_info(request.scope)
-        trace = "".join(traceback.format_exception(error))
-        logger.error("unhandled error in request {}: {}", info.request_id if info else "-", trace)
-        return error_response(GatewayError(500, "internal gateway error", code="internal_error"))
-
-
-def _note(request: Request, message: str) -> None:
-    info = request_info(request.scope)
-    if info is not None and info.error is None:
-        info.error = message[:200]
+        return unexpected_error_response(request.scope, error)

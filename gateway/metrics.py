@@ -7,6 +7,7 @@ engine up/down is computed at scrape time from the model registry, so it is neve
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -35,6 +36,15 @@ class Metrics:
         self.swaps = Counter("gateway_model_swaps", "Backend swaps by model and result (ok / failed).", ["model", "result"], registry=r)
         self.reloads = Counter("gateway_config_reloads", "Config reloads by result (ok / invalid / partial).", ["result"], registry=r)
         r.register(_EngineUp(registry))
+        self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
+
+    def child(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(*labels)``, remembered: the hot path asks for the same few children every request."""
+        key = (metric, labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
 
 class _EngineUp(Collector):

@@ -7,8 +7,8 @@ disconnect reaches the streaming response itself.
 from __future__ import annotations
 
 import re
+import secrets
 import time
-import uuid
 from typing import Any
 
 from loguru import logger
@@ -35,7 +35,7 @@ class RequestContextMiddleware:
             await self.app(scope, receive, send)
             return
         incoming = _header(scope, b"x-request-id")
-        request_id = incoming if incoming and _GOOD_ID.match(incoming) else uuid.uuid4().hex
+        request_id = incoming if incoming and _GOOD_ID.match(incoming) else secrets.token_hex(16)
         info = RequestInfo(request_id=request_id, method=scope["method"], path=scope["path"])
         scope[SCOPE_KEY] = info
 
@@ -57,20 +57,16 @@ class RequestContextMiddleware:
     def _record(self, info: RequestInfo) -> None:
         elapsed = time.perf_counter() - info.started
         model = info.model or "-"
-        route = info.path if info.path in _KNOWN_ROUTES or info.path.startswith("/v1/models/") else "other"
-        if route == "other" and info.path.startswith("/admin/"):
-            route = "/admin"  # one label for the admin API (its paths carry model names)
-        route = "/v1/models/{id}" if route.startswith("/v1/models/") else route
-        status = str(info.status or 0)
+        route = _route_label(info.path)
         m = self.metrics
-        m.requests.labels(model, route, status).inc()
-        m.latency.labels(model, route).observe(elapsed)
+        m.child(m.requests, model, route, str(info.status or 0)).inc()
+        m.child(m.latency, model, route).observe(elapsed)
         if info.ttft_s is not None:
-            m.ttft.labels(model).observe(info.ttft_s)
+            m.child(m.ttft, model).observe(info.ttft_s)
         if info.prompt_tokens:
-            m.tokens.labels(model, "prompt").inc(info.prompt_tokens)
+            m.child(m.tokens, model, "prompt").inc(info.prompt_tokens)
         if info.completion_tokens:
-            m.tokens.labels(model, "completion").inc(info.completion_tokens)
+            m.child(m.tokens, model, "completion").inc(info.completion_tokens)
         if not self.log_requests:
             return
         fields: dict[str, Any] = {
@@ -124,6 +120,17 @@ class BodyLimitMiddleware:
 
     def _too_large(self) -> GatewayError:
         return GatewayError(413, f"request body is larger than {self.max_bytes} bytes", code="request_too_large")
+
+
+def _route_label(path: str) -> str:
+    """The bounded ``route`` label of ``path`` (model names and admin paths folded)."""
+    if path in _KNOWN_ROUTES:
+        return path
+    if path.startswith("/v1/models/"):
+        return "/v1/models/{id}"
+    if path.startswith("/admin/"):
+        return "/admin"  # one label for the admin API (its paths carry model names)
+    return "other"
 
 
 def _header(scope: Scope, name: bytes) -> str | None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Coroutine
-from contextlib import AsyncExitStack
 from typing import Any, TypeVar
 
 import aiohttp
@@ -24,8 +23,9 @@ from yarl import URL
 
 from gateway.context import RequestInfo
 from gateway.errors import GatewayError, sanitize_message, sse_error_event, upstream_error
+from gateway.limits import ConcurrencyLimiter
 from gateway.metrics import Metrics
-from gateway.registry import ModelRoute
+from gateway.registry import Backend, ModelRoute
 
 T = TypeVar("T")
 _MAX_PENDING = 4 * 1024 * 1024  # an SSE event larger than this is forwarded unsplit, unscanned
@@ -34,6 +34,8 @@ _SSE_HEADERS = [
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
 ]
+_DONE = b"data: [DONE]\n\n"
+_MARKERS = (b'"usage":{', b'"usage": {', b'"error"')
 # Idle upstream connections are kept this long: under the 5 s keep-alive of uvicorn (SGLang's server),
 # so the gateway never reuses a connection the engine is closing (aiohttp does not retry a POST on one).
 UPSTREAM_KEEPALIVE_S = 4.0
@@ -107,13 +109,14 @@ class Proxy:
 
         ``receive`` (the request's ASGI receive, body already read) lets a plain request notice a
         client that gave up, and close the upstream request instead of letting the engine finish it.
+        A stream needs no such watch before its response starts: engines send a stream's headers at
+        once, and :class:`SSEProxyResponse` watches the client from then on.
         """
-        stack = AsyncExitStack()
+        limiter = route.limiter
+        await limiter.acquire(route.name)
+        lease = _Lease(limiter)
         handed_over = False
         try:
-            limiter = route.limiter
-            await limiter.acquire(route.name)
-            stack.callback(limiter.release)
             if route.drained:
                 raise GatewayError(
                     503, f"model {route.name!r} is drained by an operator; retry later", code="model_drained",
@@ -128,10 +131,9 @@ class Proxy:
                     headers={"Retry-After": str(retry)},
                 )
             backend.in_flight += 1
-            stack.callback(_decrement, backend)
-            gauge = self.metrics.in_flight.labels(route.name)
-            gauge.inc()
-            stack.callback(gauge.dec)
+            lease.backend = backend
+            lease.gauge = self.metrics.child(self.metrics.in_flight, route.name)
+            lease.gauge.inc()
 
             body["model"] = backend.served_name
             url = self._url(backend.url + path)
@@ -140,14 +142,13 @@ class Proxy:
             streamed = info.stream
 
             async def exchange() -> tuple[aiohttp.ClientResponse, bytes | None]:
-                upstream = await self.session.post(url, data=payload, headers=headers)
-                stack.callback(_finish, upstream)
+                upstream = lease.upstream = await self.session.post(url, data=payload, headers=headers)
                 # Plain answers (and errors) are read whole; a 200 stream is relayed by SSEProxyResponse.
                 content = await upstream.read() if upstream.status != 200 or not streamed else None
                 return upstream, content
 
             try:
-                finished, result = await _unless_disconnected(exchange(), receive)
+                finished, result = await _unless_disconnected(exchange(), None if streamed else receive)
             except UPSTREAM_ERRORS as error:
                 raise transport_error(error, route.name, limiter.settings.retry_after_s) from None
             if not finished:
@@ -163,21 +164,44 @@ class Proxy:
                 media = upstream.headers.get("Content-Type", "application/json")
                 return Response(content or b"", status_code=200, media_type=media)
             handed_over = True
-            return SSEProxyResponse(upstream, stack, info, self.metrics, route.name)
+            return SSEProxyResponse(lease, info, self.metrics, route.name)
         finally:
             if not handed_over:
-                await stack.aclose()
+                lease.close()
 
 
-def _finish(upstream: aiohttp.ClientResponse) -> None:
-    """Give a fully read response's connection back to the pool; close one cut short.
+class _Lease:
+    """What one admitted request holds, given back by :meth:`close` (once, in reverse order of taking).
 
-    Closing is what tells the engine that nobody listens any more: it aborts the request.
+    Its limiter slot, its count in the backend's and the gauge's in-flight numbers, and the upstream
+    response: a fully read one gives its connection back to the pool; one cut short is closed, which
+    is what tells the engine that nobody listens any more (it aborts the request).
     """
-    if upstream.content.at_eof():
-        upstream.release()
-    else:
-        upstream.close()
+
+    __slots__ = ("limiter", "backend", "gauge", "upstream")
+
+    def __init__(self, limiter: ConcurrencyLimiter) -> None:
+        self.limiter: ConcurrencyLimiter | None = limiter
+        self.backend: Backend | None = None
+        self.gauge: Any = None
+        self.upstream: aiohttp.ClientResponse | None = None
+
+    def close(self) -> None:
+        upstream, self.upstream = self.upstream, None
+        if upstream is not None:
+            if upstream.content.at_eof():
+                upstream.release()
+            else:
+                upstream.close()
+        gauge, self.gauge = self.gauge, None
+        if gauge is not None:
+            gauge.dec()
+        backend, self.backend = self.backend, None
+        if backend is not None:
+            backend.in_flight -= 1
+        limiter, self.limiter = self.limiter, None
+        if limiter is not None:
+            limiter.release()
 
 
 async def _unless_disconnected(work: Coroutine[Any, Any, T], receive: Receive | None) -> tuple[bool, T | None]:
@@ -202,10 +226,6 @@ async def _unless_disconnected(work: Coroutine[Any, Any, T], receive: Receive | 
     return True, task.result()
 
 
-def _decrement(backend: Any) -> None:
-    backend.in_flight -= 1
-
-
 def _record_usage(content: bytes, info: RequestInfo) -> None:
     if b'"usage"' not in content:
         return
@@ -220,52 +240,72 @@ def _record_usage(content: bytes, info: RequestInfo) -> None:
 class SSEProxyResponse(Response):
     """An ASGI response relaying an upstream SSE stream; owns the upstream response and admission slot."""
 
-    def __init__(self, upstream: aiohttp.ClientResponse, stack: AsyncExitStack, info: RequestInfo, metrics: Metrics, model: str) -> None:
+    def __init__(self, lease: _Lease, info: RequestInfo, metrics: Metrics, model: str) -> None:
         super().__init__(status_code=200, media_type="text/event-stream")
-        self.upstream = upstream
-        self.stack = stack
+        assert lease.upstream is not None
+        self.upstream = lease.upstream
+        self.lease = lease
         self.info = info
         self.metrics = metrics
         self.model = model
         self._pending = b""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:  # type: ignore[override]
+        # The relay runs in this task; a watcher task cancels it if the client disconnects meanwhile
+        # (one extra task per stream, not two plus an asyncio.wait).
+        task = asyncio.current_task()
+        assert task is not None
+        relaying = True
+        gone = False
+
+        def on_watch_done(watch: asyncio.Task[None]) -> None:
+            nonlocal gone
+            if relaying and not watch.cancelled() and watch.exception() is None:
+                gone = True
+                task.cancel()
+
+        watch = asyncio.ensure_future(_wait_disconnect(receive))
+        watch.add_done_callback(on_watch_done)
         try:
             await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
-            pump = asyncio.ensure_future(self._pump(send))
-            watch = asyncio.ensure_future(_wait_disconnect(receive))
-            try:
-                done, _ = await asyncio.wait({pump, watch}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for task in (pump, watch):
-                    task.cancel()
-                await asyncio.gather(pump, watch, return_exceptions=True)
-            if pump not in done:
-                self.info.error = "client disconnected"
-            elif pump.exception() is not None:
-                raise pump.exception()  # type: ignore[misc]
+            await self._pump(send)
+        except asyncio.CancelledError:
+            if not gone or task.uncancel() > 0:
+                raise
+            self.info.error = "client disconnected"
         finally:
-            await self.stack.aclose()  # closes the upstream response: the engine aborts the request
+            relaying = False
+            watch.remove_done_callback(on_watch_done)
+            watch.cancel()
+            self.lease.close()  # a stream cut short closes the upstream response: the engine aborts the request
 
     async def _pump(self, send: Send) -> None:
         failure: GatewayError | None = None
+        last = b""  # the last events, when the upstream body ended with them: they go out with our end
+        content = self.upstream.content
         try:
-            async for chunk in self.upstream.content.iter_any():
+            async for chunk in content.iter_any():
                 if self.info.ttft_s is None:
                     self.info.ttft_s = time.perf_counter() - self.info.started
                 events = self._complete_events(chunk)
                 if events:
-                    await send({"type": "http.response.body", "body": events, "more_body": True})
+                    if last:  # (cannot happen: nothing follows the end of the body)
+                        events, last = last + events, b""
+                    if content.is_eof() and events.endswith(_DONE):
+                        last = events  # one message (one write) fewer per stream; nothing is held back
+                    else:
+                        await send({"type": "http.response.body", "body": events, "more_body": True})
         except UPSTREAM_ERRORS as error:
             failure = transport_error(error, self.model)
+        tail = last
         if self._pending:
-            tail, self._pending = self._pending, b""
-            await send({"type": "http.response.body", "body": self._inspect(tail), "more_body": True})
+            tail += self._inspect(self._pending)
+            self._pending = b""
         if failure is not None:
             self.info.error = failure.message
-            self.metrics.stream_errors.labels(self.model).inc()
-            await send({"type": "http.response.body", "body": sse_error_event(failure), "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+            self.metrics.child(self.metrics.stream_errors, self.model).inc()
+            tail += sse_error_event(failure)
+        await send({"type": "http.response.body", "body": tail, "more_body": False})
 
     def _complete_events(self, chunk: bytes) -> bytes:
         """The complete events received so far (held back: a partial event at the end)."""
@@ -281,17 +321,23 @@ class SSEProxyResponse(Response):
         return self._inspect(data[: cut + 2])
 
     def _inspect(self, events: bytes) -> bytes:
-        """Byte scans only; JSON is parsed just for events carrying usage or an error."""
-        has_usage = b'"usage":{' in events or b'"usage": {' in events
-        has_error = b'"error"' in events
-        if not (has_usage or has_error):
+        """Byte scans only; JSON is parsed just for the lines carrying a usage object or an error."""
+        at = _next_marker(events, 0)
+        if at < 0:
             return events
         out = []
-        for line in events.split(b"\n"):
-            if line.startswith(b"data: {") and (b'"usage"' in line or b'"error"' in line):
-                line = self._inspect_line(line)
-            out.append(line)
-        return b"\n".join(out)
+        start = 0
+        while at >= 0:
+            line_start = events.rfind(b"\n", 0, at) + 1
+            line_end = events.find(b"\n", at)
+            line_end = len(events) if line_end < 0 else line_end
+            line = events[line_start:line_end]
+            out.append(events[start:line_start])
+            out.append(self._inspect_line(line) if line.startswith(b"data: {") else line)
+            start = line_end
+            at = _next_marker(events, start)
+        out.append(events[start:])
+        return b"".join(out)
 
     def _inspect_line(self, line: bytes) -> bytes:
         try:
@@ -310,6 +356,15 @@ class SSEProxyResponse(Response):
             self.info.error = sanitized.message
             return sse_error_event(sanitized).rstrip(b"\n")
         return line
+
+
+def _next_marker(events: bytes, start: int) -> int:
+    """Where the next usage object or error is mentioned in ``events`` from ``start`` (-1: nowhere).
+
+    Engines put ``"usage":null`` in every chunk: only an object is worth parsing.
+    """
+    found = [at for marker in _MARKERS if (at := events.find(marker, start)) >= 0]
+    return min(found) if found else -1
 
 
 async def _wait_disconnect(receive: Receive) -> None:

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import traceback
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import orjson
 from fastapi import APIRouter, Request
+from loguru import logger
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 from gateway.config import GatewaySettings
 from gateway.context import RequestInfo, request_info
-from gateway.errors import GatewayError, error_body
+from gateway.errors import GatewayError, error_body, error_response
 from gateway.metrics import Metrics
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, _Loose, parse_body
 from gateway.proxy import Proxy
@@ -54,6 +57,46 @@ async def _proxied(request: Request, schema: type[_Loose], path: str) -> Respons
     info.stream = body.get("stream") is True
     assert state.proxy is not None, "the app's lifespan did not run"
     return await state.proxy.forward(route, body, path, info, request.receive)
+
+
+# The proxied routes. The app serves them through :func:`proxied_endpoint`, plain ASGI ahead of
+# FastAPI's routing (see ``gateway.app.GatewayAPI``); the FastAPI routes below stay as the same
+# handlers for anything that reaches the router (an app without the fast path, the route list).
+PROXIED_PATHS: dict[str, type[_Loose]] = {
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/completions": CompletionRequest,
+    "/v1/embeddings": EmbeddingRequest,
+}
+
+
+async def proxied_endpoint(scope: Scope, receive: Receive, send: Send) -> None:
+    """POST of a proxied path as plain ASGI: the same handler and errors as the FastAPI routes, without
+    their router, dependency machinery and per-message ``send`` wrappers (scope["app"] must be set)."""
+    request = Request(scope, receive)
+    path = scope["path"]
+    try:
+        response = await _proxied(request, PROXIED_PATHS[path], path)
+    except GatewayError as error:
+        note_error(scope, error.message)
+        response = error_response(error)
+    except Exception as error:  # noqa: BLE001 - every failure leaves as OpenAI-shaped JSON
+        response = unexpected_error_response(scope, error)
+    await response(scope, receive, send)
+
+
+def note_error(scope: Scope, message: str) -> None:
+    """Keep a short reason for the request's log line (the first one wins)."""
+    info = request_info(scope)
+    if info is not None and info.error is None:
+        info.error = message[:200]
+
+
+def unexpected_error_response(scope: Scope, error: BaseException) -> Response:
+    """Log an unexpected error with its traceback and request id; answer a bare 500."""
+    info = request_info(scope)
+    trace = "".join(traceback.format_exception(error))
+    logger.error("unhandled error in request {}: {}", info.request_id if info else "-", trace)
+    return error_response(GatewayError(500, "internal gateway error", code="internal_error"))
 
 
 @router.post("/v1/chat/completions")
