@@ -584,7 +584,7 @@ def clients_command(
     output_tokens: OutputTokens = 16,
     out: Out = None,
 ) -> None:
-    """CPU per streamed request of candidate upstream clients (httpx as the gateway uses it, aiohttp, raw asyncio)."""
+    """CPU per streamed request of candidate upstream clients (aiohttp as the gateway uses it, httpx as it did, raw asyncio)."""
     from benchmarks.clients import measure
 
     out_dir = _out_dir(out, "clients")

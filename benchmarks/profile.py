@@ -12,6 +12,9 @@ _FRAME = re.compile(r"^(?P<func>.*?) \((?P<file>[^()]*?)(?::\d+)?\)$")
 # Leaf-frame file path fragments -> a component name (first match wins)
 COMPONENTS: list[tuple[str, str]] = [
     ("/gateway/", "gateway (our code)"),
+    ("/aiohttp/", "aiohttp (upstream client)"),
+    ("/multidict/", "aiohttp (upstream client)"),
+    ("/yarl/", "aiohttp (upstream client)"),
     ("/httpcore/", "httpcore (upstream client)"),
     ("/httpx/", "httpx (upstream client)"),
     ("/anyio/", "anyio"),
