@@ -36,11 +36,11 @@ class WatchdogSettings(_Strict):
     """Supervision of the engines the gateway launched: restart dead or unhealthy ones, with backoff."""
 
     enabled: bool = Field(True, description="Watch managed engines and restart them.")
-    interval_s: float = Field(2.0, gt=0, description="Seconds between two checks of each engine.")
+    interval_s: float = Field(5.0, gt=0, description="Seconds between two checks of each engine.")
     unhealthy_after: int = Field(3, ge=1, description="Consecutive failed /health probes before a restart.")
     backoff_initial_s: float = Field(1.0, ge=0, description="Delay before the first restart attempt.")
     backoff_max_s: float = Field(60.0, ge=0, description="Longest delay between two restart attempts.")
-    max_restarts: int = Field(5, ge=0, description="Failed restart attempts in a row before giving up.")
+    max_restarts: int = Field(5, ge=0, description="Restarts in a row (no stable_after_s healthy between) before giving up.")
     stable_after_s: float = Field(60.0, ge=0, description="Healthy this long after a restart resets the backoff.")
 
 

@@ -296,8 +296,10 @@ class Controller:
                 state = "drained"
             elif health is not None and health.gave_up:
                 state = "failed"
+            elif self.watchdog.restarting(route.name):
+                state = "restarting"
             elif self.executor.lock(route.name).locked():
-                state = "swapping" if reason is None else "restarting"
+                state = "swapping"
             else:
                 state = "ready" if reason is None else "unavailable"
             item: dict[str, Any] = {

@@ -78,6 +78,11 @@ class Watchdog:
             task.cancel()
         await asyncio.gather(*self._restarting.values(), return_exceptions=True)
 
+    def restarting(self, name: str) -> bool:
+        """A restart of ``name`` is scheduled or running."""
+        task = self._restarting.get(name)
+        return task is not None and not task.done()
+
     def model(self, name: str) -> ModelHealth:
         return self.health.setdefault(name, ModelHealth())
 
@@ -87,8 +92,7 @@ class Watchdog:
             # A backend the watchdog did not install (boot, swap, reload): start a fresh record.
             restarts = health.restarts
             health = self.health[name] = ModelHealth(backend=backend, restarts=restarts)
-        task = self._restarting.get(name)
-        if (task is not None and not task.done()) or self.executor.lock(name).locked():
+        if self.restarting(name) or self.executor.lock(name).locked():
             return
         assert backend.engine is not None
         reason = None
