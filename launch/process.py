@@ -30,7 +30,7 @@ from loguru import logger
 from launch.argv import build_argv, build_env
 from launch.config import EngineConfig
 from launch.ports import pick_free_port
-from launch.shm import owned_shm_files, remove_files
+from launch.shm import orphaned_shm_files, owned_shm_files, remove_files
 
 _PR_SET_PDEATHSIG = 1
 LOG_TAIL_LINES = 200
@@ -123,6 +123,7 @@ class EngineProcess:
         self.argv: list[str] = []
         self.uses_cpu_shim = False
         self._known_shm: set[Path] = set()  # remembered while alive: a crashed engine's files are still ours
+        self._started_wall: float | None = None
 
     # ----------------------------------------------------------------- properties
     @property
@@ -182,6 +183,7 @@ class EngineProcess:
             preexec_fn=_set_parent_death_signal,
         )
         self._started_at = time.monotonic()
+        self._started_wall = time.time()
         self._set_phase("starting")
         self._reader = threading.Thread(target=self._pump_log, name=f"engine-log-{self.name}", daemon=True)
         self._reader.start()
@@ -251,7 +253,10 @@ class EngineProcess:
                 _wait_group(proc, 10.0)
         proc.wait()
         self._join_reader()
-        removed = remove_files(self._known_shm)
+        leftovers = set(self._known_shm)
+        if self._started_wall is not None:  # files of an engine that died before they were attributed to it
+            leftovers |= orphaned_shm_files(self._started_wall - 1.0)
+        removed = remove_files(leftovers)
         if removed:
             logger.debug("engine {}: removed {} /dev/shm file(s)", self.name, len(removed))
         self._set_phase(f"stopped (exit code {proc.returncode})")

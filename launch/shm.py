@@ -66,6 +66,37 @@ def owned_shm_files(pgid: int) -> set[Path]:
     return owned
 
 
+_ENGINE_SHM_PATTERNS = ("sglang_*", "sem.loky-*", "sem.mp-*")
+
+
+def shm_in_use() -> set[Path]:
+    """``/dev/shm`` files that any live process has mapped or open."""
+    used: set[Path] = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            used |= _shm_paths_of(int(entry.name))
+    return used
+
+
+def orphaned_shm_files(since: float) -> set[Path]:
+    """Engine-style ``/dev/shm`` files created at or after ``since`` (epoch seconds) that no live process uses.
+
+    Catches what an engine that died during start-up left before its files could be attributed to it;
+    a file another running engine uses is never included.
+    """
+    if not SHM_DIR.is_dir():
+        return set()
+    candidates: set[Path] = set()
+    for pattern in _ENGINE_SHM_PATTERNS:
+        for path in SHM_DIR.glob(pattern):
+            try:
+                if path.stat().st_mtime >= since:
+                    candidates.add(path)
+            except OSError:
+                continue
+    return candidates - shm_in_use() if candidates else set()
+
+
 def remove_files(paths: Iterable[Path]) -> list[Path]:
     """Remove the files that still exist; return those removed."""
     removed = []

@@ -75,6 +75,7 @@ def test_engine_dying_at_startup_reports_exit_code_and_log_quickly(tiny_model_di
     (broken / "config.json").write_text(json.dumps({"model_type": "qwen2", "architectures": ["NoSuchModelForCausalLM"]}))
     config = EngineConfig(model_path=str(broken), device="cpu", startup_timeout_s=600)
     engine = EngineProcess("broken", config, log_dir=tmp_path)
+    shm_before = set(SHM_DIR.iterdir())
     engine.start()
     try:
         with pytest.raises(EngineExited) as caught:
@@ -87,6 +88,8 @@ def test_engine_dying_at_startup_reports_exit_code_and_log_quickly(tiny_model_di
     assert error.log_tail and "last lines of the engine log" in str(error)
     assert engine.uptime_s < 300
     assert group_pids(engine.pid) == set()
+    left = {p for p in set(SHM_DIR.iterdir()) - shm_before if p.name.startswith(("sglang_", "sem.loky-"))}
+    assert left == set(), f"the engine that died left /dev/shm files: {left}"
 
 
 FAKE_ENGINE_IGNORING_SIGTERM = """#!/bin/sh
