@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 
 from launch.ports import pick_free_port
+from launch.shm import group_pids, stat_fields
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -203,14 +204,8 @@ _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 def group_cpu_s(pgid: int) -> float:
     """User+system CPU seconds of every live process in process group ``pgid`` (from /proc)."""
     total = 0
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if int(fields[2]) == pgid:  # fields[0] is state; pgrp is the 5th field of stat
+    for pid in group_pids(pgid):
+        fields = stat_fields(pid)
+        if fields is not None:
             total += int(fields[11]) + int(fields[12])
     return total / _TICK

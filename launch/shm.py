@@ -15,20 +15,24 @@ from pathlib import Path
 SHM_DIR = Path("/dev/shm")
 
 
+def stat_fields(pid: int) -> list[str] | None:
+    """Fields of ``/proc/PID/stat`` after the command name (index 0 = state, 2 = pgrp, 11/12 = utime/stime)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name is in parentheses and may contain spaces: split after the last ')'.
+    return stat[stat.rfind(")") + 2 :].split()
+
+
 def group_pids(pgid: int) -> set[int]:
     """Pids of the live processes in process group ``pgid``."""
     pids: set[int] = set()
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # The command name is in parentheses and may contain spaces: split after the last ')'.
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if len(fields) > 2 and int(fields[2]) == pgid:
-            pids.add(int(entry.name))
+        if entry.name.isdigit():
+            fields = stat_fields(int(entry.name))
+            if fields is not None and len(fields) > 2 and int(fields[2]) == pgid:
+                pids.add(int(entry.name))
     return pids
 
 
