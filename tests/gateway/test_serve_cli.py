@@ -22,6 +22,7 @@ import openai
 import pytest
 
 from launch.ports import pick_free_port
+from launch.shm import group_pids
 
 REPO = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "gateway.cli"]
@@ -46,14 +47,6 @@ def _children(pid: int) -> list[int]:
             if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
                 found.append(int(entry.name))
     return found
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 @pytest.mark.engine
@@ -115,7 +108,7 @@ def test_serve_tiny_cpu_readme_examples_and_graceful_sigterm(tiny_model_dir: Pat
         assert events[-1] == b"data: [DONE]", events[-3:]
         assert proc.wait(timeout=60) == 0
         for pid in engine_pids:
-            assert not _group_alive(pid), f"engine process group {pid} still alive"
+            assert not group_pids(pid), f"engine process group {pid} still alive"
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)

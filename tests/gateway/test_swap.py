@@ -36,7 +36,7 @@ import yaml
 
 from gateway.app import app_from_config
 from launch.config import load_config
-from launch.shm import owned_shm_files
+from launch.shm import group_pids, owned_shm_files
 from tests.gateway.helpers import KEY, GatewayServer, auth, prometheus_value
 
 pytestmark = pytest.mark.engine
@@ -190,14 +190,6 @@ class SwapRig:
         return model
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 @pytest.fixture(scope="module")
 def rig(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SwapRig]:
     tmp = tmp_path_factory.mktemp("swap")
@@ -212,7 +204,7 @@ def rig(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         yield rig
     finally:
         server.stop()
-        leftovers = [pid for pid in rig.pids if _group_alive(pid)]
+        leftovers = [pid for pid in rig.pids if group_pids(pid)]
         assert not leftovers, f"engine process groups still alive after shutdown: {leftovers}"
         assert rig.shm, "no /dev/shm file of our engines was seen"
         left = sorted(str(path) for path in rig.shm if path.exists())
@@ -285,7 +277,7 @@ def test_a_engine_change_swaps_blue_green_without_failed_requests(rig: SwapRig) 
             second = pool.submit(rig.admin, "POST", "/admin/reload")  # arrives while the first one works
             response, again = first.result(), second.result()
         swapped_at = time.monotonic()
-        assert not _group_alive(old_pid), "the old engine is still running after the reload returned"
+        assert not group_pids(old_pid), "the old engine is still running after the reload returned"
         load.wait_for_requests(8, swapped_at)
         ended = time.monotonic()
     assert response.status_code == 200, response.text
@@ -327,7 +319,7 @@ def test_stop_first_swap_answers_503_with_retry_after_meanwhile(rig: SwapRig) ->
     assert results[0] == results[1], "two concurrent swap calls must share one swap"
     assert results[0]["policy"] == "stop-first" and results[0]["new"]["pid"] != before["engine"]["pid"]
     after = rig.model()
-    assert after["engine"]["pid"] == results[0]["new"]["pid"] and not _group_alive(before["engine"]["pid"])
+    assert after["engine"]["pid"] == results[0]["new"]["pid"] and not group_pids(before["engine"]["pid"])
     during = load.between(t0, done)
     kinds = load.counts(load.outcomes)
     assert set(kinds) <= {"ok", "503"}, [o for o in load.outcomes if o.kind not in ("ok", "503")][:3]

@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 
 from launch.ports import pick_free_port
+from launch.shm import group_pids
 
 
 def engine_children() -> list[int]:
@@ -35,11 +36,7 @@ def engine_children() -> list[int]:
 
 
 def group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+    return bool(group_pids(pgid))
 
 
 def last_trace() -> Any:
