@@ -20,11 +20,12 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import Progress
 from rich.table import Table
 
 from benchmarks import processes
 from benchmarks.loadgen import BatchResult, Workload, new_event_loop, run_batch
+from benchmarks.progress import progress_bar
 from benchmarks.stats import FIGURES, compare, evaluate_targets, summarize
 
 app = typer.Typer(
@@ -135,15 +136,7 @@ def machine_info() -> dict[str, Any]:
 
 
 def _progress() -> Progress:
-    return Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        refresh_per_second=4,
-        transient=False,
-    )
+    return progress_bar(console)
 
 
 def drive(

@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from benchmarks.progress import progress_bar
 
 MESSAGES = [{"role": "user", "content": " ".join(["hello"] * 24)}]
 
@@ -68,14 +69,7 @@ def run_mlflow_bench(
 
     rows: list[dict[str, Any]] = []
     per_round = max(1, -(-requests // rounds))
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        refresh_per_second=4,
-    ) as progress:
+    with progress_bar(console) as progress:
         for flavor in flavors:
             task = progress.add_task(f"logging {flavor}", total=None)
             with mlflow.start_run():
