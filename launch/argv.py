@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,8 +124,6 @@ def real_sgl_kernel_importable(python: str) -> bool:
 
     PyPI's builds are CUDA-only and fail to import without ``libcuda``; those count as absent.
     """
-    import sys
-
     if os.path.realpath(python) == os.path.realpath(sys.executable) and importlib.util.find_spec("sgl_kernel") is None:
         return False
     try:

@@ -20,7 +20,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
@@ -70,19 +69,6 @@ class EngineStartTimeout(EngineError):
 
 
 ProgressCallback = Callable[[str, float], None]
-
-
-@dataclass(frozen=True)
-class EngineStatus:
-    name: str
-    pid: int | None
-    port: int
-    url: str
-    running: bool
-    ready: bool
-    phase: str
-    started_at: float | None
-    returncode: int | None
 
 
 def _set_parent_death_signal() -> None:  # runs in the child between fork and exec
@@ -154,11 +140,6 @@ class EngineProcess:
     def log_tail(self, lines: int = 40) -> list[str]:
         with self._lock:
             return list(self._tail)[-lines:]
-
-    def status(self) -> EngineStatus:
-        return EngineStatus(
-            self.name, self.pid, self.port, self.url, self.running, self.ready, self._phase, self._started_at, self.returncode
-        )
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
