@@ -15,7 +15,7 @@ from loguru import logger
 
 from launch.config import DeploymentConfig
 from launch.preflight import preflight, require
-from launch.process import EngineError, EngineProcess
+from launch.process import EngineError, EngineProcess, new_engine_key
 
 
 class StartAborted(Exception):
@@ -29,7 +29,7 @@ class EngineManager:
         self.engines: dict[str, EngineProcess] = {}
         self._abort = threading.Event()
         for name, engine in deployment.managed().items():
-            self.engines[name] = EngineProcess(name, require(preflight(engine), name), log_dir=log_dir)
+            self.engines[name] = EngineProcess(name, require(preflight(engine), name), log_dir=log_dir, api_key=new_engine_key())
 
     async def start_all(self) -> None:
         """Start every engine and wait until all are ready; on any failure stop them all and raise."""

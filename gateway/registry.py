@@ -47,7 +47,13 @@ class Backend:
         self.created_at = time.time()
 
     def upstream_headers(self) -> dict[str, str]:
-        """Headers every upstream call of this backend carries (the upstream's API key, if any)."""
+        """Headers every upstream call of this backend carries (the upstream's API key, if any).
+
+        A managed engine has its own random key (see ``EngineProcess.api_key``); a url backend the
+        configured one.
+        """
+        if self.engine is not None:
+            return self.engine.auth_headers()
         return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     @property

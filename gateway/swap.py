@@ -28,7 +28,7 @@ from gateway.config import SwapPolicy
 from gateway.registry import Backend, Registry
 from launch.config import EngineConfig
 from launch.preflight import PreflightError, preflight, require
-from launch.process import EngineError, EngineProcess
+from launch.process import EngineError, EngineProcess, new_engine_key
 
 BackendFactory = Callable[[], Awaitable[Backend]]
 
@@ -110,7 +110,7 @@ class SwapExecutor:
                 raise SwapError(model, str(error)) from None
         if self._closing:
             raise SwapError(model, "the gateway is shutting down")
-        engine = EngineProcess(model, config, log_dir=self.log_dir)
+        engine = EngineProcess(model, config, log_dir=self.log_dir, api_key=new_engine_key())
         engine.start()  # on the event-loop thread: see the module docstring
         self._owned.add(engine)
         try:

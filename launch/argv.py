@@ -13,6 +13,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 from launch.config import CPU_DEFAULT_MAX_TOTAL_TOKENS, EngineConfig
 
 SGLANG_MODULE = "sglang.launch_server"
@@ -54,6 +56,10 @@ SLEEP_ON_IDLE_FLAG = "--sleep-on-idle"
 PORT_FLAG = "--port"
 SERVED_NAME_FLAG = "--served-model-name"
 CPU_ENGINE_ENV = "SGLANG_USE_CPU_ENGINE"
+# Secrets never go on the command line (``/proc/PID/cmdline`` is world-readable): they go in a YAML
+# file read by SGLang's ``--config`` (keys are flag names without the leading dashes).
+CONFIG_FLAG = "--config"
+API_KEY_CONFIG_KEY = "api-key"
 
 
 def effective_engine(engine: EngineConfig) -> EngineConfig:
@@ -93,9 +99,52 @@ def server_args(engine: EngineConfig, *, port: int, served_model_name: str | Non
     return args + list(engine.extra_args)
 
 
-def build_argv(engine: EngineConfig, *, port: int, served_model_name: str | None = None) -> list[str]:
-    """The full command line that starts the engine."""
-    return [engine.python_executable, "-m", SGLANG_MODULE, *server_args(engine, port=port, served_model_name=served_model_name)]
+def build_argv(
+    engine: EngineConfig, *, port: int, served_model_name: str | None = None, config_file: str | Path | None = None
+) -> list[str]:
+    """The full command line that starts the engine (``config_file``: see :func:`secret_config`)."""
+    args = server_args(engine, port=port, served_model_name=served_model_name)
+    if config_file is not None:
+        args = [*_without_config_flag(args), CONFIG_FLAG, str(config_file)]
+    return [engine.python_executable, "-m", SGLANG_MODULE, *args]
+
+
+def secret_config(engine: EngineConfig, *, api_key: str) -> dict[str, object]:
+    """Contents of the private ``--config`` file that gives the engine its API key.
+
+    SGLang takes one ``--config`` file; a user's own (in ``extra_args``) is merged into ours.
+    """
+    data: dict[str, object] = {}
+    user_file = _config_flag_value(list(engine.extra_args))
+    if user_file is not None:
+        loaded = yaml.safe_load(Path(user_file).read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"extra_args: {CONFIG_FLAG} {user_file}: expected a mapping of SGLang options")
+        data.update(loaded)
+    data[API_KEY_CONFIG_KEY] = api_key
+    return data
+
+
+def _config_flag_value(args: list[str]) -> str | None:
+    for index, arg in enumerate(args):
+        if arg == CONFIG_FLAG and index + 1 < len(args):
+            return args[index + 1]
+        if arg.startswith(CONFIG_FLAG + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _without_config_flag(args: list[str]) -> list[str]:
+    out: list[str] = []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == CONFIG_FLAG:
+            skip = True
+        elif not arg.startswith(CONFIG_FLAG + "="):
+            out.append(arg)
+    return out
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import collections
 import ctypes
 import os
 import re
+import secrets
 import signal
 import subprocess
 import tempfile
@@ -24,9 +25,10 @@ from pathlib import Path
 from types import TracebackType
 
 import httpx
+import yaml
 from loguru import logger
 
-from launch.argv import build_argv, build_env
+from launch.argv import build_argv, build_env, secret_config
 from launch.config import EngineConfig
 from launch.ports import pick_free_port
 from launch.shm import orphaned_shm_files, owned_shm_files, remove_files
@@ -71,6 +73,11 @@ class EngineStartTimeout(EngineError):
 ProgressCallback = Callable[[str, float], None]
 
 
+def new_engine_key() -> str:
+    """A random API key for one engine: only the process that launched it knows it."""
+    return secrets.token_urlsafe(32)
+
+
 def _set_parent_death_signal() -> None:  # runs in the child between fork and exec
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -91,9 +98,14 @@ class EngineProcess:
         log_dir: str | Path | None = None,
         on_progress: ProgressCallback | None = None,
         stop_grace_s: float = 15.0,
+        api_key: str | None = None,
     ) -> None:
         self.name = name
         self.config = config
+        # With a key, the engine refuses every request without it (but /health and /metrics): local
+        # processes cannot go around whoever launched it. It reaches SGLang through a private file.
+        self.api_key = api_key
+        self._secret_file: Path | None = None
         self.stop_grace_s = stop_grace_s
         self.on_progress = on_progress
         self._log_dir = Path(log_dir) if log_dir else Path(tempfile.gettempdir()) / "sglang-gateway-logs"
@@ -137,6 +149,10 @@ class EngineProcess:
     def phase(self) -> str:
         return self._phase
 
+    def auth_headers(self) -> dict[str, str]:
+        """Headers a request to this engine needs (its API key, if it has one)."""
+        return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
     def log_tail(self, lines: int = 40) -> list[str]:
         with self._lock:
             return list(self._tail)[-lines:]
@@ -148,7 +164,9 @@ class EngineProcess:
             raise RuntimeError(f"engine {self.name!r} was already started")
         if self.port == 0:
             self.port = pick_free_port(self.config.host)
-        self.argv = build_argv(self.config, port=self.port, served_model_name=self.name)
+        if self.api_key:
+            self._secret_file = _write_private_yaml(secret_config(self.config, api_key=self.api_key), self.name)
+        self.argv = build_argv(self.config, port=self.port, served_model_name=self.name, config_file=self._secret_file)
         engine_env = build_env(self.config)
         self.uses_cpu_shim = engine_env.uses_cpu_shim
         self._log_dir.mkdir(parents=True, exist_ok=True)
@@ -187,6 +205,7 @@ class EngineProcess:
                         log_file=self.log_file,
                     )
                 if self.health(client):
+                    self._remove_secret_file()  # SGLang read it long before /health answers
                     self._known_shm |= owned_shm_files(self._proc.pid)
                     self._ready = True
                     self._set_phase("ready")
@@ -234,6 +253,7 @@ class EngineProcess:
                 _wait_group(proc, 10.0)
         proc.wait()
         self._join_reader()
+        self._remove_secret_file()
         leftovers = set(self._known_shm)
         if self._started_wall is not None:  # files of an engine that died before they were attributed to it
             leftovers |= orphaned_shm_files(self._started_wall - 1.0)
@@ -258,9 +278,14 @@ class EngineProcess:
     # ------------------------------------------------------------------ internals
     def _pump_log(self) -> None:
         assert self._proc is not None and self._proc.stdout is not None and self.log_file is not None
-        with open(self.log_file, "w", encoding="utf-8", errors="replace") as sink:
+        # Owner-only: SGLang prints its server arguments at start-up (the API key among them, which is
+        # also redacted below).
+        fd = os.open(self.log_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with open(fd, "w", encoding="utf-8", errors="replace") as sink:
             for raw in iter(self._proc.stdout.readline, b""):
                 line = raw.decode("utf-8", errors="replace").rstrip()
+                if self.api_key and self.api_key in line:
+                    line = line.replace(self.api_key, "<redacted>")
                 sink.write(line + "\n")
                 sink.flush()
                 with self._lock:
@@ -287,9 +312,22 @@ class EngineProcess:
             except Exception:  # a broken progress display must not break the engine
                 logger.exception("progress callback failed")
 
+    def _remove_secret_file(self) -> None:
+        secret, self._secret_file = self._secret_file, None
+        if secret is not None:
+            secret.unlink(missing_ok=True)
+
     def _join_reader(self) -> None:
         if self._reader is not None:
             self._reader.join(timeout=5.0)
+
+
+def _write_private_yaml(data: dict[str, object], name: str) -> Path:
+    """Write ``data`` to a new owner-only ``.yaml`` file (SGLang's ``--config`` wants that suffix)."""
+    fd, path = tempfile.mkstemp(prefix=f"sglang-gateway-{_safe(name)}-", suffix=".yaml")  # mode 0600
+    with os.fdopen(fd, "w") as handle:
+        yaml.safe_dump(data, handle)
+    return Path(path)
 
 
 def _safe(name: str) -> str:

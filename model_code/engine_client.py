@@ -39,7 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from launch.config import ConfigError, DeploymentConfig, EngineConfig, format_validation_error, parse_config
 from launch.preflight import preflight, require
-from launch.process import EngineProcess
+from launch.process import EngineProcess, new_engine_key
 from model_code.errors import BadRequestError, EngineRequestError, EngineUnavailableError, from_openai_error
 from model_code.params import build_request
 
@@ -200,7 +200,7 @@ def start_engine(name: str, engine: EngineConfig, *, log_dir: str | Path | None 
     """Preflight, start (from the starter thread), register, and wait until ``/health`` is 200."""
     global STARTS
     checked = require(preflight(engine), name)
-    process = EngineProcess(name, checked, log_dir=log_dir)
+    process = EngineProcess(name, checked, log_dir=log_dir, api_key=new_engine_key())
     _STARTER.run(process.start)
     with _LIVE_LOCK:
         STARTS += 1
@@ -299,7 +299,7 @@ class EngineClient:
             return cls(_v1(target.url), target.served_name, target.settings, api_key=api_key)
         assert target.engine is not None
         process = start_engine(target.name, target.engine, log_dir=target.settings.log_dir)
-        return cls(_v1(process.url), target.served_name, target.settings, api_key=api_key, engine=process)
+        return cls(_v1(process.url), target.served_name, target.settings, api_key=process.api_key or api_key, engine=process)
 
     @property
     def client(self) -> openai.OpenAI:

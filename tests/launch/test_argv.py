@@ -8,12 +8,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from launch.argv import (
     CPU_ENGINE_ENV,
     CPU_SHIM_DIR,
     build_argv,
     build_env,
+    secret_config,
     server_args,
 )
 from launch.config import CPU_DEFAULT_MAX_TOTAL_TOKENS, EngineConfig
@@ -129,11 +131,24 @@ VARIANTS: dict[str, EngineConfig] = {
 }
 
 
+def keyed_argv(directory: Path) -> list[str]:
+    """An engine with an API key, and a user's own ``--config`` file in extra_args (merged into ours)."""
+    user = directory / "user.yaml"
+    user.write_text("log-level: warning\n")
+    engine = EngineConfig(model_path="org/m", extra_args=["--config", str(user)])
+    secret = directory / "secret.yaml"
+    secret.write_text(yaml.safe_dump(secret_config(engine, api_key="k-123")))
+    argv = build_argv(engine, port=30123, served_model_name="key", config_file=secret)[3:]
+    assert argv.count("--config") == 1 and str(user) not in argv
+    return argv
+
+
 @pytest.fixture(scope="module")
-def sglang_parsed() -> dict[str, dict]:
+def sglang_parsed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     """Every variant's argv parsed by ``sglang.srt.server_args.prepare_server_args`` (one subprocess)."""
     pytest.importorskip("sglang")
     argvs = [server_args(engine, port=30123, served_model_name="key") for engine in VARIANTS.values()]
+    argvs.append(keyed_argv(tmp_path_factory.mktemp("engine-key")))
     argvs.append(MISSPELLED)
     proc = subprocess.run(
         [sys.executable, str(HERE / "sglang_parse_argv.py")],
@@ -145,7 +160,14 @@ def sglang_parsed() -> dict[str, dict]:
     )
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULTS ")), None)
     assert line, f"parser script failed:\n{proc.stderr[-3000:]}"
-    return dict(zip([*VARIANTS, "misspelled"], json.loads(line.removeprefix("RESULTS ")), strict=True))
+    return dict(zip([*VARIANTS, "engine-key", "misspelled"], json.loads(line.removeprefix("RESULTS ")), strict=True))
+
+
+def test_the_engine_key_reaches_sglang_through_the_config_file(sglang_parsed: dict[str, dict]) -> None:
+    result = sglang_parsed["engine-key"]
+    assert result["ok"], result.get("error")
+    assert result["args"]["api_key"] == "k-123"
+    assert result["args"]["log_level"] == "warning"  # the user's own --config file still applies
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

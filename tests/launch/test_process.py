@@ -11,11 +11,12 @@ import os
 import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
 from launch.config import EngineConfig
-from launch.process import EngineExited, EngineProcess, EngineStartTimeout
+from launch.process import EngineExited, EngineProcess, EngineStartTimeout, new_engine_key
 from launch.shm import SHM_DIR, group_pids, owned_shm_files
 
 pytestmark = pytest.mark.engine
@@ -30,10 +31,18 @@ def assert_nothing_left(engine: EngineProcess, shm_files: set[Path]) -> None:
 
 def test_engine_starts_serves_a_chat_and_stops_clean(tiny_engine_config: EngineConfig, tmp_path: Path) -> None:
     phases: list[str] = []
-    engine = EngineProcess("tiny", tiny_engine_config, log_dir=tmp_path, on_progress=lambda phase, _t: phases.append(phase))
+    key = new_engine_key()
+    engine = EngineProcess(
+        "tiny", tiny_engine_config, log_dir=tmp_path, on_progress=lambda phase, _t: phases.append(phase), api_key=key
+    )
     with engine:
-        assert engine.ready and engine.health()
-        client = openai.OpenAI(base_url=f"{engine.url}/v1", api_key="unused", max_retries=0)
+        assert engine.ready and engine.health()  # /health needs no key (probes, load balancers)
+        # The key reaches SGLang through a private file, gone once the engine is ready; never on the command line.
+        assert key not in Path(f"/proc/{engine.pid}/cmdline").read_bytes().decode()
+        assert "--config" in engine.argv and not Path(engine.argv[engine.argv.index("--config") + 1]).exists()
+        assert httpx.get(f"{engine.url}/v1/models", timeout=10).status_code == 401
+        assert httpx.get(f"{engine.url}/v1/models", headers={"Authorization": "Bearer wrong"}, timeout=10).status_code == 401
+        client = openai.OpenAI(base_url=f"{engine.url}/v1", api_key=key, max_retries=0)
         reply = client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "Hello!"}], max_tokens=8, temperature=0
         )
@@ -50,6 +59,8 @@ def test_engine_starts_serves_a_chat_and_stops_clean(tiny_engine_config: EngineC
         assert phase in phases, phases
     log = engine.log_file.read_text()
     assert "Load weight begin" in log and engine.log_tail(5)
+    assert key not in log and "<redacted>" in log  # SGLang prints its arguments, the key among them
+    assert engine.log_file.stat().st_mode & 0o077 == 0
 
 
 def test_readiness_timeout_raises_with_log_tail_and_stops(tiny_engine_config: EngineConfig, tmp_path: Path) -> None:
