@@ -17,7 +17,7 @@ from gateway.config import SwapPolicy
 from gateway.control import Controller, ReloadInvalid
 from gateway.errors import GatewayError, error_body
 
-router = APIRouter(prefix="/admin")
+router = APIRouter(prefix="/admin", include_in_schema=False)  # not listed in /openapi.json to client keys
 
 
 def _controller(request: Request) -> Controller:

@@ -15,7 +15,6 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
@@ -26,7 +25,7 @@ from gateway.control import Controller
 from gateway.engines import EngineManager
 from gateway.errors import GatewayError, error_response
 from gateway.metrics import Metrics
-from gateway.middleware import BodyLimitMiddleware, RequestContextMiddleware
+from gateway.middleware import BodyLimitMiddleware, JSONCORSMiddleware, RequestContextMiddleware
 from gateway.proxy import Proxy, upstream_session
 from gateway.registry import Registry, build_registry
 from gateway.routes import PROXIED_PATHS, GatewayState, note_error, proxied_endpoint, router, unexpected_error_response
@@ -90,7 +89,7 @@ def create_app(
         probe_timeout = httpx.Timeout(settings.health_timeout_s, connect=settings.upstream_connect_timeout_s)
         probes = httpx.AsyncClient(timeout=probe_timeout, trust_env=False)
         async with session, probes:
-            state.proxy = Proxy(session, state.metrics, probes)
+            state.proxy = Proxy(session, state.metrics, probes, state.quarantine)
             if engines is not None:
                 try:
                     await engines.start_all()
@@ -105,7 +104,8 @@ def create_app(
                 if engines is not None:
                     await engines.stop_all()
 
-    app = GatewayAPI(title="sglang-gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # No trailing-slash redirects: a 307 built from the client's Host header is not an API answer.
+    app = GatewayAPI(title="sglang-gateway", lifespan=lifespan, docs_url=None, redoc_url=None, redirect_slashes=False)
     app.state.gateway = state
     app.state.engines = engines
     app.state.startup_error = None
@@ -115,7 +115,7 @@ def create_app(
     _install_error_handlers(app)
     # Outermost last: request id/log -> CORS -> auth -> body limit -> routes.
     layers: list[tuple[type[Any], dict[str, Any]]] = [
-        (BodyLimitMiddleware, {"max_bytes": settings.max_body_bytes}),
+        (BodyLimitMiddleware, {"max_bytes": settings.max_body_bytes, "timeout_s": settings.http.body_timeout_s}),
         (AuthMiddleware, {"holder": keys}),
     ]
     if settings.cors_allow_origins:
@@ -125,7 +125,7 @@ def create_app(
             "allow_headers": ["authorization", "content-type", "x-request-id"],
             "expose_headers": ["x-request-id", "retry-after"],
         }
-        layers.append((CORSMiddleware, cors))
+        layers.append((JSONCORSMiddleware, cors))
     layers.append((RequestContextMiddleware, {"metrics": state.metrics, "log_requests": settings.log_requests}))
     fast: Any = proxied_endpoint
     for middleware, options in layers:
@@ -158,7 +158,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(GatewayError)
     async def _gateway_error(request: Request, error: GatewayError) -> Response:
-        note_error(request.scope, error.message)
+        note_error(request.scope, error)
         return error_response(error)
 
     @app.exception_handler(StarletteHTTPException)

@@ -40,8 +40,23 @@ class WatchdogSettings(_Strict):
     unhealthy_after: int = Field(3, ge=1, description="Consecutive failed /health probes before a restart.")
     backoff_initial_s: float = Field(1.0, ge=0, description="Delay before the first restart attempt.")
     backoff_max_s: float = Field(60.0, ge=0, description="Longest delay between two restart attempts.")
-    max_restarts: int = Field(5, ge=0, description="Restarts in a row (no stable_after_s healthy between) before giving up.")
+    max_restarts: int | None = Field(
+        None, ge=0, description="Failed restarts in a row before giving up (unset: never give up, retry every backoff_max_s)."
+    )
     stable_after_s: float = Field(60.0, ge=0, description="Healthy this long after a restart resets the backoff.")
+
+
+class HttpSettings(_Strict):
+    """Limits of the HTTP layer, enforced before any route runs (safe for a gateway bound to 0.0.0.0)."""
+
+    max_connections: int = Field(2048, ge=1, description="Open client connections; beyond, new ones get 503 and are closed.")
+    max_header_bytes: int = Field(32768, ge=1024, description="Request line plus headers; beyond: 431.")
+    max_headers: int = Field(100, ge=1, description="Header fields per request; beyond: 431.")
+    max_url_bytes: int = Field(8192, ge=256, description="Request target (path and query); beyond: 414.")
+    header_timeout_s: float = Field(10.0, gt=0, description="From a request's first byte to its last header; beyond: 408.")
+    keepalive_timeout_s: float = Field(30.0, gt=0, description="An idle connection (new or between requests) is closed after this.")
+    body_timeout_s: float = Field(30.0, gt=0, description="Longest silence while a request body arrives; beyond: 408.")
+    write_timeout_s: float = Field(30.0, gt=0, description="A client that accepts no response bytes this long is disconnected.")
 
 
 class GatewaySettings(_Strict):
@@ -73,6 +88,7 @@ class GatewaySettings(_Strict):
     swap_policy: dict[str, SwapPolicy] = Field(default_factory=dict, description="Per-model swap policy overrides.")
     swap_retry_after_s: int = Field(5, ge=0, description="Retry-After sent while a stop-first swap has a model down.")
     watchdog: WatchdogSettings = Field(default_factory=WatchdogSettings, description="Engine supervision.")
+    http: HttpSettings = Field(default_factory=HttpSettings, description="Connection and header limits, timeouts.")
 
     @field_validator("api_keys", "admin_keys")
     @classmethod

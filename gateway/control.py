@@ -58,7 +58,7 @@ class Controller:
         self.watch = watch
         self.watchdog = Watchdog(
             state.registry, executor, state.metrics, lambda: self.state.settings,
-            lambda: self.state.proxy.client if self.state.proxy else None,
+            lambda: self.state.proxy.client if self.state.proxy else None, state.quarantine,
         )  # fmt: skip
         self.last_reload: dict[str, Any] | None = None
         self.last_errors: dict[str, str] = {}
@@ -351,7 +351,8 @@ def _effective(new: DeploymentConfig, plan: ReloadPlan, results: dict[str, SwapR
             assert change.new is not None
             old = change.old
             models[change.name] = ModelEntry.model_construct(
-                engine=old.engine, url=old.url, served_model_name=old.served_model_name, api_key=old.api_key, aliases=list(change.new.aliases)
+                engine=old.engine, url=old.url, served_model_name=old.served_model_name, api_key=old.api_key,
+                vocab_size=old.vocab_size, aliases=list(change.new.aliases),
             )
     return new.model_copy(update={"models": models})
 

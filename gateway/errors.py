@@ -46,6 +46,7 @@ class GatewayError(Exception):
         param: str | None = None,
         type: str | None = None,
         headers: dict[str, str] | None = None,
+        log_detail: str | None = None,
     ) -> None:
         super().__init__(message)
         kind, default_code = _KINDS.get(status, _KINDS[500] if status >= 500 else _KINDS[400])
@@ -55,6 +56,7 @@ class GatewayError(Exception):
         self.code = code or default_code
         self.param = param
         self.headers = headers or {}
+        self.log_detail = log_detail  # for the gateway's log only (e.g. what an engine said about its own failure)
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.code, self.param)
@@ -104,10 +106,30 @@ def sanitize_message(message: Any) -> str:
     return cleaned or "upstream error"
 
 
+# A validation dump as SGLang's FastAPI layer writes it: "[{'type': 'missing', 'loc': ('body', 'messages'), 'msg': ...}]".
+_VALIDATION_ITEM = re.compile(r"""['"]loc['"]:\s*[(\[]([^)\]]*)[)\]],\s*['"]msg['"]:\s*(?:'([^']*)'|"([^"]*)")""")
+
+
+def readable_validation_dump(text: str) -> str | None:
+    """``body.messages: Field required; ...`` for a repr'd list of validation errors, else None."""
+    items = _VALIDATION_ITEM.findall(text)
+    if not items:
+        return None
+    parts = []
+    for location, single, double in items:
+        names = [part.strip().strip("'\"") for part in location.split(",")]
+        where = ".".join(name for name in names if name and name != "body")
+        message = single or double
+        parts.append(f"{where}: {message}" if where else message)
+    return "; ".join(dict.fromkeys(parts))
+
+
 def upstream_error(status: int, body: bytes) -> GatewayError:
     """Turn an engine's error response into a sanitized OpenAI error.
 
-    4xx keep their status; 5xx become 502 (the engine failed, not the client's request).
+    4xx keep their status and a sanitized message (validation dumps rewritten as ``field: problem``);
+    5xx become 502 with a fixed message: what a failing engine says is about its own internals
+    (Python exception texts...), so it goes to the gateway's log, not to the client.
     """
     message: Any = None
     param = None
@@ -125,5 +147,6 @@ def upstream_error(status: int, body: bytes) -> GatewayError:
         message = body.decode("utf-8", errors="replace")[:500] or f"engine answered HTTP {status}"
     text = sanitize_message(message)
     if status >= 500:
-        return GatewayError(502, f"engine error: {text}", code="upstream_error")
-    return GatewayError(status, text, param=param, code=code)
+        detail = f"engine answered HTTP {status}: {text}"
+        return GatewayError(502, f"the engine failed to process the request (HTTP {status})", code="upstream_error", log_detail=detail)
+    return GatewayError(status, readable_validation_dump(text) or text, param=param, code=code)

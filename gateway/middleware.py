@@ -1,4 +1,4 @@
-"""Pure-ASGI middleware: request ids + the per-request log line and metrics, and the body-size cap.
+"""Pure-ASGI middleware: request ids + the per-request log line and metrics, and the body-size/time caps.
 
 Pure ASGI (not ``BaseHTTPMiddleware``) so streaming responses pass through untouched and a client
 disconnect reaches the streaming response itself.
@@ -6,12 +6,17 @@ disconnect reaches the streaming response itself.
 
 from __future__ import annotations
 
+import asyncio
 import re
 import secrets
 import time
 from typing import Any
 
 from loguru import logger
+from starlette.datastructures import Headers
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.context import SCOPE_KEY, RequestInfo
@@ -48,6 +53,9 @@ class RequestContextMiddleware:
 
         try:
             await self.app(scope, receive, send_with_id)
+        except ClientDisconnect:  # gone while sending its body: nobody to answer, nothing to log as a failure
+            info.status = info.status or 499
+            info.error = info.error or "client disconnected"
         except BaseException:
             info.status = info.status or 500
             raise
@@ -82,16 +90,37 @@ class RequestContextMiddleware:
             "tokens_out": info.completion_tokens,
             "error": info.error,
         }
+        fields = {k: escape_log_text(v) if isinstance(v, str) else v for k, v in fields.items()}
         text = " ".join(f"{k}={v}" for k, v in fields.items() if v is not None)
         logger.bind(**fields).info("request {}", text)
 
 
-class BodyLimitMiddleware:
-    """413 for bodies over ``max_bytes``: by ``Content-Length`` first, then by counting streamed bytes."""
+_UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\\]")
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+
+def escape_log_text(text: str) -> str:
+    """``text`` with control characters, line separators and backslashes escaped: a client-chosen path or
+    model name can neither forge a log line nor write a NUL into the log."""
+    if _UNPRINTABLE.search(text) is None:
+        return text
+    return _UNPRINTABLE.sub(_escape_char, text)
+
+
+def _escape_char(match: re.Match[str]) -> str:
+    char = match.group()
+    if char == "\\":
+        return "\\\\"
+    return f"\\x{ord(char):02x}" if ord(char) < 256 else f"\\u{ord(char):04x}"
+
+
+class BodyLimitMiddleware:
+    """413 for bodies over ``max_bytes`` (by ``Content-Length`` first, then by counting streamed bytes);
+    408 when the body stops arriving for ``timeout_s`` (a slow sender must not hold a connection forever)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float = 30.0) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -106,20 +135,41 @@ class BodyLimitMiddleware:
                 await error_response(self._too_large())(scope, receive, send)
                 return
         seen = 0
+        complete = False
 
         async def counting_receive() -> Message:
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, complete
+            if complete:  # after the body, receive() waits for a disconnect: no deadline then
+                return await receive()
+            try:
+                async with asyncio.timeout(self.timeout_s):
+                    message = await receive()
+            except TimeoutError:
+                raise GatewayError(408, f"request body not received within {self.timeout_s:g}s", code="request_timeout") from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
                     raise self._too_large()
+                complete = not message.get("more_body", False)
             return message
 
         await self.app(scope, counting_receive, send)
 
     def _too_large(self) -> GatewayError:
         return GatewayError(413, f"request body is larger than {self.max_bytes} bytes", code="request_too_large")
+
+
+class JSONCORSMiddleware(CORSMiddleware):
+    """Starlette's CORS middleware, with its refusal of a preflight answered in OpenAI's error shape."""
+
+    def preflight_response(self, request_headers: Headers) -> Response:
+        response = super().preflight_response(request_headers)
+        if response.status_code < 400:
+            return response
+        reason = bytes(response.body).decode("utf-8", errors="replace")  # "Disallowed CORS origin, method"
+        error = GatewayError(response.status_code, reason.replace("Disallowed CORS", "CORS preflight refused:"), code="cors_refused")
+        headers = {k: v for k, v in response.headers.items() if k.lower() not in ("content-length", "content-type")}
+        return error_response(GatewayError(error.status, error.message, code=error.code, headers=headers))
 
 
 def _route_label(path: str) -> str:

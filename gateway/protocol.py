@@ -69,6 +69,11 @@ class EmbeddingRequest(_Loose):
     dimensions: StrictInt | None = Field(None, ge=1)
 
 
+MAX_NESTING = 64
+"""Deepest nesting of arrays/objects accepted in a body (the gateway re-serialises bodies, and deep
+recursion in an engine's validators is a way to crash it); real requests, JSON schemas included, stay far below."""
+
+
 def parse_body(raw: bytes, schema: type[_Loose]) -> dict[str, Any]:
     """The JSON object in ``raw``, checked against ``schema``; GatewayError(400) otherwise."""
     try:
@@ -77,6 +82,8 @@ def parse_body(raw: bytes, schema: type[_Loose]) -> dict[str, Any]:
         raise GatewayError(400, f"request body is not valid JSON: {error}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise GatewayError(400, f"request body must be a JSON object, got {_json_type(data)}", code="invalid_json")
+    if raw.count(b"[") + raw.count(b"{") > MAX_NESTING and _depth(data) > MAX_NESTING:
+        raise GatewayError(400, f"request body is nested deeper than {MAX_NESTING} levels", code="invalid_json")
     try:
         schema.model_validate(data)
     except ValidationError as error:
@@ -87,6 +94,22 @@ def parse_body(raw: bytes, schema: type[_Loose]) -> dict[str, Any]:
         more = f" (and {error.error_count() - 1} more problem(s))" if error.error_count() > 1 else ""
         raise GatewayError(400, f"{where}: {problem['msg']}{more}" if where else problem["msg"] + more, param=field) from None
     return data
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of arrays and objects in a parsed JSON value (iterative: no recursion limit)."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, level)
+        if deepest > MAX_NESTING:
+            return deepest
+        stack.extend((child, level + 1) for child in children if isinstance(child, (dict, list)))
+    return deepest
 
 
 def _json_type(value: Any) -> str:

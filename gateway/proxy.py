@@ -25,6 +25,7 @@ from gateway.context import RequestInfo
 from gateway.errors import GatewayError, sanitize_message, sse_error_event, upstream_error
 from gateway.limits import ConcurrencyLimiter
 from gateway.metrics import Metrics
+from gateway.poison import Quarantine, request_fingerprint, token_id_problem
 from gateway.registry import Backend, ModelRoute
 
 T = TypeVar("T")
@@ -88,10 +89,13 @@ class Proxy:
     watchdog, ``/v1/models``): off the request path, so they keep the simpler API.
     """
 
-    def __init__(self, session: aiohttp.ClientSession, metrics: Metrics, client: Any = None) -> None:
+    def __init__(
+        self, session: aiohttp.ClientSession, metrics: Metrics, client: Any = None, quarantine: Quarantine | None = None
+    ) -> None:
         self.session = session
         self.client = client
         self.metrics = metrics
+        self.quarantine = quarantine if quarantine is not None else Quarantine()
         self._urls: dict[str, URL] = {}
 
     def _url(self, text: str) -> URL:
@@ -112,6 +116,9 @@ class Proxy:
         A stream needs no such watch before its response starts: engines send a stream's headers at
         once, and :class:`SSEProxyResponse` watches the client from then on.
         """
+        problem = token_id_problem(path, body, route.backend.vocab_size)
+        if problem is not None:
+            raise GatewayError(400, problem, code="invalid_token_ids", param=problem.split(":", 1)[0])
         limiter = route.limiter
         await limiter.acquire(route.name)
         lease = _Lease(limiter)
@@ -138,6 +145,9 @@ class Proxy:
             body["model"] = backend.served_name
             url = self._url(backend.url + path)
             payload = orjson.dumps(body)
+            lease.request = (path, payload)
+            if self.quarantine:
+                self.quarantine.check(route.name, request_fingerprint(path, payload))
             headers = {"Content-Type": "application/json", "X-Request-Id": info.request_id, **backend.upstream_headers()}
             streamed = info.stream
 
@@ -150,6 +160,7 @@ class Proxy:
             try:
                 finished, result = await _unless_disconnected(exchange(), None if streamed else receive)
             except UPSTREAM_ERRORS as error:
+                lease.note_if_lost(error)
                 raise transport_error(error, route.name, limiter.settings.retry_after_s) from None
             if not finished:
                 info.error = "client disconnected"
@@ -178,13 +189,23 @@ class _Lease:
     is what tells the engine that nobody listens any more (it aborts the request).
     """
 
-    __slots__ = ("limiter", "backend", "gauge", "upstream")
+    __slots__ = ("limiter", "backend", "gauge", "upstream", "request")
 
     def __init__(self, limiter: ConcurrencyLimiter) -> None:
         self.limiter: ConcurrencyLimiter | None = limiter
         self.backend: Backend | None = None
         self.gauge: Any = None
         self.upstream: aiohttp.ClientResponse | None = None
+        self.request: tuple[str, bytes] | None = None  # (path, body) as sent upstream
+
+    def note_if_lost(self, error: BaseException) -> None:
+        """Remember this request on its backend when ``error`` means the connection broke under it
+        (not a refused connect, not a timeout): if the engine died, the request is a suspect."""
+        if self.backend is None or self.request is None:
+            return
+        if isinstance(error, (aiohttp.ClientConnectorError, TimeoutError)):
+            return
+        self.backend.lost.append(request_fingerprint(*self.request))
 
     def close(self) -> None:
         upstream, self.upstream = self.upstream, None
@@ -296,13 +317,14 @@ class SSEProxyResponse(Response):
                     else:
                         await send({"type": "http.response.body", "body": events, "more_body": True})
         except UPSTREAM_ERRORS as error:
+            self.lease.note_if_lost(error)
             failure = transport_error(error, self.model)
         tail = last
         if self._pending:
             tail += self._inspect(self._pending)
             self._pending = b""
         if failure is not None:
-            self.info.error = failure.message
+            self.info.error = failure.log_detail or failure.message
             self.metrics.child(self.metrics.stream_errors, self.model).inc()
             tail += sse_error_event(failure)
         await send({"type": "http.response.body", "body": tail, "more_body": False})
@@ -353,7 +375,7 @@ class SSEProxyResponse(Response):
             detail = error if isinstance(error, dict) else {"message": error}
             status = detail.get("code") if isinstance(detail.get("code"), int) else 500
             sanitized = upstream_error(status, orjson.dumps({"error": {**detail, "message": sanitize_message(detail.get("message"))}}))
-            self.info.error = sanitized.message
+            self.info.error = sanitized.log_detail or sanitized.message
             return sse_error_event(sanitized).rstrip(b"\n")
         return line
 

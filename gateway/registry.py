@@ -9,6 +9,7 @@ replaced in one assignment (atomic for the event loop): readers never see a half
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -17,6 +18,7 @@ from types import MappingProxyType
 from gateway.config import GatewaySettings, LimitSettings
 from gateway.limits import ConcurrencyLimiter
 from launch.config import DeploymentConfig, ModelEntry
+from launch.model_info import vocab_size as model_vocab_size
 from launch.process import EngineProcess
 
 
@@ -30,6 +32,7 @@ class Backend:
         engine: EngineProcess | None = None,
         url: str | None = None,
         api_key: str | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         if (engine is None) == (url is None):
             raise ValueError("a backend has either an engine or a url")
@@ -45,6 +48,21 @@ class Backend:
         self.failure: str | None = None
         self.retry_after_s: int | None = None  # Retry-After for 503s caused by ``failure``
         self.created_at = time.time()
+        self._vocab_size = vocab_size
+        # Fingerprints of requests whose upstream connection broke (the engine died under them, most
+        # likely): the watchdog turns them into suspects when it finds the engine dead.
+        self.lost: collections.deque[bytes] = collections.deque(maxlen=64)
+
+    @property
+    def vocab_size(self) -> int | None:
+        """The model's vocabulary size (token ids must be below it), when known.
+
+        A managed engine's is read from its model files, once found (a hub model's ``config.json``
+        is in the local cache only after the engine downloaded it); a url model's is configured.
+        """
+        if self._vocab_size is None and self.engine is not None:
+            self._vocab_size = model_vocab_size(self.engine.config.model_path)
+        return self._vocab_size
 
     def upstream_headers(self) -> dict[str, str]:
         """Headers every upstream call of this backend carries (the upstream's API key, if any).
@@ -172,4 +190,4 @@ def build_registry(
 def url_backend(name: str, entry: ModelEntry) -> Backend:
     """The backend of a ``url:`` model: its upstream name defaults to the model's name here."""
     assert entry.url is not None
-    return Backend(entry.served_model_name or name, url=entry.url, api_key=entry.api_key)
+    return Backend(entry.served_model_name or name, url=entry.url, api_key=entry.api_key, vocab_size=entry.vocab_size)

@@ -106,7 +106,7 @@ def _backend_diff(before: ModelEntry, after: ModelEntry) -> list[str]:
     if before.engine is not None and after.engine is not None:
         old, new = before.engine.model_dump(), after.engine.model_dump()
         return [f"engine.{key}" for key in new if old.get(key) != new[key]]
-    return [key for key in ("url", "served_model_name", "api_key") if getattr(before, key) != getattr(after, key)]
+    return [key for key in ("url", "served_model_name", "api_key", "vocab_size") if getattr(before, key) != getattr(after, key)]
 
 
 def _route_diff(

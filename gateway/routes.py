@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -12,6 +12,7 @@ import orjson
 from fastapi import APIRouter, Request
 from loguru import logger
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
@@ -19,6 +20,7 @@ from gateway.config import GatewaySettings
 from gateway.context import RequestInfo, request_info
 from gateway.errors import GatewayError, error_body, error_response
 from gateway.metrics import Metrics
+from gateway.poison import Quarantine
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, _Loose, parse_body
 from gateway.proxy import Proxy
 from gateway.registry import Backend, ModelRoute, Registry
@@ -34,6 +36,7 @@ class GatewayState:
     registry: Registry
     metrics: Metrics
     proxy: Proxy | None = None  # set by the lifespan (it owns the HTTP client)
+    quarantine: Quarantine = field(default_factory=Quarantine)  # requests suspected of crashing an engine
 
 
 def _state(request: Request) -> GatewayState:
@@ -77,18 +80,21 @@ async def proxied_endpoint(scope: Scope, receive: Receive, send: Send) -> None:
     try:
         response = await _proxied(request, PROXIED_PATHS[path], path)
     except GatewayError as error:
-        note_error(scope, error.message)
+        note_error(scope, error)
         response = error_response(error)
+    except ClientDisconnect:
+        raise  # left while sending its body: the request-context middleware records it (499)
     except Exception as error:  # noqa: BLE001 - every failure leaves as OpenAI-shaped JSON
         response = unexpected_error_response(scope, error)
     await response(scope, receive, send)
 
 
-def note_error(scope: Scope, message: str) -> None:
+def note_error(scope: Scope, error: GatewayError | str) -> None:
     """Keep a short reason for the request's log line (the first one wins)."""
     info = request_info(scope)
     if info is not None and info.error is None:
-        info.error = message[:200]
+        message = error if isinstance(error, str) else error.log_detail or error.message
+        info.error = message[:300]
 
 
 def unexpected_error_response(scope: Scope, error: BaseException) -> Response:
@@ -133,12 +139,14 @@ async def get_model(model_id: str, request: Request) -> Response:
 
 
 @router.get("/health")
+@router.head("/health", include_in_schema=False)  # load balancers often probe with HEAD
 async def health() -> Response:
     """Liveness: the gateway process answers (engines are /ready's business)."""
     return _json({"status": "ok"})
 
 
 @router.get("/ready")
+@router.head("/ready", include_in_schema=False)
 async def ready(request: Request) -> Response:
     """200 only when every model has a healthy backend; 503 naming the ones that are not."""
     state = _state(request)

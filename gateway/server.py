@@ -19,6 +19,7 @@ from loguru import logger
 from gateway.app import app_from_config
 from gateway.config import GatewaySettings
 from gateway.engines import StartAborted
+from gateway.http_protocol import guarded_protocol
 from launch.config import ConfigError, load_config
 from launch.ports import port_is_free
 
@@ -33,9 +34,9 @@ def uvicorn_config(app: FastAPI, settings: GatewaySettings, *, log_level: str = 
         access_log=False,  # the gateway writes its own line per request
         log_level=log_level,
         timeout_graceful_shutdown=int(settings.shutdown_grace_s) or None,
-        timeout_keep_alive=30,
+        timeout_keep_alive=max(1, round(settings.http.keepalive_timeout_s)),
         loop="auto",  # uvloop when installed
-        http="auto",
+        http=guarded_protocol(settings.http),  # httptools with header/connection limits and timeouts
     )
 
 

@@ -3,10 +3,16 @@
 Every ``interval_s`` each owned engine is checked: a process that exited is down at once; a running
 one that fails ``unhealthy_after`` ``/health`` probes in a row is down too. A down model answers 503
 (its backend carries the reason; ``/ready`` and ``gateway_engine_up`` follow), and a fresh engine
-with the same config is started after an exponential backoff. After ``max_restarts`` restarts with
-no ``stable_after_s`` healthy stretch in between, the watchdog gives up until an operator swaps or
-reloads the model. Restarts take the model's swap lock, so they never race a swap or a reload; the
-backoff wait does not hold it.
+with the same config is started after an exponential backoff, capped at ``backoff_max_s``.
+
+Client traffic must never keep a model down: an engine that died with requests in flight (a request
+crashed a working engine) is restarted without growing the backoff, and those requests go to the
+:class:`~gateway.poison.Quarantine`, which refuses them if they come again. The backoff grows only
+for engines that die again soon after a restart with nothing in flight (a crash loop at start-up).
+By default the watchdog never gives up; with ``max_restarts`` set it stops after that many restarts
+with no ``stable_after_s`` healthy stretch in between, until an operator swaps or reloads the model.
+Restarts take the model's swap lock, so they never race a swap or a reload; the backoff wait does
+not hold it.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from loguru import logger
 
 from gateway.config import GatewaySettings, WatchdogSettings
 from gateway.metrics import Metrics
+from gateway.poison import Quarantine
 from gateway.registry import Backend, Registry
 from gateway.swap import SwapError, SwapExecutor
 
@@ -52,12 +59,14 @@ class Watchdog:
         metrics: Metrics,
         settings: Callable[[], GatewaySettings],
         client: Callable[[], httpx.AsyncClient | None],
+        quarantine: Quarantine | None = None,
     ) -> None:
         self.registry = registry
         self.executor = executor
         self.metrics = metrics
         self._settings = settings
         self._client = client
+        self.quarantine = quarantine if quarantine is not None else Quarantine()
         self.health: dict[str, ModelHealth] = {}
         self._restarting: dict[str, asyncio.Task[None]] = {}
 
@@ -114,9 +123,11 @@ class Watchdog:
             health.down_since = time.monotonic()
             tail = "\n".join(f"    {line}" for line in backend.engine.log_tail(20))
             logger.error("model {}: {} (pid {}); last lines of its log:\n{}", name, reason, backend.engine.pid, tail)
+            if not backend.engine.running and await self._note_crash_suspects(name, backend):
+                health.attempts = 0  # a request crashed a working engine: restart at once, no backoff
         if health.gave_up:
             return
-        if health.attempts >= config.max_restarts:
+        if config.max_restarts is not None and health.attempts >= config.max_restarts:
             health.gave_up = True
             backend.failure = (
                 f"engine is down ({reason}) and {health.attempts} restart(s) did not help; "
@@ -127,9 +138,24 @@ class Watchdog:
             return
         delay = backoff_delay(health.attempts, config)
         health.attempts += 1
-        backend.failure = f"{reason}; restarting (attempt {health.attempts} of {config.max_restarts})"
+        of = f" of {config.max_restarts}" if config.max_restarts is not None else ""
+        backend.failure = f"{reason}; restarting (attempt {health.attempts}{of})"
         backend.retry_after_s = max(1, int(delay) + 1)
         self._restarting[name] = asyncio.ensure_future(self._restart(name, backend, delay, health))
+
+    async def _note_crash_suspects(self, name: str, backend: Backend) -> bool:
+        """Hand the requests whose connections broke with the engine to the quarantine; True if any."""
+        await asyncio.sleep(0.2)  # let the proxy see the broken connections of requests still in flight
+        suspects = list(backend.lost)
+        backend.lost.clear()
+        if not suspects:
+            return False
+        refused = self.quarantine.engine_crashed(name, suspects)
+        logger.warning(
+            "model {}: the engine died with {} request(s) in flight; {} of them will be refused if they come again",
+            name, len(set(suspects)), refused,
+        )  # fmt: skip
+        return True
 
     async def _healthy(self, backend: Backend, timeout_s: float) -> bool:
         client = self._client()

@@ -160,6 +160,9 @@ class ModelEntry(_Strict):
         None, description="Name the external server expects in 'model' (default: this model's name)."
     )
     api_key: str | None = Field(None, description="Bearer key the external server requires (use ${ENV_VAR}).")
+    vocab_size: int | None = Field(
+        None, gt=0, description="Vocabulary size of the external model: token ids outside it are refused with 400."
+    )
     aliases: list[str] = Field(default_factory=list, description="Other names clients may use.")
 
     @field_validator("url")
@@ -173,8 +176,11 @@ class ModelEntry(_Strict):
     def _one_source(self) -> ModelEntry:
         if (self.engine is None) == (self.url is None):
             raise ValueError("give exactly one of 'engine' (launched here) or 'url' (run elsewhere)")
-        if self.engine is not None and (self.served_model_name or self.api_key):
-            raise ValueError("served_model_name and api_key belong to a 'url' model; use engine.served_model_name")
+        if self.engine is not None and (self.served_model_name or self.api_key or self.vocab_size):
+            raise ValueError(
+                "served_model_name, api_key and vocab_size belong to a 'url' model "
+                "(an engine's name is engine.served_model_name; its vocabulary is read from the model's files)"
+            )
         return self
 
 

@@ -38,8 +38,13 @@ def test_sanitize_message_strips_traceback_frames_and_paths() -> None:
 def test_upstream_error_mapping() -> None:
     bad = upstream_error(400, json.dumps({"object": "error", "message": "nope at /srv/app/a.py", "code": 400}).encode())
     assert (bad.status, bad.type, bad.message) == (400, "invalid_request_error", "nope at <path>")
-    crash = upstream_error(500, b"Internal Server Error")
-    assert crash.status == 502 and "Internal Server Error" in crash.message
+    crash = upstream_error(500, json.dumps({"object": "error", "message": "unhashable type: 'list'", "code": 500}).encode())
+    # What a failing engine says about itself stays in the gateway's log: the client learns only that it failed.
+    assert crash.status == 502 and crash.message == "the engine failed to process the request (HTTP 500)"
+    assert crash.log_detail is not None and "unhashable type" in crash.log_detail
+    dump = "[{'type': 'missing', 'loc': ('body', 'messages'), 'msg': 'Field required', 'input': {'model': 'tiny'}}]"
+    invalid = upstream_error(400, json.dumps({"object": "error", "message": dump, "code": 400}).encode())
+    assert invalid.message == "messages: Field required"
 
 
 def test_400_invalid_json_and_types(gateway: GatewayServer) -> None:

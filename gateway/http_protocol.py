@@ -1,0 +1,187 @@
+"""uvicorn's HTTP protocol with the limits a gateway facing the network needs, at the connection level.
+
+uvicorn (httptools) has no limit on header size or count, no deadline for a request's headers, no idle
+timeout for a connection that never sends a request, no write timeout towards a client that stops
+reading, and answers malformed requests in plain text. Each of these lets an unauthenticated peer hold
+memory, sockets or (through a stalled stream) a model's concurrency slot. :func:`guarded_protocol`
+makes a subclass of uvicorn's ``HttpToolsProtocol`` that enforces :class:`HttpSettings`:
+
+- more than ``max_connections`` open connections: the new one gets 503 and is closed at once;
+- request line over ``max_url_bytes`` (414), head over ``max_header_bytes`` or ``max_headers`` (431),
+  counted as bytes arrive, so a never-ending header cannot grow memory;
+- a connection idle for ``keepalive_timeout_s`` (new or between requests) is closed; a request whose
+  headers are not complete ``header_timeout_s`` after its first byte gets 408;
+- a client that accepts no bytes for ``write_timeout_s`` while a response waits is disconnected (the
+  app sees a disconnect: the stream stops, its upstream request and admission slot are released).
+
+Every rejection is OpenAI-shaped JSON with ``Connection: close``. The body timeout lives in the app
+(:class:`gateway.middleware.BodyLimitMiddleware`), which can still answer 408 there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from typing import Any
+
+import orjson
+from loguru import logger
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from gateway.config import HttpSettings
+from gateway.errors import GatewayError
+
+
+class _Rejected(Exception):
+    """Raised from a parser callback to stop parsing; the answer is in ``protocol._rejection``."""
+
+
+def rejection_bytes(error: GatewayError) -> bytes:
+    """A complete HTTP/1.1 response for ``error`` that closes the connection (written to the transport)."""
+    body = orjson.dumps(error.body())
+    head = [
+        STATUS_LINE[error.status],
+        b"content-type: application/json\r\n",
+        b"content-length: " + str(len(body)).encode() + b"\r\n",
+        b"x-request-id: " + secrets.token_hex(16).encode() + b"\r\n",
+        b"connection: close\r\n",
+    ]
+    head += [f"{name.lower()}: {value}\r\n".encode("latin-1") for name, value in error.headers.items()]
+    return b"".join([*head, b"\r\n", body])
+
+
+class GuardedHttpProtocol(HttpToolsProtocol):
+    """``HttpToolsProtocol`` plus the limits of ``limits`` (set on the subclass by :func:`guarded_protocol`)."""
+
+    limits: HttpSettings = HttpSettings()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._awaiting_head = True  # between requests, or inside a request line / headers
+        self._head_bytes = 0
+        self._header_count = 0
+        self._rejection: GatewayError | None = None
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._write_timer: asyncio.TimerHandle | None = None
+
+    # ------------------------------------------------------------------ connection
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.limits.max_connections:
+            logger.warning("http: {} open connections (max_connections); refusing a new one", len(self.connections) - 1)
+            message = f"the gateway has too many open connections ({self.limits.max_connections}); retry later"
+            self._reject(GatewayError(503, message, code="too_many_connections", headers={"Retry-After": "1"}))
+            return
+        self._arm_head_timer(self.limits.keepalive_timeout_s)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_timers()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if not self._awaiting_head or self.transport.is_closing():
+            return
+        # Still inside a request line or headers: everything in this chunk was head.
+        if self._head_bytes == 0:
+            self._arm_head_timer(self.limits.header_timeout_s)
+        self._head_bytes += len(data)
+        if self._head_bytes > self.limits.max_header_bytes:
+            self._reject(self._head_too_large())
+
+    # ------------------------------------------------------------------ parser callbacks
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._awaiting_head = True
+        self._header_count = 0
+
+    def on_url(self, url: bytes) -> None:
+        super().on_url(url)
+        if len(self.url) > self.limits.max_url_bytes:
+            self._rejection = GatewayError(414, f"request target is longer than {self.limits.max_url_bytes} bytes", code="uri_too_long")
+            raise _Rejected
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_count += 1
+        if self._header_count > self.limits.max_headers:
+            self._rejection = GatewayError(431, f"more than {self.limits.max_headers} header fields", code="headers_too_large")
+            raise _Rejected
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._awaiting_head = False
+        self._head_bytes = 0
+        self._cancel_head_timer()
+        super().on_headers_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._awaiting_head = True
+            self._head_bytes = 0
+            # uvicorn's own keep-alive timer is cancelled by any byte; this one is not (slow headers).
+            self._arm_head_timer(self.limits.keepalive_timeout_s)
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn calls this on any parser error (ours included): answer in JSON, not plain text."""
+        error, self._rejection = self._rejection, None
+        self._reject(error or GatewayError(400, "invalid HTTP request", code="invalid_http_request"))
+
+    # ------------------------------------------------------------------ writing
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._write_timer is None:
+            self._write_timer = self.loop.call_later(self.limits.write_timeout_s, self._write_timed_out)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+
+    def _write_timed_out(self) -> None:
+        self._write_timer = None
+        if not self.transport.is_closing():
+            client = f"{self.client[0]}:{self.client[1]}" if self.client else "client"
+            logger.warning("http: {} accepted no data for {:g}s; disconnecting it", client, self.limits.write_timeout_s)
+            self.transport.abort()  # connection_lost() follows: the app sees http.disconnect
+
+    # ------------------------------------------------------------------ helpers
+    def _head_too_large(self) -> GatewayError:
+        return GatewayError(431, f"request headers are larger than {self.limits.max_header_bytes} bytes", code="headers_too_large")
+
+    def _arm_head_timer(self, delay_s: float) -> None:
+        self._cancel_head_timer()
+        self._head_timer = self.loop.call_later(delay_s, self._head_timed_out)
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if not self._awaiting_head or self.transport.is_closing():
+            return
+        if self._head_bytes == 0:
+            self.transport.close()  # idle: nothing to answer
+            return
+        timeout = self.limits.header_timeout_s
+        self._reject(GatewayError(408, f"request headers not received within {timeout:g}s", code="request_timeout"))
+
+    def _reject(self, error: GatewayError) -> None:
+        self._cancel_timers()
+        if not self.transport.is_closing():
+            self.transport.write(rejection_bytes(error))
+            self.transport.close()
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _cancel_timers(self) -> None:
+        self._cancel_head_timer()
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+
+
+def guarded_protocol(limits: HttpSettings) -> type[GuardedHttpProtocol]:
+    """A protocol class for ``uvicorn.Config(http=...)`` enforcing ``limits``."""
+    return type("GatewayHttpProtocol", (GuardedHttpProtocol,), {"limits": limits})
