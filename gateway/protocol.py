@@ -11,12 +11,15 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, model_validator
 
 from gateway.errors import GatewayError
 
 _Number = Annotated[float, Field(allow_inf_nan=False)]
 _TokenIds = list[StrictInt]
+# Integers SGLang puts into int32/int64 tensors: one out of range (top_k=2**63) crashes its scheduler.
+_Int32 = Annotated[StrictInt, Field(ge=-(2**31), lt=2**31)]
+_Int64 = Annotated[StrictInt, Field(ge=-(2**63), lt=2**63)]
 
 
 class _Loose(BaseModel):
@@ -32,12 +35,38 @@ class _Common(_Loose):
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
     n: StrictInt | None = Field(None, ge=1, le=128)
-    max_tokens: StrictInt | None = Field(None, ge=0)
+    max_tokens: _Int32 | None = Field(None, ge=0)
     temperature: _Number | None = Field(None, ge=0)
     top_p: _Number | None = Field(None, ge=0, le=1)
-    seed: StrictInt | None = None
+    seed: _Int64 | None = None
     stop: StrictStr | list[StrictStr] | None = None
     user: StrictStr | None = None
+    rid: StrictStr | None = Field(None, max_length=256)  # SGLang's own request id: one string per request
+    # SGLang's sampling extensions whose range it does not check fully
+    top_k: _Int32 | None = Field(None, ge=-1)
+    min_tokens: _Int32 | None = Field(None, ge=0)
+    sampling_seed: _Int64 | None = None
+    priority: _Int32 | None = None
+    stop_token_ids: list[_Int32] | None = None
+
+
+_GRAMMAR_FIELDS = ("regex", "ebnf", "json_schema", "structural_tag")
+_GRAMMAR_FORMATS = ("json_schema", "json_object", "structural_tag")
+
+
+def _check_min_tokens_without_grammar(body: _Loose) -> None:
+    """SGLang cannot honour ``min_tokens`` past the end of a grammar: it answers 500 ("Grammar accept_token
+    failed") for a valid-looking request. Refuse the combination here, with the reason."""
+    extra = body.model_extra or {}
+    min_tokens = getattr(body, "min_tokens", None)
+    if not min_tokens:
+        return
+    response_format = getattr(body, "response_format", None)
+    constrained = [name for name in _GRAMMAR_FIELDS if extra.get(name)]
+    if isinstance(response_format, dict) and response_format.get("type") in _GRAMMAR_FORMATS:
+        constrained.append(f"response_format {response_format['type']}")
+    if constrained:
+        raise ValueError(f"min_tokens cannot be combined with a constrained output ({constrained[0]}): the grammar may end first")
 
 
 class ChatMessage(_Loose):
@@ -47,12 +76,17 @@ class ChatMessage(_Loose):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = Field(None, ge=0)
+    max_completion_tokens: _Int32 | None = Field(None, ge=0)
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: StrictStr | dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _grammar(self) -> ChatCompletionRequest:
+        _check_min_tokens_without_grammar(self)
+        return self
 
 
 class CompletionRequest(_Common):
@@ -61,12 +95,17 @@ class CompletionRequest(_Common):
     echo: StrictBool | None = None
     suffix: StrictStr | None = None
 
+    @model_validator(mode="after")
+    def _grammar(self) -> CompletionRequest:
+        _check_min_tokens_without_grammar(self)
+        return self
+
 
 class EmbeddingRequest(_Loose):
     model: StrictStr = Field(min_length=1, max_length=256)
     input: StrictStr | list[StrictStr] | _TokenIds | list[_TokenIds] = Field(min_length=1)
     encoding_format: StrictStr | None = None
-    dimensions: StrictInt | None = Field(None, ge=1)
+    dimensions: _Int32 | None = Field(None, ge=1)
 
 
 MAX_NESTING = 64
@@ -92,7 +131,8 @@ def parse_body(raw: bytes, schema: type[_Loose]) -> dict[str, Any]:
         # Union errors name each alternative; the first segment is the field the client got wrong.
         field = str(problem["loc"][0]) if problem["loc"] else None
         more = f" (and {error.error_count() - 1} more problem(s))" if error.error_count() > 1 else ""
-        raise GatewayError(400, f"{where}: {problem['msg']}{more}" if where else problem["msg"] + more, param=field) from None
+        message = problem["msg"].removeprefix("Value error, ")
+        raise GatewayError(400, f"{where}: {message}{more}" if where else message + more, param=field) from None
     return data
 
 

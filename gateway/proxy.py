@@ -319,6 +319,9 @@ class SSEProxyResponse(Response):
         except UPSTREAM_ERRORS as error:
             self.lease.note_if_lost(error)
             failure = transport_error(error, self.model)
+        # The engine is done with this request: give back its slot now, not once a slow client has read
+        # the rest (a client that stops reading is cut off by the HTTP layer's write timeout).
+        self.lease.close()
         tail = last
         if self._pending:
             tail += self._inspect(self._pending)

@@ -144,16 +144,21 @@ class Watchdog:
         self._restarting[name] = asyncio.ensure_future(self._restart(name, backend, delay, health))
 
     async def _note_crash_suspects(self, name: str, backend: Backend) -> bool:
-        """Hand the requests whose connections broke with the engine to the quarantine; True if any."""
+        """True when a request most likely crashed the engine: it died of an exception (its log says
+        so) with requests in flight. Those requests go to the quarantine."""
+        assert backend.engine is not None
         await asyncio.sleep(0.2)  # let the proxy see the broken connections of requests still in flight
         suspects = list(backend.lost)
         backend.lost.clear()
-        if not suspects:
+        cause = backend.engine.crash_exception()
+        if not suspects or cause is None:
+            if suspects:
+                logger.warning("model {}: the engine was killed with {} request(s) in flight (no crash in its log)", name, len(suspects))
             return False
         refused = self.quarantine.engine_crashed(name, suspects)
         logger.warning(
-            "model {}: the engine died with {} request(s) in flight; {} of them will be refused if they come again",
-            name, len(set(suspects)), refused,
+            "model {}: the engine crashed ({}) with {} request(s) in flight; {} of them are refused if they come again",
+            name, cause, len(set(suspects)), refused,
         )  # fmt: skip
         return True
 

@@ -49,6 +49,11 @@ PHASES: tuple[tuple[str, re.Pattern[str]], ...] = (
 )
 
 
+# What SGLang logs when one of its processes dies of an exception (the server then takes itself down).
+CRASH_MARKER = re.compile(r"hit an exception|SIGQUIT received")
+_EXCEPTION_LINE = re.compile(r"^(?:\[[^\]]*\] )?([A-Za-z_][\w.]*(?:Error|Exception|Interrupt)\b:?.*)$")
+
+
 class EngineError(RuntimeError):
     """The engine could not be started or answered wrongly; carries its exit code and log tail."""
 
@@ -152,6 +157,23 @@ class EngineProcess:
     def auth_headers(self) -> dict[str, str]:
         """Headers a request to this engine needs (its API key, if it has one)."""
         return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def crash_exception(self) -> str | None:
+        """The exception an engine that crashed logged last (e.g. ``IndexError: index out of range``).
+
+        None when its log shows no crash: an engine killed from outside (OOM killer, an operator's
+        SIGKILL) dies without a word, which is how the two are told apart.
+        """
+        lines = self.log_tail(LOG_TAIL_LINES)
+        marked = [index for index, line in enumerate(lines) if CRASH_MARKER.search(line)]
+        if not marked:
+            return None
+        # The traceback follows "... hit an exception:" and precedes "SIGQUIT received": its last line names it.
+        for line in reversed(lines[marked[0] :]):
+            match = _EXCEPTION_LINE.match(line.strip())
+            if match:
+                return match.group(1)[:300]
+        return "an exception (see the engine log)"
 
     def log_tail(self, lines: int = 40) -> list[str]:
         with self._lock:

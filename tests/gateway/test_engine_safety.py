@@ -1,0 +1,123 @@
+"""Clients must not be able to take a model down or hold it: with the real SGLang CPU engine.
+
+- token ids outside the model's vocabulary crash SGLang's scheduler: the gateway refuses them (the
+  shared engine must survive a barrage of them; it is the same engine every other test uses);
+- a client that stops reading a stream gives its concurrency slot back (write timeout);
+- what the engine says about its own failures does not reach clients; its validation dumps are
+  rewritten as ``field: problem``.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from launch.model_info import vocab_size
+from launch.process import EngineProcess
+from tests.gateway.helpers import KEY, GatewayServer, assert_openai_error, auth, serve
+
+HELLO = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def guarded(tiny_engine: EngineProcess) -> Iterator[GatewayServer]:
+    """The shared engine as a managed-style model (vocabulary read from its files), and twice by URL:
+    with and without a configured vocabulary size."""
+    models = {
+        "tiny": {"engine": {"model_path": tiny_engine.config.model_path, "device": "cpu"}},
+        "remote": {"url": tiny_engine.url, "served_model_name": "tiny", "vocab_size": vocab_size(tiny_engine.config.model_path)},
+        "unknown-vocab": {"url": tiny_engine.url, "served_model_name": "tiny"},
+    }
+    with serve(models, {"api_keys": [KEY]}, engines={"tiny": tiny_engine}) as gw:
+        yield gw
+
+
+def test_out_of_vocabulary_token_ids_never_reach_the_engine(guarded: GatewayServer, tiny_engine: EngineProcess) -> None:
+    vocab = vocab_size(tiny_engine.config.model_path)
+    assert vocab == 512
+    pid = tiny_engine.pid
+    poisons: list[tuple[str, str, Any]] = [
+        ("/v1/completions", "prompt", [999_999_999]),
+        ("/v1/completions", "prompt", [-1]),
+        ("/v1/completions", "prompt", [vocab]),
+        ("/v1/completions", "prompt", [[1, 2], [3, vocab]]),
+        ("/v1/embeddings", "input", [vocab + 7]),
+        ("/v1/embeddings", "input", [[5], [-3]]),
+    ]
+    with httpx.Client(base_url=guarded.url, headers=auth(), timeout=60) as http:
+        for round_ in range(5):  # a barrage: one of these alone used to take the model down for everyone
+            for path, field, ids in poisons:
+                for model in ("tiny", "remote"):
+                    body = {"model": model, field: ids, **({"max_tokens": 2} if field == "prompt" else {})}
+                    error = assert_openai_error(http.post(path, json=body), 400, "invalid_token_ids")["error"]
+                    assert error["param"] == field and "token id" in error["message"]
+            ok = http.post("/v1/completions", json={"model": "tiny", "prompt": [1, 2, vocab - 1], "max_tokens": 2})
+            assert ok.status_code == 200 and ok.json()["choices"], (round_, ok.text)
+        # Without a known vocabulary only negative ids can be refused; the configured size is used when given.
+        unknown = http.post("/v1/completions", json={"model": "unknown-vocab", "prompt": [-5], "max_tokens": 2})
+        assert assert_openai_error(unknown, 400, "invalid_token_ids")["error"]["param"] == "prompt"
+        chat = http.post("/v1/chat/completions", json={"model": "tiny", "messages": HELLO, "max_tokens": 2})
+        assert chat.status_code == 200
+    assert tiny_engine.running and tiny_engine.pid == pid, "the shared engine died"
+
+
+def test_engine_internals_and_validation_dumps_do_not_reach_clients(guarded: GatewayServer) -> None:
+    with httpx.Client(base_url=guarded.url, headers=auth(), timeout=60) as http:
+        # "rid" is SGLang's own request id; a list made the engine answer 500 "unhashable type: 'list'".
+        rid = assert_openai_error(http.post("/v1/chat/completions", json={"model": "tiny", "messages": HELLO, "rid": ["a"]}), 400)
+        assert rid["error"]["param"] == "rid" and "unhashable" not in rid["error"]["message"]
+        # The engine's own validation rejects a priority this large, with a repr of pydantic's errors.
+        dump = http.post("/v1/chat/completions", json={"model": "tiny", "messages": HELLO, "max_tokens": 2, "priority": 10**20})
+        message = assert_openai_error(dump, 400)["error"]["message"]
+        assert message.startswith("priority: ") and "'loc'" not in message and "{" not in message, message
+
+
+def _stalled_stream(port: int, body: dict[str, Any]) -> socket.socket:
+    """Send a streaming request and never read the answer (a tiny receive buffer fills at once)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    payload = json.dumps(body).encode()
+    sock.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(payload)}\r\n\r\n".encode() + payload
+    )  # fmt: skip
+    return sock
+
+
+def test_a_client_that_stops_reading_gives_its_slot_back(tiny_engine: EngineProcess) -> None:
+    gateway = {"api_keys": [KEY], "limits": {"max_concurrent": 1}, "http": {"write_timeout_s": 2}}
+    with serve({"tiny": {"url": tiny_engine.url}}, gateway) as gw:
+        # Large events (20 alternatives per token, 4 choices: ~8 MB) so that the answer outgrows the socket buffers.
+        body = {"model": "tiny", "messages": HELLO, "stream": True, "max_tokens": 1900, "ignore_eos": True, "n": 4,
+                "logprobs": True, "top_logprobs": 20, "temperature": 0}  # fmt: skip
+        stalled = _stalled_stream(gw.port, body)
+        try:
+            with httpx.Client(base_url=gw.url, headers=auth(), timeout=60) as http:
+                deadline = time.monotonic() + 30
+                while http.post("/v1/chat/completions", json={"model": "tiny", "messages": HELLO, "max_tokens": 1}).status_code != 429:
+                    assert time.monotonic() < deadline, "the stalled stream never held the only slot"
+                    time.sleep(0.1)
+                held_since = time.monotonic()
+                deadline = held_since + 120
+                while (reply := http.post("/v1/chat/completions", json={"model": "tiny", "messages": HELLO, "max_tokens": 1})).status_code == 429:
+                    assert time.monotonic() < deadline, "the slot was never given back"
+                    time.sleep(0.25)
+                assert reply.status_code == 200, reply.text
+            # The gateway cut the stalled client off: what it can still read ends without the end of the stream.
+            stalled.settimeout(10)
+            received = b""
+            try:
+                while chunk := stalled.recv(1 << 20):
+                    received += chunk
+            except (ConnectionResetError, TimeoutError):
+                pass
+            assert received.startswith(b"HTTP/1.1 200") and b"data: [DONE]" not in received
+        finally:
+            stalled.close()
