@@ -317,7 +317,8 @@ class SSEProxyResponse(Response):
                     else:
                         await send({"type": "http.response.body", "body": events, "more_body": True})
         except UPSTREAM_ERRORS as error:
-            self.lease.note_if_lost(error)
+            if self.info.ttft_s is None:  # a stream that already produced tokens got past the prefill: not a suspect
+                self.lease.note_if_lost(error)
             failure = transport_error(error, self.model)
         # The engine is done with this request: give back its slot now, not once a slow client has read
         # the rest (a client that stops reading is cut off by the HTTP layer's write timeout).

@@ -11,7 +11,9 @@ loop of concurrent streaming and plain requests runs through the ``openai`` SDK.
     a second reload sent at the same time finds nothing left to do;
     then two concurrent stop-first swaps share one swap: only 503 + Retry-After while the model is down;
 (d) the engine is SIGKILLed: requests get 503 (never a hang, never a 500) until the watchdog's
-    restart, then succeed again.
+    restart, then succeed again (a kill is not blamed on the requests in flight);
+(e) a request crashes the engine (its vocabulary hidden from the gateway, so the token-id check cannot
+    stop it): the engine is restarted without backoff, and the same request is refused afterwards.
 
 The numbers (failed requests, swap time, outage length) are printed (run with ``-s`` to see them).
 """
@@ -35,6 +37,7 @@ import pytest
 import yaml
 
 from gateway.app import app_from_config
+from gateway.registry import Backend
 from launch.config import load_config
 from launch.shm import group_pids, owned_shm_files
 from tests.gateway.helpers import KEY, GatewayServer, auth, prometheus_value
@@ -375,3 +378,29 @@ def test_d_sigkilled_engine_is_restarted_and_requests_get_503_meanwhile(rig: Swa
         outage_s=round(first_ok - killed, 1), restart_detected_to_ready_s=round(back - killed, 1),
         old_pid=pid, new_pid=after["engine"]["pid"],
     )  # fmt: skip
+
+
+def test_e_request_that_crashed_the_engine_is_refused_afterwards(rig: SwapRig, monkeypatch: pytest.MonkeyPatch) -> None:
+    # As for a hub model not in the local cache: the gateway does not know the vocabulary, so an id just
+    # past it reaches the engine and crashes its scheduler. Only the quarantine is left to stop a retry.
+    monkeypatch.setattr(Backend, "vocab_size", property(lambda self: None))
+    before = rig.model()
+    pid, restarts = before["engine"]["pid"], before["restarts"]
+    poison = {"model": "tiny", "prompt": [512], "max_tokens": 2}  # the tiny model's vocabulary is 512 tokens
+    with httpx.Client(base_url=rig.server.url, headers=auth(KEY), timeout=120) as http:
+        crashed = time.monotonic()
+        first = http.post("/v1/completions", json=poison)
+        assert first.status_code in (502, 503), first.text  # the engine died under it
+        deadline = crashed + 300
+        while rig.model()["state"] != "ready" or rig.model()["engine"]["pid"] == pid:
+            assert time.monotonic() < deadline, f"not restarted within 300s: {rig.model()}"
+            time.sleep(0.25)
+        back = time.monotonic()
+        again = http.post("/v1/completions", json=poison)
+        assert again.status_code == 400 and again.json()["error"]["code"] == "request_quarantined", again.text
+        other = http.post("/v1/completions", json={**poison, "prompt": [1, 2, 3]})
+        assert other.status_code == 200, other.text
+    after = rig.model()
+    assert after["restarts"] == restarts + 1 and after["engine"]["pid"] != pid
+    assert after["state"] == "ready"
+    report("(e) request-triggered crash", restart_s=round(back - crashed, 1), first_status=first.status_code, old_pid=pid, new_pid=after["engine"]["pid"])
