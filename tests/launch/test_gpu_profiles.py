@@ -166,8 +166,10 @@ def test_bootstrap_refuses_an_unknown_gpu_profile_before_building(tmp_path: Path
     assert not (tmp_path / "cache").exists()
 
 
-def test_other_sglang_pins_match_the_default_profile() -> None:
+def test_other_pins_match_the_default_profile() -> None:
     extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["sglang"]
     assert extra == [f"sglang=={DEFAULT_PROFILE.sglang}"]
     cpu_pins = re.findall(r"sglang==([0-9.]+)", (REPO / "scripts" / "bootstrap.sh").read_text())
     assert cpu_pins and set(cpu_pins) == {DEFAULT_PROFILE.sglang}
+    cpu_engine = (REPO / "requirements" / "engine-cpu.txt").read_text()
+    assert re.findall(r"^torch==([^\s#]+)", cpu_engine, re.MULTILINE) == [DEFAULT_PROFILE.torch]
