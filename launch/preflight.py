@@ -1,7 +1,9 @@
 """Checks run before launching an engine, each failing with a message that says what to do.
 
 ``preflight`` returns the engine config to launch (possibly adjusted: CUDA_HOME found, or CUDA
-graphs turned off with a warning) and the findings; errors stop the launch.
+graphs turned off with a warning) and the findings; errors stop the launch. For ``device: cuda`` it
+also compares the installed GPU stack profile (``launch.gpu_profiles``) with the CUDA version the
+NVIDIA driver supports, so an old driver is named before the engine fails at its first kernel.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 from typing import Literal
 
 from launch.config import EngineConfig
+from launch.gpu_profiles import PROFILES, installed_profile, known_profiles, runnable_profiles
 from launch.ports import port_is_free
 
 _HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -64,20 +67,124 @@ def check_port(engine: EngineConfig) -> list[Finding]:
     return []
 
 
-def visible_gpu_count() -> int:
-    """GPUs this process may use: ``nvidia-smi -L`` narrowed by ``CUDA_VISIBLE_DEVICES``."""
+def _nvidia_smi(*args: str) -> str | None:
+    """``nvidia-smi``'s standard output, or ``None`` when it is absent or fails."""
     smi = shutil.which("nvidia-smi")
     if smi is None:
-        return 0
+        return None
     try:
-        listing = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20, check=False)
+        result = subprocess.run([smi, *args], capture_output=True, text=True, timeout=20, check=False)
     except (OSError, subprocess.TimeoutExpired):
-        return 0
-    count = sum(1 for line in listing.stdout.splitlines() if line.startswith("GPU "))
+        return None
+    return result.stdout if result.returncode == 0 else None
+
+
+def visible_gpu_count() -> int:
+    """GPUs this process may use: ``nvidia-smi -L`` narrowed by ``CUDA_VISIBLE_DEVICES``."""
+    listing = _nvidia_smi("-L") or ""
+    count = sum(1 for line in listing.splitlines() if line.startswith("GPU "))
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         count = min(count, len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"]))
     return count
+
+
+# "CUDA Version: 13.0" in the header (and "CUDA Version : 13.0" in -q) before R610; "CUDA UMD Version" since.
+_DRIVER_CUDA = re.compile(r"CUDA (?:UMD )?Version\s*:\s*(\d+)\.(\d+)")
+
+
+def parse_driver_cuda(nvidia_smi_output: str) -> tuple[int, int] | None:
+    """The newest CUDA version the driver supports, read from ``nvidia-smi`` output (``None``: not shown, e.g. N/A)."""
+    match = _DRIVER_CUDA.search(nvidia_smi_output)
+    return (int(match[1]), int(match[2])) if match else None
+
+
+def driver_cuda_version() -> tuple[int, int] | None:
+    output = _nvidia_smi()
+    return parse_driver_cuda(output) if output else None
+
+
+_VERSIONS_SCRIPT = """
+from importlib.metadata import PackageNotFoundError, version
+for name in ("sglang", "torch"):
+    try:
+        print(version(name))
+    except PackageNotFoundError:
+        print("")
+"""
+
+
+def installed_stack(python: str) -> tuple[str, str] | None:
+    """``(sglang, torch)`` versions installed for the engine's python (``""`` for one that is missing);
+    ``None`` when that python cannot tell."""
+    try:
+        result = subprocess.run(
+            [python, "-c", _VERSIONS_SCRIPT], capture_output=True, text=True, timeout=60, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = result.stdout.splitlines()
+    return (lines[0], lines[1]) if result.returncode == 0 and len(lines) == 2 else None
+
+
+def _cuda(version: tuple[int, int]) -> str:
+    return f"{version[0]}.{version[1]}"
+
+
+def check_gpu_stack(
+    engine: EngineConfig, driver_cuda: tuple[int, int] | None, stack: tuple[str, str] | None
+) -> list[Finding]:
+    """Refuse a GPU stack profile the driver cannot run, naming the driver it needs and the profiles it can run."""
+    if engine.device != "cuda":
+        return []
+    python = engine.python_executable
+    if stack is None:
+        return [
+            Finding(
+                "warning",
+                f"python {python}: could not read its SGLang and torch versions, so the driver is not checked",
+            )
+        ]
+    sglang, torch = stack
+    if not sglang:
+        return [
+            Finding(
+                "error",
+                f"python {python}: SGLang is not installed (install a GPU stack: python launch/gpu_profiles.py requirements)",
+            )
+        ]
+    profile = installed_profile(sglang, torch)
+    if profile is None:
+        return [
+            Finding(
+                "warning",
+                f"python {python}: SGLang {sglang} with torch {torch or '(none)'} is no known GPU stack profile, so "
+                f"the driver is not checked. Profiles: {known_profiles()}",
+            )
+        ]
+    if driver_cuda is None:
+        return [
+            Finding(
+                "warning",
+                f"could not read the driver's CUDA version from nvidia-smi: GPU stack {profile.name} needs "
+                f"CUDA {profile.cuda} (NVIDIA driver >= {profile.min_driver})",
+            )
+        ]
+    if profile.cuda_version <= driver_cuda:
+        return []
+    runnable = runnable_profiles(driver_cuda)
+    can_run = (
+        f"profiles it can run: {', '.join(p.name for p in runnable)}"
+        if runnable
+        else f"no profile runs on it (profiles: {', '.join(f'{p.name} needs CUDA {p.cuda}' for p in PROFILES)})"
+    )
+    return [
+        Finding(
+            "error",
+            f"the NVIDIA driver supports CUDA {_cuda(driver_cuda)}, but GPU stack {profile.name} (SGLang {sglang}, "
+            f"torch {torch}) needs CUDA {profile.cuda}: upgrade the driver to >= {profile.min_driver}; {can_run}",
+        )
+    ]
 
 
 def check_gpus(engine: EngineConfig, gpu_count: int | None = None) -> list[Finding]:
@@ -144,15 +251,30 @@ def check_python(engine: EngineConfig) -> list[Finding]:
     return []
 
 
-def preflight(engine: EngineConfig, *, gpu_count: int | None = None, cuda_home: str | None = None) -> PreflightResult:
-    """Run every check; the returned engine is the one to launch."""
+def preflight(
+    engine: EngineConfig,
+    *,
+    gpu_count: int | None = None,
+    cuda_home: str | None = None,
+    driver_cuda: tuple[int, int] | None = None,
+) -> PreflightResult:
+    """Run every check; the returned engine is the one to launch.
+
+    ``gpu_count``, ``cuda_home`` and ``driver_cuda`` replace what would be detected (tests, or a caller that knows).
+    """
     adjusted, cuda_findings = check_cuda_home(engine, cuda_home) if engine.device == "cuda" else (engine, [])
+    python_findings = check_python(engine)
+    stack_findings: list[Finding] = []
+    if engine.device == "cuda" and not python_findings:
+        driver = driver_cuda if driver_cuda is not None else driver_cuda_version()
+        stack_findings = check_gpu_stack(engine, driver, installed_stack(engine.python_executable))
     findings = [
-        *check_python(engine),
+        *python_findings,
         *check_model_path(engine),
         *check_port(engine),
         *check_gpus(engine, gpu_count),
         *cuda_findings,
+        *stack_findings,
     ]
     return PreflightResult(adjusted, findings)
 

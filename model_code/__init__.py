@@ -17,8 +17,8 @@ _EXPORTS = {
     "stop_all": "model_code.engine_client",
     "EngineClient": "model_code.engine_client",
     "pip_requirements": "model_code.requirements",
-    "flashinfer_lines": "model_code.requirements",
-    "UnknownFlashInferTarget": "model_code.requirements",
+    "gpu_stack_lines": "model_code.requirements",
+    "UnknownGpuProfile": "model_code.requirements",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from launch.config import ConfigError, load_config
 from model_code.engine_client import NO_ENGINE_ENV, SETTINGS_KEY, WEIGHTS_ARTIFACT, resolve_target, split_model_config
-from model_code.requirements import DEFAULT_CUDA, TORCH_VERSION, pip_requirements
+from model_code.requirements import pip_requirements as computed_requirements
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 REPO_DIR = PACKAGE_DIR.parent
@@ -82,10 +82,10 @@ def log_model(
     name: str = "model",
     registered_model_name: str | None = None,
     task: str | None = None,
-    flashinfer: str | Sequence[str] | None = "auto",
-    torch: str = TORCH_VERSION,
-    cuda: str = DEFAULT_CUDA,
+    profile: str | None = None,
+    cuda: str | None = None,
     python: str | None = None,
+    flashinfer: str | Sequence[str] | None = "auto",
     extra_pip_requirements: Sequence[str] = (),
     pip_requirements: Sequence[str] | None = None,
     input_example: Mapping[str, Any] | None = None,
@@ -108,8 +108,14 @@ def log_model(
         task: metadata task override, e.g. ``"llm/v1/chat"`` (``"chat"`` is short for it): lets Databricks
             serve a ChatAgent / ResponsesAgent without the agents SDK. ``None`` keeps MLflow's
             (``agent/v2/chat``, ``agent/v1/chat``, ``agent/v1/responses``).
-        flashinfer: ``"auto"`` (wheel URLs from the table for ``torch`` / ``cuda`` / ``python``), a wheel URL
-            or list of URLs, or ``None`` (no FlashInfer line: CPU targets).
+        profile: the GPU stack profile to pin (``launch.gpu_profiles``: SGLang, torch, CUDA, FlashInfer),
+            by name; ``None``: the one for ``cuda``, else the default. An unknown name, a CUDA version
+            without a profile (CUDA 12: SGLang 0.5.23 needs CUDA 13) or a python the profile has no
+            wheels for raises ``UnknownGpuProfile`` listing the profiles.
+        cuda: the serving image's CUDA version (``"13.0"``), an alternative to naming the profile.
+        python: the serving python X.Y (default: this interpreter's, which MLflow records as the model's).
+        flashinfer: ``"auto"`` (the profile's FlashInfer wheel URLs), a wheel URL or list of URLs, or
+            ``None`` (no FlashInfer line). A CPU engine config gets SGLang alone, no GPU stack lines.
         extra_pip_requirements: appended to the computed requirements; ``pip_requirements`` replaces them.
         model: which entry of ``models`` to serve, when the config has several (same as ``mlflow.model``).
         settings: the wrapper's ``mlflow:`` section (``defaults``, ``request_timeout_s``, ``api_key_env``...),
@@ -145,7 +151,7 @@ def log_model(
     requirements = (
         list(pip_requirements)
         if pip_requirements is not None
-        else pip_requirements_for(flashinfer, torch=torch, cuda=cuda, python=python, target_is_cpu=_is_cpu(target))
+        else computed_requirements(flashinfer, profile=profile, cuda=cuda, python=python, gpu=not _is_cpu(target))
     )
     requirements += list(extra_pip_requirements)
 
@@ -166,12 +172,3 @@ def log_model(
 
 def _is_cpu(target: Any) -> bool:
     return target.engine is not None and target.engine.device == "cpu"
-
-
-def pip_requirements_for(
-    flashinfer: str | Sequence[str] | None, *, torch: str, cuda: str, python: str | None, target_is_cpu: bool
-) -> list[str]:
-    """Requirements for a target: a CPU engine gets no FlashInfer / CUDA torch unless asked explicitly."""
-    if target_is_cpu and flashinfer == "auto":
-        flashinfer = None
-    return pip_requirements(flashinfer, torch=torch, cuda=cuda, python=python)

@@ -6,7 +6,8 @@
 # another clone of the repository on the same machine, reuses it in seconds. `.venv` in the
 # repository is a symlink to it.
 #
-#   GPU machine (nvidia-smi sees a GPU): the full sglang==0.5.23 stack (pip install .[sglang]).
+#   GPU machine (nvidia-smi sees a GPU): one GPU stack profile of launch/gpu_profiles.py, pinned
+#     (SGLang, torch, sglang-kernel, FlashInfer wheels); SGLANG_GATEWAY_GPU_PROFILE=name picks one.
 #   Otherwise: SGLang without its CUDA-only kernels (requirements/engine-cpu.txt + sglang --no-deps).
 # Override with SGLANG_GATEWAY_FLAVOR=cpu|gpu, the location with SGLANG_GATEWAY_VENV_CACHE.
 set -euo pipefail
@@ -20,11 +21,23 @@ if [ -z "$flavor" ]; then
 fi
 case "$flavor" in cpu|gpu) ;; *) echo "bootstrap: SGLANG_GATEWAY_FLAVOR must be cpu or gpu, got '$flavor'" >&2; exit 2;; esac
 
+# The GPU stack's requirement lines; an unknown profile or a python it has no wheels for stops here.
+gpu_stack=""
+if [ "$flavor" = gpu ]; then
+  gpu_stack=$("$python" launch/gpu_profiles.py requirements --profile "${SGLANG_GATEWAY_GPU_PROFILE:-}") || {
+    echo "bootstrap: no GPU environment built (see the line above)" >&2
+    exit 2
+  }
+fi
+
 # Only what decides the environment's contents goes into the key (not pytest or ruff settings).
 deps=$("$python" -c 'import tomllib, json; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; print(json.dumps([p["dependencies"], p["optional-dependencies"]], sort_keys=True))')
 # Bump ENV_RECIPE when a change to the install steps below must rebuild existing environments.
 ENV_RECIPE=1
-key=$( { echo "$flavor $ENV_RECIPE"; "$python" --version; echo "$deps"; cat requirements/*.txt; } | sha256sum | cut -c1-16)
+key=$( {
+  echo "$flavor $ENV_RECIPE"; "$python" --version; echo "$deps"; cat requirements/*.txt
+  if [ "$flavor" = gpu ]; then echo "$gpu_stack"; fi
+} | sha256sum | cut -c1-16)
 cache=${SGLANG_GATEWAY_VENV_CACHE:-$HOME/.cache/sglang-gateway}
 venv="$cache/venv-$flavor-$key"
 
@@ -47,7 +60,8 @@ if [ ! -f "$venv/.complete" ]; then
   pip=(pip_quiet "$venv/bin/python" -m pip --disable-pip-version-check)
   "${pip[@]}" install -q --upgrade "pip>=24" "setuptools>=77" wheel
   if [ "$flavor" = gpu ]; then
-    "${pip[@]}" install -q "$root[sglang,mlflow,dev]"
+    echo "$gpu_stack" > "$venv/gpu-stack.txt"  # kept: what this environment was built from
+    "${pip[@]}" install -q -r "$venv/gpu-stack.txt" "$root[mlflow,dev]"
   else
     "${pip[@]}" install -q -r requirements/engine-cpu.txt
     "${pip[@]}" install -q --no-deps "sglang==0.5.23"

@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import socket
+import sys
 from pathlib import Path
 
 import pytest
 
 from launch.config import EngineConfig
-from launch.preflight import PreflightError, find_cuda_home, preflight, require
+from launch.gpu_profiles import DEFAULT_PROFILE, installed_profile
+from launch.preflight import (
+    PreflightError,
+    check_gpu_stack,
+    find_cuda_home,
+    installed_stack,
+    parse_driver_cuda,
+    preflight,
+    require,
+)
 
 
 def local_model(tmp_path: Path) -> Path:
@@ -65,13 +75,15 @@ def test_tp_larger_than_gpus_fails(tmp_path: Path) -> None:
     engine = EngineConfig(model_path=str(local_model(tmp_path)), tp_size=4, dp_size=2)
     result = preflight(engine, gpu_count=4, cuda_home="/usr/local/cuda")
     assert "tp_size x dp_size = 8 GPUs needed, 4 visible" in messages(result)
-    assert preflight(engine.model_copy(update={"dp_size": 1}), gpu_count=4, cuda_home="/usr/local/cuda").ok
+    assert preflight(
+        engine.model_copy(update={"dp_size": 1}), gpu_count=4, cuda_home="/usr/local/cuda", driver_cuda=(13, 0)
+    ).ok
 
 
 def test_missing_cuda_home_turns_graphs_off_with_a_warning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CUDA_HOME", raising=False)
     engine = EngineConfig(model_path=str(local_model(tmp_path)), cuda_graph_max_bs=16)
-    result = preflight(engine, gpu_count=1, cuda_home="")
+    result = preflight(engine, gpu_count=1, cuda_home="", driver_cuda=(13, 0))
     assert result.ok
     assert result.engine.cuda_graph_enabled is False and result.engine.cuda_graph_max_bs is None
     assert "CUDA graphs are turned off" in messages(result)
@@ -96,3 +108,117 @@ def test_find_cuda_home_in_pip_layout(tmp_path: Path, monkeypatch: pytest.Monkey
 def test_missing_python_fails(tmp_path: Path) -> None:
     result = preflight(EngineConfig(model_path=str(local_model(tmp_path)), device="cpu", python="/no/such/python"))
     assert "python /no/such/python: no such executable" in messages(result)
+
+
+# ---------------------------------------------------------------------------------- driver vs GPU stack
+# Real `nvidia-smi` output published by users (header lines as printed, GPU rows cut): the header names
+# the newest CUDA the driver supports ("CUDA Version" up to R580, "CUDA UMD Version" from R610 on).
+SMI_R580 = """\
+Mon Nov 24 12:53:00 2025
++-----------------------------------------------------------------------------------------+
+| NVIDIA-SMI 580.95.05              Driver Version: 580.95.05      CUDA Version: 13.0     |
++-----------------------------------------+------------------------+----------------------+
+| GPU  Name                 Persistence-M | Bus-Id          Disp.A | Volatile Uncorr. ECC |
+"""
+SMI_R610 = """\
+Sun Jun  7 08:16:57 2026
++-----------------------------------------------------------------------------------------+
+| NVIDIA-SMI 610.43.02              KMD Version: 610.43.02     CUDA UMD Version: 13.3     |
++-----------------------------------------+------------------------+----------------------+
+| GPU  Name                 Persistence-M | Bus-Id          Disp.A | Volatile Uncorr. ECC |
+|   0  NVIDIA B200                    On  |   00000000:63:00.0 Off |                    0 |
+"""
+SMI_R570 = """\
++-----------------------------------------------------------------------------------------+
+| NVIDIA-SMI 570.172.08             Driver Version: 570.172.08     CUDA Version: 12.8     |
+|-----------------------------------------+------------------------+----------------------+
+"""
+SMI_R450_OLD_LAYOUT = """\
+Wed Jul 29 21:51:11 2020
++-----------------------------------------------------------------------------+
+| NVIDIA-SMI 450.57       Driver Version: 450.57       CUDA Version: 11.0     |
+|-------------------------------+----------------------+----------------------+
+"""
+SMI_QUERY = """\
+==============NVSMI LOG==============
+
+Timestamp                           : Thu Jan 16 14:17:10 2020
+Driver Version                      : 440.44
+CUDA Version                        : 10.2
+"""
+SMI_NO_CUDA = """\
+| NVIDIA-SMI 575.64.03              Driver Version: 575.64.03      CUDA Version: N/A      |
+"""
+
+
+@pytest.mark.parametrize(
+    "output, expected",
+    [
+        (SMI_R580, (13, 0)),
+        (SMI_R610, (13, 3)),
+        (SMI_R570, (12, 8)),
+        (SMI_R450_OLD_LAYOUT, (11, 0)),
+        (SMI_QUERY, (10, 2)),
+        (SMI_NO_CUDA, None),
+        ("", None),
+    ],
+)
+def test_driver_cuda_version_is_read_from_nvidia_smi(output: str, expected) -> None:
+    assert parse_driver_cuda(output) == expected
+
+
+def _gpu_engine(tmp_path: Path) -> EngineConfig:
+    return EngineConfig(model_path=str(local_model(tmp_path)), device="cuda")
+
+
+def test_installed_stack_of_the_engine_python_is_a_profile(tmp_path: Path) -> None:
+    """This environment holds the default profile's SGLang and torch (the CPU build installs the same versions)."""
+    stack = installed_stack(sys.executable)
+    assert stack is not None and installed_profile(*stack) == DEFAULT_PROFILE
+    assert installed_stack(str(tmp_path / "no-python")) is None
+
+
+@pytest.mark.parametrize("smi", [SMI_R580, SMI_R610])
+def test_driver_new_enough_for_the_profile_passes(tmp_path: Path, smi: str) -> None:
+    stack = (DEFAULT_PROFILE.sglang, DEFAULT_PROFILE.torch)
+    assert check_gpu_stack(_gpu_engine(tmp_path), parse_driver_cuda(smi), stack) == []
+
+
+def test_cuda_12_driver_is_refused_naming_the_driver_needed(tmp_path: Path) -> None:
+    result = preflight(
+        _gpu_engine(tmp_path), gpu_count=1, cuda_home="/opt/cuda", driver_cuda=parse_driver_cuda(SMI_R570)
+    )
+    assert not result.ok
+    (error,) = result.errors
+    assert error.message == (
+        f"the NVIDIA driver supports CUDA 12.8, but GPU stack {DEFAULT_PROFILE.name} (SGLang {DEFAULT_PROFILE.sglang}, "
+        f"torch {DEFAULT_PROFILE.torch}) needs CUDA 13.0: upgrade the driver to >= {DEFAULT_PROFILE.min_driver}; "
+        f"no profile runs on it (profiles: {DEFAULT_PROFILE.name} needs CUDA 13.0)"
+    )
+    with pytest.raises(PreflightError, match=r"^model m: the NVIDIA driver supports CUDA 12\.8"):
+        require(result, "m")
+
+
+def test_unreadable_driver_version_warns_with_the_driver_needed(tmp_path: Path) -> None:
+    stack = (DEFAULT_PROFILE.sglang, DEFAULT_PROFILE.torch)
+    (finding,) = check_gpu_stack(_gpu_engine(tmp_path), parse_driver_cuda(SMI_NO_CUDA), stack)
+    assert finding.level == "warning" and f"NVIDIA driver >= {DEFAULT_PROFILE.min_driver}" in finding.message
+
+
+def test_stack_outside_the_table_and_missing_sglang(tmp_path: Path) -> None:
+    engine = _gpu_engine(tmp_path)
+    (unknown,) = check_gpu_stack(engine, (13, 0), ("0.5.19", "2.9.1+cu129"))
+    assert unknown.level == "warning" and "SGLang 0.5.19 with torch 2.9.1+cu129 is no known GPU stack profile" in (
+        unknown.message
+    )
+    assert DEFAULT_PROFILE.summary() in unknown.message
+    (missing,) = check_gpu_stack(engine, (13, 0), ("", ""))
+    assert missing.level == "error" and "SGLang is not installed" in missing.message
+    cu130_torch = (DEFAULT_PROFILE.sglang, f"{DEFAULT_PROFILE.torch}+cu130")  # the PyTorch index's spelling
+    assert check_gpu_stack(engine, (13, 0), cu130_torch) == []
+
+
+def test_cpu_engine_skips_the_driver_check(tmp_path: Path) -> None:
+    engine = EngineConfig(model_path=str(local_model(tmp_path)), device="cpu")
+    assert check_gpu_stack(engine, (11, 0), ("", "")) == []
+    assert preflight(engine, driver_cuda=(11, 0)).ok

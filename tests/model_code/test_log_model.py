@@ -1,5 +1,5 @@
-"""``log_model`` starts no engine (MLflow loads and predicts at log time), pins the requirements and
-FlashInfer wheel URL, and records config, weights and task as asked."""
+"""``log_model`` starts no engine (MLflow loads and predicts at log time), pins the GPU stack profile
+(FlashInfer by wheel URL), and records config, weights and task as asked."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import mlflow
 import pytest
 import yaml
 
+from launch.gpu_profiles import DEFAULT_PROFILE
 from model_code import engine_client, log_model
 from model_code.log import FLAVOR_FILES
-from model_code.requirements import FLASHINFER_VERSION
 from tests.model_code.helpers import engine_children
 
 REPO = Path(__file__).resolve().parents[2]
@@ -39,19 +39,21 @@ def test_logging_a_managed_config_starts_no_engine(flavor, mlflow_store, tiny_de
 
 
 def test_logging_a_7b_gpu_config_without_gpu(mlflow_store):
-    """The qwen 7B GPU config logs on a machine without a GPU; FlashInfer wheel URL in requirements.txt."""
+    """The qwen 7B GPU config logs on a machine without a GPU; the profile's pins and FlashInfer wheel URLs
+    in requirements.txt."""
     starts, children = engine_client.STARTS, set(engine_children())
     with mlflow.start_run():
-        info = log_model(QWEN_7B, flavor="chat_agent", task="chat", cuda="12.8", python="3.11")
+        info = log_model(QWEN_7B, flavor="chat_agent", task="chat", profile=DEFAULT_PROFILE.name, python="3.11")
     assert engine_client.STARTS == starts and set(engine_children()) == children
     files = _files(info)
     requirements = (files / "requirements.txt").read_text().splitlines()
-    assert "sglang==0.5.23" in requirements
-    assert "--extra-index-url https://download.pytorch.org/whl/cu128" in requirements
+    for line in DEFAULT_PROFILE.requirements():
+        assert line in requirements
     assert (
-        f"https://github.com/flashinfer-ai/flashinfer/releases/download/v{FLASHINFER_VERSION}/"
-        f"flashinfer_jit_cache-{FLASHINFER_VERSION}+cu128-cp39-abi3-manylinux_2_28_x86_64.whl"
+        f"https://github.com/flashinfer-ai/flashinfer/releases/download/v{DEFAULT_PROFILE.flashinfer}/"
+        f"flashinfer_jit_cache-{DEFAULT_PROFILE.flashinfer}+cu130-cp39-abi3-manylinux_2_28_x86_64.whl"
     ) in requirements
+    assert not any("cu128" in line or "cu129" in line or line.startswith("--") for line in requirements)
     model = yaml.safe_load((files / "MLmodel").read_text())
     assert model["metadata"]["task"] == "llm/v1/chat"  # override for Databricks serving without the agents SDK
     assert (
@@ -92,5 +94,5 @@ def test_bad_arguments(mlflow_store, tmp_path):
         log_model(QWEN_7B, flavor="chat")
     with pytest.raises(Exception, match="not a local directory"):
         log_model(QWEN_7B, model_path=tmp_path / "missing")
-    with pytest.raises(Exception, match="Known: torch"):
-        log_model(QWEN_7B, cuda="11.8")
+    with pytest.raises(Exception, match=r"^no GPU stack profile for CUDA 12\.8: .* Profiles: sglang-0\.5\.23-cu130 "):
+        log_model(QWEN_7B, cuda="12.8")

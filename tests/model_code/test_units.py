@@ -1,4 +1,4 @@
-"""Parameter mapping, error mapping, chunk conversion, config handling and the FlashInfer table: no engine.
+"""Parameter mapping, error mapping, chunk conversion, config handling and the pinned GPU stack: no engine.
 
 Engine chunks with tool calls cannot be produced on demand by the tiny random model, so the tool-call
 conversions are fed with hand-built ``openai`` chunk objects (named fakes).
@@ -7,6 +7,7 @@ conversions are fed with hand-built ``openai`` chunk objects (named fakes).
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import openai
@@ -14,7 +15,8 @@ import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from launch.config import ConfigError
-from model_code import errors, flashinfer_lines, pip_requirements
+from launch.gpu_profiles import DEFAULT_PROFILE
+from model_code import errors, gpu_stack_lines, pip_requirements
 from model_code.engine_client import ModelCodeSettings, in_log_time, resolve_target, split_model_config
 from model_code.flavors import (
     completion_to_chat_agent,
@@ -25,7 +27,7 @@ from model_code.flavors import (
     stream_to_responses,
 )
 from model_code.params import build_request, chat_model_params, responses_params
-from model_code.requirements import FLASHINFER_VERSION, UnknownFlashInferTarget
+from model_code.requirements import UnknownGpuProfile
 from model_code.serving import normalize_request, wants_stream
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
@@ -292,31 +294,36 @@ def test_serving_bodies():
     assert wants_stream({"inputs": {"stream": True}}) and not wants_stream({"messages": []})
 
 
-# ------------------------------------------------------------------------------------ FlashInfer table
-def test_flashinfer_table():
-    lines = flashinfer_lines("auto", cuda="12.8", python="3.11")
-    assert lines[0].startswith("--extra-index-url https://download.pytorch.org/whl/cu128")
-    assert any(
-        line.endswith(f"flashinfer_jit_cache-{FLASHINFER_VERSION}+cu128-cp39-abi3-manylinux_2_28_x86_64.whl")
-        for line in lines
-    )
-    assert any(line.endswith(f"flashinfer_python-{FLASHINFER_VERSION}-py3-none-any.whl") for line in lines)
-    assert flashinfer_lines(None) == []
-    assert flashinfer_lines("https://example.org/x.whl") == ["https://example.org/x.whl"]
+# ------------------------------------------------------------------------------------ pinned GPU stack
+def test_gpu_target_pins_the_whole_profile():
+    lines = pip_requirements("auto", python=DEFAULT_PROFILE.pythons[0])
+    for line in DEFAULT_PROFILE.requirements():  # torch, sglang-kernel, sglang, FlashInfer wheel URLs
+        assert line in lines
+    assert any(line.startswith("mlflow==") for line in lines)
+    assert "openai" in lines and not any(line.startswith("openai==") for line in lines)  # SGLang's pin decides
+    assert not any(line.startswith("-") for line in lines)  # no extra index: the rest comes from the registry
+    assert pip_requirements("auto", cuda=DEFAULT_PROFILE.cuda, python=DEFAULT_PROFILE.pythons[0]) == lines
+    assert pip_requirements("auto", profile=DEFAULT_PROFILE.name, python=DEFAULT_PROFILE.pythons[0]) == lines
 
 
-@pytest.mark.parametrize("kwargs", [{"cuda": "11.8"}, {"torch": "2.5.1"}, {"python": "3.9"}])
-def test_unknown_flashinfer_target(kwargs):
-    with pytest.raises(UnknownFlashInferTarget, match="Known: torch 2.14.1 / CUDA 13.0"):
-        flashinfer_lines("auto", **kwargs)
+def test_cpu_target_pins_sglang_alone():
+    lines = pip_requirements("auto", python=DEFAULT_PROFILE.pythons[0], gpu=False)
+    assert f"sglang=={DEFAULT_PROFILE.sglang}" in lines
+    assert not any(name in line for line in lines for name in ("torch", "sglang-kernel", "flashinfer"))
 
 
-def test_flashinfer_override_must_be_a_wheel_url():
+def test_flashinfer_override_and_none():
+    assert gpu_stack_lines(DEFAULT_PROFILE, None) == DEFAULT_PROFILE.pins()
+    assert gpu_stack_lines(DEFAULT_PROFILE, "https://example.org/x.whl") == [
+        *DEFAULT_PROFILE.pins(),
+        "https://example.org/x.whl",
+    ]
     with pytest.raises(ValueError, match="direct wheel URLs"):
-        flashinfer_lines("flashinfer-python==0.7.2")
+        gpu_stack_lines(DEFAULT_PROFILE, "flashinfer-python==0.7.2")
 
 
-def test_pip_requirements_pins():
-    lines = pip_requirements("auto", python="3.11")
-    assert "sglang==0.5.23" in lines and any(line.startswith("mlflow==") for line in lines)
-    assert any("flashinfer_python" in line for line in lines)
+@pytest.mark.parametrize("kwargs", [{"cuda": "12.8"}, {"cuda": "11.8"}, {"profile": "cu128"}, {"python": "3.13"}])
+@pytest.mark.parametrize("gpu", [True, False])
+def test_impossible_targets_are_refused_listing_the_profiles(kwargs, gpu):
+    with pytest.raises(UnknownGpuProfile, match=f"Profiles: {re.escape(DEFAULT_PROFILE.summary())}$"):
+        pip_requirements("auto", gpu=gpu, **{"python": DEFAULT_PROFILE.pythons[0], **kwargs})
