@@ -404,3 +404,15 @@ def test_e_request_that_crashed_the_engine_is_refused_afterwards(rig: SwapRig, m
     assert after["restarts"] == restarts + 1 and after["engine"]["pid"] != pid
     assert after["state"] == "ready"
     report("(e) request-triggered crash", restart_s=round(back - crashed, 1), first_status=first.status_code, old_pid=pid, new_pid=after["engine"]["pid"])
+
+
+def test_f_managed_engine_refuses_requests_without_its_key(rig: SwapRig) -> None:
+    """Each managed engine has a random key only the gateway knows: local processes cannot go around it."""
+    engine_url = rig.model()["url"]
+    direct = httpx.post(engine_url + "/v1/chat/completions", json={"model": "tiny", "messages": PROMPT, "max_tokens": 2}, timeout=30)
+    assert direct.status_code == 401
+    assert httpx.get(engine_url + "/get_model_info", timeout=30).status_code == 401  # it would show model_path
+    assert httpx.get(engine_url + "/health", timeout=30).status_code == 200  # probes need no key
+    through = httpx.post(rig.server.url + "/v1/chat/completions", json={"model": "tiny", "messages": PROMPT, "max_tokens": 2}, headers=auth(KEY), timeout=60)
+    assert through.status_code == 200
+    assert httpx.get(rig.server.url + "/get_model_info", headers=auth(KEY), timeout=30).status_code == 404
