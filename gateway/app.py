@@ -22,13 +22,15 @@ from gateway.admin import router as admin_router
 from gateway.auth import AuthMiddleware, KeyHolder, key_policy
 from gateway.config import GatewaySettings, gateway_settings
 from gateway.control import Controller
+from gateway.endpoints import PROXIED_BY_PATH, dialect_for_path
 from gateway.engines import EngineManager
 from gateway.errors import GatewayError, error_response
 from gateway.metrics import Metrics
 from gateway.middleware import BodyLimitMiddleware, JSONCORSMiddleware, RequestContextMiddleware
 from gateway.proxy import Proxy, upstream_session
 from gateway.registry import Registry, build_registry
-from gateway.routes import PROXIED_PATHS, GatewayState, note_error, proxied_endpoint, router, unexpected_error_response
+from gateway.routes import note_error, proxied_endpoint, router, unexpected_error_response
+from gateway.state import GatewayState
 from gateway.swap import SwapExecutor
 from launch.config import DeploymentConfig
 
@@ -46,7 +48,7 @@ class GatewayAPI(FastAPI):
     proxied: Any = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.proxied is not None and scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in PROXIED_PATHS:
+        if self.proxied is not None and scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in PROXIED_BY_PATH:
             scope["app"] = self
             await self.proxied(scope, receive, send)
             return
@@ -89,7 +91,7 @@ def create_app(
         probe_timeout = httpx.Timeout(settings.health_timeout_s, connect=settings.upstream_connect_timeout_s)
         probes = httpx.AsyncClient(timeout=probe_timeout, trust_env=False)
         async with session, probes:
-            state.proxy = Proxy(session, state.metrics, probes, state.quarantine)
+            state.proxy = Proxy(session, state.metrics, probes, state.quarantine, state.responses)
             if engines is not None:
                 try:
                     await engines.start_all()
@@ -122,7 +124,7 @@ def create_app(
         cors = {
             "allow_origins": settings.cors_allow_origins,
             "allow_methods": ["GET", "POST", "OPTIONS"],
-            "allow_headers": ["authorization", "content-type", "x-request-id"],
+            "allow_headers": ["authorization", "content-type", "x-request-id", "x-api-key", "anthropic-version", "anthropic-beta"],
             "expose_headers": ["x-request-id", "retry-after"],
         }
         layers.append((JSONCORSMiddleware, cors))
@@ -159,7 +161,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(GatewayError)
     async def _gateway_error(request: Request, error: GatewayError) -> Response:
         note_error(request.scope, error)
-        return error_response(error)
+        return error_response(error, dialect_for_path(request.url.path))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, error: StarletteHTTPException) -> Response:
@@ -173,4 +175,4 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, error: Exception) -> Response:
-        return unexpected_error_response(request.scope, error)
+        return unexpected_error_response(request.scope, error, dialect_for_path(request.url.path))

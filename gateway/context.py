@@ -24,8 +24,11 @@ class RequestInfo:
     error: str | None = None  # short reason for failures (never a key or a body)
 
     def set_usage(self, usage: Any) -> None:
+        """Take token counts from an OpenAI (``prompt_tokens``/``completion_tokens``) or a Responses /
+        Anthropic (``input_tokens``/``output_tokens``) usage object; absent counts keep earlier ones."""
         if isinstance(usage, dict):
-            prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+            prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+            completion = usage.get("completion_tokens", usage.get("output_tokens"))
             self.prompt_tokens = prompt if isinstance(prompt, int) else self.prompt_tokens
             self.completion_tokens = completion if isinstance(completion, int) else self.completion_tokens
 

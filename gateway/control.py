@@ -25,7 +25,7 @@ from gateway.errors import GatewayError
 from gateway.limits import ConcurrencyLimiter
 from gateway.registry import Backend, ModelRoute, url_backend
 from gateway.reload import Action, ModelChange, ReloadPlan, plan_reload
-from gateway.routes import GatewayState
+from gateway.state import GatewayState
 from gateway.swap import SwapError, SwapExecutor, SwapResult, describe_backend
 from gateway.watchdog import Watchdog
 from launch.config import ConfigError, DeploymentConfig, ModelEntry, load_config

@@ -1,19 +1,51 @@
-"""OpenAI-shaped errors: one exception type, one response builder, one sanitizer.
+"""Errors in the client's dialect: one exception type, one response builder, one sanitizer.
 
-Every failure reaches the client as ``{"error": {"message", "type", "param", "code"}}``. Messages that
-come from an engine are sanitized first: SGLang's error bodies can carry tracebacks, server file
-paths and source lines, which must never leave the gateway.
+Every failure reaches the client as JSON in the dialect of the route it called: OpenAI's
+``{"error": {"message", "type", "param", "code"}}``, or on Anthropic's routes
+``{"type": "error", "error": {"type", "message"}}``; a failure after a stream's 200 as a last event framed
+like the stream's own events. Messages that come from an engine are sanitized first: SGLang's error
+bodies can carry tracebacks, server file paths and source lines, which must never leave the gateway.
 """
 
 from __future__ import annotations
 
 import re
+from enum import StrEnum
 from typing import Any
 
 import orjson
 from starlette.responses import Response
 
 MAX_MESSAGE_CHARS = 2000
+
+
+class Dialect(StrEnum):
+    """The error shape (and the API key header) clients of a route expect."""
+
+    OPENAI = "openai"  # {"error": {"message", "type", "param", "code"}}; Authorization: Bearer
+    ANTHROPIC = "anthropic"  # {"type": "error", "error": {"type", "message"}}; x-api-key or Bearer
+
+
+class StreamKind(StrEnum):
+    """How a route's SSE stream is framed, and so how a failure after the 200 is told to the client."""
+
+    DATA = "data"  # OpenAI chat/completions: "data: {...}" lines, "data: [DONE]" at the end
+    RESPONSES = "responses"  # OpenAI Responses: "event: <type>" + "data: {...}" with sequence numbers
+    ANTHROPIC = "anthropic"  # Anthropic Messages: "event: <type>" + "data: {...}"
+
+
+# status -> Anthropic error type (their SDK picks its exception class by status)
+_ANTHROPIC_TYPES: dict[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
 
 # status -> (OpenAI error type, default code)
 _KINDS: dict[int, tuple[str, str]] = {
@@ -58,7 +90,10 @@ class GatewayError(Exception):
         self.headers = headers or {}
         self.log_detail = log_detail  # for the gateway's log only (e.g. what an engine said about its own failure)
 
-    def body(self) -> dict[str, Any]:
+    def body(self, dialect: Dialect = Dialect.OPENAI) -> dict[str, Any]:
+        if dialect is Dialect.ANTHROPIC:
+            kind = _ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
+            return {"type": "error", "error": {"type": kind, "message": self.message}}
         return error_body(self.message, self.type, self.code, self.param)
 
 
@@ -66,15 +101,20 @@ def error_body(message: str, type: str, code: str | int | None, param: str | Non
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def error_response(error: GatewayError) -> Response:
-    """A JSON response for ``error`` (usable from plain ASGI middleware too)."""
+def error_response(error: GatewayError, dialect: Dialect = Dialect.OPENAI) -> Response:
+    """A JSON response for ``error`` in ``dialect`` (usable from plain ASGI middleware too)."""
     return Response(
-        orjson.dumps(error.body()), status_code=error.status, media_type="application/json", headers=error.headers
+        orjson.dumps(error.body(dialect)), status_code=error.status, media_type="application/json", headers=error.headers
     )
 
 
-def sse_error_event(error: GatewayError) -> bytes:
-    """The final SSE event sent when a stream fails after the 200 was already sent."""
+def sse_error_event(error: GatewayError, kind: StreamKind = StreamKind.DATA, sequence_number: int = 0) -> bytes:
+    """The final SSE event sent when a stream fails after the 200 was already sent, framed as ``kind``."""
+    if kind is StreamKind.ANTHROPIC:
+        return b"event: error\ndata: " + orjson.dumps(error.body(Dialect.ANTHROPIC)) + b"\n\n"
+    if kind is StreamKind.RESPONSES:  # OpenAI's ResponseErrorEvent
+        event = {"type": "error", "code": error.code, "message": error.message, "param": error.param, "sequence_number": sequence_number}
+        return b"event: error\ndata: " + orjson.dumps(event) + b"\n\n"
     return b"data: " + orjson.dumps(error.body()) + b"\n\n"
 
 

@@ -29,16 +29,17 @@ from loguru import logger
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from gateway.config import HttpSettings
-from gateway.errors import GatewayError
+from gateway.endpoints import dialect_for_path
+from gateway.errors import Dialect, GatewayError
 
 
 class _Rejected(Exception):
     """Raised from a parser callback to stop parsing; the answer is in ``protocol._rejection``."""
 
 
-def rejection_bytes(error: GatewayError) -> bytes:
+def rejection_bytes(error: GatewayError, dialect: Dialect = Dialect.OPENAI) -> bytes:
     """A complete HTTP/1.1 response for ``error`` that closes the connection (written to the transport)."""
-    body = orjson.dumps(error.body())
+    body = orjson.dumps(error.body(dialect))
     head = [
         STATUS_LINE[error.status],
         b"content-type: application/json\r\n",
@@ -167,7 +168,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def _reject(self, error: GatewayError) -> None:
         self._cancel_timers()
         if not self.transport.is_closing():
-            self.transport.write(rejection_bytes(error))
+            # The request line may be known by now: answer in that route's dialect.
+            path = getattr(self, "url", b"").split(b"?", 1)[0].decode("latin-1", errors="replace")
+            self.transport.write(rejection_bytes(error, dialect_for_path(path)))
             self.transport.close()
 
     def _cancel_head_timer(self) -> None:

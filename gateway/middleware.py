@@ -20,11 +20,11 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.context import SCOPE_KEY, RequestInfo
+from gateway.endpoints import dialect_for_path, route_label
 from gateway.errors import GatewayError, error_response
 from gateway.metrics import Metrics
 
 _GOOD_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
-_KNOWN_ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/health", "/ready", "/metrics"}
 
 
 class RequestContextMiddleware:
@@ -65,7 +65,7 @@ class RequestContextMiddleware:
     def _record(self, info: RequestInfo) -> None:
         elapsed = time.perf_counter() - info.started
         model = info.model or "-"
-        route = _route_label(info.path)
+        route = route_label(info.path)
         m = self.metrics
         m.child(m.requests, model, route, str(info.status or 0)).inc()
         m.child(m.latency, model, route).observe(elapsed)
@@ -129,10 +129,11 @@ class BodyLimitMiddleware:
         declared = _header(scope, b"content-length")
         if declared is not None:
             if not declared.isdigit():
-                await error_response(GatewayError(400, "invalid Content-Length header", code="invalid_header"))(scope, receive, send)
+                error = GatewayError(400, "invalid Content-Length header", code="invalid_header")
+                await error_response(error, dialect_for_path(scope["path"]))(scope, receive, send)
                 return
             if int(declared) > self.max_bytes:
-                await error_response(self._too_large())(scope, receive, send)
+                await error_response(self._too_large(), dialect_for_path(scope["path"]))(scope, receive, send)
                 return
         seen = 0
         complete = False
@@ -170,17 +171,6 @@ class JSONCORSMiddleware(CORSMiddleware):
         error = GatewayError(response.status_code, reason.replace("Disallowed CORS", "CORS preflight refused:"), code="cors_refused")
         headers = {k: v for k, v in response.headers.items() if k.lower() not in ("content-length", "content-type")}
         return error_response(GatewayError(error.status, error.message, code=error.code, headers=headers))
-
-
-def _route_label(path: str) -> str:
-    """The bounded ``route`` label of ``path`` (model names and admin paths folded)."""
-    if path in _KNOWN_ROUTES:
-        return path
-    if path.startswith("/v1/models/"):
-        return "/v1/models/{id}"
-    if path.startswith("/admin/"):
-        return "/admin"  # one label for the admin API (its paths carry model names)
-    return "other"
 
 
 def _header(scope: Scope, name: bytes) -> str | None:

@@ -20,19 +20,12 @@ from typing import Any
 
 from gateway.errors import GatewayError
 
-# route -> the body fields that may hold token ids (a list of ints, or a list of lists of ints)
-TOKEN_ID_FIELDS: dict[str, tuple[str, ...]] = {
-    "/v1/completions": ("prompt",),
-    "/v1/embeddings": ("input",),
-}
 
-
-def token_id_problem(path: str, body: dict[str, Any], vocab_size: int | None) -> str | None:
-    """Why the token ids in ``body`` cannot go to an engine, or None.
-
-    Negative ids are always refused; ids at or above ``vocab_size`` when the vocabulary is known.
+def token_id_problem(fields: tuple[str, ...], body: dict[str, Any], vocab_size: int | None) -> str | None:
+    """Why the token ids in ``body``'s ``fields`` (a list of ints, or a list of lists) cannot go to an
+    engine, or None. Negative ids are always refused; ids at or above ``vocab_size`` when it is known.
     """
-    for field in TOKEN_ID_FIELDS.get(path, ()):
+    for field in fields:
         value = body.get(field)
         if not isinstance(value, list):
             continue

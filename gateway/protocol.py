@@ -22,39 +22,48 @@ _Int32 = Annotated[StrictInt, Field(ge=-(2**31), lt=2**31)]
 _Int64 = Annotated[StrictInt, Field(ge=-(2**63), lt=2**63)]
 
 
-class _Loose(BaseModel):
+class Loose(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
 
-class StreamOptions(_Loose):
+class StreamOptions(Loose):
     include_usage: StrictBool | None = None
 
 
-class _Common(_Loose):
-    model: StrictStr = Field(min_length=1, max_length=256)
+_ModelName = Annotated[StrictStr, Field(min_length=1, max_length=256)]
+
+
+class _Sampling(Loose):
+    """Fields every generation route shares, and SGLang's extensions whose range it does not check fully."""
+
+    model: _ModelName
     stream: StrictBool | None = None
-    stream_options: StreamOptions | None = None
-    n: StrictInt | None = Field(None, ge=1, le=128)
-    max_tokens: _Int32 | None = Field(None, ge=0)
     temperature: _Number | None = Field(None, ge=0)
     top_p: _Number | None = Field(None, ge=0, le=1)
-    seed: _Int64 | None = None
-    stop: StrictStr | list[StrictStr] | None = None
-    user: StrictStr | None = None
-    rid: StrictStr | None = Field(None, max_length=256)  # SGLang's own request id: one string per request
-    # SGLang's sampling extensions whose range it does not check fully
     top_k: _Int32 | None = Field(None, ge=-1)
     min_tokens: _Int32 | None = Field(None, ge=0)
     sampling_seed: _Int64 | None = None
     priority: _Int32 | None = None
     stop_token_ids: list[_Int32] | None = None
+    rid: StrictStr | None = Field(None, max_length=256)  # SGLang's own request id: one string per request
+
+
+class _Common(_Sampling):
+    """OpenAI chat and text completions."""
+
+    stream_options: StreamOptions | None = None
+    n: StrictInt | None = Field(None, ge=1, le=128)
+    max_tokens: _Int32 | None = Field(None, ge=0)
+    seed: _Int64 | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    user: StrictStr | None = None
 
 
 _GRAMMAR_FIELDS = ("regex", "ebnf", "json_schema", "structural_tag")
 _GRAMMAR_FORMATS = ("json_schema", "json_object", "structural_tag")
 
 
-def _check_min_tokens_without_grammar(body: _Loose) -> None:
+def _check_min_tokens_without_grammar(body: Loose) -> None:
     """SGLang cannot honour ``min_tokens`` past the end of a grammar: it answers 500 ("Grammar accept_token
     failed") for a valid-looking request. Refuse the combination here, with the reason."""
     extra = body.model_extra or {}
@@ -69,7 +78,7 @@ def _check_min_tokens_without_grammar(body: _Loose) -> None:
         raise ValueError(f"min_tokens cannot be combined with a constrained output ({constrained[0]}): the grammar may end first")
 
 
-class ChatMessage(_Loose):
+class ChatMessage(Loose):
     role: StrictStr
     content: StrictStr | list[dict[str, Any]] | None = None
 
@@ -101,11 +110,90 @@ class CompletionRequest(_Common):
         return self
 
 
-class EmbeddingRequest(_Loose):
-    model: StrictStr = Field(min_length=1, max_length=256)
+class EmbeddingRequest(Loose):
+    model: _ModelName
     input: StrictStr | list[StrictStr] | _TokenIds | list[_TokenIds] = Field(min_length=1)
     encoding_format: StrictStr | None = None
     dimensions: _Int32 | None = Field(None, ge=1)
+
+
+class ResponsesRequest(_Sampling):
+    """OpenAI Responses API (``input`` is a string or a list of input items)."""
+
+    input: StrictStr | list[dict[str, Any]] = Field(min_length=1)
+    instructions: StrictStr | None = None
+    max_output_tokens: _Int32 | None = Field(None, ge=1)
+    previous_response_id: StrictStr | None = Field(None, min_length=1, max_length=256)
+    background: StrictBool | None = None
+    store: StrictBool | None = None
+    top_logprobs: _Int32 | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    text: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class _AnthropicMessage(Loose):
+    role: StrictStr
+    content: StrictStr | list[dict[str, Any]]
+
+
+class MessagesRequest(_Sampling):
+    """Anthropic Messages (``max_tokens`` is required by Anthropic's API)."""
+
+    messages: list[_AnthropicMessage] = Field(min_length=1)
+    max_tokens: _Int32 = Field(ge=1)
+    system: StrictStr | list[dict[str, Any]] | None = None
+    stop_sequences: list[StrictStr] | None = None
+    metadata: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+
+
+class CountTokensRequest(Loose):
+    model: _ModelName
+    messages: list[_AnthropicMessage] = Field(min_length=1)
+    system: StrictStr | list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+class TokenizeRequest(Loose):
+    model: _ModelName | None = None
+    prompt: StrictStr | list[StrictStr] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: StrictBool | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' or 'messages'")
+        return self
+
+
+class DetokenizeRequest(Loose):
+    model: _ModelName | None = None
+    tokens: _TokenIds | list[_TokenIds] = Field(min_length=1)
+
+
+class ScoreRequest(Loose):
+    model: _ModelName | None = None
+    query: StrictStr | _TokenIds | None = None
+    items: StrictStr | list[StrictStr] | list[_TokenIds] | None = None
+    label_token_ids: list[_Int32] | list[list[_Int32]] | None = None
+    apply_softmax: StrictBool | None = None
+    temperature: _Number | None = Field(None, gt=0)
+
+
+class RerankRequest(Loose):
+    model: _ModelName | None = None
+    query: StrictStr | list[dict[str, Any]]
+    documents: list[StrictStr | list[dict[str, Any]]] = Field(min_length=1)
+    top_n: _Int32 | None = Field(None, ge=1)
+    return_documents: StrictBool | None = None
+
+
+class ClassifyRequest(Loose):
+    model: _ModelName | None = None
+    input: StrictStr | list[StrictStr] | _TokenIds | list[_TokenIds] = Field(min_length=1)
 
 
 MAX_NESTING = 64
@@ -113,7 +201,7 @@ MAX_NESTING = 64
 recursion in an engine's validators is a way to crash it); real requests, JSON schemas included, stay far below."""
 
 
-def parse_body(raw: bytes, schema: type[_Loose]) -> dict[str, Any]:
+def parse_body(raw: bytes, schema: type[Loose]) -> dict[str, Any]:
     """The JSON object in ``raw``, checked against ``schema``; GatewayError(400) otherwise."""
     try:
         data = orjson.loads(raw)

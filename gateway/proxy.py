@@ -1,18 +1,19 @@
-"""Forward one validated request to its model's backend, plain or streaming.
+"""Forward one validated request to its model's backend, plain or streaming, in the route's dialect.
 
 The body goes upstream as the client sent it, with only ``model`` rewritten to the engine's served
-name. Streams are relayed event by event (complete ``\\n\\n``-terminated SSE events, exactly as the
-engine wrote them) without parsing JSON, except for the rare event that carries ``usage`` (for token
-metrics) or an engine ``error`` (which is sanitized). A client that goes away closes the upstream
-response, so the engine stops generating; an upstream failure after the 200 ends the stream with an
-OpenAI-shaped error event.
+name. Streams are relayed event by event (complete ``\\n\\n``-terminated SSE events, ``event:`` lines
+included, exactly as the engine wrote them) without parsing JSON, except for the rare event that
+carries ``usage`` (for token metrics), an engine ``error`` (which is sanitized) or, on the Responses
+API, the id of the response being created (see :mod:`gateway.responses_index`). A client that goes
+away closes the upstream response, so the engine stops generating; an upstream failure after the 200
+ends the stream with an error event framed like the route's own events.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import aiohttp
@@ -22,11 +23,13 @@ from starlette.types import Message, Receive, Scope, Send
 from yarl import URL
 
 from gateway.context import RequestInfo
-from gateway.errors import GatewayError, sanitize_message, sse_error_event, upstream_error
+from gateway.endpoints import ProxiedRoute
+from gateway.errors import GatewayError, StreamKind, sanitize_message, sse_error_event, upstream_error
 from gateway.limits import ConcurrencyLimiter
 from gateway.metrics import Metrics
 from gateway.poison import Quarantine, request_fingerprint, token_id_problem
 from gateway.registry import Backend, ModelRoute
+from gateway.responses_index import ResponseIndex
 
 T = TypeVar("T")
 _MAX_PENDING = 4 * 1024 * 1024  # an SSE event larger than this is forwarded unsplit, unscanned
@@ -36,7 +39,13 @@ _SSE_HEADERS = [
     (b"x-accel-buffering", b"no"),
 ]
 _DONE = b"data: [DONE]\n\n"
-_MARKERS = (b'"usage":{', b'"usage": {', b'"error"')
+_USAGE = (b'"usage":{', b'"usage": {')
+# What makes an event worth parsing, by stream framing. Responses events all carry "error":null.
+_MARKERS: dict[StreamKind, tuple[bytes, ...]] = {
+    StreamKind.DATA: (*_USAGE, b'"error"'),
+    StreamKind.RESPONSES: (*_USAGE, b'"error":{', b'"error": {', b'"type":"error"', b'"response.created"'),
+    StreamKind.ANTHROPIC: (*_USAGE, b'"type":"error"'),
+}
 # Idle upstream connections are kept this long: under the 5 s keep-alive of uvicorn (SGLang's server),
 # so the gateway never reuses a connection the engine is closing (aiohttp does not retry a POST on one).
 UPSTREAM_KEEPALIVE_S = 4.0
@@ -90,12 +99,18 @@ class Proxy:
     """
 
     def __init__(
-        self, session: aiohttp.ClientSession, metrics: Metrics, client: Any = None, quarantine: Quarantine | None = None
+        self,
+        session: aiohttp.ClientSession,
+        metrics: Metrics,
+        client: Any = None,
+        quarantine: Quarantine | None = None,
+        responses: ResponseIndex | None = None,
     ) -> None:
         self.session = session
         self.client = client
         self.metrics = metrics
         self.quarantine = quarantine if quarantine is not None else Quarantine()
+        self.responses = responses if responses is not None else ResponseIndex()
         self._urls: dict[str, URL] = {}
 
     def _url(self, text: str) -> URL:
@@ -107,16 +122,25 @@ class Proxy:
         return url
 
     async def forward(
-        self, route: ModelRoute, body: dict[str, Any], path: str, info: RequestInfo, receive: Receive | None = None
+        self,
+        route: ModelRoute,
+        endpoint: ProxiedRoute,
+        body: dict[str, Any],
+        info: RequestInfo,
+        receive: Receive | None = None,
+        *,
+        pinned: Backend | None = None,
     ) -> Response:
         """Admit the request (limits, backend state), send it, and answer plain JSON or an SSE stream.
 
         ``receive`` (the request's ASGI receive, body already read) lets a plain request notice a
         client that gave up, and close the upstream request instead of letting the engine finish it.
         A stream needs no such watch before its response starts: engines send a stream's headers at
-        once, and :class:`SSEProxyResponse` watches the client from then on.
+        once, and :class:`SSEProxyResponse` watches the client from then on. ``pinned``: the backend
+        that must answer (it holds the state the request continues), instead of the route's current one.
         """
-        problem = token_id_problem(path, body, route.backend.vocab_size)
+        path = endpoint.path
+        problem = token_id_problem(endpoint.token_ids, body, route.backend.vocab_size)
         if problem is not None:
             raise GatewayError(400, problem, code="invalid_token_ids", param=problem.split(":", 1)[0])
         limiter = route.limiter
@@ -129,7 +153,7 @@ class Proxy:
                     503, f"model {route.name!r} is drained by an operator; retry later", code="model_drained",
                     headers={"Retry-After": str(limiter.settings.retry_after_s)},
                 )
-            backend = route.backend  # read once: a swap mid-request must not split it across backends
+            backend = pinned or route.backend  # read once: a swap mid-request must not split it across backends
             reason = backend.unavailable_reason()
             if reason is not None:
                 retry = backend.retry_after_s if backend.failure is not None and backend.retry_after_s else limiter.settings.retry_after_s
@@ -149,7 +173,7 @@ class Proxy:
             if self.quarantine:
                 self.quarantine.check(route.name, request_fingerprint(path, payload))
             headers = {"Content-Type": "application/json", "X-Request-Id": info.request_id, **backend.upstream_headers()}
-            streamed = info.stream
+            streamed = info.stream = endpoint.stream is not None and body.get("stream") is True
 
             async def exchange() -> tuple[aiohttp.ClientResponse, bytes | None]:
                 upstream = lease.upstream = await self.session.post(url, data=payload, headers=headers)
@@ -171,14 +195,36 @@ class Proxy:
                 raise upstream_error(upstream.status, content or b"")
             if not streamed:
                 info.ttft_s = time.perf_counter() - info.started
-                _record_usage(content or b"", info)
+                data = _parsed_if(content or b"", b'"usage"' if not endpoint.response_ids else b'"id"')
+                if data is not None:
+                    info.set_usage(data.get("usage"))
+                    if endpoint.response_ids and isinstance(data.get("id"), str):
+                        self.responses.record(data["id"], route.name, backend)
                 media = upstream.headers.get("Content-Type", "application/json")
                 return Response(content or b"", status_code=200, media_type=media)
             handed_over = True
-            return SSEProxyResponse(lease, info, self.metrics, route.name)
+            on_created = (lambda response_id: self.responses.record(response_id, route.name, backend)) if endpoint.response_ids else None
+            return SSEProxyResponse(lease, info, self.metrics, route.name, endpoint.stream or StreamKind.DATA, on_created)
         finally:
             if not handed_over:
                 lease.close()
+
+
+async def call_backend(proxy: Proxy, model: str, backend: Backend, method: str, path: str, info: RequestInfo) -> Response:
+    """A body-less call to one given backend (a stored response, by id), errors mapped like any request's."""
+    reason = backend.unavailable_reason()
+    if reason is not None:
+        raise GatewayError(503, f"model {model!r} is unavailable: {reason}", code="engine_unavailable", headers={"Retry-After": "1"})
+    headers = {"X-Request-Id": info.request_id, **backend.upstream_headers()}
+    try:
+        async with proxy.session.request(method, proxy._url(backend.url + path), headers=headers) as upstream:
+            content = await upstream.read()
+            media = upstream.headers.get("Content-Type", "application/json")
+    except UPSTREAM_ERRORS as error:
+        raise transport_error(error, model) from None
+    if upstream.status != 200:
+        raise upstream_error(upstream.status, content)
+    return Response(content, status_code=200, media_type=media)
 
 
 class _Lease:
@@ -247,21 +293,29 @@ async def _unless_disconnected(work: Coroutine[Any, Any, T], receive: Receive | 
     return True, task.result()
 
 
-def _record_usage(content: bytes, info: RequestInfo) -> None:
-    if b'"usage"' not in content:
-        return
+def _parsed_if(content: bytes, marker: bytes) -> dict[str, Any] | None:
+    """The JSON object in ``content`` when it mentions ``marker`` (most answers need no parsing)."""
+    if marker not in content:
+        return None
     try:
         data = orjson.loads(content)
     except orjson.JSONDecodeError:
-        return
-    if isinstance(data, dict):
-        info.set_usage(data.get("usage"))
+        return None
+    return data if isinstance(data, dict) else None
 
 
 class SSEProxyResponse(Response):
     """An ASGI response relaying an upstream SSE stream; owns the upstream response and admission slot."""
 
-    def __init__(self, lease: _Lease, info: RequestInfo, metrics: Metrics, model: str) -> None:
+    def __init__(
+        self,
+        lease: _Lease,
+        info: RequestInfo,
+        metrics: Metrics,
+        model: str,
+        kind: StreamKind = StreamKind.DATA,
+        on_created: Callable[[str], None] | None = None,
+    ) -> None:
         super().__init__(status_code=200, media_type="text/event-stream")
         assert lease.upstream is not None
         self.upstream = lease.upstream
@@ -269,6 +323,10 @@ class SSEProxyResponse(Response):
         self.info = info
         self.metrics = metrics
         self.model = model
+        self.kind = kind
+        self.on_created = on_created  # told the id of a Responses API response when its creation event passes
+        self._markers = _MARKERS[kind]
+        self._events = 0  # events relayed (Responses: the next sequence number)
         self._pending = b""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:  # type: ignore[override]
@@ -309,6 +367,8 @@ class SSEProxyResponse(Response):
                 if self.info.ttft_s is None:
                     self.info.ttft_s = time.perf_counter() - self.info.started
                 events = self._complete_events(chunk)
+                if events and self.kind is StreamKind.RESPONSES:
+                    self._events += events.count(b"\n\n")
                 if events:
                     if last:  # (cannot happen: nothing follows the end of the body)
                         events, last = last + events, b""
@@ -330,7 +390,7 @@ class SSEProxyResponse(Response):
         if failure is not None:
             self.info.error = failure.log_detail or failure.message
             self.metrics.child(self.metrics.stream_errors, self.model).inc()
-            tail += sse_error_event(failure)
+            tail += sse_error_event(failure, self.kind, self._events)
         await send({"type": "http.response.body", "body": tail, "more_body": False})
 
     def _complete_events(self, chunk: bytes) -> bytes:
@@ -347,8 +407,8 @@ class SSEProxyResponse(Response):
         return self._inspect(data[: cut + 2])
 
     def _inspect(self, events: bytes) -> bytes:
-        """Byte scans only; JSON is parsed just for the lines carrying a usage object or an error."""
-        at = _next_marker(events, 0)
+        """Byte scans only; JSON is parsed just for the lines carrying a usage object, an error or a new response."""
+        at = _next_marker(events, 0, self._markers)
         if at < 0:
             return events
         out = []
@@ -361,7 +421,7 @@ class SSEProxyResponse(Response):
             out.append(events[start:line_start])
             out.append(self._inspect_line(line) if line.startswith(b"data: {") else line)
             start = line_end
-            at = _next_marker(events, start)
+            at = _next_marker(events, start, self._markers)
         out.append(events[start:])
         return b"".join(out)
 
@@ -372,8 +432,9 @@ class SSEProxyResponse(Response):
             return line
         if not isinstance(data, dict):
             return line
-        if isinstance(data.get("usage"), dict):
-            self.info.set_usage(data["usage"])
+        self.info.set_usage(_usage_of(data))
+        if self.kind is not StreamKind.DATA:
+            return self._inspect_event(line, data)
         error = data.get("error")
         if error is not None and "choices" not in data:
             detail = error if isinstance(error, dict) else {"message": error}
@@ -383,14 +444,41 @@ class SSEProxyResponse(Response):
             return sse_error_event(sanitized).rstrip(b"\n")
         return line
 
+    def _inspect_event(self, line: bytes, data: dict[str, Any]) -> bytes:
+        """Responses / Anthropic events: note a created response's id; sanitize an engine error in place."""
+        if data.get("type") == "response.created" and self.on_created is not None:
+            response = data.get("response")
+            if isinstance(response, dict) and isinstance(response.get("id"), str):
+                self.on_created(response["id"])
+        holders = [data] if data.get("type") == "error" and "message" in data else []
+        holders += [value for value in (data.get("error"), (data.get("response") or {}).get("error")) if isinstance(value, dict)]
+        if not holders:
+            return line
+        for holder in holders:
+            holder["message"] = sanitize_message(holder.get("message"))
+            self.info.error = self.info.error or holder["message"][:300]
+        return b"data: " + orjson.dumps(data)
 
-def _next_marker(events: bytes, start: int) -> int:
-    """Where the next usage object or error is mentioned in ``events`` from ``start`` (-1: nowhere).
+
+def _next_marker(events: bytes, start: int, markers: tuple[bytes, ...]) -> int:
+    """Where the next of ``markers`` is mentioned in ``events`` from ``start`` (-1: nowhere).
 
     Engines put ``"usage":null`` in every chunk: only an object is worth parsing.
     """
-    found = [at for marker in _MARKERS if (at := events.find(marker, start)) >= 0]
+    found = [at for marker in markers if (at := events.find(marker, start)) >= 0]
     return min(found) if found else -1
+
+
+def _usage_of(data: dict[str, Any]) -> Any:
+    """The usage object of an event: top level (chat, Anthropic deltas) or in the object it carries
+    (Responses' ``response``, Anthropic's ``message_start.message``)."""
+    usage = data.get("usage")
+    if usage is None:
+        for key in ("response", "message"):
+            inner = data.get(key)
+            if isinstance(inner, dict) and isinstance(inner.get("usage"), dict):
+                return inner["usage"]
+    return usage
 
 
 async def _wait_disconnect(receive: Receive) -> None:

@@ -160,6 +160,13 @@ class Registry:
     def resolve(self, name: str) -> ModelRoute | None:
         return self._by_name.get(name)
 
+    def default_route(self) -> ModelRoute | None:
+        """The model answering requests that name none: the one called or aliased ``default``, or the only one."""
+        route = self._by_name.get("default")
+        if route is None and len(self._routes) == 1:
+            route = self._routes[0]
+        return route
+
     def routes(self) -> tuple[ModelRoute, ...]:
         return self._routes
 

@@ -1,11 +1,12 @@
-"""The HTTP routes: OpenAI endpoints (proxied), model listing, health, readiness and metrics."""
+"""The HTTP routes: every proxied model route (from :mod:`gateway.endpoints`), stored responses by id,
+model listing, health, readiness and metrics."""
 
 from __future__ import annotations
 
 import asyncio
 import traceback
-from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import orjson
@@ -16,27 +17,16 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from gateway.config import GatewaySettings
 from gateway.context import RequestInfo, request_info
-from gateway.errors import GatewayError, error_body, error_response
-from gateway.metrics import Metrics
-from gateway.poison import Quarantine
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, _Loose, parse_body
-from gateway.proxy import Proxy
-from gateway.registry import Backend, ModelRoute, Registry
+from gateway.endpoints import PROXIED, PROXIED_BY_PATH, RESPONSE_BY_ID, RESPONSE_CANCEL, ProxiedRoute
+from gateway.errors import Dialect, GatewayError, error_body, error_response
+from gateway.protocol import parse_body
+from gateway.proxy import call_backend
+from gateway.registry import Backend, ModelRoute
+from gateway.responses_index import StoredResponse
+from gateway.state import GatewayState
 
 router = APIRouter()
-
-
-@dataclass
-class GatewayState:
-    """Everything the routes need, stored on ``app.state.gateway`` (no module globals)."""
-
-    settings: GatewaySettings
-    registry: Registry
-    metrics: Metrics
-    proxy: Proxy | None = None  # set by the lifespan (it owns the HTTP client)
-    quarantine: Quarantine = field(default_factory=Quarantine)  # requests suspected of crashing an engine
 
 
 def _state(request: Request) -> GatewayState:
@@ -47,46 +37,105 @@ def _json(data: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(data), status_code=status, media_type="application/json")
 
 
-async def _proxied(request: Request, schema: type[_Loose], path: str) -> Response:
+async def _proxied(request: Request, endpoint: ProxiedRoute) -> Response:
     state = _state(request)
-    info: RequestInfo = request_info(request.scope) or RequestInfo("-", request.method, path)
-    body = parse_body(await request.body(), schema)
-    route = state.registry.resolve(body["model"])
-    if route is None:
-        raise GatewayError(
-            404, f"The model {body['model']!r} does not exist; see GET /v1/models", code="model_not_found", param="model"
-        )
+    info: RequestInfo = request_info(request.scope) or RequestInfo("-", request.method, endpoint.path)
+    body = parse_body(await request.body(), endpoint.schema)
+    route = _model_route(state, body, endpoint)
     info.model = route.name
-    info.stream = body.get("stream") is True
+    pinned = _continued_response(state, body, route) if endpoint.response_ids else None
     assert state.proxy is not None, "the app's lifespan did not run"
-    return await state.proxy.forward(route, body, path, info, request.receive)
+    return await state.proxy.forward(route, endpoint, body, info, request.receive, pinned=pinned)
 
 
-# The proxied routes. The app serves them through :func:`proxied_endpoint`, plain ASGI ahead of
-# FastAPI's routing (see ``gateway.app.GatewayAPI``); the FastAPI routes below stay as the same
-# handlers for anything that reaches the router (an app without the fast path, the route list).
-PROXIED_PATHS: dict[str, type[_Loose]] = {
-    "/v1/chat/completions": ChatCompletionRequest,
-    "/v1/completions": CompletionRequest,
-    "/v1/embeddings": EmbeddingRequest,
-}
+def _model_route(state: GatewayState, body: dict[str, Any], endpoint: ProxiedRoute) -> ModelRoute:
+    """The model named in the body (or the default model, where the route lets the name be left out)."""
+    name = body.get("model")
+    if name is None and not endpoint.model_required:
+        route = state.registry.default_route()
+        if route is None:
+            raise GatewayError(400, "model: required here (no model is aliased 'default')", param="model", code="model_required")
+        return route
+    route = state.registry.resolve(name)
+    if route is None:
+        raise GatewayError(404, f"The model {name!r} does not exist; see GET /v1/models", code="model_not_found", param="model")
+    return route
+
+
+def _continued_response(state: GatewayState, body: dict[str, Any], route: ModelRoute) -> Backend | None:
+    """The backend holding ``previous_response_id``'s state: the request must go there."""
+    previous = body.get("previous_response_id")
+    if previous is None:
+        return None
+    stored = _stored(state, previous, "previous_response_id")
+    if stored.model != route.name:
+        raise GatewayError(400, f"previous_response_id {previous!r} belongs to model {stored.model!r}", param="previous_response_id")
+    return stored.backend
+
+
+def _stored(state: GatewayState, response_id: str, param: str | None = None) -> StoredResponse:
+    stored = state.responses.find(response_id)
+    if stored is None:
+        raise GatewayError(404, f"No response found with id {response_id!r}", code="response_not_found", param=param)
+    route = state.registry.route(stored.model)
+    if route is None or route.backend is not stored.backend:
+        raise GatewayError(
+            404, f"Response {response_id!r} is gone: the engine that stored it was replaced", code="response_not_found", param=param
+        )
+    return stored
 
 
 async def proxied_endpoint(scope: Scope, receive: Receive, send: Send) -> None:
     """POST of a proxied path as plain ASGI: the same handler and errors as the FastAPI routes, without
-    their router, dependency machinery and per-message ``send`` wrappers (scope["app"] must be set)."""
+    their router, dependency machinery and per-message ``send`` wrappers (scope["app"] must be set).
+
+    The app serves every route of :data:`gateway.endpoints.PROXIED` this way (see ``gateway.app.GatewayAPI``);
+    the FastAPI routes made from the same table below serve anything that reaches the router (an app
+    without the fast path) and list the routes in ``/openapi.json``.
+    """
     request = Request(scope, receive)
-    path = scope["path"]
+    endpoint = PROXIED_BY_PATH[scope["path"]]
     try:
-        response = await _proxied(request, PROXIED_PATHS[path], path)
+        response = await _proxied(request, endpoint)
     except GatewayError as error:
         note_error(scope, error)
-        response = error_response(error)
+        response = error_response(error, endpoint.dialect)
     except ClientDisconnect:
         raise  # left while sending its body: the request-context middleware records it (499)
-    except Exception as error:  # noqa: BLE001 - every failure leaves as OpenAI-shaped JSON
-        response = unexpected_error_response(scope, error)
+    except Exception as error:  # noqa: BLE001 - every failure leaves as JSON in the route's dialect
+        response = unexpected_error_response(scope, error, endpoint.dialect)
     await response(scope, receive, send)
+
+
+def _add_proxied_route(endpoint: ProxiedRoute) -> None:
+    async def handler(request: Request) -> Response:
+        return await _proxied(request, endpoint)
+
+    router.add_api_route(endpoint.path, handler, methods=["POST"], summary=endpoint.summary, name=endpoint.path)
+
+
+for _endpoint in PROXIED:
+    _add_proxied_route(_endpoint)
+
+
+@router.get(RESPONSE_BY_ID)
+async def get_response(response_id: str, request: Request) -> Response:
+    return await _stored_response_call(request, response_id, "GET", f"/v1/responses/{response_id}")
+
+
+@router.post(RESPONSE_CANCEL)
+async def cancel_response(response_id: str, request: Request) -> Response:
+    return await _stored_response_call(request, response_id, "POST", f"/v1/responses/{response_id}/cancel")
+
+
+async def _stored_response_call(request: Request, response_id: str, method: str, path: str) -> Response:
+    state = _state(request)
+    stored = _stored(state, response_id)
+    info = request_info(request.scope)
+    if info is not None:
+        info.model = stored.model
+    assert state.proxy is not None, "the app's lifespan did not run"
+    return await call_backend(state.proxy, stored.model, stored.backend, method, quote(path), info or RequestInfo("-", method, path))
 
 
 def note_error(scope: Scope, error: GatewayError | str) -> None:
@@ -97,27 +146,12 @@ def note_error(scope: Scope, error: GatewayError | str) -> None:
         info.error = message[:300]
 
 
-def unexpected_error_response(scope: Scope, error: BaseException) -> Response:
+def unexpected_error_response(scope: Scope, error: BaseException, dialect: Dialect = Dialect.OPENAI) -> Response:
     """Log an unexpected error with its traceback and request id; answer a bare 500."""
     info = request_info(scope)
     trace = "".join(traceback.format_exception(error))
     logger.error("unhandled error in request {}: {}", info.request_id if info else "-", trace)
-    return error_response(GatewayError(500, "internal gateway error", code="internal_error"))
-
-
-@router.post("/v1/chat/completions")
-async def chat_completions(request: Request) -> Response:
-    return await _proxied(request, ChatCompletionRequest, "/v1/chat/completions")
-
-
-@router.post("/v1/completions")
-async def completions(request: Request) -> Response:
-    return await _proxied(request, CompletionRequest, "/v1/completions")
-
-
-@router.post("/v1/embeddings")
-async def embeddings(request: Request) -> Response:
-    return await _proxied(request, EmbeddingRequest, "/v1/embeddings")
+    return error_response(GatewayError(500, "internal gateway error", code="internal_error"), dialect)
 
 
 @router.get("/v1/models")

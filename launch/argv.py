@@ -49,6 +49,7 @@ _SWITCH_FLAGS: dict[str, str] = {
     "json_disable_any_whitespace": "--constrained-json-disable-any-whitespace",
     "skip_server_warmup": "--skip-server-warmup",
     "enable_metrics": "--enable-metrics",
+    "enable_response_store": "--enable-response-store",
 }
 # SGLang 0.5.23 deprecates --disable-cuda-graph in favour of per-phase backends.
 CUDA_GRAPH_OFF_FLAGS = ("--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled")

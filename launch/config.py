@@ -88,6 +88,9 @@ class EngineConfig(_Strict):
         None, description="Let the scheduler sleep when idle (default: on for cpu)."
     )
     skip_server_warmup: bool = Field(False, description="Skip SGLang's warm-up request (faster start).")
+    enable_response_store: bool = Field(
+        False, description="Keep Responses API results in the engine (GET /v1/responses/{id}, previous_response_id)."
+    )
     enable_metrics: bool = Field(True, description="Expose the engine's Prometheus /metrics.")
     random_seed: int | None = Field(None, description="Engine random seed.")
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the engine.")

@@ -12,13 +12,18 @@ from collections.abc import Iterator
 import openai
 import pytest
 
+from launch.model_info import vocab_size
 from launch.process import EngineProcess
 from tests.gateway.helpers import KEY, GatewayServer, serve
 
 
 @pytest.fixture(scope="session")
 def gateway(tiny_engine: EngineProcess) -> Iterator[GatewayServer]:
-    models = {"tiny": {"url": tiny_engine.url, "aliases": ["default"]}, "second": {"url": tiny_engine.url}}
+    vocab = vocab_size(tiny_engine.config.model_path)  # url models: the gateway refuses token ids outside it
+    models = {
+        "tiny": {"url": tiny_engine.url, "aliases": ["default"], "vocab_size": vocab},
+        "second": {"url": tiny_engine.url, "vocab_size": vocab},
+    }
     with serve(models, {"api_keys": [KEY], "open_paths": ["/health", "/ready"]}) as server:
         yield server
 

@@ -6,11 +6,13 @@ The SIGKILL test breaks an engine, so it starts its own (``victim``, module-scop
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import openai
@@ -66,6 +68,29 @@ def test_client_giving_up_on_plain_request_aborts_engine_request(gateway: Gatewa
     assert took < 8
 
 
+def _open_sse(http: httpx.Client, path: str, body: dict[str, Any]) -> Iterator[str]:
+    """Start a stream and read until its first event has arrived; the rest is read by :func:`_last_event`."""
+    response = http.send(http.build_request("POST", path, json=body), stream=True)
+    assert response.status_code == 200, response.read()
+    lines = response.iter_lines()
+    while next(lines) != "":  # through the end of the first event
+        pass
+    return lines
+
+
+def _last_event(lines: Iterator[str]) -> tuple[str | None, dict[str, Any]]:
+    """(event name, data) of the last event of an SSE stream read to its end."""
+    kind, data, last = None, None, (None, {})
+    for line in lines:
+        if line.startswith("event: "):
+            kind = line[7:]
+        elif line.startswith("data: ") and line != "data: [DONE]":
+            data = json.loads(line[6:])
+        elif line == "" and data is not None:
+            last, kind, data = (kind, data), None, None
+    return last
+
+
 @pytest.fixture(scope="module")
 def victim(tiny_engine_config: EngineConfig, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
     """A second real engine that the test kills."""
@@ -91,12 +116,24 @@ def test_engine_sigkill_mid_stream(victim: EngineProcess, tiny_engine: EnginePro
             chunks = iter(stream)
             for _ in range(3):
                 assert next(chunks).object == "chat.completion.chunk"
+            # The Responses and Anthropic Messages streams of the same engine, read as raw SSE.
+            long_body = {"model": "victim", "stream": True, "temperature": 0, "ignore_eos": True}
+            messages = _open_sse(http, "/v1/messages", {**long_body, "messages": HELLO, "max_tokens": 1900})
+            # (the Responses API has no ignore_eos: the kill follows its first event at once)
+            responses = _open_sse(http, "/v1/responses", {**long_body, "input": "Tell me a story.", "max_output_tokens": 1900})
             os.kill(victim.pid, signal.SIGKILL)
             with pytest.raises(openai.APIError) as caught:
                 for _ in chunks:
                     pass
             assert "victim" in caught.value.message and "engine" in caught.value.message
             assert caught.value.body["type"] == "service_unavailable"
+            # each cut stream ends with an error event framed like its own events
+            kind, data = _last_event(responses)
+            assert kind == "error" and data["type"] == "error" and data["code"] == "engine_unavailable", data
+            assert isinstance(data["sequence_number"], int) and data["sequence_number"] > 0
+            kind, data = _last_event(messages)
+            assert kind == "error" and data == {"type": "error", "error": {"type": "overloaded_error", "message": data["error"]["message"]}}
+            assert "victim" in data["error"]["message"]
 
             wait_for(lambda: not victim.running, 10, "the victim process to be reaped")
             ready = http.get("/ready")
@@ -113,5 +150,5 @@ def test_engine_sigkill_mid_stream(victim: EngineProcess, tiny_engine: EnginePro
 
             metrics = http.get("/metrics").text
             assert prometheus_value(metrics, "gateway_engine_up", {"model": "victim"}) == 0
-            assert prometheus_value(metrics, "gateway_stream_errors_total", {"model": "victim"}) == 1
+            assert prometheus_value(metrics, "gateway_stream_errors_total", {"model": "victim"}) == 3
             assert prometheus_value(metrics, "gateway_in_flight_requests", {"model": "victim"}) == 0

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from launch.model_info import vocab_size
 from launch.process import EngineProcess
 from tests.gateway.helpers import KEY, GatewayServer, assert_openai_error, auth, serve
 
@@ -25,6 +26,14 @@ BASES: dict[str, dict[str, Any]] = {
     "/v1/chat/completions": {"model": "tiny", "messages": HELLO, "max_tokens": 2},
     "/v1/completions": {"model": "tiny", "prompt": "hi", "max_tokens": 2},
     "/v1/embeddings": {"model": "tiny", "input": "hi"},
+    "/v1/responses": {"model": "tiny", "input": "hi", "max_output_tokens": 2},
+    "/v1/messages": {"model": "tiny", "messages": HELLO, "max_tokens": 2},
+    "/v1/messages/count_tokens": {"model": "tiny", "messages": HELLO},
+    "/v1/tokenize": {"model": "tiny", "prompt": "hi"},
+    "/v1/detokenize": {"model": "tiny", "tokens": [1, 2]},
+    "/v1/score": {"model": "tiny", "query": "q", "items": ["a"], "label_token_ids": [1]},
+    "/v1/rerank": {"model": "tiny", "query": "q", "documents": ["a"]},
+    "/v1/classify": {"model": "tiny", "input": "hi"},
 }
 # field -> strategy of values of a type the field never accepts
 _text = st.text(max_size=12)
@@ -43,7 +52,23 @@ WRONG: dict[str, st.SearchStrategy[Any]] = {
 CHAT_WRONG = {**WRONG, "messages": st.one_of(_text, _ints, _dicts, _lists, st.just([]))}
 COMPLETION_WRONG = {**WRONG, "prompt": st.one_of(_ints, _dicts, st.booleans(), st.just([]))}
 EMBEDDING_WRONG = {"model": WRONG["model"], "input": st.one_of(_ints, _dicts, st.booleans(), st.just([]))}
-FIELDS = {"/v1/chat/completions": CHAT_WRONG, "/v1/completions": COMPLETION_WRONG, "/v1/embeddings": EMBEDDING_WRONG}
+_SAMPLING_WRONG = {key: WRONG[key] for key in ("model", "stream", "temperature", "top_p")}
+_MESSAGES = st.one_of(_text, _ints, _dicts, _lists, st.just([]))
+FIELDS = {
+    "/v1/chat/completions": CHAT_WRONG,
+    "/v1/completions": COMPLETION_WRONG,
+    "/v1/embeddings": EMBEDDING_WRONG,
+    "/v1/responses": {**_SAMPLING_WRONG, "input": st.one_of(_ints, _dicts, st.booleans(), st.just([])),
+                      "max_output_tokens": st.one_of(_text, _lists, st.integers(max_value=0)), "previous_response_id": st.one_of(_ints, _lists)},
+    "/v1/messages": {**_SAMPLING_WRONG, "messages": _MESSAGES, "max_tokens": st.one_of(_text, _lists, st.integers(max_value=0)),
+                     "system": st.one_of(_ints, _dicts)},
+    "/v1/messages/count_tokens": {"model": WRONG["model"], "messages": _MESSAGES},
+    "/v1/tokenize": {"model": WRONG["model"], "prompt": st.one_of(_ints, _dicts, st.booleans())},
+    "/v1/detokenize": {"model": WRONG["model"], "tokens": st.one_of(_text, _dicts, st.booleans(), st.just([]), st.just([-1]))},
+    "/v1/score": {"model": WRONG["model"], "query": st.one_of(_dicts, st.booleans(), st.just([-2])), "label_token_ids": st.one_of(_text, _dicts)},
+    "/v1/rerank": {"model": WRONG["model"], "query": st.one_of(_ints, st.booleans()), "documents": st.one_of(_text, _ints, st.just([]))},
+    "/v1/classify": {"model": WRONG["model"], "input": st.one_of(_ints, _dicts, st.booleans(), st.just([]))},
+}  # fmt: skip
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8),
     lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=6), children, max_size=3),
@@ -65,7 +90,8 @@ def type_confused(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def fuzz_gateway(tiny_engine: EngineProcess) -> Iterator[GatewayServer]:
-    with serve({"tiny": {"url": tiny_engine.url}}, {"api_keys": [KEY], "max_body_bytes": MAX_BODY}) as gw:
+    model = {"url": tiny_engine.url, "vocab_size": vocab_size(tiny_engine.config.model_path)}
+    with serve({"tiny": model}, {"api_keys": [KEY], "max_body_bytes": MAX_BODY}) as gw:
         yield gw
 
 
@@ -78,18 +104,29 @@ def http(fuzz_gateway: GatewayServer) -> Iterator[httpx.Client]:
 FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 
+def assert_dialect_error(response: httpx.Response, status: int, path: str) -> None:
+    """An error in the route's dialect: Anthropic's on /v1/messages*, OpenAI's elsewhere."""
+    if path.startswith("/v1/messages"):
+        assert response.status_code == status, response.text
+        body = response.json()
+        assert body["type"] == "error" and set(body["error"]) == {"type", "message"} and body["error"]["message"], body
+        assert "Traceback" not in response.text and ".py" not in response.text
+    else:
+        assert_openai_error(response, status)
+
+
 @FUZZ
 @given(case=type_confused())
 def test_type_confused_bodies_are_400(http: httpx.Client, case: tuple[str, dict[str, Any]]) -> None:
     path, body = case
-    assert_openai_error(http.post(path, json=body, headers=auth()), 400)
+    assert_dialect_error(http.post(path, json=body, headers=auth()), 400, path)
 
 
 @FUZZ
 @given(path=st.sampled_from(sorted(BASES)), raw=st.one_of(st.binary(max_size=200), json_values.map(lambda v: __import__("json").dumps(v).encode())))
 def test_malformed_bodies_are_400(http: httpx.Client, path: str, raw: bytes) -> None:
     response = http.post(path, content=raw, headers=auth())
-    assert_openai_error(response, 400)
+    assert_dialect_error(response, 400, path)
 
 
 @FUZZ
@@ -97,7 +134,7 @@ def test_malformed_bodies_are_400(http: httpx.Client, path: str, raw: bytes) -> 
 def test_oversized_bodies_are_413(http: httpx.Client, path: str, size: int, chunked: bool) -> None:
     raw = b'{"model": "tiny", "pad": "' + b"x" * size + b'"}'
     content: Any = iter([raw[i : i + 1000] for i in range(0, len(raw), 1000)]) if chunked else raw
-    assert_openai_error(http.post(path, content=content, headers=auth()), 413)
+    assert_dialect_error(http.post(path, content=content, headers=auth()), 413, path)
 
 
 @FUZZ
@@ -119,7 +156,7 @@ def test_odd_headers_never_500(http: httpx.Client, path: str, headers: dict[str,
     else:
         response = http.get(path, headers=headers)
     if response.status_code >= 400:
-        assert_openai_error(response, response.status_code)
+        assert_dialect_error(response, response.status_code, path)
         assert response.status_code < 500
     assert response.headers["x-request-id"]
 
@@ -135,7 +172,7 @@ def test_unknown_paths_and_methods_are_4xx(http: httpx.Client, segments: list[st
         return
     if path in ("/health", "/ready", "/metrics", "/v1/models", "/openapi.json") and method == "GET":
         return
-    assert_openai_error(response, response.status_code)
+    assert_dialect_error(response, response.status_code, path)
     assert 400 <= response.status_code < 500
 
 

@@ -17,7 +17,7 @@ FIELDS = [
     "quantization", "chunked_prefill_size", "grammar_backend", "tool_call_parser", "reasoning_parser",
     "chat_template", "attention_backend", "device", "random_seed", "trust_remote_code",
     "constrained_json_disable_any_whitespace", "skip_server_warmup", "enable_metrics", "sleep_on_idle",
-    "cuda_graph_backend_decode", "cuda_graph_backend_prefill", "cuda_graph_max_bs_decode", "api_key", "log_level",
+    "cuda_graph_backend_decode", "cuda_graph_backend_prefill", "cuda_graph_max_bs_decode", "api_key", "log_level", "enable_response_store",
 ]
 
 results = []

@@ -119,6 +119,7 @@ FULL = dict(
     json_disable_any_whitespace=True,
     skip_server_warmup=True,
     sleep_on_idle=True,
+    enable_response_store=True,
 )
 MISSPELLED = ["--model-path", "org/m", "--disable-cuda-graphs"]
 VARIANTS: dict[str, EngineConfig] = {
@@ -182,7 +183,7 @@ def test_sglang_reads_each_value_where_we_meant_it(sglang_parsed: dict[str, dict
                   "max_total_tokens", "context_length", "max_running_requests", "dtype", "quantization",
                   "chunked_prefill_size", "grammar_backend", "tool_call_parser", "reasoning_parser",
                   "chat_template", "attention_backend", "random_seed", "trust_remote_code",
-                  "skip_server_warmup", "sleep_on_idle"):
+                  "skip_server_warmup", "sleep_on_idle", "enable_response_store"):
         assert str(parsed[field]) == str(FULL[field]), field
     assert parsed["served_model_name"] == "served"
     assert parsed["port"] == 30123

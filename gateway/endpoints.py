@@ -1,0 +1,113 @@
+"""The table of every route the gateway serves: one line per route, read by everything that cares.
+
+The hot path (:class:`gateway.app.GatewayAPI`) dispatches proxied POSTs by this table; the FastAPI routes
+(and so ``/openapi.json``) are generated from it; authentication reads each route's dialect (Anthropic
+clients send ``x-api-key``); metrics label requests with the route's path; the README's endpoint table is
+checked against :func:`endpoint_table`. Adding a model-serving route of the engine is one line in
+:data:`PROXIED` (plus a request schema in :mod:`gateway.protocol` and its test).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gateway import protocol
+from gateway.errors import Dialect, StreamKind
+
+
+@dataclass(frozen=True)
+class ProxiedRoute:
+    """A model-serving route of the engine, proxied by ``model`` (names and aliases from the YAML)."""
+
+    path: str
+    schema: type[protocol.Loose]
+    summary: str
+    serves: str  # which kind of model answers it, for the README
+    dialect: Dialect = Dialect.OPENAI
+    stream: StreamKind | None = StreamKind.DATA  # None: never streams
+    token_ids: tuple[str, ...] = ()  # body fields that may carry prompt token ids (checked against the vocabulary)
+    model_required: bool = True  # False: routed to the default model when the body names none
+    response_ids: bool = False  # records the ids of the responses it creates (GET /v1/responses/{id}...)
+
+
+PROXIED: tuple[ProxiedRoute, ...] = (
+    ProxiedRoute("/v1/chat/completions", protocol.ChatCompletionRequest, "Chat completions (OpenAI)", "generation"),
+    ProxiedRoute("/v1/completions", protocol.CompletionRequest, "Text completions (OpenAI)", "generation", token_ids=("prompt",)),
+    ProxiedRoute(
+        "/v1/responses", protocol.ResponsesRequest, "Responses API (OpenAI), stateful with the engine's response store",
+        "generation", stream=StreamKind.RESPONSES, response_ids=True,
+    ),
+    ProxiedRoute(
+        "/v1/messages", protocol.MessagesRequest, "Messages (Anthropic)", "generation",
+        dialect=Dialect.ANTHROPIC, stream=StreamKind.ANTHROPIC,
+    ),
+    ProxiedRoute(
+        "/v1/messages/count_tokens", protocol.CountTokensRequest, "Count the tokens of a Messages request (Anthropic)",
+        "generation", dialect=Dialect.ANTHROPIC, stream=None,
+    ),
+    ProxiedRoute("/v1/embeddings", protocol.EmbeddingRequest, "Embeddings (OpenAI)", "embedding", stream=None, token_ids=("input",)),
+    ProxiedRoute("/v1/tokenize", protocol.TokenizeRequest, "Text or messages to token ids", "any", stream=None, model_required=False),
+    ProxiedRoute(
+        "/v1/detokenize", protocol.DetokenizeRequest, "Token ids to text", "any", stream=None, token_ids=("tokens",),
+        model_required=False,
+    ),
+    ProxiedRoute(
+        "/v1/score", protocol.ScoreRequest, "Label-token probabilities of query + items", "generation or classifier",
+        stream=None, token_ids=("query", "items"), model_required=False,
+    ),
+    ProxiedRoute("/v1/rerank", protocol.RerankRequest, "Rank documents against a query", "reranker / embedding", stream=None, model_required=False),
+    ProxiedRoute(
+        "/v1/classify", protocol.ClassifyRequest, "Classify inputs", "sequence classifier", stream=None, token_ids=("input",),
+        model_required=False,
+    ),
+)  # fmt: skip
+
+PROXIED_BY_PATH: dict[str, ProxiedRoute] = {route.path: route for route in PROXIED}
+
+# Responses stored by the engine, reached through the engine that created them (see gateway.responses_index).
+RESPONSE_BY_ID = "/v1/responses/{response_id}"
+RESPONSE_CANCEL = "/v1/responses/{response_id}/cancel"
+
+# Served by the gateway itself: (method, path, summary), for the README and the metrics labels.
+GATEWAY_ROUTES: tuple[tuple[str, str, str], ...] = (
+    ("GET", RESPONSE_BY_ID, "A stored response, from the engine that created it"),
+    ("POST", RESPONSE_CANCEL, "Cancel a background response, on the engine that runs it"),
+    ("GET", "/v1/models", "The models and aliases, with context lengths"),
+    ("GET", "/v1/models/{model}", "One model"),
+    ("GET", "/health", "Liveness of the gateway (HEAD too)"),
+    ("GET", "/ready", "200 when every model's engine is healthy, else 503 naming the ones that are not (HEAD too)"),
+    ("GET", "/metrics", "Prometheus metrics"),
+)
+ADMIN_PREFIX = "/admin/"
+
+
+def dialect_for_path(path: str) -> Dialect:
+    """The error dialect of ``path`` (also for paths that are not routes: /v1/messages/anything is Anthropic's)."""
+    route = PROXIED_BY_PATH.get(path)
+    if route is not None:
+        return route.dialect
+    return Dialect.ANTHROPIC if path.startswith("/v1/messages") else Dialect.OPENAI
+
+
+def route_label(path: str) -> str:
+    """The bounded ``route`` label of ``path`` for metrics (ids and model names folded)."""
+    if path in PROXIED_BY_PATH or path in _GATEWAY_PATHS:
+        return path
+    if path.startswith("/v1/responses/"):
+        return RESPONSE_CANCEL if path.endswith("/cancel") else RESPONSE_BY_ID
+    if path.startswith("/v1/models/"):
+        return "/v1/models/{model}"
+    if path.startswith(ADMIN_PREFIX):
+        return "/admin"  # one label for the admin API (its paths carry model names)
+    return "other"
+
+
+_GATEWAY_PATHS = frozenset(path for _, path, _ in GATEWAY_ROUTES if "{" not in path)
+
+
+def endpoint_table() -> str:
+    """The README's endpoint table (a test checks the README holds exactly this)."""
+    lines = ["| Method and path | What it does | Model kind |", "|---|---|---|"]
+    lines += [f"| `POST {route.path}` | {route.summary} | {route.serves} |" for route in PROXIED]
+    lines += [f"| `{method} {path}` | {summary} | – |" for method, path, summary in GATEWAY_ROUTES]
+    return "\n".join(lines)
