@@ -6,7 +6,7 @@ an engine they already run; ``app_from_config`` builds all of it (engines includ
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -26,9 +26,20 @@ from gateway.engines import EngineManager
 from gateway.errors import GatewayError, error_response
 from gateway.metrics import Metrics
 from gateway.middleware import BodyLimitMiddleware, JSONCORSMiddleware, RequestContextMiddleware
+from gateway.protocol import _Loose
 from gateway.proxy import Proxy, upstream_session
 from gateway.registry import Registry, build_registry
-from gateway.routes import PROXIED_PATHS, GatewayState, note_error, proxied_endpoint, router, unexpected_error_response
+from gateway.routes import (
+    INVOCATIONS_ALIAS,
+    INVOCATIONS_PATH,
+    PROXIED_PATHS,
+    GatewayState,
+    invocations_endpoint,
+    note_error,
+    proxied_endpoint,
+    router,
+    unexpected_error_response,
+)
 from gateway.swap import SwapExecutor
 from launch.config import DeploymentConfig
 
@@ -44,9 +55,15 @@ class GatewayAPI(FastAPI):
     """
 
     proxied: Any = None
+    proxied_paths: Mapping[str, type[_Loose]] = PROXIED_PATHS  # path -> request schema
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.proxied is not None and scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in PROXIED_PATHS:
+        if (
+            self.proxied is not None
+            and scope["type"] == "http"
+            and scope["method"] == "POST"
+            and scope["path"] in self.proxied_paths
+        ):
             scope["app"] = self
             await self.proxied(scope, receive, send)
             return
@@ -62,12 +79,15 @@ def create_app(
     overrides: dict[str, Any] | None = None,
     watch: bool = False,
     log_dir: str | Path | None = None,
+    invocations: bool = False,
 ) -> FastAPI:
     """A gateway app serving ``registry``.
 
     ``engines`` (if given) are started by the lifespan and then owned by the gateway: supervised by
     the watchdog, swappable, stopped at shutdown. ``deployment`` (read from a file) enables reloads;
-    ``overrides`` are the CLI's host/port, kept across reloads; ``watch`` reloads on file changes.
+    ``overrides`` are the CLI's host/port, kept across reloads; ``watch`` reloads on file changes;
+    ``invocations`` adds ``POST /invocations``, chat completions of the default model (see
+    :data:`gateway.routes.INVOCATIONS_PATH`).
     """
     state = GatewayState(settings=settings, registry=registry, metrics=Metrics(registry))
     keys = KeyHolder(key_policy(settings.resolved_keys(), settings.resolved_admin_keys(), settings.open_paths))
@@ -112,6 +132,9 @@ def create_app(
     app.state.controller = controller
     app.include_router(router)
     app.include_router(admin_router)
+    if invocations:
+        app.proxied_paths = {**PROXIED_PATHS, **INVOCATIONS_ALIAS}
+        app.add_api_route(INVOCATIONS_PATH, invocations_endpoint, methods=["POST"], include_in_schema=False)
     _install_error_handlers(app)
     # Outermost last: request id/log -> CORS -> auth -> body limit -> routes.
     layers: list[tuple[type[Any], dict[str, Any]]] = [
@@ -148,7 +171,14 @@ def app_from_config(
     engines = EngineManager(deployment, log_dir=log_dir)
     registry = build_registry(deployment, settings, engines.engines)
     app = create_app(
-        settings, registry, engines=engines, deployment=deployment, overrides={"host": host, "port": port}, watch=watch, log_dir=log_dir
+        settings,
+        registry,
+        engines=engines,
+        deployment=deployment,
+        overrides={"host": host, "port": port},
+        watch=watch,
+        log_dir=log_dir,
+        invocations=True,
     )
     return app, settings
 

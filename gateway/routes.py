@@ -21,7 +21,14 @@ from gateway.context import RequestInfo, request_info
 from gateway.errors import GatewayError, error_body, error_response
 from gateway.metrics import Metrics
 from gateway.poison import Quarantine
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, _Loose, parse_body
+from gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    InvocationsRequest,
+    _Loose,
+    parse_body,
+)
 from gateway.proxy import Proxy
 from gateway.registry import Backend, ModelRoute, Registry
 
@@ -51,11 +58,14 @@ async def _proxied(request: Request, schema: type[_Loose], path: str) -> Respons
     state = _state(request)
     info: RequestInfo = request_info(request.scope) or RequestInfo("-", request.method, path)
     body = parse_body(await request.body(), schema)
-    route = state.registry.resolve(body["model"])
-    if route is None:
-        raise GatewayError(
-            404, f"The model {body['model']!r} does not exist; see GET /v1/models", code="model_not_found", param="model"
-        )
+    if path == INVOCATIONS_PATH:
+        route, path = _default_route(state.registry), "/v1/chat/completions"
+    else:
+        route = state.registry.resolve(body["model"])
+        if route is None:
+            raise GatewayError(
+                404, f"The model {body['model']!r} does not exist; see GET /v1/models", code="model_not_found", param="model"
+            )
     info.model = route.name
     info.stream = body.get("stream") is True
     assert state.proxy is not None, "the app's lifespan did not run"
@@ -72,13 +82,34 @@ PROXIED_PATHS: dict[str, type[_Loose]] = {
 }
 
 
+# POST /invocations, when serving a YAML (``create_app(invocations=True)``): where Databricks custom LLM
+# serving forwards each endpoint request, an OpenAI chat body. It is /v1/chat/completions for the default
+# model (the one aliased ``default``, or the only one); the body's ``model`` (absent, or the endpoint's
+# name) does not choose. Not in PROXIED_PATHS: ``--model-uri`` serves its own /invocations.
+INVOCATIONS_PATH = "/invocations"
+INVOCATIONS_ALIAS: dict[str, type[_Loose]] = {INVOCATIONS_PATH: InvocationsRequest}
+
+
+def _default_route(registry: Registry) -> ModelRoute:
+    routes = registry.routes()
+    route = registry.resolve("default") or (routes[0] if len(routes) == 1 else None)
+    if route is None:
+        raise GatewayError(
+            404,
+            f"POST {INVOCATIONS_PATH} serves the default model, and none of the {len(routes)} models is aliased 'default'",
+            code="model_not_found",
+        )
+    return route
+
+
 async def proxied_endpoint(scope: Scope, receive: Receive, send: Send) -> None:
     """POST of a proxied path as plain ASGI: the same handler and errors as the FastAPI routes, without
-    their router, dependency machinery and per-message ``send`` wrappers (scope["app"] must be set)."""
+    their router, dependency machinery and per-message ``send`` wrappers (scope["app"] must be set: its
+    ``proxied_paths`` give each path's request schema)."""
     request = Request(scope, receive)
     path = scope["path"]
     try:
-        response = await _proxied(request, PROXIED_PATHS[path], path)
+        response = await _proxied(request, scope["app"].proxied_paths[path], path)
     except GatewayError as error:
         note_error(scope, error)
         response = error_response(error)
@@ -118,6 +149,11 @@ async def completions(request: Request) -> Response:
 @router.post("/v1/embeddings")
 async def embeddings(request: Request) -> Response:
     return await _proxied(request, EmbeddingRequest, "/v1/embeddings")
+
+
+async def invocations_endpoint(request: Request) -> Response:
+    """``POST /invocations`` (added by ``create_app(invocations=True)``): see :data:`INVOCATIONS_PATH`."""
+    return await _proxied(request, InvocationsRequest, INVOCATIONS_PATH)
 
 
 @router.get("/v1/models")
