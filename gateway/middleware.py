@@ -24,7 +24,16 @@ from gateway.errors import GatewayError, error_response
 from gateway.metrics import Metrics
 
 _GOOD_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
-_KNOWN_ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/health", "/ready", "/metrics"}
+_KNOWN_ROUTES = {
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/v1/models",
+    "/invocations",
+    "/health",
+    "/ready",
+    "/metrics",
+}
 
 
 class RequestContextMiddleware:
