@@ -114,7 +114,13 @@ def stage_artifacts(deployment: Mapping[str, Any], weights: Path | None, into: P
     (into / DEPLOYMENT_FILE).write_text(deployment_yaml(deployment))
     artifacts = {"deployment": str(into / DEPLOYMENT_FILE)}
     for package in CODE_PACKAGES:
-        shutil.copytree(REPO_DIR / package, into / package, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        source = REPO_DIR / package
+        if not (source / "__init__.py").is_file():
+            raise FileNotFoundError(
+                f"{source}: the entrypoint flavour ships the gateway's code and did not find it; log from a checkout "
+                "of sglang-gateway or with the package installed"
+            )
+        shutil.copytree(source, into / package, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         artifacts[f"{package}-code"] = str(into / package)
     if weights is not None:
         artifacts[WEIGHTS_ARTIFACT] = str(weights)
