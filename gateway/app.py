@@ -6,7 +6,7 @@ an engine they already run; ``app_from_config`` builds all of it (engines includ
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -22,14 +22,14 @@ from gateway.admin import router as admin_router
 from gateway.auth import AuthMiddleware, KeyHolder, key_policy
 from gateway.config import GatewaySettings, gateway_settings
 from gateway.control import Controller
-from gateway.endpoints import PROXIED_BY_PATH, dialect_for_path
+from gateway.endpoints import INVOCATIONS, PROXIED_BY_PATH, ProxiedRoute, dialect_for_path
 from gateway.engines import EngineManager
 from gateway.errors import GatewayError, error_response
 from gateway.metrics import Metrics
 from gateway.middleware import BodyLimitMiddleware, JSONCORSMiddleware, RequestContextMiddleware
 from gateway.proxy import Proxy, upstream_session
 from gateway.registry import Registry, build_registry
-from gateway.routes import note_error, proxied_endpoint, router, unexpected_error_response
+from gateway.routes import add_proxied_route, note_error, proxied_endpoint, router, unexpected_error_response
 from gateway.state import GatewayState
 from gateway.swap import SwapExecutor
 from launch.config import DeploymentConfig
@@ -46,9 +46,10 @@ class GatewayAPI(FastAPI):
     """
 
     proxied: Any = None
+    proxied_routes: Mapping[str, ProxiedRoute] = PROXIED_BY_PATH  # path -> route, served by the fast path
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.proxied is not None and scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in PROXIED_BY_PATH:
+        if self.proxied is not None and scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in self.proxied_routes:
             scope["app"] = self
             await self.proxied(scope, receive, send)
             return
@@ -64,12 +65,14 @@ def create_app(
     overrides: dict[str, Any] | None = None,
     watch: bool = False,
     log_dir: str | Path | None = None,
+    invocations: bool = False,
 ) -> FastAPI:
     """A gateway app serving ``registry``.
 
     ``engines`` (if given) are started by the lifespan and then owned by the gateway: supervised by
     the watchdog, swappable, stopped at shutdown. ``deployment`` (read from a file) enables reloads;
-    ``overrides`` are the CLI's host/port, kept across reloads; ``watch`` reloads on file changes.
+    ``overrides`` are the CLI's host/port, kept across reloads; ``watch`` reloads on file changes;
+    ``invocations`` adds ``POST /invocations`` (:data:`gateway.endpoints.INVOCATIONS`).
     """
     state = GatewayState(settings=settings, registry=registry, metrics=Metrics(registry))
     keys = KeyHolder(key_policy(settings.resolved_keys(), settings.resolved_admin_keys(), settings.open_paths))
@@ -114,6 +117,9 @@ def create_app(
     app.state.controller = controller
     app.include_router(router)
     app.include_router(admin_router)
+    if invocations:
+        app.proxied_routes = {**PROXIED_BY_PATH, INVOCATIONS.path: INVOCATIONS}
+        add_proxied_route(app, INVOCATIONS, listed=False)
     _install_error_handlers(app)
     # Outermost last: request id/log -> CORS -> auth -> body limit -> routes.
     layers: list[tuple[type[Any], dict[str, Any]]] = [
@@ -150,8 +156,9 @@ def app_from_config(
     engines = EngineManager(deployment, log_dir=log_dir)
     registry = build_registry(deployment, settings, engines.engines)
     app = create_app(
-        settings, registry, engines=engines, deployment=deployment, overrides={"host": host, "port": port}, watch=watch, log_dir=log_dir
-    )
+        settings, registry, engines=engines, deployment=deployment, overrides={"host": host, "port": port}, watch=watch,
+        log_dir=log_dir, invocations=True,
+    )  # fmt: skip
     return app, settings
 
 

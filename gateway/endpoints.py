@@ -10,14 +10,23 @@ checked against :func:`endpoint_table`. Adding a model-serving route of the engi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 from gateway import protocol
 from gateway.errors import Dialect, StreamKind
 
 
+class ModelChoice(StrEnum):
+    """How a request picks its model."""
+
+    BODY = "body"  # the body's "model" (a name or alias), required
+    BODY_OR_DEFAULT = "body_or_default"  # the body's "model", else the default model
+    DEFAULT = "default"  # always the default model, whatever the body says (a serving platform's fixed route)
+
+
 @dataclass(frozen=True)
 class ProxiedRoute:
-    """A model-serving route of the engine, proxied by ``model`` (names and aliases from the YAML)."""
+    """A model-serving route of the engine, proxied to the backend of the request's model."""
 
     path: str
     schema: type[protocol.Loose]
@@ -26,8 +35,13 @@ class ProxiedRoute:
     dialect: Dialect = Dialect.OPENAI
     stream: StreamKind | None = StreamKind.DATA  # None: never streams
     token_ids: tuple[str, ...] = ()  # body fields that may carry prompt token ids (checked against the vocabulary)
-    model_required: bool = True  # False: routed to the default model when the body names none
+    model: ModelChoice = ModelChoice.BODY
     response_ids: bool = False  # records the ids of the responses it creates (GET /v1/responses/{id}...)
+    upstream: str | None = None  # the engine's path, when not ``path``
+
+    @property
+    def upstream_path(self) -> str:
+        return self.upstream or self.path
 
 
 PROXIED: tuple[ProxiedRoute, ...] = (
@@ -46,23 +60,31 @@ PROXIED: tuple[ProxiedRoute, ...] = (
         "generation", dialect=Dialect.ANTHROPIC, stream=None,
     ),
     ProxiedRoute("/v1/embeddings", protocol.EmbeddingRequest, "Embeddings (OpenAI)", "embedding", stream=None, token_ids=("input",)),
-    ProxiedRoute("/v1/tokenize", protocol.TokenizeRequest, "Text or messages to token ids", "any", stream=None, model_required=False),
+    ProxiedRoute("/v1/tokenize", protocol.TokenizeRequest, "Text or messages to token ids", "any", stream=None, model=ModelChoice.BODY_OR_DEFAULT),
     ProxiedRoute(
         "/v1/detokenize", protocol.DetokenizeRequest, "Token ids to text", "any", stream=None, token_ids=("tokens",),
-        model_required=False,
+        model=ModelChoice.BODY_OR_DEFAULT,
     ),
     ProxiedRoute(
         "/v1/score", protocol.ScoreRequest, "Label-token probabilities of query + items", "generation or classifier",
-        stream=None, token_ids=("query", "items"), model_required=False,
+        stream=None, token_ids=("query", "items"), model=ModelChoice.BODY_OR_DEFAULT,
     ),
-    ProxiedRoute("/v1/rerank", protocol.RerankRequest, "Rank documents against a query", "reranker / embedding", stream=None, model_required=False),
+    ProxiedRoute("/v1/rerank", protocol.RerankRequest, "Rank documents against a query", "reranker / embedding", stream=None, model=ModelChoice.BODY_OR_DEFAULT),
     ProxiedRoute(
         "/v1/classify", protocol.ClassifyRequest, "Classify inputs", "sequence classifier", stream=None, token_ids=("input",),
-        model_required=False,
+        model=ModelChoice.BODY_OR_DEFAULT,
     ),
 )  # fmt: skip
 
 PROXIED_BY_PATH: dict[str, ProxiedRoute] = {route.path: route for route in PROXIED}
+
+# Served only when the gateway serves a YAML (not with --model-uri, which has an /invocations of its own):
+# where Databricks custom LLM serving forwards each endpoint request, an OpenAI chat body whose "model"
+# (absent, or the endpoint's name) does not choose the model.
+INVOCATIONS = ProxiedRoute(
+    "/invocations", protocol.InvocationsRequest, "Chat completions of the default model (a serving platform's route)",
+    "generation", model=ModelChoice.DEFAULT, upstream="/v1/chat/completions",
+)  # fmt: skip
 
 # Responses stored by the engine, reached through the engine that created them (see gateway.responses_index).
 RESPONSE_BY_ID = "/v1/responses/{response_id}"
@@ -91,7 +113,7 @@ def dialect_for_path(path: str) -> Dialect:
 
 def route_label(path: str) -> str:
     """The bounded ``route`` label of ``path`` for metrics (ids and model names folded)."""
-    if path in PROXIED_BY_PATH or path in _GATEWAY_PATHS:
+    if path in PROXIED_BY_PATH or path in _GATEWAY_PATHS or path == INVOCATIONS.path:
         return path
     if path.startswith("/v1/responses/"):
         return RESPONSE_CANCEL if path.endswith("/cancel") else RESPONSE_BY_ID
@@ -108,6 +130,6 @@ _GATEWAY_PATHS = frozenset(path for _, path, _ in GATEWAY_ROUTES if "{" not in p
 def endpoint_table() -> str:
     """The README's endpoint table (a test checks the README holds exactly this)."""
     lines = ["| Method and path | What it does | Model kind |", "|---|---|---|"]
-    lines += [f"| `POST {route.path}` | {route.summary} | {route.serves} |" for route in PROXIED]
+    lines += [f"| `POST {route.path}` | {route.summary} | {route.serves} |" for route in (*PROXIED, INVOCATIONS)]
     lines += [f"| `{method} {path}` | {summary} | – |" for method, path, summary in GATEWAY_ROUTES]
     return "\n".join(lines)

@@ -9,13 +9,25 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from pathlib import Path
 
 from loguru import logger
 
 from launch.config import DeploymentConfig
 from launch.preflight import preflight, require
-from launch.process import EngineError, EngineProcess, new_engine_key
+from launch.process import EngineError, EngineProcess, ProgressCallback, new_engine_key
+
+
+def log_progress(name: str) -> ProgressCallback:
+    """Log each start-up phase of engine ``name`` at INFO (loading weights, KV cache, CUDA graphs, warm-up):
+    where the gateway runs as a serving platform's entrypoint, its log is the only view of a cold start."""
+
+    def progress(phase: str, elapsed_s: float) -> None:
+        if phase not in ("starting", "ready"):  # EngineProcess logs both itself, with its port / URL
+            logger.info("engine {}: {} ({:.0f}s)", name, phase, elapsed_s)
+
+    return progress
 
 
 class StartAborted(Exception):
@@ -29,12 +41,19 @@ class EngineManager:
         self.engines: dict[str, EngineProcess] = {}
         self._abort = threading.Event()
         for name, engine in deployment.managed().items():
-            self.engines[name] = EngineProcess(name, require(preflight(engine), name), log_dir=log_dir, api_key=new_engine_key())
+            self.engines[name] = EngineProcess(
+                name,
+                require(preflight(engine), name),
+                log_dir=log_dir,
+                api_key=new_engine_key(),
+                on_progress=log_progress(name),
+            )
 
     async def start_all(self) -> None:
         """Start every engine and wait until all are ready; on any failure stop them all and raise."""
         if not self.engines:
             return
+        started = time.monotonic()
         try:
             for engine in self.engines.values():
                 engine.start()
@@ -55,7 +74,8 @@ class EngineManager:
         if errors:
             await self.stop_all()
             raise errors[0] if isinstance(errors[0], EngineError) else errors[0]
-        logger.info("engines ready: {}", ", ".join(f"{n} at {e.url}" for n, e in self.engines.items()))
+        ready = ", ".join(f"{n} at {e.url}" for n, e in self.engines.items())
+        logger.info("engines ready in {:.1f}s: {}", time.monotonic() - started, ready)
 
     def abort_start(self) -> None:
         """Make a running :meth:`start_all` stop the engines and give up (safe from a signal handler)."""

@@ -98,6 +98,13 @@ class ChatCompletionRequest(_Common):
         return self
 
 
+class InvocationsRequest(ChatCompletionRequest):
+    """A chat request as Databricks custom LLM serving forwards it to ``POST /invocations``: its ``model``
+    (absent, or the serving endpoint's name) does not route the request, so any value is accepted."""
+
+    model: Any = None
+
+
 class CompletionRequest(_Common):
     prompt: StrictStr | list[StrictStr] | _TokenIds | list[_TokenIds] = Field(min_length=1)
     logprobs: StrictInt | None = Field(None, ge=0, le=20)

@@ -139,7 +139,7 @@ class Proxy:
         once, and :class:`SSEProxyResponse` watches the client from then on. ``pinned``: the backend
         that must answer (it holds the state the request continues), instead of the route's current one.
         """
-        path = endpoint.path
+        path = endpoint.upstream_path
         problem = token_id_problem(endpoint.token_ids, body, route.backend.vocab_size)
         if problem is not None:
             raise GatewayError(400, problem, code="invalid_token_ids", param=problem.split(":", 1)[0])

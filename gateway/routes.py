@@ -10,7 +10,7 @@ from urllib.parse import quote
 
 import httpx
 import orjson
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, FastAPI, Request
 from loguru import logger
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import ClientDisconnect
@@ -18,7 +18,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from gateway.context import RequestInfo, request_info
-from gateway.endpoints import PROXIED, PROXIED_BY_PATH, RESPONSE_BY_ID, RESPONSE_CANCEL, ProxiedRoute
+from gateway.endpoints import PROXIED, RESPONSE_BY_ID, RESPONSE_CANCEL, ModelChoice, ProxiedRoute
 from gateway.errors import Dialect, GatewayError, error_body, error_response
 from gateway.protocol import parse_body
 from gateway.proxy import call_backend
@@ -51,10 +51,14 @@ async def _proxied(request: Request, endpoint: ProxiedRoute) -> Response:
 def _model_route(state: GatewayState, body: dict[str, Any], endpoint: ProxiedRoute) -> ModelRoute:
     """The model named in the body (or the default model, where the route lets the name be left out)."""
     name = body.get("model")
-    if name is None and not endpoint.model_required:
+    if endpoint.model is ModelChoice.DEFAULT or (name is None and endpoint.model is ModelChoice.BODY_OR_DEFAULT):
         route = state.registry.default_route()
         if route is None:
-            raise GatewayError(400, "model: required here (no model is aliased 'default')", param="model", code="model_required")
+            count = len(state.registry.routes())
+            raise GatewayError(
+                404, f"{endpoint.path} serves the default model, and none of the {count} models is aliased 'default'",
+                code="model_not_found", param="model",
+            )  # fmt: skip
         return route
     route = state.registry.resolve(name)
     if route is None:
@@ -94,7 +98,7 @@ async def proxied_endpoint(scope: Scope, receive: Receive, send: Send) -> None:
     without the fast path) and list the routes in ``/openapi.json``.
     """
     request = Request(scope, receive)
-    endpoint = PROXIED_BY_PATH[scope["path"]]
+    endpoint = scope["app"].proxied_routes[scope["path"]]
     try:
         response = await _proxied(request, endpoint)
     except GatewayError as error:
@@ -107,15 +111,17 @@ async def proxied_endpoint(scope: Scope, receive: Receive, send: Send) -> None:
     await response(scope, receive, send)
 
 
-def _add_proxied_route(endpoint: ProxiedRoute) -> None:
+def add_proxied_route(target: APIRouter | FastAPI, endpoint: ProxiedRoute, *, listed: bool = True) -> None:
+    """The FastAPI route of ``endpoint`` (the same handler as the fast path)."""
+
     async def handler(request: Request) -> Response:
         return await _proxied(request, endpoint)
 
-    router.add_api_route(endpoint.path, handler, methods=["POST"], summary=endpoint.summary, name=endpoint.path)
+    target.add_api_route(endpoint.path, handler, methods=["POST"], summary=endpoint.summary, name=endpoint.path, include_in_schema=listed)
 
 
 for _endpoint in PROXIED:
-    _add_proxied_route(_endpoint)
+    add_proxied_route(router, _endpoint)
 
 
 @router.get(RESPONSE_BY_ID)

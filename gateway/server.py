@@ -92,7 +92,8 @@ def serve_app(app: FastAPI, settings: GatewaySettings, *, verbose: bool = False,
     if in_main:
         previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, lambda *_: app.state.controller.request_reload("SIGHUP"))
     try:
-        logger.info("gateway: listening on http://{}:{}", settings.host, settings.port)
+        # uvicorn binds the port after the lifespan has started the engines: until then connections are refused
+        logger.info("gateway: will listen on http://{}:{} once the engines are ready", settings.host, settings.port)
         server.run()
     except SystemExit:  # uvicorn exits 3 when the lifespan (engine start-up) failed
         if app.state.startup_error is None:

@@ -25,6 +25,7 @@ from typing import Any
 from loguru import logger
 
 from gateway.config import SwapPolicy
+from gateway.engines import log_progress
 from gateway.registry import Backend, Registry
 from launch.config import EngineConfig
 from launch.preflight import PreflightError, preflight, require
@@ -110,7 +111,9 @@ class SwapExecutor:
                 raise SwapError(model, str(error)) from None
         if self._closing:
             raise SwapError(model, "the gateway is shutting down")
-        engine = EngineProcess(model, config, log_dir=self.log_dir, api_key=new_engine_key())
+        engine = EngineProcess(
+            model, config, log_dir=self.log_dir, api_key=new_engine_key(), on_progress=log_progress(model)
+        )
         engine.start()  # on the event-loop thread: see the module docstring
         self._owned.add(engine)
         try:

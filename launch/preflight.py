@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from loguru import logger
+
 from launch.config import EngineConfig
 from launch.gpu_profiles import PROFILES, installed_profile, known_profiles, runnable_profiles
 from launch.ports import port_is_free
@@ -280,7 +282,14 @@ def preflight(
 
 
 def require(result: PreflightResult, name: str) -> EngineConfig:
-    """The engine to launch, or :class:`PreflightError` listing every failed check for model ``name``."""
+    """The engine to launch, or :class:`PreflightError` listing every failed check for model ``name``.
+
+    Warnings and notes are logged: they say what was adjusted (CUDA graphs turned off for want of
+    ``nvcc``, a toolkit found) where nobody reads ``sglang-gateway check``, e.g. a serving container.
+    """
     if not result.ok:
         raise PreflightError("\n".join(f"model {name}: {f.message}" for f in result.errors))
+    for finding in result.findings:
+        log = logger.warning if finding.level == "warning" else logger.info
+        log("model {}: {}", name, finding.message)
     return result.engine

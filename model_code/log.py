@@ -16,12 +16,13 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 REPO_DIR = PACKAGE_DIR.parent
 CODE_PATHS = [str(REPO_DIR / "launch"), str(PACKAGE_DIR)]
 
-Flavor = Literal["chat_agent", "chat_model", "responses_agent"]
+Flavor = Literal["chat_agent", "chat_model", "responses_agent", "entrypoint"]
 FLAVOR_FILES: dict[str, Path] = {
     "chat_agent": PACKAGE_DIR / "chat_agent.py",
     "chat_model": PACKAGE_DIR / "chat_model.py",
     "responses_agent": PACKAGE_DIR / "responses_agent.py",
 }
+ENTRYPOINT_FLAVOR = "entrypoint"  # Databricks custom LLM serving: see model_code.entrypoint
 CHAT_TASK = "llm/v1/chat"
 
 _EXAMPLE_QUESTION = "What is Databricks?"
@@ -99,7 +100,10 @@ def log_model(
         config: deployment YAML path, or the same as a mapping (a bare engine section works too).
             It becomes the model's ``model_config``; an optional ``mlflow:`` section configures the
             wrapper (see :class:`model_code.engine_client.ModelCodeSettings`).
-        flavor: ``responses_agent`` (MLflow's recommended interface), ``chat_agent`` or ``chat_model``.
+        flavor: ``responses_agent`` (MLflow's recommended interface), ``chat_agent`` or ``chat_model``; or
+            ``entrypoint``: the gateway and the engine as the model's own server, for Databricks custom LLM
+            serving (see :mod:`model_code.entrypoint`; register it with
+            ``mlflow.register_model(uri, name, env_pack="databricks_model_serving")``).
         model_path: local weights directory, logged as the ``llm-model`` artifact and used instead of the
             config's ``model_path`` when the model is loaded. ``None``: the engine loads the config's
             ``model_path`` where the model is served (a Hugging Face id or a path such as ``/Volumes/...``).
@@ -127,8 +131,8 @@ def log_model(
     """
     import mlflow
 
-    if flavor not in FLAVOR_FILES:
-        raise ValueError(f"flavor must be one of {', '.join(FLAVOR_FILES)}, got {flavor!r}")
+    if flavor not in FLAVOR_FILES and flavor != ENTRYPOINT_FLAVOR:
+        raise ValueError(f"flavor must be one of {', '.join([*FLAVOR_FILES, ENTRYPOINT_FLAVOR])}, got {flavor!r}")
     model_config = config_dict(config)
     merged_settings = {**model_config.get(SETTINGS_KEY, {}), **(settings or {}), **({"model": model} if model else {})}
     if merged_settings:
@@ -151,9 +155,24 @@ def log_model(
     requirements = (
         list(pip_requirements)
         if pip_requirements is not None
-        else computed_requirements(flashinfer, profile=profile, cuda=cuda, python=python, gpu=not _is_cpu(target))
+        else computed_requirements(
+            flashinfer,
+            profile=profile,
+            cuda=cuda,
+            python=python,
+            gpu=not _is_cpu(target),
+            gateway=flavor == ENTRYPOINT_FLAVOR,
+        )
     )
     requirements += list(extra_pip_requirements)
+    if flavor == ENTRYPOINT_FLAVOR:
+        from model_code.entrypoint import check_options, log_entrypoint_model
+
+        check_options(merged_settings, input_example, registered_model_name, metadata)
+        weights = Path(artifacts[WEIGHTS_ARTIFACT]) if artifacts else None
+        return log_entrypoint_model(
+            model_config, target, weights=weights, name=name, requirements=requirements, metadata=metadata, **log_kwargs
+        )
 
     with no_engine():
         return mlflow.pyfunc.log_model(

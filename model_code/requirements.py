@@ -9,8 +9,13 @@ URL works). Only combinations of the profile table can be written: anything else
 
 from __future__ import annotations
 
+import tomllib
 from collections.abc import Sequence
 from importlib import metadata
+from pathlib import Path
+
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.utils import canonicalize_name
 
 from launch.gpu_profiles import DEFAULT_PROFILE, GpuProfile, UnknownGpuProfile, current_python, select_profile
 
@@ -23,6 +28,7 @@ __all__ = [
     "SGLANG_VERSION",
     "TORCH_VERSION",
     "UnknownGpuProfile",
+    "gateway_requirements",
     "gpu_stack_lines",
     "pip_requirements",
     "target_profile",
@@ -61,6 +67,31 @@ def _pin(name: str) -> str:
         return name
 
 
+PROJECT = "sglang-gateway"
+_PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+
+
+def gateway_requirements() -> list[str]:
+    """The gateway's runtime requirements (``project.dependencies``), for a model whose entrypoint runs it.
+
+    From the checkout's ``pyproject.toml`` when logging from one (the source of truth), else from the
+    installed distribution's metadata.
+    """
+    if _PYPROJECT.is_file():
+        project = tomllib.loads(_PYPROJECT.read_text())["project"]
+        if project.get("name") == PROJECT:
+            return list(project["dependencies"])
+    return [line for line in metadata.requires(PROJECT) or [] if "extra ==" not in line]
+
+
+def _project(line: str) -> str:
+    """The project a requirement line names (a direct wheel URL names itself)."""
+    try:
+        return canonicalize_name(Requirement(line).name)
+    except InvalidRequirement:
+        return line
+
+
 def pip_requirements(
     flashinfer: str | Sequence[str] | None = "auto",
     *,
@@ -68,6 +99,7 @@ def pip_requirements(
     cuda: str | None = None,
     python: str | None = None,
     gpu: bool = True,
+    gateway: bool = False,
     extra: Sequence[str] = (),
 ) -> list[str]:
     """The full ``pip_requirements`` list: MLflow's defaults, this package's runtime deps, the GPU stack.
@@ -75,6 +107,8 @@ def pip_requirements(
     ``gpu=False`` (a CPU engine) writes SGLang alone: no CUDA torch, kernels or FlashInfer lines. The
     profile is checked either way. ``openai`` is left to SGLang's own exact pin, so a logging
     environment with another openai cannot write a requirement set that conflicts with SGLang's.
+    ``gateway=True`` adds the gateway's own requirements (for projects not already listed), for a
+    model that runs the gateway.
     """
     import mlflow.pyfunc
 
@@ -88,7 +122,10 @@ def pip_requirements(
         _pin("httpx"),
         _pin("loguru"),
         *(gpu_stack_lines(stack, flashinfer) if gpu else [f"sglang=={stack.sglang}"]),
-        *extra,
     ]
+    if gateway:
+        listed = {_project(line) for line in lines}
+        lines += [line for line in gateway_requirements() if _project(line) not in listed]
+    lines += extra
     seen: set[str] = set()
     return [line for line in lines if not (line in seen or seen.add(line))]

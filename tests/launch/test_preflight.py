@@ -89,6 +89,24 @@ def test_missing_cuda_home_turns_graphs_off_with_a_warning(tmp_path: Path, monke
     assert "CUDA graphs are turned off" in messages(result)
 
 
+def test_require_logs_what_it_adjusted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A serving container without nvcc: the engine starts with CUDA graphs off, and the log says why."""
+    from loguru import logger
+
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    engine = EngineConfig(model_path=str(local_model(tmp_path)))
+    result = preflight(engine, gpu_count=1, cuda_home="", driver_cuda=(13, 0))
+    lines: list[str] = []
+    sink = logger.add(lines.append, level="INFO", format="{level} {message}")
+    try:
+        engine = require(result, "qwen")
+    finally:
+        logger.remove(sink)
+    assert engine.cuda_graph_enabled is False
+    warned = [line for line in lines if line.startswith("WARNING model qwen: CUDA_HOME is unset")]
+    assert warned and "CUDA graphs are turned off" in warned[0], lines
+
+
 def test_found_cuda_home_is_passed_to_the_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CUDA_HOME", raising=False)
     result = preflight(EngineConfig(model_path=str(local_model(tmp_path))), gpu_count=1, cuda_home="/opt/cuda-13")

@@ -17,9 +17,9 @@ from launch.ports import pick_free_port
 from launch.shm import group_pids
 
 
-def engine_children() -> list[int]:
-    """Pids of ``sglang.launch_server`` processes whose parent is this test process."""
-    me = os.getpid()
+def engine_children(parent: int | None = None) -> list[int]:
+    """Pids of ``sglang.launch_server`` processes whose parent is ``parent`` (default: this test process)."""
+    me = os.getpid() if parent is None else parent
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
