@@ -14,8 +14,9 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from gateway.config import SwapPolicy
-from gateway.control import Controller, ReloadInvalid
+from gateway.control import Controller, ReloadInvalid, ReloadOutcome
 from gateway.errors import GatewayError, error_body
+from gateway.swap import describe_backend
 
 router = APIRouter(prefix="/admin", include_in_schema=False)  # not listed in /openapi.json to client keys
 
@@ -30,15 +31,16 @@ def _json(data: Any, status: int = 200) -> Response:
 
 @router.get("/models")
 async def models(request: Request) -> Response:
-    return _json(_controller(request).describe())
+    return _json(describe(_controller(request)))
 
 
 @router.post("/reload")
 async def reload(request: Request) -> Response:
     try:
-        report = await _controller(request).reload("admin")
+        outcome = await _controller(request).reload("admin")
     except ReloadInvalid as error:
         raise GatewayError(400, f"invalid config, nothing changed: {error}", code="invalid_config") from None
+    report = reload_report(outcome)
     if report["ok"]:
         return _json(report)
     message = "; ".join(f"model {name}: {report['models'][name].get('error')}" for name in report["failed"])
@@ -68,3 +70,81 @@ async def drain(name: str, request: Request, wait: bool = False) -> Response:
 async def undrain(name: str, request: Request) -> Response:
     route = _controller(request).set_drained(name, False)
     return _json({"model": route.name, "drained": False, "in_flight": route.backend.in_flight})
+
+
+def reload_report(outcome: ReloadOutcome | None) -> dict[str, Any] | None:
+    """What a reload changed and what failed, per model (``POST /admin/reload`` and ``GET /admin/models``)."""
+    if outcome is None:
+        return None
+    report: dict[str, Any] = {"ok": outcome.ok, "trigger": outcome.trigger, "file": outcome.file, "at": outcome.at}
+    if outcome.error is not None:
+        return {**report, "error": outcome.error}
+    models: dict[str, Any] = {}
+    for change in outcome.plan.changes if outcome.plan else ():
+        item: dict[str, Any] = {"action": change.action.value}
+        if change.details:
+            item["changed"] = list(change.details)
+        result = outcome.results.get(change.name)
+        if result is not None:
+            item.update(result.as_dict())
+            item.pop("model", None)
+        models[change.name] = item
+    plan = outcome.plan
+    return {
+        **report,
+        "duration_s": round(outcome.duration_s, 3),
+        "models": models,
+        "failed": outcome.failed,
+        "settings_changed": list(plan.settings_changed) if plan else [],
+        "restart_required": list(plan.restart_required) if plan else [],
+    }
+
+
+def describe(controller: Controller) -> dict[str, Any]:
+    """State of every model and engine, for ``GET /admin/models``."""
+    executor, watchdog, settings = controller.executor, controller.watchdog, controller.state.settings
+    models = []
+    for route in controller.registry.routes():
+        backend, health = route.backend, watchdog.health.get(route.name)
+        reason = backend.unavailable_reason()
+        if route.drained:
+            state = "drained"
+        elif health is not None and health.gave_up:
+            state = "failed"
+        elif watchdog.restarting(route.name):
+            state = "restarting"
+        elif executor.lock(route.name).locked():
+            state = "swapping"
+        else:
+            state = "ready" if reason is None else "unavailable"
+        item: dict[str, Any] = {
+            "name": route.name,
+            "aliases": list(route.aliases),
+            "state": state,
+            "reason": reason,
+            "kind": "engine" if backend.managed else "url",
+            "url": backend.url,
+            "served_model_name": backend.served_name,
+            "upstream_api_key": "set" if backend.api_key else None,
+            "in_flight": backend.in_flight,
+            "drained": route.drained,
+            "swap_policy": settings.swap_policy_for(route.name),
+            "limits": route.limiter.settings.model_dump(),
+            "restarts": health.restarts if health else 0,
+            "last_error": (health.last_error if health and health.last_error else None) or controller.last_errors.get(route.name),
+            "retiring": [describe_backend(old) for old in executor.retiring.get(route.name, [])],
+        }
+        engine = backend.engine
+        if engine is not None:
+            item["engine"] = {
+                "pid": engine.pid,
+                "port": engine.port,
+                "uptime_s": round(engine.uptime_s, 1),
+                "phase": engine.phase,
+                "running": engine.running,
+                "owned": executor.owns(engine),
+                "log_file": str(engine.log_file) if engine.log_file else None,
+            }
+        models.append(item)
+    config_file = str(controller.config_path) if controller.config_path else None
+    return {"config_file": config_file, "models": models, "last_reload": reload_report(controller.last_reload)}

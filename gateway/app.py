@@ -11,7 +11,6 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -25,6 +24,7 @@ from gateway.control import Controller
 from gateway.endpoints import INVOCATIONS, PROXIED_BY_PATH, ProxiedRoute, dialect_for_path
 from gateway.engines import EngineManager
 from gateway.errors import GatewayError, error_response
+from gateway.health import HealthProbes
 from gateway.metrics import Metrics
 from gateway.middleware import BodyLimitMiddleware, JSONCORSMiddleware, RequestContextMiddleware
 from gateway.proxy import Proxy, upstream_session
@@ -76,13 +76,7 @@ def create_app(
     """
     state = GatewayState(settings=settings, registry=registry, metrics=Metrics(registry))
     keys = KeyHolder(key_policy(settings.resolved_keys(), settings.resolved_admin_keys(), settings.open_paths))
-    executor = SwapExecutor(
-        registry,
-        owned=engines.engines.values() if engines is not None else (),
-        log_dir=log_dir,
-        drain_timeout_s=lambda: state.settings.drain_timeout_s,
-        swap_retry_after_s=lambda: state.settings.swap_retry_after_s,
-    )
+    executor = SwapExecutor(state, owned=engines.engines.values() if engines is not None else (), log_dir=log_dir)
     controller = Controller(state, keys, executor, deployment=deployment, overrides=overrides, watch=watch)
 
     @asynccontextmanager
@@ -91,23 +85,25 @@ def create_app(
         session = upstream_session(
             settings.upstream_connect_timeout_s, settings.upstream_read_timeout_s, settings.upstream_max_connections
         )
-        probe_timeout = httpx.Timeout(settings.health_timeout_s, connect=settings.upstream_connect_timeout_s)
-        probes = httpx.AsyncClient(timeout=probe_timeout, trust_env=False)
-        async with session, probes:
-            state.proxy = Proxy(session, state.metrics, probes, state.quarantine, state.responses)
-            if engines is not None:
-                try:
-                    await engines.start_all()
-                except BaseException as error:
-                    app.state.startup_error = error
-                    raise
-            try:
-                await controller.start()
-                yield
-            finally:
-                await controller.close()
+        state.probes = HealthProbes(settings.health_timeout_s, settings.upstream_connect_timeout_s)
+        try:
+            async with session:
+                state.proxy = Proxy(session, state.metrics, state.quarantine, state.responses)
                 if engines is not None:
-                    await engines.stop_all()
+                    try:
+                        await engines.start_all()
+                    except BaseException as error:
+                        app.state.startup_error = error
+                        raise
+                try:
+                    await controller.start()
+                    yield
+                finally:
+                    await controller.close()
+                    if engines is not None:
+                        await engines.stop_all()
+        finally:
+            await state.probes.aclose()
 
     # No trailing-slash redirects: a 307 built from the client's Host header is not an API answer.
     app = GatewayAPI(title="sglang-gateway", lifespan=lifespan, docs_url=None, redoc_url=None, redirect_slashes=False)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,27 @@ class ReloadInvalid(Exception):
     """The new config file cannot be used; nothing was changed."""
 
 
+@dataclass
+class ReloadOutcome:
+    """What one reload did (rendered for the admin API by :func:`gateway.admin.reload_report`)."""
+
+    trigger: str
+    file: str | None
+    at: float = field(default_factory=time.time)
+    plan: ReloadPlan | None = None
+    results: dict[str, SwapResult] = field(default_factory=dict)
+    duration_s: float = 0.0
+    error: str | None = None  # the file could not be used: nothing changed
+
+    @property
+    def failed(self) -> list[str]:
+        return [name for name, result in self.results.items() if not result.ok]
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and not self.failed
+
+
 class Controller:
     def __init__(
         self,
@@ -56,11 +78,8 @@ class Controller:
         self.config_path: Path | None = deployment.source if deployment is not None else None
         self.overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
         self.watch = watch
-        self.watchdog = Watchdog(
-            state.registry, executor, state.metrics, lambda: self.state.settings,
-            lambda: self.state.proxy.client if self.state.proxy else None, state.quarantine,
-        )  # fmt: skip
-        self.last_reload: dict[str, Any] | None = None
+        self.watchdog = Watchdog(state, executor)
+        self.last_reload: ReloadOutcome | None = None
         self.last_errors: dict[str, str] = {}
         self._reload_lock = asyncio.Lock()
         self._swaps: dict[str, asyncio.Task[SwapResult]] = {}
@@ -107,14 +126,14 @@ class Controller:
         except GatewayError as error:
             logger.error("reload ({}): {}", trigger, error.message)
 
-    async def reload(self, trigger: str = "admin") -> dict[str, Any]:
-        """Re-read the config file and apply it; the report says what changed and what failed."""
+    async def reload(self, trigger: str = "admin") -> ReloadOutcome:
+        """Re-read the config file and apply it; the outcome says what changed and what failed."""
         if self.config_path is None:
             raise GatewayError(400, "this gateway was not started from a config file; nothing to reload", code="no_config_file")
         task = self._spawn(self._reload(trigger))
         return await asyncio.shield(task)
 
-    async def _reload(self, trigger: str) -> dict[str, Any]:
+    async def _reload(self, trigger: str) -> ReloadOutcome:
         assert self.config_path is not None and self.deployment is not None
         async with self._reload_lock:
             started = time.monotonic()
@@ -125,7 +144,7 @@ class Controller:
             except ConfigError as error:
                 self.state.metrics.reloads.labels("invalid").inc()
                 logger.error("reload ({}): invalid config, nothing changed:\n{}", trigger, error)
-                self.last_reload = {"trigger": trigger, "ok": False, "error": str(error), "at": time.time()}
+                self.last_reload = ReloadOutcome(trigger, str(self.config_path), error=str(error))
                 raise ReloadInvalid(str(error)) from None
             plan = plan_reload(self.deployment, self.state.settings, new, new_settings)
             logger.info("reload ({}): {}", trigger, {k: v for k, v in plan.summary().items() if k != "unchanged"} or "no change")
@@ -141,9 +160,9 @@ class Controller:
             )
             results = {result.model: result for result in outcomes if isinstance(result, SwapResult)}
             self.deployment = _effective(new, plan, results)
-            report = self._report(trigger, plan, results, time.monotonic() - started)
-            self.last_reload = report
-            self.state.metrics.reloads.labels("ok" if report["ok"] else "partial").inc()
+            outcome = ReloadOutcome(trigger, str(self.config_path), plan=plan, results=results, duration_s=time.monotonic() - started)
+            self.last_reload = outcome
+            self.state.metrics.reloads.labels("ok" if outcome.ok else "partial").inc()
             for name, result in results.items():
                 self.state.metrics.swaps.labels(name, "ok" if result.ok else "failed").inc()
                 if result.ok:
@@ -152,7 +171,7 @@ class Controller:
                     self.last_errors[name] = result.error or "failed"
                     tail = "\n".join(f"    {line}" for line in result.log_tail[-30:])
                     logger.error("reload ({}): model {}: {}; it keeps its previous backend\n{}", trigger, name, result.error, tail)
-            return report
+            return outcome
 
     def _apply_routes(self, new: DeploymentConfig, settings: GatewaySettings) -> list[tuple[str, Backend]]:
         """Install the new names, aliases and limits at once (backends unchanged); drop removed models."""
@@ -198,30 +217,6 @@ class Controller:
     async def _retire(self, name: str, backend: Backend) -> None:
         logger.info("model {}: removed; draining {}", name, backend.describe())
         await self.executor.retire(name, backend)
-
-    def _report(self, trigger: str, plan: ReloadPlan, results: dict[str, SwapResult], took: float) -> dict[str, Any]:
-        models: dict[str, Any] = {}
-        for change in plan.changes:
-            item: dict[str, Any] = {"action": change.action.value}
-            if change.details:
-                item["changed"] = list(change.details)
-            result = results.get(change.name)
-            if result is not None:
-                item.update(result.as_dict())
-                item.pop("model", None)
-            models[change.name] = item
-        failed = [name for name, result in results.items() if not result.ok]
-        return {
-            "ok": not failed,
-            "trigger": trigger,
-            "file": str(self.config_path),
-            "duration_s": round(took, 3),
-            "models": models,
-            "failed": failed,
-            "settings_changed": list(plan.settings_changed),
-            "restart_required": list(plan.restart_required),
-            "at": time.time(),
-        }
 
     async def _watch_file(self, path: Path) -> None:
         """Reload when the file's content changes (polling: no extra dependency, works on any filesystem)."""
@@ -284,54 +279,6 @@ class Controller:
         while route.backend.in_flight > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         return route.backend.in_flight == 0
-
-    # ------------------------------------------------------------------ state
-    def describe(self) -> dict[str, Any]:
-        """State of every model and engine, for ``GET /admin/models``."""
-        models = []
-        for route in self.registry.routes():
-            backend, health = route.backend, self.watchdog.health.get(route.name)
-            reason = backend.unavailable_reason()
-            if route.drained:
-                state = "drained"
-            elif health is not None and health.gave_up:
-                state = "failed"
-            elif self.watchdog.restarting(route.name):
-                state = "restarting"
-            elif self.executor.lock(route.name).locked():
-                state = "swapping"
-            else:
-                state = "ready" if reason is None else "unavailable"
-            item: dict[str, Any] = {
-                "name": route.name,
-                "aliases": list(route.aliases),
-                "state": state,
-                "reason": reason,
-                "kind": "engine" if backend.managed else "url",
-                "url": backend.url,
-                "served_model_name": backend.served_name,
-                "upstream_api_key": "set" if backend.api_key else None,
-                "in_flight": backend.in_flight,
-                "drained": route.drained,
-                "swap_policy": self.state.settings.swap_policy_for(route.name),
-                "limits": route.limiter.settings.model_dump(),
-                "restarts": health.restarts if health else 0,
-                "last_error": (health.last_error if health and health.last_error else None) or self.last_errors.get(route.name),
-                "retiring": [describe_backend(old) for old in self.executor.retiring.get(route.name, [])],
-            }
-            engine = backend.engine
-            if engine is not None:
-                item["engine"] = {
-                    "pid": engine.pid,
-                    "port": engine.port,
-                    "uptime_s": round(engine.uptime_s, 1),
-                    "phase": engine.phase,
-                    "running": engine.running,
-                    "owned": self.executor.owns(engine),
-                    "log_file": str(engine.log_file) if engine.log_file else None,
-                }
-            models.append(item)
-        return {"config_file": str(self.config_path) if self.config_path else None, "models": models, "last_reload": self.last_reload}
 
 
 def _needs_backend(change: ModelChange) -> bool:

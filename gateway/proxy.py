@@ -92,22 +92,16 @@ UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
 
 
 class Proxy:
-    """Forwards requests upstream over one shared, pooled ``aiohttp.ClientSession`` (``session``).
-
-    ``client`` is the ``httpx.AsyncClient`` of the health and model-card probes (``/ready``, the
-    watchdog, ``/v1/models``): off the request path, so they keep the simpler API.
-    """
+    """Forwards requests upstream over one shared, pooled ``aiohttp.ClientSession`` (``session``)."""
 
     def __init__(
         self,
         session: aiohttp.ClientSession,
         metrics: Metrics,
-        client: Any = None,
         quarantine: Quarantine | None = None,
         responses: ResponseIndex | None = None,
     ) -> None:
         self.session = session
-        self.client = client
         self.metrics = metrics
         self.quarantine = quarantine if quarantine is not None else Quarantine()
         self.responses = responses if responses is not None else ResponseIndex()

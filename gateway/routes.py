@@ -8,7 +8,6 @@ import traceback
 from typing import Any
 from urllib.parse import quote
 
-import httpx
 import orjson
 from fastapi import APIRouter, FastAPI, Request
 from loguru import logger
@@ -20,6 +19,7 @@ from starlette.types import Receive, Scope, Send
 from gateway.context import RequestInfo, request_info
 from gateway.endpoints import PROXIED, RESPONSE_BY_ID, RESPONSE_CANCEL, ModelChoice, ProxiedRoute
 from gateway.errors import Dialect, GatewayError, error_body, error_response
+from gateway.health import HealthProbes
 from gateway.protocol import parse_body
 from gateway.proxy import call_backend
 from gateway.registry import Backend, ModelRoute
@@ -31,6 +31,11 @@ router = APIRouter()
 
 def _state(request: Request) -> GatewayState:
     return request.app.state.gateway
+
+
+def _probes(state: GatewayState) -> HealthProbes:
+    assert state.probes is not None, "the app's lifespan did not run"
+    return state.probes
 
 
 def _json(data: Any, status: int = 200) -> Response:
@@ -163,7 +168,7 @@ def unexpected_error_response(scope: Scope, error: BaseException, dialect: Diale
 @router.get("/v1/models")
 async def list_models(request: Request) -> Response:
     state = _state(request)
-    await _fill_context_lengths(state)
+    await _probes(state).fill_context_lengths(state.registry.backends())
     data = [card for route in state.registry.routes() for card in _cards(route, state)]
     return _json({"object": "list", "data": data})
 
@@ -174,7 +179,7 @@ async def get_model(model_id: str, request: Request) -> Response:
     route = state.registry.resolve(model_id)
     if route is None:
         raise GatewayError(404, f"The model {model_id!r} does not exist", code="model_not_found", param="model")
-    await _fill_context_lengths(state, [route.backend])
+    await _probes(state).fill_context_lengths([route.backend])
     return _json(next(card for card in _cards(route, state) if card["id"] == model_id))
 
 
@@ -191,7 +196,8 @@ async def ready(request: Request) -> Response:
     """200 only when every model has a healthy backend; 503 naming the ones that are not."""
     state = _state(request)
     routes = state.registry.routes()
-    reasons = await asyncio.gather(*(_probe(state, route.backend) for route in routes))
+    probes = _probes(state)
+    reasons = await asyncio.gather(*(probes.not_ready(route.backend, state.settings.health_timeout_s) for route in routes))
     models = {route.name: {"ready": reason is None, **({"reason": reason} if reason else {})} for route, reason in zip(routes, reasons, strict=True)}
     down = [f"{name} ({m['reason']})" for name, m in models.items() if not m["ready"]]
     if down:
@@ -203,44 +209,6 @@ async def ready(request: Request) -> Response:
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     return Response(generate_latest(_state(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-
-async def _probe(state: GatewayState, backend: Backend) -> str | None:
-    """Why ``backend`` is not ready, or None; also remembers the result for the engine-up metric."""
-    reason = backend.unavailable_reason()
-    if reason is None and state.proxy is not None:
-        try:
-            response = await state.proxy.client.get(
-                backend.url + "/health", headers=backend.upstream_headers(), timeout=state.settings.health_timeout_s
-            )
-            reason = None if response.status_code == 200 else f"/health answered {response.status_code}"
-        except httpx.HTTPError as error:
-            reason = f"/health failed: {type(error).__name__}"
-    backend.last_health = reason is None
-    return reason
-
-
-async def _fill_context_lengths(state: GatewayState, backends: list[Backend] | None = None) -> None:
-    """Ask each backend once for its context length (SGLang's ``max_model_len``); failures are retried later."""
-    missing = [b for b in (backends or state.registry.backends()) if b.context_length is None and b.unavailable_reason() is None]
-    if missing and state.proxy is not None:
-        await asyncio.gather(*(_context_length(state, backend) for backend in missing))
-
-
-async def _context_length(state: GatewayState, backend: Backend) -> None:
-    assert state.proxy is not None
-    try:
-        response = await state.proxy.client.get(
-            backend.url + "/v1/models", headers=backend.upstream_headers(), timeout=state.settings.health_timeout_s
-        )
-        cards = response.json().get("data", []) if response.status_code == 200 else []
-    except (httpx.HTTPError, ValueError, AttributeError):
-        return
-    for card in cards:
-        if isinstance(card, dict) and isinstance(card.get("max_model_len"), int):
-            if card.get("id") == backend.served_name or len(cards) == 1:
-                backend.context_length = card["max_model_len"]
-                return
 
 
 def _cards(route: ModelRoute, state: GatewayState) -> list[dict[str, Any]]:

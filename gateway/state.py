@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gateway.config import GatewaySettings
+from gateway.health import HealthProbes
 from gateway.metrics import Metrics
 from gateway.poison import Quarantine
 from gateway.proxy import Proxy
@@ -21,6 +22,7 @@ class GatewayState:
     settings: GatewaySettings
     registry: Registry
     metrics: Metrics
-    proxy: Proxy | None = None  # set by the lifespan (it owns the HTTP clients)
+    proxy: Proxy | None = None  # set by the lifespan (it owns the upstream session)
+    probes: HealthProbes | None = None  # set by the lifespan (it owns the probes' client)
     quarantine: Quarantine = field(default_factory=Quarantine)  # requests suspected of crashing an engine
     responses: ResponseIndex = field(default_factory=ResponseIndex)  # stored responses -> the engine holding them

@@ -26,7 +26,8 @@ from loguru import logger
 
 from gateway.config import SwapPolicy
 from gateway.engines import log_progress
-from gateway.registry import Backend, Registry
+from gateway.registry import Backend
+from gateway.state import GatewayState
 from launch.config import EngineConfig
 from launch.preflight import PreflightError, preflight, require
 from launch.process import EngineError, EngineProcess, new_engine_key
@@ -75,19 +76,10 @@ def describe_backend(backend: Backend) -> dict[str, Any]:
 class SwapExecutor:
     """Starts, switches, drains and stops backends for the controller and the watchdog."""
 
-    def __init__(
-        self,
-        registry: Registry,
-        *,
-        owned: Iterable[EngineProcess] = (),
-        log_dir: str | Path | None = None,
-        drain_timeout_s: Callable[[], float] = lambda: 60.0,
-        swap_retry_after_s: Callable[[], int] = lambda: 5,
-    ) -> None:
-        self.registry = registry
+    def __init__(self, state: GatewayState, *, owned: Iterable[EngineProcess] = (), log_dir: str | Path | None = None) -> None:
+        self.state = state
+        self.registry = state.registry
         self.log_dir = log_dir
-        self._drain_timeout_s = drain_timeout_s
-        self._swap_retry_after_s = swap_retry_after_s
         self._owned: set[EngineProcess] = set(owned)
         self._locks: dict[str, asyncio.Lock] = {}
         self.retiring: dict[str, list[Backend]] = {}  # old backends still finishing requests, by model
@@ -168,7 +160,7 @@ class SwapExecutor:
 
     async def _swap_stop_first(self, model: str, old: Backend, build: BackendFactory, result: SwapResult) -> None:
         down = time.monotonic()
-        old.retry_after_s = self._swap_retry_after_s()
+        old.retry_after_s = self.state.settings.swap_retry_after_s
         old.failure = f"model {model!r} is being swapped (stop-first); retry shortly"
         logger.info("model {}: stop-first swap: draining and stopping {}", model, old.describe())
         result.drain_s, result.drain_timed_out = await self._drain(old)
@@ -219,7 +211,7 @@ class SwapExecutor:
 
     async def _drain(self, backend: Backend) -> tuple[float, bool]:
         started = time.monotonic()
-        deadline = started + self._drain_timeout_s()
+        deadline = started + self.state.settings.drain_timeout_s
         while backend.in_flight > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         timed_out = backend.in_flight > 0

@@ -19,16 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
-import httpx
 from loguru import logger
 
 from gateway.config import GatewaySettings, WatchdogSettings
-from gateway.metrics import Metrics
-from gateway.poison import Quarantine
-from gateway.registry import Backend, Registry
+from gateway.registry import Backend
+from gateway.state import GatewayState
 from gateway.swap import SwapError, SwapExecutor
 
 
@@ -52,28 +49,19 @@ class ModelHealth:
 
 
 class Watchdog:
-    def __init__(
-        self,
-        registry: Registry,
-        executor: SwapExecutor,
-        metrics: Metrics,
-        settings: Callable[[], GatewaySettings],
-        client: Callable[[], httpx.AsyncClient | None],
-        quarantine: Quarantine | None = None,
-    ) -> None:
-        self.registry = registry
+    def __init__(self, state: GatewayState, executor: SwapExecutor) -> None:
+        self.state = state
+        self.registry = state.registry
         self.executor = executor
-        self.metrics = metrics
-        self._settings = settings
-        self._client = client
-        self.quarantine = quarantine if quarantine is not None else Quarantine()
+        self.metrics = state.metrics
+        self.quarantine = state.quarantine
         self.health: dict[str, ModelHealth] = {}
         self._restarting: dict[str, asyncio.Task[None]] = {}
 
     async def run(self) -> None:
         """Check forever (cancel to stop)."""
         while True:
-            settings = self._settings()
+            settings = self.state.settings
             await asyncio.sleep(settings.watchdog.interval_s)
             if settings.watchdog.enabled:
                 await self.check_all(settings)
@@ -163,14 +151,8 @@ class Watchdog:
         return True
 
     async def _healthy(self, backend: Backend, timeout_s: float) -> bool:
-        client = self._client()
-        if client is None:
-            return True
-        try:
-            response = await client.get(backend.url + "/health", timeout=timeout_s)
-        except httpx.HTTPError:
-            return False
-        return response.status_code == 200
+        probes = self.state.probes
+        return True if probes is None else await probes.healthy(backend, timeout_s)
 
     async def _restart(self, name: str, backend: Backend, delay: float, health: ModelHealth) -> None:
         await asyncio.sleep(delay)

@@ -13,8 +13,11 @@ from pathlib import Path
 import pytest
 
 from gateway.config import GatewaySettings, WatchdogSettings
+from gateway.errors import GatewayError
 from gateway.metrics import Metrics
+from gateway.poison import Quarantine, request_fingerprint
 from gateway.registry import Backend, ModelRoute, Registry
+from gateway.state import GatewayState
 from gateway.swap import SwapExecutor
 from gateway.watchdog import Watchdog, backoff_delay
 from launch.config import EngineConfig
@@ -34,8 +37,9 @@ def test_dead_engine_is_restarted_with_backoff_then_given_up(tmp_path: Path) -> 
     registry = Registry([ModelRoute("m", backend)])
     metrics = Metrics(registry)
     settings = GatewaySettings(watchdog=WatchdogSettings(interval_s=0.01, backoff_initial_s=0.05, backoff_max_s=0.2, max_restarts=3))
-    executor = SwapExecutor(registry, owned=[engine], log_dir=tmp_path)
-    watchdog = Watchdog(registry, executor, metrics, lambda: settings, lambda: None)
+    state = GatewayState(settings, registry, metrics)
+    executor = SwapExecutor(state, owned=[engine], log_dir=tmp_path)
+    watchdog = Watchdog(state, executor)
 
     async def scenario() -> list[str]:
         reasons = []
@@ -68,6 +72,48 @@ def test_no_restart_when_max_restarts_is_zero(tmp_path: Path, max_restarts: int)
     backend = Backend("m", engine=engine)
     registry = Registry([ModelRoute("m", backend)])
     settings = GatewaySettings(watchdog=WatchdogSettings(max_restarts=max_restarts))
-    watchdog = Watchdog(registry, SwapExecutor(registry, owned=[engine]), Metrics(registry), lambda: settings, lambda: None)
+    state = GatewayState(settings, registry, Metrics(registry))
+    watchdog = Watchdog(state, SwapExecutor(state, owned=[engine]))
     asyncio.run(watchdog.check_all(settings))
     assert watchdog.health["m"].gave_up and watchdog.health["m"].restarts == 0
+
+
+def test_by_default_the_watchdog_never_gives_up(tmp_path: Path) -> None:
+    """A model must never stay down for good: without max_restarts the attempts go on, at the capped backoff."""
+    engine = EngineProcess("m", EngineConfig(model_path=str(tmp_path), device="cpu", python="/bin/false"), log_dir=tmp_path)
+    backend = Backend("m", engine=engine)
+    registry = Registry([ModelRoute("m", backend)])
+    settings = GatewaySettings(watchdog=WatchdogSettings(interval_s=0.01, backoff_initial_s=0.01, backoff_max_s=0.02))
+    assert settings.watchdog.max_restarts is None
+    state = GatewayState(settings, registry, Metrics(registry))
+    executor = SwapExecutor(state, owned=[engine], log_dir=tmp_path)
+    watchdog = Watchdog(state, executor)
+
+    async def scenario() -> None:
+        for _ in range(3000):
+            await watchdog.check_all(settings)
+            if watchdog.health["m"].restarts >= 8:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"stopped restarting: {watchdog.health}")
+
+    asyncio.run(scenario())
+    assert not watchdog.health["m"].gave_up and "restarting (attempt" in (backend.failure or "")
+    asyncio.run(executor.close())
+
+
+def test_quarantine_refuses_the_sole_suspect_at_once_and_others_after_two_crashes() -> None:
+    quarantine = Quarantine(ttl_s=60)
+    poison, bystander, other = (request_fingerprint("/v1/completions", body) for body in (b"p", b"b", b"o"))
+    assert quarantine.engine_crashed("m", [poison, bystander]) == 0  # two suspects: nobody is blamed yet
+    quarantine.check("m", poison)
+    assert quarantine.engine_crashed("m", [poison, other]) == 1  # the poison was there both times
+    with pytest.raises(GatewayError) as refused:
+        quarantine.check("m", poison)
+    assert refused.value.status == 400 and refused.value.code == "request_quarantined"
+    quarantine.check("m", bystander)
+    quarantine.check("m", other)
+    quarantine.check("other-model", poison)  # per model
+    assert quarantine.engine_crashed("m", [other]) == 1  # alone in flight: refused at once
+    with pytest.raises(GatewayError):
+        quarantine.check("m", other)

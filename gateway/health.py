@@ -1,0 +1,66 @@
+"""Every probe the gateway makes of its backends, over one HTTP client of their own (off the request path).
+
+``/ready`` and the ``gateway_engine_up`` metric ask :meth:`HealthProbes.not_ready`; the watchdog asks
+:meth:`HealthProbes.healthy`; ``/v1/models`` asks :meth:`HealthProbes.context_length` once per backend.
+Requests themselves go through :class:`gateway.proxy.Proxy`'s pooled aiohttp session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+
+import httpx
+
+from gateway.registry import Backend
+
+
+class HealthProbes:
+    """Owns the ``httpx.AsyncClient`` of the probes; create it inside the event loop, :meth:`aclose` at the end."""
+
+    def __init__(self, timeout_s: float, connect_timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s), trust_env=False)
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+    async def healthy(self, backend: Backend, timeout_s: float | None = None) -> bool:
+        """One ``GET /health`` of ``backend``: True only on 200 (SGLang answers 503 while warming up)."""
+        try:
+            response = await self.client.get(backend.url + "/health", headers=backend.upstream_headers(), timeout=timeout_s or self.timeout_s)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+    async def not_ready(self, backend: Backend, timeout_s: float | None = None) -> str | None:
+        """Why ``backend`` cannot serve now, or None; remembers the answer for the engine-up metric."""
+        reason = backend.unavailable_reason()
+        if reason is None:
+            try:
+                response = await self.client.get(
+                    backend.url + "/health", headers=backend.upstream_headers(), timeout=timeout_s or self.timeout_s
+                )
+                reason = None if response.status_code == 200 else f"/health answered {response.status_code}"
+            except httpx.HTTPError as error:
+                reason = f"/health failed: {type(error).__name__}"
+        backend.last_health = reason is None
+        return reason
+
+    async def fill_context_lengths(self, backends: Iterable[Backend]) -> None:
+        """Ask each backend that does not know its context length yet (SGLang's ``max_model_len``); retried later on failure."""
+        missing = [b for b in backends if b.context_length is None and b.unavailable_reason() is None]
+        if missing:
+            await asyncio.gather(*(self._context_length(backend) for backend in missing))
+
+    async def _context_length(self, backend: Backend) -> None:
+        try:
+            response = await self.client.get(backend.url + "/v1/models", headers=backend.upstream_headers())
+            cards = response.json().get("data", []) if response.status_code == 200 else []
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return
+        for card in cards:
+            if isinstance(card, dict) and isinstance(card.get("max_model_len"), int):
+                if card.get("id") == backend.served_name or len(cards) == 1:
+                    backend.context_length = card["max_model_len"]
+                    return
