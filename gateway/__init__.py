@@ -1,0 +1,28 @@
+"""The OpenAI-compatible (and Anthropic-compatible) gateway in front of SGLang engines.
+
+A map, by plane:
+
+**Data plane** (every request; the hot path is marked *)
+  ``app``            the app factory; ``GatewayAPI`` serves the proxied POST routes as plain ASGI ahead of FastAPI*
+  ``http_protocol``  uvicorn's HTTP protocol with connection/header limits and timeouts*
+  ``middleware``     request id + log line + metrics, body size/time cap, CORS*; ``auth`` the key check*
+  ``endpoints``      the route table: one line per proxied route (dialect, streaming, token-id fields)
+  ``routes``         the FastAPI routes made from it, stored responses by id, models, health, ready, metrics
+  ``protocol``       request validation (bodies go upstream as sent, only ``model`` rewritten)*
+  ``proxy``          admission, forwarding, SSE relay event by event, usage and error inspection*
+  ``limits``         per-model concurrency and queue*; ``poison`` requests that crash engines*
+  ``errors``         errors in the route's dialect (OpenAI or Anthropic), sanitized
+  ``responses_index`` which engine stored which Responses API response
+
+**Shared state**: ``state.GatewayState`` (settings, registry, metrics, proxy, probes, quarantine,
+responses index), read by both planes; ``registry`` maps names and aliases to routes and backends,
+replaced in one assignment.
+
+**Control plane** (engines coming and going)
+  ``control``        boot, reload, swap and drain: boot applies the deployment to an empty registry,
+                     a reload applies the new file to the current one (``reload.plan_reload``)
+  ``swap``           starts, switches, drains and stops backends (blue-green / stop-first); owns the engines
+  ``watchdog``       restarts dead or unhealthy engines with backoff
+  ``health``         every probe of a backend, on a client of its own
+  ``admin``          the admin API and its reports; ``config`` the ``gateway:`` section; ``server`` uvicorn
+"""

@@ -46,6 +46,19 @@ class WatchdogSettings(_Strict):
     stable_after_s: float = Field(60.0, ge=0, description="Healthy this long after a restart resets the backoff.")
 
 
+class BalancingSettings(_Strict):
+    """How requests of a model with replicas are spread over them."""
+
+    policy: Literal["least_in_flight", "prefix_affinity"] = Field(
+        "least_in_flight", description="least_in_flight, or prefix_affinity: requests sharing a prompt prefix go to one replica."
+    )
+    prefix_chars: int = Field(2048, ge=16, description="Characters of the prompt's beginning that choose the replica (prefix_affinity).")
+    max_imbalance: int = Field(
+        4, ge=0, description="prefix_affinity yields to the least busy replica when its own has this many more requests in flight."
+    )
+    min_ready: int = Field(1, ge=1, description="/ready is 200 while at least this many replicas of the model are healthy.")
+
+
 class HttpSettings(_Strict):
     """Limits of the HTTP layer, enforced before any route runs (safe for a gateway bound to 0.0.0.0)."""
 
@@ -89,6 +102,8 @@ class GatewaySettings(_Strict):
     swap_retry_after_s: int = Field(5, ge=0, description="Retry-After sent while a stop-first swap has a model down.")
     watchdog: WatchdogSettings = Field(default_factory=WatchdogSettings, description="Engine supervision.")
     http: HttpSettings = Field(default_factory=HttpSettings, description="Connection and header limits, timeouts.")
+    balancing: BalancingSettings = Field(default_factory=BalancingSettings, description="Spreading requests over replicas.")
+    model_balancing: dict[str, BalancingSettings] = Field(default_factory=dict, description="Per-model overrides of balancing.")
 
     @field_validator("api_keys", "admin_keys")
     @classmethod
@@ -99,6 +114,9 @@ class GatewaySettings(_Strict):
 
     def limits_for(self, model: str) -> LimitSettings:
         return self.model_limits.get(model, self.limits)
+
+    def balancing_for(self, model: str) -> BalancingSettings:
+        return self.model_balancing.get(model, self.balancing)
 
     def swap_policy_for(self, model: str) -> SwapPolicy:
         return self.swap_policy.get(model, self.swap_default)
@@ -145,7 +163,7 @@ def gateway_settings(deployment: DeploymentConfig, **overrides: object) -> Gatew
     except ValidationError as error:
         lines = format_validation_error(source, error).splitlines()
         raise ConfigError("\n".join(line.replace(f"{source}: ", f"{source}: gateway.", 1) for line in lines)) from None
-    for key in ("model_limits", "swap_policy"):
+    for key in ("model_limits", "swap_policy", "model_balancing"):
         unknown = sorted(set(getattr(settings, key)) - set(deployment.models))
         if unknown:
             raise ConfigError(f"{source}: gateway.{key}.{unknown[0]}: no model with this name")

@@ -16,6 +16,7 @@ class RequestInfo:
     path: str
     started: float = field(default_factory=time.perf_counter)
     model: str | None = None  # the route's model name, set once the name resolved (bounded label set)
+    replica: int | None = None  # which of the model's replicas served it
     stream: bool = False
     status: int | None = None
     ttft_s: float | None = None

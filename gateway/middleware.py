@@ -82,6 +82,7 @@ class RequestContextMiddleware:
             "method": info.method,
             "path": info.path,
             "model": info.model,
+            "replica": info.replica,  # for models with several replicas
             "status": info.status,
             "stream": info.stream,
             "latency_ms": round(elapsed * 1000, 1),

@@ -22,6 +22,8 @@ from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 from yarl import URL
 
+from gateway.balancer import pick
+from gateway.config import BalancingSettings
 from gateway.context import RequestInfo
 from gateway.endpoints import ProxiedRoute
 from gateway.errors import GatewayError, StreamKind, sanitize_message, sse_error_event, upstream_error
@@ -123,15 +125,18 @@ class Proxy:
         info: RequestInfo,
         receive: Receive | None = None,
         *,
+        balancing: BalancingSettings | None = None,
         pinned: Backend | None = None,
     ) -> Response:
         """Admit the request (limits, backend state), send it, and answer plain JSON or an SSE stream.
 
+        The replica is chosen by :func:`gateway.balancer.pick`; when it fails before the client got a byte
+        (unreachable, or it died under a plain request), the request is sent once more, to another replica.
         ``receive`` (the request's ASGI receive, body already read) lets a plain request notice a
         client that gave up, and close the upstream request instead of letting the engine finish it.
         A stream needs no such watch before its response starts: engines send a stream's headers at
         once, and :class:`SSEProxyResponse` watches the client from then on. ``pinned``: the backend
-        that must answer (it holds the state the request continues), instead of the route's current one.
+        that must answer (it holds the state the request continues).
         """
         path = endpoint.upstream_path
         problem = token_id_problem(endpoint.token_ids, body, route.backend.vocab_size)
@@ -147,39 +152,31 @@ class Proxy:
                     503, f"model {route.name!r} is drained by an operator; retry later", code="model_drained",
                     headers={"Retry-After": str(limiter.settings.retry_after_s)},
                 )
-            backend = pinned or route.backend  # read once: a swap mid-request must not split it across backends
-            reason = backend.unavailable_reason()
-            if reason is not None:
-                retry = backend.retry_after_s if backend.failure is not None and backend.retry_after_s else limiter.settings.retry_after_s
-                raise GatewayError(
-                    503, f"model {route.name!r} is unavailable: {reason}", code="engine_unavailable",
-                    headers={"Retry-After": str(retry)},
-                )
-            backend.in_flight += 1
-            lease.backend = backend
-            lease.gauge = self.metrics.child(self.metrics.in_flight, route.name)
-            lease.gauge.inc()
-
-            body["model"] = backend.served_name
-            url = self._url(backend.url + path)
-            payload = orjson.dumps(body)
-            lease.request = (path, payload)
-            if self.quarantine:
-                self.quarantine.check(route.name, request_fingerprint(path, payload))
-            headers = {"Content-Type": "application/json", "X-Request-Id": info.request_id, **backend.upstream_headers()}
             streamed = info.stream = endpoint.stream is not None and body.get("stream") is True
-
-            async def exchange() -> tuple[aiohttp.ClientResponse, bytes | None]:
-                upstream = lease.upstream = await self.session.post(url, data=payload, headers=headers)
-                # Plain answers (and errors) are read whole; a 200 stream is relayed by SSEProxyResponse.
-                content = await upstream.read() if upstream.status != 200 or not streamed else None
-                return upstream, content
-
-            try:
-                finished, result = await _unless_disconnected(exchange(), None if streamed else receive)
-            except UPSTREAM_ERRORS as error:
-                lease.note_if_lost(error)
-                raise transport_error(error, route.name, limiter.settings.retry_after_s) from None
+            failed: Backend | None = None
+            while True:
+                # chosen once per attempt: a swap mid-request must not split it across backends
+                backend = self._choose(route, body, balancing, pinned, failed, limiter.settings.retry_after_s)
+                lease.take(backend, self.metrics.child(self.metrics.in_flight, route.name))
+                info.replica = backend.replica if len(route.replicas) > 1 else None
+                body["model"] = backend.served_name
+                payload = orjson.dumps(body)
+                lease.request = (path, payload)
+                if self.quarantine:
+                    self.quarantine.check(route.name, request_fingerprint(path, payload))
+                headers = {"Content-Type": "application/json", "X-Request-Id": info.request_id, **backend.upstream_headers()}
+                try:
+                    finished, result = await _unless_disconnected(
+                        self._exchange(lease, self._url(backend.url + path), payload, headers, streamed), None if streamed else receive
+                    )
+                except UPSTREAM_ERRORS as error:
+                    lease.note_if_lost(error)
+                    lease.let_go()
+                    if pinned is None and failed is None and _another(route, backend):
+                        failed = backend  # nothing reached the client yet: once more, on another replica
+                        continue
+                    raise transport_error(error, route.name, limiter.settings.retry_after_s) from None
+                break
             if not finished:
                 info.error = "client disconnected"
                 return Response(b"", status_code=499)  # nobody is listening; 499 only shows in logs/metrics
@@ -202,6 +199,31 @@ class Proxy:
         finally:
             if not handed_over:
                 lease.close()
+
+    def _choose(
+        self, route: ModelRoute, body: dict[str, Any], balancing: BalancingSettings | None, pinned: Backend | None,
+        failed: Backend | None, retry_after_s: int,
+    ) -> Backend:  # fmt: skip
+        """The backend for this attempt, or GatewayError(503) naming why none can take it."""
+        backend = pinned if pinned is not None else pick(route, balancing or BalancingSettings(), body, exclude=failed)
+        if backend is not None and backend.unavailable_reason() is None:
+            return backend
+        down = backend or route.backend
+        reason = down.unavailable_reason() or "no replica can take requests"
+        retry = down.retry_after_s if down.failure is not None and down.retry_after_s else retry_after_s
+        raise GatewayError(503, f"model {route.name!r} is unavailable: {reason}", code="engine_unavailable", headers={"Retry-After": str(retry)})
+
+    async def _exchange(
+        self, lease: _Lease, url: URL, payload: bytes, headers: dict[str, str], streamed: bool
+    ) -> tuple[aiohttp.ClientResponse, bytes | None]:
+        upstream = lease.upstream = await self.session.post(url, data=payload, headers=headers)
+        # Plain answers (and errors) are read whole; a 200 stream is relayed by SSEProxyResponse.
+        content = await upstream.read() if upstream.status != 200 or not streamed else None
+        return upstream, content
+
+
+def _another(route: ModelRoute, failed: Backend) -> bool:
+    return any(backend is not failed for backend in route.available())
 
 
 async def call_backend(proxy: Proxy, model: str, backend: Backend, method: str, path: str, info: RequestInfo) -> Response:
@@ -237,6 +259,23 @@ class _Lease:
         self.gauge: Any = None
         self.upstream: aiohttp.ClientResponse | None = None
         self.request: tuple[str, bytes] | None = None  # (path, body) as sent upstream
+
+    def take(self, backend: Backend, gauge: Any) -> None:
+        """Count this request on ``backend`` (and in the model's in-flight gauge)."""
+        backend.in_flight += 1
+        self.backend = backend
+        if self.gauge is None:
+            self.gauge = gauge
+            gauge.inc()
+
+    def let_go(self) -> None:
+        """Give back the backend (and its upstream response) but keep the slot: for a retry elsewhere."""
+        upstream, self.upstream = self.upstream, None
+        if upstream is not None:
+            upstream.close()
+        backend, self.backend = self.backend, None
+        if backend is not None:
+            backend.in_flight -= 1
 
     def note_if_lost(self, error: BaseException) -> None:
         """Remember this request on its backend when ``error`` means the connection broke under it

@@ -1,8 +1,9 @@
 """Which backend serves which model name: the one mutable piece of routing state.
 
 A :class:`Backend` is where requests go (a managed :class:`EngineProcess` or an external URL) and
-counts its own in-flight requests, so that a later blue-green swap can drain the old backend before
-stopping it. A :class:`ModelRoute` binds a model name, its aliases, its backend and its limiter.
+counts its own in-flight requests, so that a later swap can drain the old backend before stopping it.
+A :class:`ModelRoute` binds a model name, its aliases, its limiter and its backends: one per replica
+(``replicas: N`` engines of one engine section; a ``url:`` model has one), numbered by ``Backend.replica``.
 The :class:`Registry` maps every name and alias to a route through an immutable snapshot that is
 replaced in one assignment (atomic for the event loop): readers never see a half-applied change.
 """
@@ -33,10 +34,12 @@ class Backend:
         url: str | None = None,
         api_key: str | None = None,
         vocab_size: int | None = None,
+        replica: int = 0,
     ) -> None:
         if (engine is None) == (url is None):
             raise ValueError("a backend has either an engine or a url")
         self.served_name = served_name
+        self.replica = replica  # its place among the model's replicas (kept across restarts and swaps)
         self.engine = engine
         self._url = url
         self.api_key = api_key  # sent upstream as a bearer token; never logged or listed
@@ -97,26 +100,52 @@ class Backend:
         return None
 
     def describe(self) -> str:
-        return f"engine {self.engine.name} at {self.url}" if self.engine else f"external {self.url}"
+        where = f"engine {self.engine.name} at {self.url}" if self.engine else f"external {self.url}"
+        return f"{where} (replica {self.replica})" if self.replica else where
 
 
 @dataclass
 class ModelRoute:
-    """One model as clients see it."""
+    """One model as clients see it (``replicas`` may be given as a single backend)."""
 
     name: str
-    backend: Backend
+    replicas: tuple[Backend, ...]
     aliases: tuple[str, ...] = ()
     limiter: ConcurrencyLimiter = field(default_factory=lambda: ConcurrencyLimiter(LimitSettings()))
     drained: bool = False  # set by the admin API: new requests get 503 until undrained
+
+    def __post_init__(self) -> None:
+        if isinstance(self.replicas, Backend):
+            self.replicas = (self.replicas,)
+
+    @property
+    def backend(self) -> Backend:
+        """The first replica (the only backend of most models)."""
+        return self.replicas[0]
 
     @property
     def names(self) -> tuple[str, ...]:
         return (self.name, *self.aliases)
 
+    @property
+    def in_flight(self) -> int:
+        return sum(backend.in_flight for backend in self.replicas)
+
+    def available(self) -> list[Backend]:
+        """The replicas that can take a request now."""
+        return [backend for backend in self.replicas if backend.unavailable_reason() is None]
+
     def with_backend(self, backend: Backend) -> ModelRoute:
-        """The same route (names, limiter, drain state) sending new requests to ``backend``."""
-        return replace(self, backend=backend)
+        """The same route (names, limiter, drain state) with ``backend`` in its replica's place (or added)."""
+        replicas = list(self.replicas)
+        if backend.replica < len(replicas):
+            replicas[backend.replica] = backend
+        else:
+            replicas.append(backend)
+        return replace(self, replicas=tuple(replicas))
+
+    def without_replica(self, replica: int) -> ModelRoute:
+        return replace(self, replicas=tuple(b for b in self.replicas if b.replica != replica))
 
 
 class Registry:
@@ -145,12 +174,14 @@ class Registry:
         self.replace([*kept[:index], route, *kept[index:]])
 
     def set_backend(self, name: str, backend: Backend) -> Backend | None:
-        """Point model ``name`` at ``backend``; returns the backend it replaced (None: no such model)."""
+        """Put ``backend`` in its replica's place in model ``name``; returns the backend it replaced (or,
+        for a replica added, ``backend`` itself); None when there is no such model."""
         route = self._by_name.get(name)
         if route is None or route.name != name:
             return None
+        replaced = next((b for b in route.replicas if b.replica == backend.replica), backend)
         self.put(route.with_backend(backend))
-        return route.backend
+        return replaced
 
     def route(self, name: str) -> ModelRoute | None:
         """The route whose model name (not alias) is ``name``."""
@@ -174,7 +205,8 @@ class Registry:
         return list(self._by_name)
 
     def backends(self) -> list[Backend]:
-        return list({id(route.backend): route.backend for route in self._routes}.values())
+        """Every backend of every route (each once)."""
+        return list({id(backend): backend for route in self._routes for backend in route.replicas}.values())
 
 
 def build_registry(

@@ -19,7 +19,7 @@ LIVE_SETTINGS = frozenset(
     {
         "api_keys", "api_keys_env", "api_keys_file", "admin_keys", "admin_keys_env", "admin_keys_file",
         "open_paths", "limits", "model_limits", "drain_timeout_s", "swap_default", "swap_policy",
-        "swap_retry_after_s", "watchdog", "health_timeout_s",
+        "swap_retry_after_s", "watchdog", "health_timeout_s", "balancing", "model_balancing",
     }
 )  # fmt: skip
 

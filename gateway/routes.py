@@ -50,7 +50,8 @@ async def _proxied(request: Request, endpoint: ProxiedRoute) -> Response:
     info.model = route.name
     pinned = _continued_response(state, body, route) if endpoint.response_ids else None
     assert state.proxy is not None, "the app's lifespan did not run"
-    return await state.proxy.forward(route, endpoint, body, info, request.receive, pinned=pinned)
+    balancing = state.settings.balancing_for(route.name)
+    return await state.proxy.forward(route, endpoint, body, info, request.receive, balancing=balancing, pinned=pinned)
 
 
 def _model_route(state: GatewayState, body: dict[str, Any], endpoint: ProxiedRoute) -> ModelRoute:
@@ -87,7 +88,7 @@ def _stored(state: GatewayState, response_id: str, param: str | None = None) -> 
     if stored is None:
         raise GatewayError(404, f"No response found with id {response_id!r}", code="response_not_found", param=param)
     route = state.registry.route(stored.model)
-    if route is None or route.backend is not stored.backend:
+    if route is None or stored.backend not in route.replicas:
         raise GatewayError(
             404, f"Response {response_id!r} is gone: the engine that stored it was replaced", code="response_not_found", param=param
         )

@@ -167,6 +167,10 @@ class ModelEntry(_Strict):
         None, gt=0, description="Vocabulary size of the external model: token ids outside it are refused with 400."
     )
     aliases: list[str] = Field(default_factory=list, description="Other names clients may use.")
+    replicas: int = Field(1, ge=1, le=64, description="Independent engines of this engine section behind the one name.")
+    replica_gpus: list[list[int]] | None = Field(
+        None, description="GPU ids per replica (default: consecutive slices of the visible GPUs, tp_size x dp_size each)."
+    )
 
     @field_validator("url")
     @classmethod
@@ -184,7 +188,26 @@ class ModelEntry(_Strict):
                 "served_model_name, api_key and vocab_size belong to a 'url' model "
                 "(an engine's name is engine.served_model_name; its vocabulary is read from the model's files)"
             )
+        if self.engine is None and (self.replicas != 1 or self.replica_gpus is not None):
+            raise ValueError("replicas and replica_gpus need an 'engine' section (a 'url' model is one upstream)")
+        if self.replica_gpus is not None:
+            self._check_replica_gpus(self.replica_gpus)
         return self
+
+    def _check_replica_gpus(self, gpus: list[list[int]]) -> None:
+        assert self.engine is not None
+        if self.engine.device != "cuda":
+            raise ValueError("replica_gpus needs device: cuda")
+        if len(gpus) != self.replicas:
+            raise ValueError(f"replica_gpus lists {len(gpus)} replica(s), replicas is {self.replicas}")
+        per_replica = self.engine.tp_size * self.engine.dp_size
+        seen: set[int] = set()
+        for index, ids in enumerate(gpus):
+            if len(ids) != per_replica:
+                raise ValueError(f"replica_gpus[{index}] has {len(ids)} GPU(s); tp_size x dp_size = {per_replica}")
+            if any(gpu < 0 for gpu in ids) or seen & set(ids):
+                raise ValueError(f"replica_gpus[{index}]: GPU ids must be distinct non-negative numbers, got {ids}")
+            seen |= set(ids)
 
 
 class DeploymentConfig(_Strict):
