@@ -16,6 +16,7 @@ from starlette.responses import Response
 from gateway.config import SwapPolicy
 from gateway.control import Controller, ReloadInvalid, ReloadOutcome
 from gateway.errors import GatewayError, error_body
+from gateway.registry import Backend
 from gateway.swap import describe_backend
 
 router = APIRouter(prefix="/admin", include_in_schema=False)  # not listed in /openapi.json to client keys
@@ -63,13 +64,13 @@ async def drain(name: str, request: Request, wait: bool = False) -> Response:
     controller = _controller(request)
     route = controller.set_drained(name, True)
     idle = await controller.wait_idle(route, controller.state.settings.drain_timeout_s) if wait else None
-    return _json({"model": route.name, "drained": True, "in_flight": route.backend.in_flight, **({"idle": idle} if wait else {})})
+    return _json({"model": route.name, "drained": True, "in_flight": route.in_flight, **({"idle": idle} if wait else {})})
 
 
 @router.post("/models/{name}/undrain")
 async def undrain(name: str, request: Request) -> Response:
     route = _controller(request).set_drained(name, False)
-    return _json({"model": route.name, "drained": False, "in_flight": route.backend.in_flight})
+    return _json({"model": route.name, "drained": False, "in_flight": route.in_flight})
 
 
 def reload_report(outcome: ReloadOutcome | None) -> dict[str, Any] | None:
@@ -101,50 +102,81 @@ def reload_report(outcome: ReloadOutcome | None) -> dict[str, Any] | None:
 
 
 def describe(controller: Controller) -> dict[str, Any]:
-    """State of every model and engine, for ``GET /admin/models``."""
-    executor, watchdog, settings = controller.executor, controller.watchdog, controller.state.settings
+    """State of every model and of each of its replicas, for ``GET /admin/models``."""
+    executor = controller.executor
     models = []
     for route in controller.registry.routes():
-        backend, health = route.backend, watchdog.health.get(route.name)
-        reason = backend.unavailable_reason()
+        replicas = [_replica(controller, route.name, backend) for backend in route.replicas]
+        ready = sum(1 for replica in replicas if replica["state"] == "ready")
         if route.drained:
             state = "drained"
-        elif health is not None and health.gave_up:
-            state = "failed"
-        elif watchdog.restarting(route.name):
-            state = "restarting"
         elif executor.lock(route.name).locked():
             state = "swapping"
+        elif ready:
+            state = "ready" if ready == len(replicas) else "degraded"
+        elif any(replica["state"] == "restarting" for replica in replicas):
+            state = "restarting"
+        elif all(replica["state"] == "failed" for replica in replicas):
+            state = "failed"
         else:
-            state = "ready" if reason is None else "unavailable"
+            state = "unavailable"
+        first, backend = replicas[0], route.backend
         item: dict[str, Any] = {
             "name": route.name,
             "aliases": list(route.aliases),
             "state": state,
-            "reason": reason,
+            "reason": None if ready else first["reason"],
             "kind": "engine" if backend.managed else "url",
             "url": backend.url,
             "served_model_name": backend.served_name,
             "upstream_api_key": "set" if backend.api_key else None,
-            "in_flight": backend.in_flight,
+            "in_flight": route.in_flight,
             "drained": route.drained,
-            "swap_policy": settings.swap_policy_for(route.name),
+            "swap_policy": controller.swap_policy_for(route.name),
             "limits": route.limiter.settings.model_dump(),
-            "restarts": health.restarts if health else 0,
-            "last_error": (health.last_error if health and health.last_error else None) or controller.last_errors.get(route.name),
+            "restarts": controller.watchdog.restarts(route.name),
+            "last_error": next((r["last_error"] for r in replicas if r.get("last_error")), None) or controller.last_errors.get(route.name),
             "retiring": [describe_backend(old) for old in executor.retiring.get(route.name, [])],
+            "replicas": replicas,
+            "ready_replicas": ready,
         }
-        engine = backend.engine
-        if engine is not None:
-            item["engine"] = {
-                "pid": engine.pid,
-                "port": engine.port,
-                "uptime_s": round(engine.uptime_s, 1),
-                "phase": engine.phase,
-                "running": engine.running,
-                "owned": executor.owns(engine),
-                "log_file": str(engine.log_file) if engine.log_file else None,
-            }
+        if "engine" in first:
+            item["engine"] = first["engine"]
         models.append(item)
     config_file = str(controller.config_path) if controller.config_path else None
     return {"config_file": config_file, "models": models, "last_reload": reload_report(controller.last_reload)}
+
+
+def _replica(controller: Controller, model: str, backend: Backend) -> dict[str, Any]:
+    health = controller.watchdog.health.get((model, backend.replica))
+    reason = backend.unavailable_reason()
+    if reason is None:
+        state = "ready"
+    elif health is not None and health.gave_up:
+        state = "failed"
+    elif controller.watchdog.restarting(model, backend.replica):
+        state = "restarting"
+    else:
+        state = "unavailable"
+    item: dict[str, Any] = {
+        "replica": backend.replica,
+        "state": state,
+        "reason": reason,
+        "url": backend.url,
+        "in_flight": backend.in_flight,
+        "restarts": health.restarts if health else 0,
+        "last_error": health.last_error if health else None,
+    }
+    engine = backend.engine
+    if engine is not None:
+        item["engine"] = {
+            "pid": engine.pid,
+            "port": engine.port,
+            "uptime_s": round(engine.uptime_s, 1),
+            "phase": engine.phase,
+            "running": engine.running,
+            "owned": controller.executor.owns(engine),
+            "log_file": str(engine.log_file) if engine.log_file else None,
+            "gpus": engine.config.env.get("CUDA_VISIBLE_DEVICES"),
+        }
+    return item

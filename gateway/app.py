@@ -22,17 +22,17 @@ from gateway.auth import AuthMiddleware, KeyHolder, key_policy
 from gateway.config import GatewaySettings, gateway_settings
 from gateway.control import Controller
 from gateway.endpoints import INVOCATIONS, PROXIED_BY_PATH, ProxiedRoute, dialect_for_path
-from gateway.engines import EngineManager
 from gateway.errors import GatewayError, error_response
 from gateway.health import HealthProbes
 from gateway.metrics import Metrics
 from gateway.middleware import BodyLimitMiddleware, JSONCORSMiddleware, RequestContextMiddleware
 from gateway.proxy import Proxy, upstream_session
-from gateway.registry import Registry, build_registry
+from gateway.registry import Registry
 from gateway.routes import add_proxied_route, note_error, proxied_endpoint, router, unexpected_error_response
 from gateway.state import GatewayState
 from gateway.swap import SwapExecutor
 from launch.config import DeploymentConfig
+from launch.preflight import preflight_all
 
 
 class GatewayAPI(FastAPI):
@@ -58,26 +58,29 @@ class GatewayAPI(FastAPI):
 
 def create_app(
     settings: GatewaySettings,
-    registry: Registry,
+    registry: Registry | None = None,
     *,
-    engines: EngineManager | None = None,
     deployment: DeploymentConfig | None = None,
+    boot: bool = False,
     overrides: dict[str, Any] | None = None,
     watch: bool = False,
     log_dir: str | Path | None = None,
     invocations: bool = False,
 ) -> FastAPI:
-    """A gateway app serving ``registry``.
+    """A gateway app.
 
-    ``engines`` (if given) are started by the lifespan and then owned by the gateway: supervised by
-    the watchdog, swappable, stopped at shutdown. ``deployment`` (read from a file) enables reloads;
-    ``overrides`` are the CLI's host/port, kept across reloads; ``watch`` reloads on file changes;
-    ``invocations`` adds ``POST /invocations`` (:data:`gateway.endpoints.INVOCATIONS`).
+    With ``boot``, the lifespan applies ``deployment`` to an empty registry (starting its engines, which
+    the gateway then owns: supervised, swappable, stopped at shutdown), exactly as a reload would; without,
+    it serves ``registry`` as given (backends run by someone else: tests, a model loaded by MLflow).
+    ``deployment`` (read from a file) enables reloads; ``overrides`` are the CLI's host/port, kept across
+    reloads; ``watch`` reloads on file changes; ``invocations`` adds ``POST /invocations``
+    (:data:`gateway.endpoints.INVOCATIONS`).
     """
+    registry = registry if registry is not None else Registry()
     state = GatewayState(settings=settings, registry=registry, metrics=Metrics(registry))
     keys = KeyHolder(key_policy(settings.resolved_keys(), settings.resolved_admin_keys(), settings.open_paths))
-    executor = SwapExecutor(state, owned=engines.engines.values() if engines is not None else (), log_dir=log_dir)
-    controller = Controller(state, keys, executor, deployment=deployment, overrides=overrides, watch=watch)
+    executor = SwapExecutor(state, log_dir=log_dir)
+    controller = Controller(state, keys, executor, deployment=deployment, overrides=overrides, watch=watch, boot=boot)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -89,26 +92,22 @@ def create_app(
         try:
             async with session:
                 state.proxy = Proxy(session, state.metrics, state.quarantine, state.responses)
-                if engines is not None:
+                try:
                     try:
-                        await engines.start_all()
+                        await controller.boot()
                     except BaseException as error:
                         app.state.startup_error = error
                         raise
-                try:
                     await controller.start()
                     yield
                 finally:
-                    await controller.close()
-                    if engines is not None:
-                        await engines.stop_all()
+                    await controller.close()  # stops every engine the gateway owns
         finally:
             await state.probes.aclose()
 
     # No trailing-slash redirects: a 307 built from the client's Host header is not an API answer.
     app = GatewayAPI(title="sglang-gateway", lifespan=lifespan, docs_url=None, redoc_url=None, redirect_slashes=False)
     app.state.gateway = state
-    app.state.engines = engines
     app.state.startup_error = None
     app.state.controller = controller
     app.include_router(router)
@@ -147,12 +146,14 @@ def app_from_config(
     log_dir: str | Path | None = None,
     watch: bool = False,
 ) -> tuple[FastAPI, GatewaySettings]:
-    """The app for a whole deployment: managed engines (started by the lifespan) and external URLs."""
+    """The app for a whole deployment: managed engines (started by the lifespan's boot) and external URLs.
+
+    Every engine is preflighted first, so a bad model path or a busy port fails at once with its message.
+    """
     settings = gateway_settings(deployment, host=host, port=port)
-    engines = EngineManager(deployment, log_dir=log_dir)
-    registry = build_registry(deployment, settings, engines.engines)
+    preflight_all(deployment)
     app = create_app(
-        settings, registry, engines=engines, deployment=deployment, overrides={"host": host, "port": port}, watch=watch,
+        settings, deployment=deployment, boot=True, overrides={"host": host, "port": port}, watch=watch,
         log_dir=log_dir, invocations=True,
     )  # fmt: skip
     return app, settings

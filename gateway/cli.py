@@ -19,8 +19,9 @@ from rich.console import Console
 
 from launch.argv import build_argv, build_env, effective_engine
 from launch.config import ConfigError, DeploymentConfig, load_config
-from launch.preflight import PreflightError, preflight, require
+from launch.preflight import Finding, PreflightError, check_replicas, preflight, require, visible_gpu_count
 from launch.process import EngineError, EngineProcess
+from launch.replicas import replica_engines, visible_gpu_ids
 
 app = typer.Typer(
     name="sglang-gateway",
@@ -74,19 +75,28 @@ def check(
     """Validate CONFIG, run the preflight checks and print each engine's exact command line."""
     deployment = load_or_exit(config)
     failed = False
-    for name, engine in select_models(deployment, model).items():
-        result = preflight(engine)
-        for finding in result.findings:
-            style = {"error": "bold red", "warning": "yellow", "info": "dim"}[finding.level]
-            err.print(f"[{style}]{finding.level}:[/] model {name}: {finding.message}", highlight=False)
-        failed = failed or not result.ok
-        launched = effective_engine(result.engine)
-        argv = build_argv(launched, port=launched.port or 0, served_model_name=name)
-        env = build_env(launched, base={})
-        prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.variables.items()))
-        port_note = "  # port 0: a free port is picked at launch" if launched.port == 0 else ""
-        out.print(f"# {name}{port_note}", highlight=False)
-        out.print(f"{prefix + ' ' if prefix else ''}{shlex.join(argv)}", highlight=False, soft_wrap=True)
+    for name in select_models(deployment, model):
+        entry = deployment.models[name]
+        findings = check_replicas(name, entry)
+        try:
+            replicas = replica_engines(entry, visible_gpu_ids(visible_gpu_count())) if not findings else [entry.engine]
+        except ConfigError as error:
+            findings, replicas = [Finding("error", str(error))], [entry.engine]
+        for index, engine in enumerate(replicas):
+            assert engine is not None
+            result = preflight(engine)
+            for finding in [*findings, *result.findings] if index == 0 else []:
+                style = {"error": "bold red", "warning": "yellow", "info": "dim"}[finding.level]
+                err.print(f"[{style}]{finding.level}:[/] model {name}: {finding.message}", highlight=False)
+            failed = failed or not result.ok or any(f.level == "error" for f in findings)
+            launched = effective_engine(result.engine)
+            argv = build_argv(launched, port=launched.port or 0, served_model_name=name)
+            env = build_env(launched, base={})
+            prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.variables.items()))
+            port_note = "  # port 0: a free port is picked at launch" if launched.port == 0 else ""
+            replica_note = f" (replica {index} of {entry.replicas})" if entry.replicas > 1 else ""
+            out.print(f"# {name}{replica_note}{port_note}", highlight=False)
+            out.print(f"{prefix + ' ' if prefix else ''}{shlex.join(argv)}", highlight=False, soft_wrap=True)
     for name, entry in deployment.models.items():
         if entry.url and (model is None or model == name):
             out.print(f"# {name}: external engine at {entry.url}", highlight=False)

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 from launch.config import ConfigError, DeploymentConfig, format_validation_error
 
 OpenPath = Literal["/health", "/ready", "/metrics"]
-SwapPolicy = Literal["blue-green", "stop-first"]
+SwapPolicy = Literal["auto", "blue-green", "stop-first", "rolling"]
 
 
 class _Strict(BaseModel):
@@ -97,7 +97,9 @@ class GatewaySettings(_Strict):
     admin_keys_env: str | None = Field(None, description="Environment variable with comma-separated admin keys.")
     admin_keys_file: Path | None = Field(None, description="File with one admin key per line (# comments).")
     drain_timeout_s: float = Field(60.0, ge=0, description="How long a replaced engine may finish its requests.")
-    swap_default: SwapPolicy = Field("blue-green", description="How engines are replaced when their config changes.")
+    swap_default: SwapPolicy = Field(
+        "auto", description="How engines are replaced when their config changes (auto: blue-green, or rolling for replicas)."
+    )
     swap_policy: dict[str, SwapPolicy] = Field(default_factory=dict, description="Per-model swap policy overrides.")
     swap_retry_after_s: int = Field(5, ge=0, description="Retry-After sent while a stop-first swap has a model down.")
     watchdog: WatchdogSettings = Field(default_factory=WatchdogSettings, description="Engine supervision.")

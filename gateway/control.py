@@ -1,12 +1,18 @@
-"""The gateway's control plane: reload the YAML, swap or drain a model, supervise engines.
+"""The gateway's control plane: boot, reload the YAML, swap or drain a model, supervise engines.
+
+Boot and reload are one path: :meth:`Controller.boot` applies the deployment to an empty registry,
+a reload applies the re-read file to the current one, both through :meth:`Controller._apply` and
+:func:`gateway.reload.plan_reload`. A boot fails fast: the first model that cannot start stops the
+others and the gateway does not serve.
 
 A reload is validated whole before anything changes (an invalid file changes nothing and raises
 :class:`ReloadInvalid` naming file, key and reason). Then, in this order: live gateway settings
 (keys, limits, drain timeout...) and alias/limit changes apply at once in one registry assignment;
-models whose backend changes are swapped concurrently, each under its own lock; removed models
-stop taking requests at once and are drained. A model whose new engine fails keeps its old one
-(and the effective config remembers the old engine, so the next reload retries). Reloads are
-serialized; a reload runs as its own task, so a client that hangs up cannot cut one in half.
+models whose backend changes are swapped concurrently, each under its own lock (a model with several
+replicas is swapped one replica at a time by default); removed models stop taking requests at once and
+are drained. A model whose new engine fails keeps its old one (and the effective config remembers the
+old engine, so the next reload retries). Reloads are serialized; a reload runs as its own task, so a
+client that hangs up cannot cut one in half.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import asyncio
 import hashlib
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -27,15 +34,21 @@ from gateway.limits import ConcurrencyLimiter
 from gateway.registry import Backend, ModelRoute, url_backend
 from gateway.reload import Action, ModelChange, ReloadPlan, plan_reload
 from gateway.state import GatewayState
-from gateway.swap import SwapError, SwapExecutor, SwapResult, describe_backend
+from gateway.swap import BackendFactory, SwapError, SwapExecutor, SwapResult, describe_backend
 from gateway.watchdog import Watchdog
 from launch.config import ConfigError, DeploymentConfig, ModelEntry, load_config
+from launch.preflight import visible_gpu_count
+from launch.replicas import replica_engines, visible_gpu_ids
 
 WATCH_INTERVAL_S = 1.0
 
 
 class ReloadInvalid(Exception):
     """The new config file cannot be used; nothing was changed."""
+
+
+class StartAborted(Exception):
+    """Shutdown was requested while the engines were still starting."""
 
 
 @dataclass
@@ -69,12 +82,15 @@ class Controller:
         deployment: DeploymentConfig | None = None,
         overrides: dict[str, Any] | None = None,
         watch: bool = False,
+        boot: bool = False,
     ) -> None:
         self.state = state
         self.registry = state.registry
         self.keys = keys
         self.executor = executor
-        self.deployment = deployment
+        # The config in force: ``boot`` starts from nothing and applies ``deployment`` (see :meth:`boot`).
+        self._to_boot = deployment if boot else None
+        self.deployment = _empty(deployment) if boot and deployment is not None else deployment
         self.config_path: Path | None = deployment.source if deployment is not None else None
         self.overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
         self.watch = watch
@@ -87,6 +103,29 @@ class Controller:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # ------------------------------------------------------------------ lifecycle
+    async def boot(self) -> None:
+        """Apply the deployment to the empty registry, the way a reload applies a changed file; the first
+        model that cannot start stops the others and raises (its engine's error, with its log tail)."""
+        deployment, self._to_boot = self._to_boot, None
+        if deployment is None:
+            return
+        started = time.monotonic()
+        plan = plan_reload(self.deployment, self.state.settings, deployment, self.state.settings)  # type: ignore[arg-type]
+        outcome = await self._apply(deployment, self.state.settings, plan, "boot", fail_fast=True)
+        if self.executor.aborted:
+            raise StartAborted("shutdown requested while the engines were starting")
+        if not outcome.ok:
+            name = outcome.failed[0]
+            result = outcome.results[name]
+            raise result.cause or SwapError(name, result.error or "failed", result.log_tail)
+        engines = [f"{r.name} at {', '.join(b.url for b in r.replicas)}" for r in self.registry.routes() if r.backend.managed]
+        if engines:
+            logger.info("engines ready in {:.1f}s: {}", time.monotonic() - started, "; ".join(engines))
+
+    def abort_start(self) -> None:
+        """Make a boot in progress stop its engines and give up (safe from a signal handler)."""
+        self.executor.abort_starts()
+
     async def start(self) -> None:
         """Begin supervision (and file watching); called by the lifespan once the engines are ready."""
         self._loop = asyncio.get_running_loop()
@@ -151,29 +190,43 @@ class Controller:
             if plan.restart_required:
                 logger.warning("reload ({}): changed keys need a restart and were ignored: gateway.{}", trigger, ", gateway.".join(plan.restart_required))
             settings = new_settings.model_copy(update={k: getattr(self.state.settings, k) for k in plan.restart_required})
-            self.state.settings = settings
             self.keys.policy = policy
-            removed = self._apply_routes(new, settings)
-            outcomes = await asyncio.gather(
-                *(self._apply_backend(change, settings) for change in plan.changes if _needs_backend(change)),
-                *(self._retire(name, backend) for name, backend in removed),
-            )
-            results = {result.model: result for result in outcomes if isinstance(result, SwapResult)}
-            self.deployment = _effective(new, plan, results)
-            outcome = ReloadOutcome(trigger, str(self.config_path), plan=plan, results=results, duration_s=time.monotonic() - started)
+            outcome = await self._apply(new, settings, plan, trigger, started=started)
             self.last_reload = outcome
             self.state.metrics.reloads.labels("ok" if outcome.ok else "partial").inc()
-            for name, result in results.items():
+            for name, result in outcome.results.items():
                 self.state.metrics.swaps.labels(name, "ok" if result.ok else "failed").inc()
-                if result.ok:
-                    self.last_errors.pop(name, None)
-                else:
-                    self.last_errors[name] = result.error or "failed"
+                if not result.ok:
                     tail = "\n".join(f"    {line}" for line in result.log_tail[-30:])
                     logger.error("reload ({}): model {}: {}; it keeps its previous backend\n{}", trigger, name, result.error, tail)
             return outcome
 
-    def _apply_routes(self, new: DeploymentConfig, settings: GatewaySettings) -> list[tuple[str, Backend]]:
+    async def _apply(
+        self, new: DeploymentConfig, settings: GatewaySettings, plan: ReloadPlan, trigger: str, *,
+        fail_fast: bool = False, started: float | None = None,
+    ) -> ReloadOutcome:  # fmt: skip
+        """Make ``new`` the deployment in force: routes at once, then engines (started, swapped or retired)."""
+        started = time.monotonic() if started is None else started
+        self.state.settings = settings
+        removed = self._apply_routes(new, settings)
+        work = [self._spawn(self._apply_backend(change, settings)) for change in plan.changes if _needs_backend(change)]
+        work += [self._spawn(self._retire(name, backend)) for name, route in removed for backend in route.replicas]
+        if fail_fast:  # the first failed start stops the others' starts
+            for finished in asyncio.as_completed(work):
+                outcome = await finished
+                if isinstance(outcome, SwapResult) and not outcome.ok:
+                    self.executor.abort_starts()
+        outcomes = await asyncio.gather(*work)
+        results = {result.model: result for result in outcomes if isinstance(result, SwapResult)}
+        self.deployment = _effective(new, plan, results)
+        for name, result in results.items():
+            if result.ok:
+                self.last_errors.pop(name, None)
+            else:
+                self.last_errors[name] = result.error or "failed"
+        return ReloadOutcome(trigger, str(self.config_path), plan=plan, results=results, duration_s=time.monotonic() - started)
+
+    def _apply_routes(self, new: DeploymentConfig, settings: GatewaySettings) -> list[tuple[str, ModelRoute]]:
         """Install the new names, aliases and limits at once (backends unchanged); drop removed models."""
         current = {route.name: route for route in self.registry.routes()}
         routes = []
@@ -185,36 +238,58 @@ class Controller:
                     routes.append(ModelRoute(name, url_backend(name, entry), tuple(entry.aliases), ConcurrencyLimiter(limits)))
                 continue  # an added engine joins when ready
             limiter = route.limiter if route.limiter.settings == limits else ConcurrencyLimiter(limits)
-            routes.append(ModelRoute(name, route.backend, tuple(entry.aliases), limiter, route.drained))
+            routes.append(ModelRoute(name, route.replicas, tuple(entry.aliases), limiter, route.drained))
         self.registry.replace(routes)
-        return [(name, route.backend) for name, route in current.items() if name not in new.models]
+        return [(name, route) for name, route in current.items() if name not in new.models]
 
     async def _apply_backend(self, change: ModelChange, settings: GatewaySettings) -> SwapResult:
         name, entry = change.name, change.new
         assert entry is not None
         async with self.executor.lock(name):
+            try:
+                builds = self._builds(name, entry)
+            except ConfigError as error:
+                return SwapResult(name, change.swap_policy, error=str(error))
             if self.registry.route(name) is None:  # added (or its earlier addition failed)
-                result = SwapResult(name, change.swap_policy)
+                result = SwapResult(name, change.swap_policy, replicas=len(builds))
                 started = time.monotonic()
                 try:
-                    backend = await self._build(name, entry)
+                    replicas = await self.executor.build_all(name, builds)
                 except SwapError as error:
-                    result.error, result.log_tail = error.message, error.log_tail
+                    result.error, result.log_tail, result.cause = error.message, error.log_tail, error.cause
                     return result
                 limiter = ConcurrencyLimiter(settings.limits_for(name))
-                self.registry.put(ModelRoute(name, backend, tuple(entry.aliases), limiter))
-                result.ok, result.new, result.start_s = True, describe_backend(backend), time.monotonic() - started
-                logger.info("model {}: added, served by {}", name, backend.describe())
+                self.registry.put(ModelRoute(name, tuple(replicas), tuple(entry.aliases), limiter))
+                result.ok, result.new, result.start_s = True, describe_backend(replicas[0]), time.monotonic() - started
+                logger.info("model {}: added, served by {}", name, ", ".join(backend.describe() for backend in replicas))
                 return result
             port = entry.engine.port if entry.engine is not None else 0
-            return await self.executor.swap(name, lambda: self._build(name, entry), change.swap_policy, fixed_port=port)
+            policy = self._resolve_policy(change.swap_policy, entry.replicas)
+            return await self.executor.swap(name, builds, policy, fixed_port=port)
 
-    async def _build(self, name: str, entry: ModelEntry) -> Backend:
-        if entry.engine is not None:
-            return await self.executor.engine_backend(name, entry.engine)
-        return url_backend(name, entry)
+    def _builds(self, name: str, entry: ModelEntry) -> list[BackendFactory]:
+        """One backend maker per replica of ``entry`` (ConfigError when its replicas do not fit the GPUs)."""
+        if entry.engine is None:
 
-    async def _retire(self, name: str, backend: Backend) -> None:
+            async def url() -> Backend:
+                return url_backend(name, entry)
+
+            return [url]
+        configs = replica_engines(entry, visible_gpu_ids(visible_gpu_count()))
+        return [partial(self.executor.engine_backend, name, config, replica=index) for index, config in enumerate(configs)]
+
+    def swap_policy_for(self, name: str) -> SwapPolicy:
+        route = self.registry.route(name)
+        return self._resolve_policy(self.state.settings.swap_policy_for(name), len(route.replicas) if route else 1)
+
+    @staticmethod
+    def _resolve_policy(policy: SwapPolicy, replicas: int) -> SwapPolicy:
+        """``auto``: blue-green for one engine, one replica at a time (rolling) for several."""
+        if policy == "auto":
+            return "rolling" if replicas > 1 else "blue-green"
+        return policy
+
+    async def _retire(self, name: str, backend: Backend) -> None:  # a removed model's replica
         logger.info("model {}: removed; draining {}", name, backend.describe())
         await self.executor.retire(name, backend)
 
@@ -244,13 +319,12 @@ class Controller:
     async def _swap(self, name: str, policy: SwapPolicy | None) -> SwapResult:
         async with self.executor.lock(name):
             route = self._managed_route(name)
-            config = route.backend.engine.config  # type: ignore[union-attr]
-            chosen = policy or self.state.settings.swap_policy_for(name)
-
-            async def build() -> Backend:
-                return await self.executor.engine_backend(name, config, checked=True)
-
-            result = await self.executor.swap(name, build, chosen, fixed_port=config.port)
+            chosen = self._resolve_policy(policy or self.state.settings.swap_policy_for(name), len(route.replicas))
+            builds = [
+                partial(self.executor.engine_backend, name, backend.engine.config, checked=True, replica=backend.replica)  # type: ignore[union-attr]
+                for backend in route.replicas
+            ]
+            result = await self.executor.swap(name, builds, chosen, fixed_port=route.backend.engine.config.port)  # type: ignore[union-attr]
         self.state.metrics.swaps.labels(name, "ok" if result.ok else "failed").inc()
         if result.ok:
             self.last_errors.pop(name, None)
@@ -276,9 +350,9 @@ class Controller:
 
     async def wait_idle(self, route: ModelRoute, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
-        while route.backend.in_flight > 0 and time.monotonic() < deadline:
+        while route.in_flight > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        return route.backend.in_flight == 0
+        return route.in_flight == 0
 
 
 def _needs_backend(change: ModelChange) -> bool:
@@ -299,9 +373,14 @@ def _effective(new: DeploymentConfig, plan: ReloadPlan, results: dict[str, SwapR
             old = change.old
             models[change.name] = ModelEntry.model_construct(
                 engine=old.engine, url=old.url, served_model_name=old.served_model_name, api_key=old.api_key,
-                vocab_size=old.vocab_size, aliases=list(change.new.aliases),
+                vocab_size=old.vocab_size, aliases=list(change.new.aliases), replicas=old.replicas, replica_gpus=old.replica_gpus,
             )
     return new.model_copy(update={"models": models})
+
+
+def _empty(deployment: DeploymentConfig) -> DeploymentConfig:
+    """What a gateway serves before its boot: nothing (the boot is a reload from this)."""
+    return DeploymentConfig.model_construct(models={}, gateway=deployment.gateway, source=deployment.source)
 
 
 def _digest(path: Path) -> str | None:

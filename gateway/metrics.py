@@ -35,7 +35,9 @@ class Metrics:
         self.engine_restart_failures = Counter("gateway_engine_restart_failures", "Engine restarts that did not come up.", ["model"], registry=r)
         self.swaps = Counter("gateway_model_swaps", "Backend swaps by model and result (ok / failed).", ["model", "result"], registry=r)
         self.reloads = Counter("gateway_config_reloads", "Config reloads by result (ok / invalid / partial).", ["result"], registry=r)
+        self.replica_requests = Counter("gateway_replica_requests", "Requests by the replica that served them (models with replicas).", ["model", "replica"], registry=r)
         r.register(_EngineUp(registry))
+        r.register(_ReplicasReady(registry))
         self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
 
     def child(self, metric: Any, *labels: str) -> Any:
@@ -60,4 +62,22 @@ class _EngineUp(Collector):
             backend = route.backend
             up = backend.unavailable_reason() is None if backend.managed else bool(backend.last_health)
             family.add_metric([route.name], 1.0 if up else 0.0)
+        yield family
+
+
+class _ReplicasReady(Collector):
+    """How many replicas of each model can take requests, computed at scrape time."""
+
+    _NAME, _HELP = "gateway_replicas_ready", "Replicas of the model that can take requests now."
+
+    def __init__(self, models: Registry) -> None:
+        self.models = models
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily(self._NAME, self._HELP, labels=["model"])
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(self._NAME, self._HELP, labels=["model"])
+        for route in self.models.routes():
+            family.add_metric([route.name], float(len(route.available())))
         yield family

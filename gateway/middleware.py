@@ -75,6 +75,8 @@ class RequestContextMiddleware:
             m.child(m.tokens, model, "prompt").inc(info.prompt_tokens)
         if info.completion_tokens:
             m.child(m.tokens, model, "completion").inc(info.completion_tokens)
+        if info.replica is not None:
+            m.child(m.replica_requests, model, str(info.replica)).inc()
         if not self.log_requests:
             return
         fields: dict[str, Any] = {

@@ -194,17 +194,30 @@ async def health() -> Response:
 @router.get("/ready")
 @router.head("/ready", include_in_schema=False)
 async def ready(request: Request) -> Response:
-    """200 only when every model has a healthy backend; 503 naming the ones that are not."""
+    """200 only when every model has enough healthy replicas (``balancing.min_ready``, at most all of
+    them; one for most models); 503 naming the ones that do not."""
     state = _state(request)
     routes = state.registry.routes()
-    probes = _probes(state)
-    reasons = await asyncio.gather(*(probes.not_ready(route.backend, state.settings.health_timeout_s) for route in routes))
-    models = {route.name: {"ready": reason is None, **({"reason": reason} if reason else {})} for route, reason in zip(routes, reasons, strict=True)}
+    models = dict(await asyncio.gather(*(_model_readiness(state, route) for route in routes)))
     down = [f"{name} ({m['reason']})" for name, m in models.items() if not m["ready"]]
     if down:
         body = error_body("not ready: " + ", ".join(down), "service_unavailable", "not_ready")
         return _json({**body, "status": "not_ready", "models": models}, 503)
     return _json({"status": "ready", "models": models})
+
+
+async def _model_readiness(state: GatewayState, route: ModelRoute) -> tuple[str, dict[str, Any]]:
+    probes = _probes(state)
+    reasons = await asyncio.gather(*(probes.not_ready(backend, state.settings.health_timeout_s) for backend in route.replicas))
+    healthy = sum(1 for reason in reasons if reason is None)
+    needed = min(state.settings.balancing_for(route.name).min_ready, len(route.replicas))
+    item: dict[str, Any] = {"ready": healthy >= needed}
+    if len(route.replicas) > 1:
+        item["replicas_ready"] = healthy
+    if not item["ready"]:
+        failing = [f"replica {b.replica}: {reason}" if len(route.replicas) > 1 else reason for b, reason in zip(route.replicas, reasons, strict=True) if reason]
+        item["reason"] = "; ".join(failing)
+    return route.name, item
 
 
 @router.get("/metrics")

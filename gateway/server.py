@@ -18,7 +18,7 @@ from loguru import logger
 
 from gateway.app import app_from_config
 from gateway.config import GatewaySettings
-from gateway.engines import StartAborted
+from gateway.control import StartAborted
 from gateway.http_protocol import guarded_protocol
 from launch.config import ConfigError, load_config
 from launch.ports import port_is_free
@@ -48,9 +48,9 @@ class _Server(uvicorn.Server):
     """uvicorn's server, plus: a stop signal during engine start-up stops the engines at once."""
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        engines = getattr(getattr(self.config.app, "state", None), "engines", None)
-        if engines is not None and not self.started:
-            engines.abort_start()
+        controller = getattr(getattr(self.config.app, "state", None), "controller", None)
+        if controller is not None and not self.started:
+            controller.abort_start()
         super().handle_exit(sig, frame)
 
 

@@ -16,33 +16,46 @@ parent-death signal requires); the blocking preflight, readiness wait and stop r
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from loguru import logger
 
 from gateway.config import SwapPolicy
-from gateway.engines import log_progress
 from gateway.registry import Backend
 from gateway.state import GatewayState
 from launch.config import EngineConfig
 from launch.preflight import PreflightError, preflight, require
-from launch.process import EngineError, EngineProcess, new_engine_key
+from launch.process import EngineError, EngineProcess, ProgressCallback, new_engine_key
 
 BackendFactory = Callable[[], Awaitable[Backend]]
 
 
-class SwapError(Exception):
-    """A backend could not be brought up; ``log_tail`` holds the engine's last log lines."""
+def log_progress(name: str) -> ProgressCallback:
+    """Log each start-up phase of engine ``name`` at INFO (loading weights, KV cache, CUDA graphs, warm-up):
+    where the gateway runs as a serving platform's entrypoint, its log is the only view of a cold start."""
 
-    def __init__(self, model: str, message: str, log_tail: Iterable[str] = ()) -> None:
+    def progress(phase: str, elapsed_s: float) -> None:
+        if phase not in ("starting", "ready"):  # EngineProcess logs both itself, with its port / URL
+            logger.info("engine {}: {} ({:.0f}s)", name, phase, elapsed_s)
+
+    return progress
+
+
+class SwapError(Exception):
+    """A backend could not be brought up; ``log_tail`` holds the engine's last log lines, ``cause`` the
+    engine's or preflight's own error (raised as is when a boot fails)."""
+
+    def __init__(self, model: str, message: str, log_tail: Iterable[str] = (), cause: BaseException | None = None) -> None:
         super().__init__(message)
         self.model = model
         self.message = message
         self.log_tail = list(log_tail)
+        self.cause = cause
 
 
 @dataclass
@@ -60,9 +73,17 @@ class SwapResult:
     drain_s: float | None = None  # old backend: switch until its last request finished (or the timeout)
     drain_timed_out: bool = False
     unavailable_s: float | None = None  # stop-first only: how long the model answered 503
+    replicas: int | None = None  # how many replicas the model has after the swap
+    cause: BaseException | None = field(default=None, repr=False)  # why a start failed (not reported)
+
 
     def as_dict(self) -> dict[str, Any]:
-        return {key: value for key, value in self.__dict__.items() if value is not None and value != []}
+        hidden = ("cause", "_hidden")
+        return {key: value for key, value in self.__dict__.items() if key not in hidden and value is not None and value != []}
+
+
+def _describe(backends: Sequence[Backend]) -> str:
+    return ", ".join(backend.describe() for backend in backends)
 
 
 def describe_backend(backend: Backend) -> dict[str, Any]:
@@ -84,6 +105,15 @@ class SwapExecutor:
         self._locks: dict[str, asyncio.Lock] = {}
         self.retiring: dict[str, list[Backend]] = {}  # old backends still finishing requests, by model
         self._closing = False
+        self._abort = threading.Event()  # set from a signal handler, or by a failed boot: starts give up
+
+    @property
+    def aborted(self) -> bool:
+        return self._abort.is_set()
+
+    def abort_starts(self) -> None:
+        """Make every engine start in progress stop its engine and fail (thread-safe; signal handlers too)."""
+        self._abort.set()
 
     # --------------------------------------------------------------- ownership and locks
     def lock(self, model: str) -> asyncio.Lock:
@@ -94,34 +124,43 @@ class SwapExecutor:
         return engine is not None and engine in self._owned
 
     # --------------------------------------------------------------- backends
-    async def engine_backend(self, model: str, config: EngineConfig, *, checked: bool = False) -> Backend:
+    async def engine_backend(self, model: str, config: EngineConfig, *, checked: bool = False, replica: int = 0) -> Backend:
         """Launch an engine for ``model`` and wait until it is ready; SwapError (with log tail) if not."""
         if not checked:
             try:
                 config = require(await asyncio.to_thread(preflight, config), model)
             except PreflightError as error:
-                raise SwapError(model, str(error)) from None
-        if self._closing:
+                raise SwapError(model, str(error), cause=error) from None
+        if self._closing or self.aborted:
             raise SwapError(model, "the gateway is shutting down")
+        name = model if not replica else f"{model}-{replica}"
         engine = EngineProcess(
-            model, config, log_dir=self.log_dir, api_key=new_engine_key(), on_progress=log_progress(model)
+            name, config, log_dir=self.log_dir, api_key=new_engine_key(), on_progress=log_progress(name), served_model_name=model
         )
         engine.start()  # on the event-loop thread: see the module docstring
         self._owned.add(engine)
         try:
-            await asyncio.to_thread(engine.wait_ready)
+            waiting = asyncio.ensure_future(asyncio.to_thread(engine.wait_ready))
+            while not waiting.done():
+                await asyncio.wait({waiting}, timeout=0.2)
+                if self.aborted and not waiting.done():  # stopping the engine ends its wait_ready too
+                    await self._stop(engine, forget=True)
+            await waiting
         except EngineError as error:
             await self._stop(engine, forget=True)
+            if self.aborted:
+                raise SwapError(model, "start aborted (the gateway is stopping)") from None
             tail = error.log_tail[-40:]
-            raise SwapError(model, f"new engine for {model!r} failed to start: {str(error).splitlines()[0]}", tail) from None
+            raise SwapError(model, f"new engine for {model!r} failed to start: {str(error).splitlines()[0]}", tail, cause=error) from None
         except BaseException:
             await self._stop(engine, forget=True)
             raise
-        return Backend(config.served_model_name or model, engine=engine)
+        return Backend(config.served_model_name or model, engine=engine, replica=replica)
 
     # --------------------------------------------------------------- swaps (caller holds the model's lock)
-    async def swap(self, model: str, build: BackendFactory, policy: SwapPolicy, *, fixed_port: int = 0) -> SwapResult:
-        """Replace ``model``'s backend with the one ``build`` makes; never raises for a failed start.
+    async def swap(self, model: str, builds: Sequence[BackendFactory], policy: SwapPolicy, *, fixed_port: int = 0) -> SwapResult:
+        """Replace ``model``'s replicas with the ones ``builds`` make (``builds[i]`` makes replica ``i``);
+        never raises for a failed start.
 
         ``fixed_port``: the new engine's configured port; if the old engine holds it, both cannot run
         at once and the swap is done stop-first.
@@ -129,67 +168,122 @@ class SwapExecutor:
         route = self.registry.route(model)
         if route is None:
             return SwapResult(model, policy, error=f"no model named {model!r}")
-        old = route.backend
-        if policy == "blue-green" and fixed_port and old.engine is not None and old.engine.port == fixed_port:
+        old = list(route.replicas)
+        if policy == "blue-green" and fixed_port and any(b.engine is not None and b.engine.port == fixed_port for b in old):
             logger.info("model {}: the new engine needs port {} held by the old one; swapping stop-first", model, fixed_port)
             policy = "stop-first"
-        if policy == "stop-first" and not self.owns(old.engine):
+        if policy == "stop-first" and not any(self.owns(b.engine) for b in old):
             policy = "blue-green"  # nothing of ours to stop first
-        result = SwapResult(model, policy, old=describe_backend(old))
+        result = SwapResult(model, policy, old=describe_backend(old[0]), replicas=len(builds))
         if policy == "stop-first":
-            await self._swap_stop_first(model, old, build, result)
+            await self._swap_stop_first(model, old, builds, result)
+        elif policy == "rolling":
+            await self._swap_rolling(model, old, builds, result)
         else:
-            await self._swap_blue_green(model, old, build, result)
+            await self._swap_blue_green(model, old, builds, result)
         return result
 
-    async def _swap_blue_green(self, model: str, old: Backend, build: BackendFactory, result: SwapResult) -> None:
+    async def build_all(self, model: str, builds: Sequence[BackendFactory]) -> list[Backend]:
+        """Start every replica at once; if one fails, stop the others and raise its SwapError."""
+        outcomes = await asyncio.gather(*(build() for build in builds), return_exceptions=True)
+        started = [outcome for outcome in outcomes if isinstance(outcome, Backend)]
+        failures = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
+        if failures:
+            await asyncio.gather(*(self.retire(model, backend) for backend in started))
+            raise failures[0]
+        return started
+
+    async def _swap_blue_green(self, model: str, old: list[Backend], builds: Sequence[BackendFactory], result: SwapResult) -> None:
         started = time.monotonic()
         try:
-            new = await build()
+            new = await self.build_all(model, builds)
         except SwapError as error:
             result.error, result.log_tail = error.message, error.log_tail
             return
         result.start_s = time.monotonic() - started
-        if self.registry.set_backend(model, new) is None:  # removed by a reload meanwhile
-            await self.retire(model, new)
+        route = self.registry.route(model)
+        if route is None:  # removed by a reload meanwhile
+            await asyncio.gather(*(self.retire(model, backend) for backend in new))
             result.error = f"model {model!r} was removed while its new engine started"
             return
-        result.ok, result.new = True, describe_backend(new)
-        logger.info("model {}: now served by {} (ready after {:.1f}s); draining {}", model, new.describe(), result.start_s, old.describe())
-        result.drain_s, result.drain_timed_out = await self.retire(model, old)
+        self.registry.put(replace(route, replicas=tuple(new)))
+        result.ok, result.new = True, describe_backend(new[0])
+        logger.info("model {}: now served by {} (ready after {:.1f}s); draining {}", model, _describe(new), result.start_s, _describe(old))
+        drains = await asyncio.gather(*(self.retire(model, backend) for backend in old))
+        result.drain_s = max(drain for drain, _ in drains)
+        result.drain_timed_out = any(timed_out for _, timed_out in drains)
 
-    async def _swap_stop_first(self, model: str, old: Backend, build: BackendFactory, result: SwapResult) -> None:
+    async def _swap_rolling(self, model: str, old: list[Backend], builds: Sequence[BackendFactory], result: SwapResult) -> None:
+        """One replica at a time: start its successor, put it in its place, drain and stop the old one;
+        replicas beyond the new count are drained and removed. Never more than one engine extra."""
+        started = time.monotonic()
+        by_replica = {backend.replica: backend for backend in old}
+        for replica in range(max(len(builds), len(old))):
+            previous = by_replica.get(replica)
+            if replica >= len(builds):  # scaled down
+                route = self.registry.route(model)
+                if route is not None and previous is not None:
+                    self.registry.put(route.without_replica(replica))
+                    await self.retire(model, previous)
+                continue
+            try:
+                new = await builds[replica]()
+            except SwapError as error:
+                result.error = f"replica {replica}: {error.message}; replicas before it were replaced, the others keep their engines"
+                result.log_tail = error.log_tail
+                return
+            if self.registry.set_backend(model, new) is None:
+                await self.retire(model, new)
+                result.error = f"model {model!r} was removed during its rolling swap"
+                return
+            logger.info("model {}: replica {} now served by {}", model, replica, new.describe())
+            if previous is not None:
+                drain_s, timed_out = await self.retire(model, previous)
+                result.drain_s = max(result.drain_s or 0.0, drain_s)
+                result.drain_timed_out = result.drain_timed_out or timed_out
+            result.new = result.new or describe_backend(new)
+        result.start_s = time.monotonic() - started
+        result.ok = True
+
+    async def _swap_stop_first(self, model: str, old: list[Backend], builds: Sequence[BackendFactory], result: SwapResult) -> None:
         down = time.monotonic()
-        old.retry_after_s = self.state.settings.swap_retry_after_s
-        old.failure = f"model {model!r} is being swapped (stop-first); retry shortly"
-        logger.info("model {}: stop-first swap: draining and stopping {}", model, old.describe())
-        result.drain_s, result.drain_timed_out = await self._drain(old)
-        await self._stop(old.engine)
+        for backend in old:
+            backend.retry_after_s = self.state.settings.swap_retry_after_s
+            backend.failure = f"model {model!r} is being swapped (stop-first); retry shortly"
+        logger.info("model {}: stop-first swap: draining and stopping {}", model, _describe(old))
+        drains = await asyncio.gather(*(self._drain(backend) for backend in old))
+        result.drain_s = max(drain for drain, _ in drains)
+        result.drain_timed_out = any(timed_out for _, timed_out in drains)
+        await asyncio.gather(*(self._stop(backend.engine) for backend in old))
         started = time.monotonic()
         try:
-            new = await build()
+            new = await self.build_all(model, builds)
         except SwapError as error:
-            # The old engine is gone: leave its (dead) backend in place, so the watchdog restarts it
-            # with the previous config, and say so.
-            old.failure = old.retry_after_s = None
+            # The old engines are gone: leave their (dead) backends in place, so the watchdog restarts
+            # them with the previous config, and say so.
+            for backend in old:
+                backend.failure = backend.retry_after_s = None
             result.error = f"{error.message}; the old engine was already stopped (stop-first): the watchdog restarts it with the previous config"
             result.log_tail = error.log_tail
             return
         result.start_s = time.monotonic() - started
-        if self.registry.set_backend(model, new) is None:
-            await self.retire(model, new)
+        route = self.registry.route(model)
+        if route is None:
+            await asyncio.gather(*(self.retire(model, backend) for backend in new))
             result.error = f"model {model!r} was removed while its new engine started"
             return
-        self._owned.discard(old.engine)  # type: ignore[arg-type]
+        self.registry.put(replace(route, replicas=tuple(new)))
+        for backend in old:
+            self._owned.discard(backend.engine)  # type: ignore[arg-type]
         result.unavailable_s = time.monotonic() - down
-        result.ok, result.new = True, describe_backend(new)
-        logger.info("model {}: now served by {}; it was unavailable for {:.1f}s", model, new.describe(), result.unavailable_s)
+        result.ok, result.new = True, describe_backend(new[0])
+        logger.info("model {}: now served by {}; it was unavailable for {:.1f}s", model, _describe(new), result.unavailable_s)
 
     async def restart(self, model: str, old: Backend) -> Backend:
         """Stop ``old`` (dead or hung) and start a fresh engine with its config (watchdog; lock held)."""
         assert old.engine is not None
         await self._stop(old.engine)
-        new = await self.engine_backend(model, old.engine.config, checked=True)
+        new = await self.engine_backend(model, old.engine.config, checked=True, replica=old.replica)
         if self.registry.set_backend(model, new) is None:
             await self.retire(model, new)
             raise SwapError(model, f"model {model!r} was removed while its engine restarted")

@@ -1,6 +1,6 @@
 """Supervise the engines the gateway launched: notice a dead or hung engine and restart it.
 
-Every ``interval_s`` each owned engine is checked: a process that exited is down at once; a running
+Every ``interval_s`` each owned engine (each replica of each model) is checked: a process that exited is down at once; a running
 one that fails ``unhealthy_after`` ``/health`` probes in a row is down too. A down model answers 503
 (its backend carries the reason; ``/ready`` and ``gateway_engine_up`` follow), and a fresh engine
 with the same config is started after an exponential backoff, capped at ``backoff_max_s``.
@@ -55,8 +55,8 @@ class Watchdog:
         self.executor = executor
         self.metrics = state.metrics
         self.quarantine = state.quarantine
-        self.health: dict[str, ModelHealth] = {}
-        self._restarting: dict[str, asyncio.Task[None]] = {}
+        self.health: dict[tuple[str, int], ModelHealth] = {}  # by (model, replica)
+        self._restarting: dict[tuple[str, int], asyncio.Task[None]] = {}
 
     async def run(self) -> None:
         """Check forever (cancel to stop)."""
@@ -67,29 +67,36 @@ class Watchdog:
                 await self.check_all(settings)
 
     async def check_all(self, settings: GatewaySettings) -> None:
-        routes = [r for r in self.registry.routes() if self.executor.owns(r.backend.engine)]
-        await asyncio.gather(*(self._check(r.name, r.backend, settings) for r in routes))
+        owned = [(r.name, b) for r in self.registry.routes() for b in r.replicas if self.executor.owns(b.engine)]
+        await asyncio.gather(*(self._check(name, backend, settings) for name, backend in owned))
 
     async def close(self) -> None:
         for task in self._restarting.values():
             task.cancel()
         await asyncio.gather(*self._restarting.values(), return_exceptions=True)
 
-    def restarting(self, name: str) -> bool:
-        """A restart of ``name`` is scheduled or running."""
-        task = self._restarting.get(name)
-        return task is not None and not task.done()
+    def restarting(self, name: str, replica: int | None = None) -> bool:
+        """A restart of ``name``'s replica (any replica when None) is scheduled or running."""
+        return any(
+            not task.done() for (model, index), task in self._restarting.items() if model == name and replica in (None, index)
+        )
 
-    def model(self, name: str) -> ModelHealth:
-        return self.health.setdefault(name, ModelHealth())
+    def model(self, name: str, replica: int = 0) -> ModelHealth:
+        """What the watchdog knows about one replica of ``name``."""
+        return self.health.setdefault((name, replica), ModelHealth())
+
+    def restarts(self, name: str) -> int:
+        """Restarts made for every replica of ``name``."""
+        return sum(health.restarts for (model, _), health in self.health.items() if model == name)
 
     async def _check(self, name: str, backend: Backend, settings: GatewaySettings) -> None:
-        health = self.model(name)
+        key = (name, backend.replica)
+        health = self.model(*key)
         if health.backend is not backend:
             # A backend the watchdog did not install (boot, swap, reload): start a fresh record.
             restarts = health.restarts
-            health = self.health[name] = ModelHealth(backend=backend, restarts=restarts)
-        if self.restarting(name) or self.executor.lock(name).locked():
+            health = self.health[key] = ModelHealth(backend=backend, restarts=restarts)
+        if self.restarting(*key) or self.executor.lock(name).locked():
             return
         assert backend.engine is not None
         reason = None
@@ -129,7 +136,7 @@ class Watchdog:
         of = f" of {config.max_restarts}" if config.max_restarts is not None else ""
         backend.failure = f"{reason}; restarting (attempt {health.attempts}{of})"
         backend.retry_after_s = max(1, int(delay) + 1)
-        self._restarting[name] = asyncio.ensure_future(self._restart(name, backend, delay, health))
+        self._restarting[key] = asyncio.ensure_future(self._restart(name, backend, delay, health))
 
     async def _note_crash_suspects(self, name: str, backend: Backend) -> bool:
         """True when a request most likely crashed the engine: it died of an exception (its log says
@@ -158,11 +165,11 @@ class Watchdog:
         await asyncio.sleep(delay)
         async with self.executor.lock(name):
             route = self.registry.route(name)
-            if route is None or route.backend is not backend:
+            if route is None or backend not in route.replicas:
                 return  # swapped or removed meanwhile: nothing to restart
             health.restarts += 1
             self.metrics.engine_restarts.labels(name).inc()
-            logger.warning("model {}: restarting its engine (attempt {})", name, health.attempts)
+            logger.warning("model {}: restarting {} (attempt {})", name, backend.describe(), health.attempts)
             started = time.monotonic()
             try:
                 new = await self.executor.restart(name, backend)
@@ -175,6 +182,6 @@ class Watchdog:
                 return
         outage = time.monotonic() - (health.down_since or started)
         logger.info("model {}: back in rotation at {} after {:.1f}s down", name, new.url, outage)
-        self.health[name] = ModelHealth(
+        self.health[(name, new.replica)] = ModelHealth(
             backend=new, attempts=health.attempts, restarts=health.restarts, last_restart_at=time.monotonic(), last_error=health.last_error
         )

@@ -19,9 +19,10 @@ from typing import Literal
 
 from loguru import logger
 
-from launch.config import EngineConfig
+from launch.config import ConfigError, DeploymentConfig, EngineConfig, ModelEntry
 from launch.gpu_profiles import PROFILES, installed_profile, known_profiles, runnable_profiles
 from launch.ports import port_is_free
+from launch.replicas import replica_gpu_slices, visible_gpu_ids
 
 _HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -293,3 +294,30 @@ def require(result: PreflightResult, name: str) -> EngineConfig:
         log = logger.warning if finding.level == "warning" else logger.info
         log("model {}: {}", name, finding.message)
     return result.engine
+
+
+def check_replicas(name: str, entry: ModelEntry, gpu_count: int | None = None) -> list[Finding]:
+    """A model's replicas must fit the visible GPUs (each ``tp_size x dp_size`` of its own)."""
+    if entry.engine is None or entry.engine.device != "cuda" or (entry.replicas == 1 and entry.replica_gpus is None):
+        return []
+    count = visible_gpu_count() if gpu_count is None else gpu_count
+    try:
+        replica_gpu_slices(entry, visible_gpu_ids(count))
+    except ConfigError as error:
+        return [Finding("error", str(error))]
+    return []
+
+
+def preflight_all(deployment: DeploymentConfig) -> None:
+    """Preflight every managed model (and that its replicas fit the GPUs); PreflightError naming each problem."""
+    problems: list[str] = []
+    for name, entry in deployment.models.items():
+        if entry.engine is None:
+            continue
+        problems += [f"model {name}: {finding.message}" for finding in check_replicas(name, entry) if finding.level == "error"]
+        try:
+            require(preflight(entry.engine), name)
+        except PreflightError as error:
+            problems.append(str(error))
+    if problems:
+        raise PreflightError("\n".join(problems))

@@ -104,9 +104,13 @@ class EngineProcess:
         on_progress: ProgressCallback | None = None,
         stop_grace_s: float = 15.0,
         api_key: str | None = None,
+        served_model_name: str | None = None,
     ) -> None:
         self.name = name
         self.config = config
+        # What the engine answers to in "model" when its config names nothing (default: ``name``; the
+        # replicas of one model share their model's name but are named apart in logs).
+        self.served_model_name = served_model_name or name
         # With a key, the engine refuses every request without it (but /health and /metrics): local
         # processes cannot go around whoever launched it. It reaches SGLang through a private file.
         self.api_key = api_key
@@ -188,7 +192,7 @@ class EngineProcess:
             self.port = pick_free_port(self.config.host)
         if self.api_key:
             self._secret_file = _write_private_yaml(secret_config(self.config, api_key=self.api_key), self.name)
-        self.argv = build_argv(self.config, port=self.port, served_model_name=self.name, config_file=self._secret_file)
+        self.argv = build_argv(self.config, port=self.port, served_model_name=self.served_model_name, config_file=self._secret_file)
         engine_env = build_env(self.config)
         self.uses_cpu_shim = engine_env.uses_cpu_shim
         self._log_dir.mkdir(parents=True, exist_ok=True)

@@ -177,7 +177,7 @@ def test_swap_needs_a_launched_engine(gateway: GatewayServer) -> None:
     ("gateway_section", "message"),
     [
         ({"admin_keys": [KEY], "api_keys": [KEY]}, "deploy.yaml: gateway.admin_keys: an admin key must not also be a client key"),
-        ({"swap_default": "random"}, "deploy.yaml: gateway.swap_default: Input should be 'blue-green' or 'stop-first'"),
+        ({"swap_default": "random"}, "deploy.yaml: gateway.swap_default: Input should be 'auto', 'blue-green', 'stop-first' or 'rolling'"),
         ({"watchdog": {"interval_s": 0}}, "deploy.yaml: gateway.watchdog.interval_s: Input should be greater than 0"),
         ({"watchdog": {"restarts": 1}}, "deploy.yaml: gateway.watchdog.restarts: unknown key"),
         ({"drain_timeout_s": -1}, "deploy.yaml: gateway.drain_timeout_s: Input should be greater than or equal to 0"),

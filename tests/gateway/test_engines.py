@@ -1,4 +1,4 @@
-"""The engine manager behind the lifespan: a stop request during start-up stops the engines at once."""
+"""The boot of a deployment (the lifespan's first step): a stop request while engines start stops them at once."""
 
 from __future__ import annotations
 
@@ -7,25 +7,32 @@ import os
 
 import pytest
 
-from gateway.engines import EngineManager, StartAborted
+from gateway.app import app_from_config
+from gateway.control import StartAborted
 from launch.config import DeploymentConfig
 
 pytestmark = pytest.mark.engine
 
 
-def test_abort_during_start_stops_engines(tiny_deployment: DeploymentConfig) -> None:
-    manager = EngineManager(tiny_deployment)
+def test_abort_during_boot_stops_engines(tiny_deployment: DeploymentConfig) -> None:
+    app, _ = app_from_config(tiny_deployment)
+    controller = app.state.controller
+    started = []
 
     async def scenario() -> None:
-        starting = asyncio.ensure_future(manager.start_all())
+        booting = asyncio.ensure_future(controller.boot())
         await asyncio.sleep(2.0)
-        assert not starting.done()
-        manager.abort_start()
+        assert not booting.done()
+        started.extend(controller.executor._owned)  # the engines being started
+        controller.abort_start()  # what SIGTERM / Ctrl-C does before the server serves
         with pytest.raises(StartAborted):
-            await asyncio.wait_for(starting, 30)
+            await asyncio.wait_for(booting, 30)
+        await controller.close()
 
     asyncio.run(scenario())
-    for engine in manager.engines.values():
+    assert started, "no engine was starting"
+    for engine in started:
         assert engine.pid is not None and not engine.running
         with pytest.raises(ProcessLookupError):
             os.killpg(engine.pid, 0)
+    assert controller.registry.routes() == ()  # nothing half-started was installed

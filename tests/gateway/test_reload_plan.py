@@ -78,9 +78,15 @@ def test_swap_policy_per_model_and_default() -> None:
     models = {"a": {"engine": ENGINE}, "b": {"engine": ENGINE}}
     changed = {name: {"engine": {**ENGINE, "max_total_tokens": 1024}} for name in models}
     plan = _plan(models, changed, {}, {"swap_policy": {"b": "stop-first"}})
-    assert [c.swap_policy for c in plan.changes] == ["blue-green", "stop-first"]
+    assert [c.swap_policy for c in plan.changes] == ["auto", "stop-first"]  # auto: blue-green, or rolling for replicas
     plan = _plan(models, changed, {}, {"swap_default": "stop-first", "swap_policy": {"a": "blue-green"}})
     assert [c.swap_policy for c in plan.changes] == ["blue-green", "stop-first"]
+
+
+def test_a_change_of_replicas_is_an_engine_change() -> None:
+    plan = _plan({"a": {"engine": ENGINE}}, {"a": {"engine": ENGINE, "replicas": 3}}, {}, {})
+    (change,) = plan.changes
+    assert change.action is Action.ENGINE_CHANGED and change.details == ("replicas",)
 
 
 def test_gateway_keys_live_or_restart_required() -> None:

@@ -47,13 +47,13 @@ def test_dead_engine_is_restarted_with_backoff_then_given_up(tmp_path: Path) -> 
             await watchdog.check_all(settings)
             if backend.failure and backend.failure not in reasons:
                 reasons.append(backend.failure)
-            if watchdog.health["m"].gave_up:
+            if watchdog.model("m").gave_up:
                 return reasons
             await asyncio.sleep(0.01)
         raise AssertionError(f"the watchdog did not give up: {watchdog.health}")
 
     reasons = asyncio.run(scenario())
-    health = watchdog.health["m"]
+    health = watchdog.model("m")
     assert health.restarts == 3 and health.attempts == 3
     assert "failed to start" in (health.last_error or "")
     assert any("restarting (attempt 1 of 3)" in r for r in reasons) and any("attempt 3 of 3" in r for r in reasons)
@@ -75,7 +75,7 @@ def test_no_restart_when_max_restarts_is_zero(tmp_path: Path, max_restarts: int)
     state = GatewayState(settings, registry, Metrics(registry))
     watchdog = Watchdog(state, SwapExecutor(state, owned=[engine]))
     asyncio.run(watchdog.check_all(settings))
-    assert watchdog.health["m"].gave_up and watchdog.health["m"].restarts == 0
+    assert watchdog.model("m").gave_up and watchdog.model("m").restarts == 0
 
 
 def test_by_default_the_watchdog_never_gives_up(tmp_path: Path) -> None:
@@ -92,13 +92,13 @@ def test_by_default_the_watchdog_never_gives_up(tmp_path: Path) -> None:
     async def scenario() -> None:
         for _ in range(3000):
             await watchdog.check_all(settings)
-            if watchdog.health["m"].restarts >= 8:
+            if watchdog.model("m").restarts >= 8:
                 return
             await asyncio.sleep(0.01)
         raise AssertionError(f"stopped restarting: {watchdog.health}")
 
     asyncio.run(scenario())
-    assert not watchdog.health["m"].gave_up and "restarting (attempt" in (backend.failure or "")
+    assert not watchdog.model("m").gave_up and "restarting (attempt" in (backend.failure or "")
     asyncio.run(executor.close())
 
 
