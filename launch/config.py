@@ -190,6 +190,8 @@ class ModelEntry(_Strict):
             )
         if self.engine is None and (self.replicas != 1 or self.replica_gpus is not None):
             raise ValueError("replicas and replica_gpus need an 'engine' section (a 'url' model is one upstream)")
+        if self.replicas > 1 and self.engine is not None and self.engine.port != 0:
+            raise ValueError(f"replicas: {self.replicas} engines cannot share engine.port {self.engine.port}; leave it 0 (free ports)")
         if self.replica_gpus is not None:
             self._check_replica_gpus(self.replica_gpus)
         return self

@@ -150,3 +150,37 @@ def test_shipped_configs_are_valid(monkeypatch: pytest.MonkeyPatch) -> None:
     for path in configs:
         config = load_config(path)
         assert config.models, path
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        ({"url": "http://h:1", "replicas": 2}, "replicas and replica_gpus need an 'engine' section"),
+        ({"engine": {"model_path": "m", "port": 30000}, "replicas": 2}, "cannot share engine.port 30000"),
+        ({"engine": {"model_path": "m", "device": "cpu"}, "replicas": 2, "replica_gpus": [[0], [1]]}, "replica_gpus needs device: cuda"),
+        ({"engine": {"model_path": "m"}, "replicas": 2, "replica_gpus": [[0]]}, "replica_gpus lists 1 replica(s), replicas is 2"),
+        ({"engine": {"model_path": "m", "tp_size": 2}, "replicas": 2, "replica_gpus": [[0, 1], [2]]}, "replica_gpus[1] has 1 GPU(s); tp_size x dp_size = 2"),
+        ({"engine": {"model_path": "m"}, "replicas": 2, "replica_gpus": [[0], [0]]}, "GPU ids must be distinct"),
+        ({"engine": {"model_path": "m"}, "replicas": 0}, "replicas: Input should be greater than or equal to 1"),
+    ],
+)
+def test_replica_settings_are_checked(model: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config({"models": {"m": model}}, "d.yaml")
+    assert message in str(caught.value) and str(caught.value).startswith("d.yaml: models.m")
+
+
+def test_replica_gpus_slices_and_fit() -> None:
+    from launch.replicas import replica_engines
+
+    entry = parse_config({"models": {"m": {"engine": {"model_path": "m", "tp_size": 2}, "replicas": 3}}}).models["m"]
+    envs = [engine.env["CUDA_VISIBLE_DEVICES"] for engine in replica_engines(entry, [str(i) for i in range(8)])]
+    assert envs == ["0,1", "2,3", "4,5"]
+    with pytest.raises(ConfigError, match=r"3 replica\(s\) x tp_size x dp_size 2 = 6 GPUs needed, 4 visible"):
+        replica_engines(entry, ["0", "1", "2", "3"])
+    listed = parse_config({"models": {"m": {"engine": {"model_path": "m"}, "replicas": 2, "replica_gpus": [[3], [1]]}}}).models["m"]
+    assert [e.env["CUDA_VISIBLE_DEVICES"] for e in replica_engines(listed, ["0", "1", "2", "3"])] == ["3", "1"]
+    with pytest.raises(ConfigError, match="names GPU"):
+        replica_engines(listed, ["0", "1"])
+    cpu = parse_config({"models": {"m": {"engine": {"model_path": "m", "device": "cpu"}, "replicas": 2}}}).models["m"]
+    assert [e.env for e in replica_engines(cpu, [])] == [{}, {}]
