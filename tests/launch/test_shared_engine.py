@@ -20,6 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from loguru import logger
 
 from launch import shared
 from launch.config import EngineConfig
@@ -117,10 +118,12 @@ def test_shared_engine_life_cycle(tiny_engine_config: EngineConfig, runtime_dir:
 
     def first_user() -> None:
         try:
-            joined["lease"] = shared.join("tiny", engine, log_dir=tmp_path)
+            joined["lease"] = shared.join("tiny", engine, log_dir=tmp_path, show_log=True)
         except BaseException as error:  # handed to the test thread
             joined["error"] = error
 
+    shown: list[str] = []
+    sink = logger.add(lambda message: shown.append(message.record["message"]), level="INFO")
     user = threading.Thread(target=first_user)
     user.start()
     # the host dies while the engine starts: the user waiting on it starts a new host
@@ -128,7 +131,9 @@ def test_shared_engine_life_cycle(tiny_engine_config: EngineConfig, runtime_dir:
     first_host = _state(key_dir)["host_pid"]
     os.kill(first_host, signal.SIGKILL)
     user.join(timeout=SETTLE_S * 3)
+    logger.remove(sink)
     assert "error" not in joined, joined.get("error")
+    assert any(line.startswith("[tiny]") and "Load weight" in line for line in shown)  # show_log: the engine's lines
     lease: shared.SharedEngine = joined["lease"]
     assert lease.host_pid != first_host and lease.started_host and _chat(lease) == 200
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import mlflow
 import pytest
+from loguru import logger
 
 from model_code import close_model, engine_owner, log_model, python_model_of, stop_all
 from tests.model_code.helpers import engine_children, group_alive, last_trace
@@ -24,18 +25,27 @@ def managed_infos(mlflow_store, tiny_deployment, tiny_model_dir):
     config["models"]["tiny"]["engine"]["skip_server_warmup"] = True
     infos = {}
     for flavor in ("chat_agent", "chat_model", "responses_agent"):
+        settings = {"engine_sharing": "per_process", "show_engine_log": flavor == "chat_model"}
         with mlflow.start_run():
-            infos[flavor] = log_model(
-                config, flavor=flavor, model_path=tiny_model_dir, settings={"engine_sharing": "per_process"}
-            )
+            infos[flavor] = log_model(config, flavor=flavor, model_path=tiny_model_dir, settings=settings)
     yield infos
     stop_all()
 
 
 def test_two_managed_models_side_by_side_then_none_left(managed_infos):
     before = set(engine_children())
-    agent = mlflow.pyfunc.load_model(managed_infos["chat_agent"].model_uri)
-    chat = mlflow.pyfunc.load_model(managed_infos["chat_model"].model_uri)
+    shown: list[str] = []
+    sink = logger.add(lambda message: shown.append(message.record["message"]), level="INFO")
+    try:
+        agent = mlflow.pyfunc.load_model(managed_infos["chat_agent"].model_uri)
+        quiet, shown[:] = list(shown), []
+        chat = mlflow.pyfunc.load_model(managed_infos["chat_model"].model_uri)
+    finally:
+        logger.remove(sink)
+    # quiet by default: phases and the URL, not the engine's own lines; show_engine_log adds them
+    assert any("ready at http://" in line for line in quiet) and any(": loading weights (" in line for line in quiet)
+    assert not any(line.startswith("[tiny]") for line in quiet)
+    assert any(line.startswith("[tiny]") and "server_args=" in line for line in shown)
     engines = [python_model_of(agent).engine_process, python_model_of(chat).engine_process]
     try:
         assert all(e is not None and e.ready for e in engines)
