@@ -101,7 +101,7 @@ def test_missing_python_fails(tmp_path: Path) -> None:
 MIB = 1 << 20
 
 
-def test_tiny_dev_shm_with_tensor_parallelism_turns_nccl_shm_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tiny_dev_shm_with_tp_turns_nccl_shm_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("NCCL_SHM_DISABLE", raising=False)
     engine = EngineConfig(model_path=str(local_model(tmp_path)), tp_size=2)
     result = preflight(engine, gpu_count=2, cuda_home="/opt/cuda", shm_bytes=64 * MIB)
