@@ -23,7 +23,7 @@ from loguru import logger
 from launch.lifecycle import start_ready
 from launch.process import EngineProcess, new_engine_key
 from launch.shared import SharedEngine, join
-from model_code.target import Target
+from model_code.target import Target, show_engine_log
 
 Engine = EngineProcess | SharedEngine
 """What a client holds: both have ``url``, ``api_key``, ``pid``, ``port``, ``log_file`` and ``running``."""
@@ -40,7 +40,7 @@ def acquire_engine(target: Target) -> Engine:
     assert target.engine is not None
     settings = target.settings
     if settings.engine_sharing == "shared":
-        engine: Engine = join(target.name, target.engine, log_dir=settings.log_dir, show_log=settings.show_engine_log)
+        engine: Engine = join(target.name, target.engine, log_dir=settings.log_dir, show_log=show_engine_log(settings))
     else:
         engine = start_process_engine(target)
     with _LIVE_LOCK:
@@ -59,7 +59,7 @@ def start_process_engine(target: Target) -> EngineProcess:
         log_dir=Path(settings.log_dir) if settings.log_dir else None,
         api_key=new_engine_key(),
         on_progress=lambda phase, seconds: logger.info("engine {}: {} ({:.0f}s)", name, phase, seconds),
-        echo_level="INFO" if settings.show_engine_log else None,
+        echo_level="INFO" if show_engine_log(settings) else None,
     )
 
 

@@ -27,6 +27,8 @@ WEIGHTS_ARTIFACT = "llm-model"
 """Key of the local weights in ``context.artifacts`` (same name as the seeds)."""
 NO_ENGINE_ENV = "SGLANG_GATEWAY_MLFLOW_NO_ENGINE"
 """Set to ``1`` to load models without starting an engine (log time; also usable by hand)."""
+SHOW_ENGINE_LOG_ENV = "SGLANG_GATEWAY_SHOW_ENGINE_LOG"
+"""Set to ``1`` to print every engine log line whatever ``show_engine_log`` says (debugging a deployment)."""
 SETTINGS_KEY = "mlflow"
 EngineSharing = Literal["shared", "per_process"]
 TracingMode = Literal["on", "off", "sampled"]
@@ -58,7 +60,9 @@ class ModelCodeSettings(BaseModel):
         "serve -w N, notebooks); per_process: each loading process starts its own.",
     )
     show_engine_log: bool = Field(
-        False, description="Also print every engine log line (default: only start-up phases, warnings and errors)."
+        False,
+        description="Also print every engine log line (default: only start-up phases, warnings and errors; "
+        f"the environment variable {SHOW_ENGINE_LOG_ENV}=1 turns it on too).",
     )
     tracing: TracingMode = Field(
         "on", description="One MLflow trace per predict / predict_stream: on, off, or sampled (trace_sample_ratio)."
@@ -66,6 +70,11 @@ class ModelCodeSettings(BaseModel):
     trace_sample_ratio: float = Field(
         0.1, gt=0.0, le=1.0, description="Share of calls traced when tracing is 'sampled'."
     )
+
+
+def show_engine_log(settings: ModelCodeSettings) -> bool:
+    """Whether every engine log line is printed: the setting, or the environment variable."""
+    return settings.show_engine_log or os.environ.get(SHOW_ENGINE_LOG_ENV, "").strip().lower() in ("1", "true", "yes")
 
 
 @dataclass(frozen=True)
