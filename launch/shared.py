@@ -404,7 +404,7 @@ def spawn_host(key_dir: Path, timeout_s: float = HOST_START_TIMEOUT_S) -> subpro
             stdout=log_fd,
             stderr=log_fd,
             env=env,
-            cwd="/",
+            cwd=os.getcwd(),  # relative paths in the config mean what they meant to this process
             start_new_session=True,
             close_fds=True,
         )
