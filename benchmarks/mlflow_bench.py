@@ -28,7 +28,9 @@ from rich.console import Console
 from benchmarks.progress import progress_bar
 
 MESSAGES = [{"role": "user", "content": " ".join(["hello"] * 24)}]
-SERVING_ENV = "IS_IN_DB_MODEL_SERVING_ENV"  # MLflow's switch for the Model Serving trace buffer
+# What Databricks Model Serving sets in the container (traces then go to an in-memory buffer that the
+# serving layer reads after each request; no MLFLOW_EXPERIMENT_ID: no copy to an experiment).
+SERVING_ENV = {"IS_IN_DB_MODEL_SERVING_ENV": "true", "ENABLE_MLFLOW_TRACING": "true"}
 SAMPLE_RATIO = 0.1
 TARGET_ADDED_MS = 2.0  # predict / predict_stream within 2 ms of the raw client at p50
 TARGET_TTFT_ADDED_MS = 1.0
@@ -64,8 +66,6 @@ def run_mlflow_bench(
 ) -> dict[str, Any]:
     if trace_sink not in ("store", "serving"):
         raise ValueError(f"trace_sink must be store or serving, got {trace_sink!r}")
-    if trace_sink == "serving":
-        os.environ[SERVING_ENV] = "true"  # before MLflow sets up its tracer
     import mlflow
     import openai
 
@@ -103,14 +103,21 @@ def run_mlflow_bench(
     per_round = max(1, -(-requests // rounds))
     load_before = os.getloadavg()
     with progress_bar(console) as progress:
+        task = progress.add_task("logging the models", total=None)
+        infos = {}
         for flavor in flavors:
-            task = progress.add_task(f"logging {flavor}", total=None)
             with mlflow.start_run():
-                info = log_model(config, flavor=flavor, flashinfer=None)
-            model = mlflow.pyfunc.load_model(info.model_uri)
+                infos[flavor] = log_model(config, flavor=flavor, flashinfer=None)
+        progress.remove_task(task)
+        if trace_sink == "serving":
+            # After logging: MLflow 3.17.2's log_model deadlocks (nested trace_disabled) in this mode.
+            os.environ.update(SERVING_ENV)
+            os.environ.pop("MLFLOW_EXPERIMENT_ID", None)  # set by set_experiment: would also export to Databricks
+            mlflow.tracing.reset()  # the next trace sets the tracer up again, now with the serving buffer
+        for flavor in flavors:
+            model = mlflow.pyfunc.load_model(infos[flavor].model_uri)
             flavour_instance = python_model_of(model)
             inputs = _inputs(flavor, max_tokens)
-            progress.remove_task(task)
 
             def wrapped_predict(model: Any = model, inputs: dict[str, Any] = inputs) -> None:
                 model.predict(inputs)
