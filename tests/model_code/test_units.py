@@ -288,6 +288,25 @@ def test_bare_engine_section_and_settings(tiny_model_dir):
     assert target.engine.model_path == str(tiny_model_dir) and target.engine.port == 0  # free port at each load
 
 
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (
+            {"engine_sharing": "per_host"},
+            "model_config: mlflow: engine_sharing: Input should be 'shared' or 'per_process'",
+        ),
+        ({"tracing": "some"}, "model_config: mlflow: tracing: Input should be 'on', 'off' or 'sampled'"),
+        ({"trace_sample_ratio": 0}, "model_config: mlflow: trace_sample_ratio: Input should be greater than 0"),
+    ],
+)
+def test_sharing_and_tracing_settings_are_checked(settings, message):
+    with pytest.raises(ConfigError) as error:
+        split_model_config({"models": {"a": {"url": "http://h:1"}}, "mlflow": settings})
+    assert str(error.value) == message
+    _, defaults = split_model_config({"models": {"a": {"url": "http://h:1"}}})
+    assert (defaults.engine_sharing, defaults.tracing, defaults.show_engine_log) == ("shared", "on", False)
+
+
 def test_model_choice():
     config = {"models": {"a": {"url": "http://h:1"}, "b": {"url": "http://h:2", "aliases": ["default"]}}}
     assert resolve_target(config).name == "b"
