@@ -513,7 +513,9 @@ def mlflow_command(
     output_tokens: OutputTokens = 16,
     trace_sink: Annotated[
         str,
-        typer.Option(help="store (sqlite tracking store, like a notebook) | serving (Model Serving's in-memory buffer)."),
+        typer.Option(
+            help="store (sqlite tracking store, like a notebook) | serving (Model Serving's in-memory buffer)."
+        ),
     ] = "store",
     out: Out = None,
 ) -> None:
@@ -561,6 +563,7 @@ def mlflow_command(
         "wrapper p99 ms",
         "added p99 ms",
         "added TTFT p50 ms",
+        "added CPU ms caller / all",
         "target",
     ):
         table.add_column(column, justify="right")
@@ -576,6 +579,7 @@ def mlflow_command(
             _fmt(row["wrapper_p99_ms"], 2),
             _fmt(row["added_p99_ms"], 2),
             _fmt(row["added_ttft_p50_ms"], 2),
+            f"{_fmt(row['added_caller_cpu_ms'], 2)} / {_fmt(row['added_process_cpu_ms'], 2)}",
             {True: "[green]met[/]", False: "[red]MISSED[/]", None: "-"}[met],
         )
     out_console.print(table)

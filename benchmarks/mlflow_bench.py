@@ -4,7 +4,8 @@ client, against the same engine, in the same run, with alternating rounds.
 Each flavour is logged in URL mode (``model_config = {"models": {"bench": {"url": ...}}}``: loading starts no
 engine) into a throw-away sqlite tracking store under the results directory, then loaded once. Calls are
 sequential (the wrapper's ``predict`` is synchronous): each figure is a per-call latency, and for streams
-also the time to the first chunk. The wrapper is measured as users get it (MLflow tracing on: one trace
+also the time to the first chunk; CPU ms per call (this thread, and the whole process) is the figure that
+holds on a busy machine. The wrapper is measured as users get it (MLflow tracing on: one trace
 per call), with ``mlflow.tracing.disable()``, and (when the model supports it) with ``tracing: sampled``.
 
 Traces are exported by MLflow on a background thread of this process, so their export competes with the
@@ -139,6 +140,7 @@ def run_mlflow_bench(
                     sides["tracing sampled"] = wrapped_call
                 times: dict[str, list[float]] = {name: [] for name in sides}
                 firsts: dict[str, list[float]] = {name: [] for name in sides}
+                cpu: dict[str, list[float]] = {name: [0.0, 0.0] for name in sides}  # caller thread, whole process
                 for name, call in sides.items():  # warm-up
                     _configure(mlflow, flavour_instance, name)
                     for _ in range(3):
@@ -149,6 +151,7 @@ def run_mlflow_bench(
                     for name in order:
                         _configure(mlflow, flavour_instance, name)
                         call = sides[name]
+                        thread_cpu, process_cpu = time.thread_time(), time.process_time()
                         for _ in range(per_round):
                             start = time.perf_counter()
                             first = call()
@@ -156,10 +159,14 @@ def run_mlflow_bench(
                             if first is not None:
                                 firsts[name].append(first)
                             progress.advance(task)
-                        mlflow.flush_trace_async_logging()  # untimed: no export spills into the next batch
+                        # untimed, but its CPU counts: no export spills into the next batch
+                        mlflow.flush_trace_async_logging()
+                        cpu[name][0] += time.thread_time() - thread_cpu
+                        cpu[name][1] += time.process_time() - process_cpu
                 _configure(mlflow, flavour_instance, "tracing on")
                 progress.remove_task(task)
-                rows += _rows(flavor, mode, times, firsts)
+                calls = per_round * rounds
+                rows += _rows(flavor, mode, times, firsts, {k: [v * 1000 / calls for v in c] for k, c in cpu.items()})
             close_model(model)
     mlflow.flush_trace_async_logging()
     raw.close()
@@ -177,8 +184,15 @@ def run_mlflow_bench(
 
 
 def _rows(
-    flavor: str, mode: str, times: dict[str, list[float]], firsts: dict[str, list[float]]
+    flavor: str,
+    mode: str,
+    times: dict[str, list[float]],
+    firsts: dict[str, list[float]],
+    cpu_ms: dict[str, list[float]],
 ) -> list[dict[str, Any]]:
+    """One row per wrapper side: latency and first-chunk figures against the raw side, and CPU ms per call
+    (the caller's thread; the whole process, MLflow's export thread included): the figures that stay
+    steady on a busy machine."""
     base, base_first = times["raw"], firsts["raw"]
     rows = []
     for name in times:
@@ -207,6 +221,9 @@ def _rows(
                 "wrapper_ttft_p50_ms": _ms(firsts[name], 50),
                 "added_ttft_p50_ms": added_first,
                 "ratio_p50": _ms(values, 50) / _ms(base, 50),  # type: ignore[operator]
+                "raw_cpu_ms": cpu_ms["raw"][1],
+                "added_caller_cpu_ms": cpu_ms[name][0] - cpu_ms["raw"][0],
+                "added_process_cpu_ms": cpu_ms[name][1] - cpu_ms["raw"][1],
                 "met": met if name == "tracing on" else None,
             }
         )
