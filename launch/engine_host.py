@@ -1,4 +1,5 @@
-"""The process that owns a shared engine: ``python -m launch.engine_host KEY_DIR`` (see :mod:`launch.shared`).
+"""The process that owns a shared engine: ``python -m launch.engine_host KEY_DIR`` (see :mod:`launch.shared`;
+``KEY_DIR`` is described in :mod:`launch.engine_dir`).
 
 Started detached by the first user of an engine configuration. It holds ``host.lock`` for its whole
 life, starts the engine, publishes ``state.json``, restarts the engine when it dies while users remain
@@ -23,11 +24,7 @@ from typing import Any
 from loguru import logger
 
 from launch.config import EngineConfig
-from launch.lifecycle import start_ready
-from launch.ports import port_is_free
-from launch.preflight import PreflightError
-from launch.process import EngineError, EngineProcess, EngineStartCancelled, new_engine_key
-from launch.shared import (
+from launch.engine_dir import (
     HOST_LOCK,
     HOST_LOG,
     SPEC_FILE,
@@ -39,6 +36,10 @@ from launch.shared import (
     read_json,
     write_private_json,
 )
+from launch.lifecycle import start_ready
+from launch.ports import port_is_free
+from launch.preflight import PreflightError
+from launch.process import EngineError, EngineProcess, EngineStartCancelled, new_engine_key
 from launch.shm import group_pids, orphaned_shm_files, remove_files
 
 WATCH_S = 0.5

@@ -1,4 +1,4 @@
-"""The machine-wide shared engine (``launch.shared`` + ``launch.engine_host``).
+"""The machine-wide shared engine (``launch.shared``, ``launch.engine_dir``, ``launch.engine_host``).
 
 Lock and directory rules are checked without an engine. The life cycle runs the real SGLang engine
 on CPU: a host killed while it starts is replaced by the user waiting on it; a second user (another
@@ -22,7 +22,7 @@ import httpx
 import pytest
 from loguru import logger
 
-from launch import shared
+from launch import engine_dir, shared
 from launch.config import EngineConfig
 from launch.shm import group_pids, owned_shm_files
 
@@ -32,58 +32,58 @@ SETTLE_S = 120  # bound on waiting for processes to appear or go away (never a t
 @pytest.fixture
 def runtime_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     root = tmp_path / "runtime"
-    monkeypatch.setenv(shared.RUNTIME_DIR_ENV, str(root))
+    monkeypatch.setenv(engine_dir.RUNTIME_DIR_ENV, str(root))
     return root
 
 
 # ------------------------------------------------------------------------------ no engine
 def test_key_follows_the_engine_config(tiny_engine_config: EngineConfig) -> None:
-    key = shared.engine_key("tiny", tiny_engine_config)
-    assert key == shared.engine_key("tiny", tiny_engine_config.model_copy())
-    assert key != shared.engine_key("other", tiny_engine_config)
-    assert key != shared.engine_key("tiny", tiny_engine_config.model_copy(update={"max_total_tokens": 1024}))
+    key = engine_dir.engine_key("tiny", tiny_engine_config)
+    assert key == engine_dir.engine_key("tiny", tiny_engine_config.model_copy())
+    assert key != engine_dir.engine_key("other", tiny_engine_config)
+    assert key != engine_dir.engine_key("tiny", tiny_engine_config.model_copy(update={"max_total_tokens": 1024}))
 
 
 def test_runtime_dir_is_private_and_refuses_a_symlink(runtime_dir: Path, tmp_path: Path) -> None:
-    root = shared.runtime_root()
+    root = engine_dir.runtime_root()
     assert root == runtime_dir and (root.stat().st_mode & 0o777) == 0o700
     os.chmod(root, 0o755)
-    assert (shared.runtime_root().stat().st_mode & 0o777) == 0o700
+    assert (engine_dir.runtime_root().stat().st_mode & 0o777) == 0o700
     trap = tmp_path / "trap"
     trap.symlink_to(tmp_path)
-    with pytest.raises(shared.SharedEngineError, match="not a directory owned by this user"):
-        shared.private_dir(trap)
+    with pytest.raises(engine_dir.SharedEngineError, match="not a directory owned by this user"):
+        engine_dir.private_dir(trap)
 
 
 def test_host_lock_tells_whether_a_host_lives(runtime_dir: Path) -> None:
-    key_dir = shared.private_dir(runtime_dir / "engines" / "k")
-    assert not shared.host_alive(key_dir)
-    fd = shared.open_lock_file(key_dir / shared.HOST_LOCK)
+    key_dir = engine_dir.private_dir(runtime_dir / "engines" / "k")
+    assert not engine_dir.host_alive(key_dir)
+    fd = engine_dir.open_lock_file(key_dir / engine_dir.HOST_LOCK)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        assert shared.host_alive(key_dir)
+        assert engine_dir.host_alive(key_dir)
     finally:
         os.close(fd)
-    assert not shared.host_alive(key_dir)
+    assert not engine_dir.host_alive(key_dir)
 
 
 def test_a_users_lock_on_a_removed_file_is_noticed(runtime_dir: Path) -> None:
-    key_dir = shared.private_dir(runtime_dir / "engines" / "k")
-    fd = shared.hold_users_lock(key_dir)
+    key_dir = engine_dir.private_dir(runtime_dir / "engines" / "k")
+    fd = engine_dir.hold_users_lock(key_dir)
     try:
-        assert shared.same_file(fd, key_dir / shared.USERS_LOCK)
-        (key_dir / shared.USERS_LOCK).unlink()  # what a host does when it leaves
-        assert not shared.same_file(fd, key_dir / shared.USERS_LOCK)
+        assert engine_dir.same_file(fd, key_dir / engine_dir.USERS_LOCK)
+        (key_dir / engine_dir.USERS_LOCK).unlink()  # what a host does when it leaves
+        assert not engine_dir.same_file(fd, key_dir / engine_dir.USERS_LOCK)
     finally:
         os.close(fd)
-    fd = shared.hold_users_lock(key_dir)  # starts over on a fresh file
-    assert shared.same_file(fd, key_dir / shared.USERS_LOCK)
+    fd = engine_dir.hold_users_lock(key_dir)  # starts over on a fresh file
+    assert engine_dir.same_file(fd, key_dir / engine_dir.USERS_LOCK)
     os.close(fd)
 
 
 # ------------------------------------------------------------------------------ real engine
 def _state(key_dir: Path) -> dict:
-    return shared.read_json(key_dir / shared.STATE_FILE) or {}
+    return engine_dir.read_json(key_dir / engine_dir.STATE_FILE) or {}
 
 
 def _wait_for(predicate, what: str) -> None:
@@ -102,7 +102,7 @@ def _chat(lease: shared.SharedEngine) -> int:
 
 _SECOND_USER = """
 import sys
-from launch import shared
+from launch import engine_dir, shared
 from launch.config import EngineConfig
 lease = shared.join("tiny", EngineConfig.model_validate_json(sys.argv[1]))
 print(lease.pid, lease.started_host, flush=True)
@@ -113,7 +113,7 @@ sys.stdin.read()  # hold the engine until killed
 @pytest.mark.engine
 def test_shared_engine_life_cycle(tiny_engine_config: EngineConfig, runtime_dir: Path, tmp_path: Path) -> None:
     engine = tiny_engine_config.model_copy(update={"skip_server_warmup": True})
-    key_dir = shared.engine_dir("tiny", engine)
+    key_dir = engine_dir.key_dir_for("tiny", engine)
     joined: dict = {}
 
     def first_user() -> None:
@@ -159,7 +159,7 @@ def test_shared_engine_life_cycle(tiny_engine_config: EngineConfig, runtime_dir:
     finally:
         second.kill()  # SIGKILL: the kernel drops its lock
         second.wait()
-    assert shared.host_alive(key_dir)  # the first user still holds the engine
+    assert engine_dir.host_alive(key_dir)  # the first user still holds the engine
 
     lease.close()
     _wait_for(lambda: not group_pids(new_engine) and not key_dir.exists(), "the engine to stop and its directory to go")

@@ -21,7 +21,7 @@ import mlflow
 import psutil
 import pytest
 
-from launch.shared import STATE_FILE, runtime_root
+from launch.engine_dir import STATE_FILE, runtime_root
 from launch.shm import owned_shm_files
 from model_code import log_model
 from tests.model_code.helpers import http_server_process
