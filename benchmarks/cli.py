@@ -511,12 +511,18 @@ def mlflow_command(
     ] = 60,
     rounds: Annotated[int, typer.Option(help="Alternating raw/wrapper rounds.")] = 4,
     output_tokens: OutputTokens = 16,
+    trace_sink: Annotated[
+        str,
+        typer.Option(
+            help="store (sqlite tracking store, like a notebook) | serving (Model Serving's in-memory buffer)."
+        ),
+    ] = "store",
     out: Out = None,
 ) -> None:
     """MLflow wrapper cost: ``load_model(...).predict`` / ``predict_stream`` vs the raw openai client, same engine."""
     from benchmarks.mlflow_bench import run_mlflow_bench
 
-    out_dir = _out_dir(out, f"mlflow-{upstream if upstream in ('stub', 'sglang') else 'url'}")
+    out_dir = _out_dir(out, f"mlflow-{upstream if upstream in ('stub', 'sglang') else 'url'}-{trace_sink}")
     with ExitStack() as stack:
         if upstream == "stub":
             url, _ = stack.enter_context(processes.fake_upstream(stub_kind, out_dir))
@@ -528,7 +534,14 @@ def mlflow_command(
         else:
             url, label = upstream.rstrip("/"), "url"
         result = run_mlflow_bench(
-            url, [f.strip() for f in flavors.split(",") if f.strip()], requests, rounds, output_tokens, out_dir, console
+            url,
+            [f.strip() for f in flavors.split(",") if f.strip()],
+            requests,
+            rounds,
+            output_tokens,
+            out_dir,
+            console,
+            trace_sink=trace_sink,
         )
     result.update(
         {
@@ -539,7 +552,7 @@ def mlflow_command(
         }
     )
     (out_dir / "result.json").write_text(json.dumps(result, indent=2, default=str))
-    table = Table(title="MLflow wrapper vs raw openai client (sequential calls)")
+    table = Table(title=f"MLflow wrapper vs raw openai client (sequential calls, traces to: {trace_sink})")
     for column in (
         "flavour",
         "mode",
@@ -548,7 +561,9 @@ def mlflow_command(
         "added p50 ms",
         "raw p99 ms",
         "wrapper p99 ms",
-        "ratio p50",
+        "added p99 ms",
+        "added TTFT p50 ms",
+        "added CPU ms caller / all",
         "target",
     ):
         table.add_column(column, justify="right")
@@ -562,7 +577,9 @@ def mlflow_command(
             _fmt(row["added_p50_ms"], 2),
             _fmt(row["raw_p99_ms"], 2),
             _fmt(row["wrapper_p99_ms"], 2),
-            _fmt(row["ratio_p50"], 3),
+            _fmt(row["added_p99_ms"], 2),
+            _fmt(row["added_ttft_p50_ms"], 2),
+            f"{_fmt(row['added_caller_cpu_ms'], 2)} / {_fmt(row['added_process_cpu_ms'], 2)}",
             {True: "[green]met[/]", False: "[red]MISSED[/]", None: "-"}[met],
         )
     out_console.print(table)

@@ -168,23 +168,34 @@ def serve(
     port: Annotated[int | None, typer.Option("--port", help="Port to bind (overrides gateway.port).")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show the engines' logs.")] = False,
     watch: Annotated[bool, typer.Option("--watch", help="Reload CONFIG whenever the file changes.")] = False,
+    gateway_config: Annotated[
+        Path | None,
+        typer.Option(
+            "--gateway-config",
+            help="With --model-uri: YAML file whose gateway: section (API keys, limits...) overrides the logged one.",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Start CONFIG's engines and serve the OpenAI-compatible gateway until Ctrl-C (or SIGTERM).
 
     Edit CONFIG and send SIGHUP (or POST /admin/reload, or use --watch) to swap models without downtime.
     With --model-uri, serve a logged MLflow model: the OpenAI endpoints plus POST /invocations
-    (Databricks request shapes, streaming when the body has "stream": true).
+    (Databricks request shapes, streaming when the body has "stream": true), with the settings of the
+    logged model_config's gateway: section, overridden by --gateway-config's, then --host/--port.
     """
     if (config is None) == (model_uri is None):
         raise fail("give a CONFIG file or --model-uri (one of them)")
     if model_uri is not None and watch:
         raise fail("--watch needs a CONFIG file")
+    if gateway_config is not None and model_uri is None:
+        raise fail("--gateway-config goes with --model-uri (a CONFIG file has its own gateway: section)")
     configure_logging(verbose)
     try:
         if model_uri is not None:
             from gateway.model_uri import run_model_uri
 
-            run_model_uri(model_uri, host=host, port=port, verbose=verbose)
+            run_model_uri(model_uri, host=host, port=port, verbose=verbose, gateway_config=gateway_config)
         else:
             from gateway.server import run
 
@@ -198,7 +209,9 @@ def serve(
     except Exception as error:  # e.g. MLflow cannot find or load the model: one line, no traceback
         if model_uri is None:
             raise
-        raise fail(f"cannot serve {model_uri}: {str(error).splitlines()[0] if str(error) else type(error).__name__}", code=1) from None
+        raise fail(
+            f"cannot serve {model_uri}: {str(error).splitlines()[0] if str(error) else type(error).__name__}", code=1
+        ) from None
 
 
 @app.command("build-tiny-model")

@@ -4,7 +4,9 @@ Accepts the Databricks Model Serving request shapes of the model's interface (Ch
 ChatModel, ResponsesAgent; see ``model_code.serving``). With ``"stream": true`` in the body the
 answer is SSE: one ``data: {chunk}`` event per ``predict_stream`` chunk, then ``data: [DONE]``, as
 Databricks serving answers. The model's calls are blocking (the ``openai`` client), so they run in
-worker threads; a failure after the 200 ends the stream with an OpenAI-shaped error event.
+worker threads; a failure after the 200 ends the stream with an OpenAI-shaped error event. Each
+request holds a slot of the model's concurrency limiter (the one its OpenAI routes use) until its
+answer or stream ends; over the limit it gets 429 like them.
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ from typing import Any
 
 import orjson
 from fastapi import APIRouter, Request
+from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response, StreamingResponse
 
 from gateway.errors import GatewayError, sanitize_message, sse_error_event
+from gateway.limits import ConcurrencyLimiter
 
 DONE_EVENT = b"data: [DONE]\n\n"
 
@@ -32,11 +36,15 @@ def _as_gateway_error(error: Exception) -> GatewayError:
     return GatewayError(status, sanitize_message(message))
 
 
-def invocations_router(served: Any) -> APIRouter:
-    """Routes for ``served`` (a ``model_code.serving.ServedModel``): ``/invocations`` and ``/ping``."""
+def invocations_router(served: Any, limiter: Callable[[], ConcurrencyLimiter] | None = None) -> APIRouter:
+    """Routes for ``served`` (a ``model_code.serving.ServedModel``): ``/invocations`` and ``/ping``.
+
+    ``limiter`` gives the model's current limiter (looked up per request: a reload may replace it).
+    """
     from model_code.serving import wants_stream
 
     router = APIRouter()
+    name = str(getattr(served, "model_name", None) or "model")
 
     @router.get("/ping")
     async def ping() -> Response:
@@ -51,20 +59,37 @@ def invocations_router(served: Any) -> APIRouter:
             raise GatewayError(400, "request body is not valid JSON") from None
         if not isinstance(body, dict):
             raise GatewayError(400, f"request body must be a JSON object, got {type(body).__name__}")
-        if wants_stream(body):
-            chunks = await _first_chunk(served, body)
-            return StreamingResponse(_sse(chunks), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        slots = limiter() if limiter is not None else None
+        if slots is not None:
+            await slots.acquire(name)
+        release = _Once(slots.release if slots is not None else None)
         try:
-            result = await run_in_threadpool(served.predict, body)
-        except Exception as error:  # model_code raises typed errors with status_code
-            raise _as_gateway_error(error) from None
-        return Response(orjson.dumps(result, default=_jsonable), media_type="application/json")
+            if wants_stream(body):
+                chunks = await _first_chunk(served, body, release)
+                streamed, release = release, _Once(None)  # the stream releases its slot when it ends
+                return StreamingResponse(
+                    _sse(chunks),
+                    media_type="text/event-stream",
+                    headers={"Cache-Control": "no-cache"},
+                    background=BackgroundTask(streamed),  # also if the stream never started
+                )
+            try:
+                result = await run_in_threadpool(served.predict, body)
+            except Exception as error:  # model_code raises typed errors with status_code
+                raise _as_gateway_error(error) from None
+            return Response(orjson.dumps(result, default=_jsonable), media_type="application/json")
+        finally:
+            release()
 
     return router
 
 
-async def _first_chunk(served: Any, body: dict[str, Any]) -> AsyncIterator[Any]:
-    """Start the stream and fetch its first chunk before the 200, so early errors get a real status."""
+async def _first_chunk(served: Any, body: dict[str, Any], release: Callable[[], None]) -> AsyncIterator[Any]:
+    """Start the stream and fetch its first chunk before the 200, so early errors get a real status.
+
+    ``release`` (the limiter slot) is called when the stream ends, fails or is abandoned; on an early
+    error the caller releases it.
+    """
     chunks = _ThreadedStream(lambda: served.predict_stream(body))
     try:
         first = await chunks.next()
@@ -80,8 +105,21 @@ async def _first_chunk(served: Any, body: dict[str, Any]) -> AsyncIterator[Any]:
                 item = await chunks.next()
         finally:  # also on client disconnect: the producer closes the model's generator
             chunks.cancel()
+            release()
 
     return rest()
+
+
+class _Once:
+    """Calls ``fn`` on the first call only (a limiter slot is released exactly once)."""
+
+    def __init__(self, fn: Callable[[], None] | None) -> None:
+        self._fn = fn
+
+    def __call__(self) -> None:
+        fn, self._fn = self._fn, None
+        if fn is not None:
+            fn()
 
 
 _END = object()

@@ -1,9 +1,10 @@
 """Checks run before launching an engine, each failing with a message that says what to do.
 
-``preflight`` returns the engine config to launch (possibly adjusted: CUDA_HOME found, or CUDA
-graphs turned off with a warning) and the findings; errors stop the launch. For ``device: cuda`` it
-also compares the installed GPU stack profile (``launch.gpu_profiles``) with the CUDA version the
-NVIDIA driver supports, so an old driver is named before the engine fails at its first kernel.
+``preflight`` returns the engine config to launch (possibly adjusted: CUDA_HOME found, CUDA graphs
+turned off, or NCCL's shared-memory transport turned off in a container with a tiny ``/dev/shm``,
+each with a warning) and the findings; errors stop the launch. For ``device: cuda`` it also compares
+the installed GPU stack profile (``launch.gpu_profiles``) with the CUDA version the NVIDIA driver
+supports, so an old driver is named before the engine fails at its first kernel.
 """
 
 from __future__ import annotations
@@ -247,6 +248,51 @@ def check_cuda_home(engine: EngineConfig, cuda_home: str | None = None) -> tuple
     return engine, [Finding("warning", "CUDA_HOME is unset and no nvcc was found: FlashInfer JIT kernels may fail to build")]
 
 
+SHM_DIR = "/dev/shm"
+SHM_RECOMMENDED_BYTES = 1 << 30  # NCCL's troubleshooting guide: docker run --shm-size=1g
+SHM_TOO_SMALL_BYTES = 512 << 20  # below this, NCCL's shared-memory transport is turned off for the engine
+NCCL_SHM_DISABLE = "NCCL_SHM_DISABLE"
+
+
+def shm_size_bytes(path: str = SHM_DIR) -> int | None:
+    """Size of the ``/dev/shm`` file system, or None when there is none."""
+    try:
+        stats = os.statvfs(path)
+    except OSError:
+        return None
+    return stats.f_blocks * stats.f_frsize
+
+
+def check_shm(engine: EngineConfig, shm_bytes: int | None = None) -> tuple[EngineConfig, list[Finding]]:
+    """Tensor parallelism over NCCL needs ``/dev/shm``; containers often give it 64 MB.
+
+    NCCL creates its shared-memory segments there and fails to initialise when they do not fit. Below
+    512 MiB the engine gets ``NCCL_SHM_DISABLE=1`` (unless the variable is set already): NCCL then uses
+    GPU peer-to-peer, or sockets where P2P is impossible, instead of host shared memory: slower there,
+    but it starts. The remedy is a bigger ``/dev/shm``; the warning says how.
+    """
+    if engine.device != "cuda" or engine.tp_size < 2:
+        return engine, []
+    size = shm_size_bytes() if shm_bytes is None else shm_bytes
+    if size is None or size >= SHM_RECOMMENDED_BYTES:
+        return engine, []
+    remedy = (
+        f"/dev/shm is {size / (1 << 20):.0f} MiB and tp_size is {engine.tp_size}: NCCL needs shared memory "
+        "between the tensor-parallel ranks. Give the container at least 1 GiB (docker run --shm-size=1g "
+        "--ulimit memlock=-1, or --ipc=host; Kubernetes: an emptyDir with medium: Memory mounted at /dev/shm)"
+    )
+    user_set = NCCL_SHM_DISABLE in engine.env or NCCL_SHM_DISABLE in os.environ
+    if size >= SHM_TOO_SMALL_BYTES or user_set:
+        return engine, [Finding("warning", remedy + ".")]
+    env = {**engine.env, NCCL_SHM_DISABLE: "1"}
+    return engine.model_copy(update={"env": env}), [
+        Finding(
+            "warning",
+            remedy + f"; until then the engine runs with {NCCL_SHM_DISABLE}=1 (slower where GPUs lack peer-to-peer).",
+        )
+    ]
+
+
 def check_python(engine: EngineConfig) -> list[Finding]:
     python = engine.python_executable
     if not (Path(python).is_file() or shutil.which(python)):
@@ -260,12 +306,15 @@ def preflight(
     gpu_count: int | None = None,
     cuda_home: str | None = None,
     driver_cuda: tuple[int, int] | None = None,
+    shm_bytes: int | None = None,
 ) -> PreflightResult:
     """Run every check; the returned engine is the one to launch.
 
-    ``gpu_count``, ``cuda_home`` and ``driver_cuda`` replace what would be detected (tests, or a caller that knows).
+    ``gpu_count``, ``cuda_home``, ``driver_cuda`` and ``shm_bytes`` replace what would be detected (tests,
+    or a caller that knows).
     """
     adjusted, cuda_findings = check_cuda_home(engine, cuda_home) if engine.device == "cuda" else (engine, [])
+    adjusted, shm_findings = check_shm(adjusted, shm_bytes)
     python_findings = check_python(engine)
     stack_findings: list[Finding] = []
     if engine.device == "cuda" and not python_findings:
@@ -278,6 +327,7 @@ def preflight(
         *check_gpus(engine, gpu_count),
         *cuda_findings,
         *stack_findings,
+        *shm_findings,
     ]
     return PreflightResult(adjusted, findings)
 
@@ -285,14 +335,12 @@ def preflight(
 def require(result: PreflightResult, name: str) -> EngineConfig:
     """The engine to launch, or :class:`PreflightError` listing every failed check for model ``name``.
 
-    Warnings and notes are logged: they say what was adjusted (CUDA graphs turned off for want of
-    ``nvcc``, a toolkit found) where nobody reads ``sglang-gateway check``, e.g. a serving container.
+    Warnings and notes are logged (the launch goes on): they say what was adjusted and why.
     """
     if not result.ok:
         raise PreflightError("\n".join(f"model {name}: {f.message}" for f in result.errors))
     for finding in result.findings:
-        log = logger.warning if finding.level == "warning" else logger.info
-        log("model {}: {}", name, finding.message)
+        logger.log("WARNING" if finding.level == "warning" else "INFO", "model {}: {}", name, finding.message)
     return result.engine
 
 

@@ -75,6 +75,10 @@ class EngineStartTimeout(EngineError):
     """The engine did not become ready within its start-up timeout."""
 
 
+class EngineStartCancelled(EngineError):
+    """The caller gave up waiting for readiness (``wait_ready(stop_when=...)`` returned True)."""
+
+
 ProgressCallback = Callable[[str, float], None]
 
 
@@ -105,6 +109,7 @@ class EngineProcess:
         stop_grace_s: float = 15.0,
         api_key: str | None = None,
         served_model_name: str | None = None,
+        echo_level: str | None = "DEBUG",
     ) -> None:
         self.name = name
         self.config = config
@@ -117,6 +122,9 @@ class EngineProcess:
         self._secret_file: Path | None = None
         self.stop_grace_s = stop_grace_s
         self.on_progress = on_progress
+        # Level at which each engine log line also goes to the logger (None: the log file only). DEBUG
+        # keeps it out of INFO-level consoles; the MLflow wrapper passes None so notebooks stay quiet.
+        self.echo_level = echo_level
         self._log_dir = Path(log_dir) if log_dir else Path(tempfile.gettempdir()) / "sglang-gateway-logs"
         self._tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
         self._proc: subprocess.Popen[bytes] | None = None
@@ -213,8 +221,11 @@ class EngineProcess:
         self._reader = threading.Thread(target=self._pump_log, name=f"engine-log-{self.name}", daemon=True)
         self._reader.start()
 
-    def wait_ready(self, timeout_s: float | None = None, poll_s: float = 0.25) -> None:
-        """Block until ``/health`` answers 200; raise :class:`EngineExited` / :class:`EngineStartTimeout`."""
+    def wait_ready(
+        self, timeout_s: float | None = None, poll_s: float = 0.25, stop_when: Callable[[], bool] | None = None
+    ) -> None:
+        """Block until ``/health`` answers 200; raise :class:`EngineExited` / :class:`EngineStartTimeout`
+        (or :class:`EngineStartCancelled` as soon as ``stop_when()`` is true)."""
         if self._proc is None:
             raise RuntimeError(f"engine {self.name!r} was not started")
         timeout = self.config.startup_timeout_s if timeout_s is None else timeout_s
@@ -237,6 +248,14 @@ class EngineProcess:
                     self._set_phase("ready")
                     logger.info("engine {}: ready at {} after {:.1f}s", self.name, self.url, self.uptime_s)
                     return
+                if stop_when is not None and stop_when():
+                    raise EngineStartCancelled(
+                        f"engine {self.name!r}: start cancelled (phase: {self._phase})",
+                        name=self.name,
+                        returncode=None,
+                        log_tail=[],
+                        log_file=self.log_file,
+                    )
                 if time.monotonic() >= deadline:
                     raise EngineStartTimeout(
                         f"engine {self.name!r} was not ready after {timeout:.0f}s (last phase: {self._phase})",
@@ -298,7 +317,9 @@ class EngineProcess:
             raise
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.stop()
 
     # ------------------------------------------------------------------ internals
@@ -316,7 +337,8 @@ class EngineProcess:
                 sink.flush()
                 with self._lock:
                     self._tail.append(line)
-                logger.debug("[{}] {}", self.name, line)
+                if self.echo_level is not None:
+                    logger.log(self.echo_level, "[{}] {}", self.name, line)
                 self._parse_phase(line)
         self._proc.stdout.close()
 

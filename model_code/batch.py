@@ -13,11 +13,11 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import mlflow
 from mlflow.entities import SpanType
 
-from model_code.engine_client import EngineClient, LogTimeClient, record_usage, usage_dict
+from model_code.client import EngineClient, LogTimeClient, usage_dict
 from model_code.errors import BadRequestError, EngineRequestError
+from model_code.tracing import TracePolicy, traced_call
 
 PROMPT_COLUMN = "prompt"
 
@@ -61,7 +61,6 @@ def _prompts(prompts: Any, column: str) -> list[str]:
     return out
 
 
-@mlflow.trace(name="batch_predict", span_type=SpanType.CHAIN)
 def batch_predict(
     model: Any,
     prompts: Any,
@@ -77,7 +76,7 @@ def batch_predict(
 
     Args:
         model: a model from ``mlflow.pyfunc.load_model`` (any of the three flavours), a flavour
-            instance, or an :class:`~model_code.engine_client.EngineClient`.
+            instance, or an :class:`~model_code.client.EngineClient`.
         prompts: list of strings, list of ``{"prompt": ...}`` records, or a DataFrame with a ``prompt`` column.
         system_prompt: sent before every prompt.
         json_schema: a JSON schema (dict or JSON string) or a pydantic model class: constrained output,
@@ -90,10 +89,34 @@ def batch_predict(
     Returns:
         A list of dicts ``{prompt, output, parsed, finish_reason, usage, error}``; for a DataFrame
         input, a copy of it with those columns added.
+
+    The batch is one MLflow trace (inputs, outputs, summed usage), following the model's ``mlflow.tracing``.
     """
     if on_error not in ("raise", "record"):
         raise ValueError("on_error must be 'raise' or 'record'")
     client = _client_of(model)
+    policy = TracePolicy(client.settings.tracing, client.settings.trace_sample_ratio)
+    inputs = {"prompts": prompts, "system_prompt": system_prompt, "json_schema": json_schema, "params": params}
+    return traced_call(
+        policy,
+        "batch_predict",
+        SpanType.CHAIN,
+        inputs,
+        lambda: _run_batch(client, prompts, system_prompt, json_schema, params, max_workers, on_error, prompt_column),
+        _summed_usage,
+    )
+
+
+def _run_batch(
+    client: EngineClient | LogTimeClient,
+    prompts: Any,
+    system_prompt: str | None,
+    json_schema: Any,
+    params: Mapping[str, Any] | None,
+    max_workers: int | None,
+    on_error: str,
+    prompt_column: str,
+) -> Any:
     texts = _prompts(prompts, prompt_column)
     request = dict(params or {})
     if json_schema is not None:
@@ -138,12 +161,6 @@ def batch_predict(
     ) as pool:
         results = list(pool.map(one, texts))  # map keeps the input order and re-raises the first error
 
-    totals = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
-    for result in results:
-        for key in totals:
-            totals[key] += (result["usage"] or {}).get(key, 0)
-    record_usage(totals)
-
     try:
         import pandas as pd
     except ImportError:  # pragma: no cover
@@ -154,3 +171,13 @@ def batch_predict(
             frame[key] = [r[key] for r in results]
         return frame
     return results
+
+
+def _summed_usage(results: Any) -> dict[str, int]:
+    """Token usage of the whole batch (a list of result dicts, or the DataFrame with a ``usage`` column)."""
+    usages = results["usage"].tolist() if hasattr(results, "columns") else [r["usage"] for r in results]
+    totals = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    for usage in usages:
+        for key in totals:
+            totals[key] += (usage or {}).get(key, 0)
+    return totals

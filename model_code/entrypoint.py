@@ -28,8 +28,8 @@ from typing import Any
 import yaml
 
 from launch.config import ConfigError
-from model_code.engine_client import SETTINGS_KEY, WEIGHTS_ARTIFACT, Target
 from model_code.log import CHAT_TASK, PACKAGE_DIR, REPO_DIR
+from model_code.target import SETTINGS_KEY, WEIGHTS_ARTIFACT, Target
 
 PLACEHOLDER_FILE = PACKAGE_DIR / "entrypoint_model.py"
 DEPLOYMENT_FILE = "sglang-gateway.yaml"

@@ -8,8 +8,12 @@ instantiate these classes and call ``set_model``. Each class:
 - maps its interface's parameters to the engine request (:mod:`model_code.params`);
 - converts engine completions / chunks to its interface's types (role ``assistant``, the final
   ``finish_reason``, usage, tool calls);
-- produces one MLflow trace per ``predict`` / ``predict_stream`` with inputs, outputs and usage;
-- has ``close()`` (stops the engine it started) and ``batch(...)`` (see :mod:`model_code.batch`).
+- yields stream chunks that each have their interface's documented shape, so the usual loop
+  (ChatModel ``chunk["choices"][0]["delta"]["content"]``, ChatAgent ``chunk["delta"]["content"]``,
+  ResponsesAgent events by ``type``) never breaks; token usage comes with the final chunk / event;
+- produces one MLflow trace per ``predict`` / ``predict_stream`` with inputs, outputs and usage,
+  recorded after the call (:mod:`model_code.tracing`; ``mlflow.tracing``: on, off or sampled);
+- has ``close()`` (stops, or stops using, its engine) and ``batch(...)`` (see :mod:`model_code.batch`).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-import mlflow
+import pydantic
 from mlflow.entities import SpanType
 from mlflow.pyfunc import ChatAgent, ChatModel, ResponsesAgent
 from mlflow.types.agent import ChatAgentChunk, ChatAgentMessage, ChatAgentResponse, ChatContext
@@ -45,9 +49,10 @@ from mlflow.types.responses import (
     to_chat_completions_input,
 )
 
-from model_code.engine_client import EngineClient, LogTimeClient, usage_dict
+from model_code.client import EngineClient, LogTimeClient, usage_dict
 from model_code.errors import BadRequestError, EngineUnavailableError
 from model_code.params import chat_agent_params, chat_model_params, responses_params
+from model_code.tracing import TracePolicy, Usage, traced_call, traced_stream
 
 _CC_MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id")
 
@@ -113,13 +118,25 @@ def _single_choice(params: Mapping[str, Any], interface: str) -> None:
         raise BadRequestError(f"{interface}: n > 1 is not supported here (use the ChatModel flavour)")
 
 
+def _last_usage(chunks: list[Any]) -> Usage | None:
+    """Token usage of the last chunk that carries it (ChatAgent / ChatModel streams)."""
+    for chunk in reversed(chunks):
+        usage = usage_dict(getattr(chunk, "usage", None))
+        if usage:
+            return usage
+    return None
+
+
 class _EngineBacked:
-    """Engine client life cycle shared by the three flavours."""
+    """Engine client life cycle and trace policy shared by the three flavours."""
 
     client: EngineClient | LogTimeClient | None = None
+    tracing: TracePolicy = TracePolicy()
 
     def load_context(self, context: Any) -> None:
         self.client = EngineClient.from_model_config(context.model_config, context.artifacts)
+        settings = self.client.settings
+        self.tracing = TracePolicy(settings.tracing, settings.trace_sample_ratio)
 
     def _engine(self) -> EngineClient | LogTimeClient:
         if self.client is None:
@@ -130,11 +147,12 @@ class _EngineBacked:
 
     @property
     def engine_process(self) -> Any:
-        """The :class:`launch.process.EngineProcess` this model started, or None (URL mode, log time)."""
+        """The engine this model uses (:class:`launch.process.EngineProcess` of this process, or a
+        :class:`launch.shared.SharedEngine`), or None (URL mode, log time)."""
         return getattr(self.client, "engine", None)
 
     def close(self) -> None:
-        """Stop the engine this model started (if any). Idempotent."""
+        """Stop (or stop using) the engine this model holds, if any. Idempotent."""
         if self.client is not None:
             self.client.close()
 
@@ -169,16 +187,25 @@ def completion_to_chat_agent(response: Any) -> ChatAgentResponse:
 
 
 def stream_to_chat_agent(chunks: Iterable[Any]) -> Iterator[ChatAgentChunk]:
+    """ChatAgent chunks: every one has ``delta.content`` (a string); the last one has the finish reason and usage.
+
+    The engine sends usage in a chunk of its own after the finish chunk: the finish chunk waits for it.
+    """
     message_id: str | None = None
     tools = ToolCallAccumulator()
+    final: ChatAgentChunk | None = None
     for chunk in chunks:
         message_id = message_id or chunk.id or str(uuid.uuid4())
         usage = usage_dict(chunk.usage)
         usage_model = ChatUsage(**usage) if usage else None
         if not chunk.choices:
-            if usage_model:
-                yield ChatAgentChunk(
-                    delta=ChatAgentMessage(role="assistant", content="", id=message_id), usage=usage_model
+            if usage_model is not None:
+                final = (
+                    final.model_copy(update={"usage": usage_model})
+                    if final is not None
+                    else ChatAgentChunk(
+                        delta=ChatAgentMessage(role="assistant", content="", id=message_id), usage=usage_model
+                    )
                 )
             continue
         choice = chunk.choices[0]
@@ -186,18 +213,21 @@ def stream_to_chat_agent(chunks: Iterable[Any]) -> Iterator[ChatAgentChunk]:
             tools.add(choice.delta.tool_calls)
         text = choice.delta.content
         if choice.finish_reason:
-            calls = tools.result() or None
-            yield ChatAgentChunk(
+            if final is not None:
+                yield final
+            final = ChatAgentChunk(
                 delta=ChatAgentMessage(
-                    role="assistant", content=text or (None if calls else ""), tool_calls=calls, id=message_id
+                    role="assistant", content=text or "", tool_calls=tools.result() or None, id=message_id
                 ),
                 finish_reason=choice.finish_reason,
                 usage=usage_model,
             )
-        elif text or usage_model:
+        elif text:
             yield ChatAgentChunk(
-                delta=ChatAgentMessage(role="assistant", content=text or "", id=message_id), usage=usage_model
+                delta=ChatAgentMessage(role="assistant", content=text, id=message_id), usage=usage_model
             )
+    if final is not None:
+        yield final
 
 
 def reduce_chat_agent_chunks(chunks: list[Any]) -> dict[str, Any]:
@@ -216,28 +246,42 @@ def reduce_chat_agent_chunks(chunks: list[Any]) -> dict[str, Any]:
 class SGLangChatAgent(_EngineBacked, ChatAgent):
     """ChatAgent over SGLang: generation parameters (incl. ``response_format`` / ``json_schema``) in ``custom_inputs``."""
 
-    @mlflow.trace(name="SGLangChatAgent.predict", span_type=SpanType.AGENT)
     def predict(
         self,
         messages: list[ChatAgentMessage],
         context: ChatContext | None = None,
         custom_inputs: dict[str, Any] | None = None,
     ) -> ChatAgentResponse:
-        params = chat_agent_params(custom_inputs)
-        return completion_to_chat_agent(self._engine().chat(_cc_messages(messages), params))
+        def call() -> ChatAgentResponse:
+            params = chat_agent_params(custom_inputs)
+            return completion_to_chat_agent(self._engine().chat(_cc_messages(messages), params))
 
-    @mlflow.trace(
-        name="SGLangChatAgent.predict_stream", span_type=SpanType.AGENT, output_reducer=reduce_chat_agent_chunks
-    )
+        inputs = {"messages": messages, "context": context, "custom_inputs": custom_inputs}
+        return traced_call(
+            self.tracing, "SGLangChatAgent.predict", SpanType.AGENT, inputs, call, lambda out: usage_dict(out.usage)
+        )
+
     def predict_stream(
         self,
         messages: list[ChatAgentMessage],
         context: ChatContext | None = None,
         custom_inputs: dict[str, Any] | None = None,
     ) -> Iterator[ChatAgentChunk]:
-        params = chat_agent_params(custom_inputs)
-        _single_choice(params, "ChatAgent.predict_stream")
-        yield from stream_to_chat_agent(self._engine().stream(_cc_messages(messages), params))
+        def chunks() -> Iterator[ChatAgentChunk]:
+            params = chat_agent_params(custom_inputs)
+            _single_choice(params, "ChatAgent.predict_stream")
+            yield from stream_to_chat_agent(self._engine().stream(_cc_messages(messages), params))
+
+        inputs = {"messages": messages, "context": context, "custom_inputs": custom_inputs}
+        yield from traced_stream(
+            self.tracing,
+            "SGLangChatAgent.predict_stream",
+            SpanType.AGENT,
+            inputs,
+            chunks(),
+            reduce_chat_agent_chunks,
+            _last_usage,
+        )
 
 
 # ------------------------------------------------------------------------------------------ ChatModel
@@ -278,7 +322,13 @@ def completion_to_chat_model(response: Any) -> ChatCompletionResponse:
 
 
 def stream_to_chat_model(chunks: Iterable[Any]) -> Iterator[ChatCompletionChunk]:
+    """ChatModel chunks: every one has ``choices[0].delta.content`` (a string); usage comes with the last one.
+
+    The engine ends with a usage-only chunk (no choices): its usage goes on the finish chunk, which is
+    held until then. Tool-call fragments are joined and sent whole with their finish reason.
+    """
     tools: dict[int, ToolCallAccumulator] = {}
+    finals: list[ChatCompletionChunk] = []
     for chunk in chunks:
         usage = usage_dict(chunk.usage)
         choices = []
@@ -290,23 +340,42 @@ def stream_to_chat_model(chunks: Iterable[Any]) -> Iterator[ChatCompletionChunk]
                 if choice.finish_reason and choice.index in tools
                 else None
             )
-            if choice.delta.content is None and not choice.finish_reason and not calls:
-                continue  # a tool-call fragment: emitted whole with the finish reason
+            if not choice.delta.content and not choice.finish_reason and not calls:
+                continue  # an empty delta, or a tool-call fragment
             choices.append(
                 ChatChunkChoice(
                     index=choice.index,
-                    delta=ChatChoiceDelta(role="assistant", content=choice.delta.content, tool_calls=calls),
+                    delta=ChatChoiceDelta(role="assistant", content=choice.delta.content or "", tool_calls=calls),
                     finish_reason=choice.finish_reason,
                 )
             )
-        if choices or usage:
-            yield ChatCompletionChunk(
-                choices=choices,
-                usage=TokenUsageStats(**usage) if usage else None,
-                id=chunk.id,
-                model=chunk.model,
-                created=chunk.created,
-            )
+        if usage and not choices:
+            if not finals:  # usage without a finish chunk before it: give it an empty delta
+                finals.append(_chat_model_chunk(chunk, [_empty_choice()], None))
+            finals[-1].usage = TokenUsageStats(**usage)
+            continue
+        if not choices:
+            continue
+        out = _chat_model_chunk(chunk, choices, usage)
+        if any(choice.finish_reason for choice in choices):
+            finals.append(out)
+        else:
+            yield out
+    yield from finals
+
+
+def _chat_model_chunk(chunk: Any, choices: list[ChatChunkChoice], usage: Usage | None) -> ChatCompletionChunk:
+    return ChatCompletionChunk(
+        choices=choices,
+        usage=TokenUsageStats(**usage) if usage else None,
+        id=chunk.id,
+        model=chunk.model,
+        created=chunk.created,
+    )
+
+
+def _empty_choice() -> ChatChunkChoice:
+    return ChatChunkChoice(index=0, delta=ChatChoiceDelta(role="assistant", content=""), finish_reason=None)
 
 
 def reduce_chat_model_chunks(chunks: list[Any]) -> dict[str, Any]:
@@ -334,17 +403,36 @@ def reduce_chat_model_chunks(chunks: list[Any]) -> dict[str, Any]:
 class SGLangChatModel(_EngineBacked, ChatModel):
     """ChatModel over SGLang: ``ChatParams`` fields, plus ``custom_inputs`` for ``response_format`` / ``json_schema`` / extras."""
 
-    @mlflow.trace(name="SGLangChatModel.predict", span_type=SpanType.CHAT_MODEL)
     def predict(self, context: Any, messages: list[ChatMessage], params: ChatParams) -> ChatCompletionResponse:
-        return completion_to_chat_model(self._engine().chat(_cc_messages(messages), chat_model_params(params)))
+        def call() -> ChatCompletionResponse:
+            return completion_to_chat_model(self._engine().chat(_cc_messages(messages), chat_model_params(params)))
 
-    @mlflow.trace(
-        name="SGLangChatModel.predict_stream", span_type=SpanType.CHAT_MODEL, output_reducer=reduce_chat_model_chunks
-    )
+        inputs = {"messages": messages, "params": params}
+        return traced_call(
+            self.tracing,
+            "SGLangChatModel.predict",
+            SpanType.CHAT_MODEL,
+            inputs,
+            call,
+            lambda out: usage_dict(out.usage),
+        )
+
     def predict_stream(
         self, context: Any, messages: list[ChatMessage], params: ChatParams
     ) -> Iterator[ChatCompletionChunk]:
-        yield from stream_to_chat_model(self._engine().stream(_cc_messages(messages), chat_model_params(params)))
+        def chunks() -> Iterator[ChatCompletionChunk]:
+            yield from stream_to_chat_model(self._engine().stream(_cc_messages(messages), chat_model_params(params)))
+
+        inputs = {"messages": messages, "params": params}
+        yield from traced_stream(
+            self.tracing,
+            "SGLangChatModel.predict_stream",
+            SpanType.CHAT_MODEL,
+            inputs,
+            chunks(),
+            reduce_chat_model_chunks,
+            _last_usage,
+        )
 
 
 # ------------------------------------------------------------------------------------------ ResponsesAgent
@@ -425,19 +513,76 @@ def stream_to_responses(chunks: Iterable[Any]) -> Iterator[ResponsesAgentStreamE
     )
 
 
-class SGLangResponsesAgent(_EngineBacked, ResponsesAgent):
-    """ResponsesAgent over SGLang: request fields (``text.format`` for JSON schema, tools) and ``custom_inputs``.
+def _responses_request(request: ResponsesAgentRequest | Mapping[str, Any]) -> ResponsesAgentRequest:
+    if isinstance(request, ResponsesAgentRequest):
+        return request
+    try:
+        return ResponsesAgentRequest(**request)
+    except (TypeError, pydantic.ValidationError) as error:
+        raise BadRequestError(f"not a ResponsesAgent request: {error}") from None
 
-    MLflow traces ``predict`` / ``predict_stream`` of ResponsesAgent subclasses itself.
-    """
+
+def _responses_usage_of(response: Any) -> Usage | None:
+    """Chat-style usage from a ResponsesAgentResponse (or the ``response`` of a completed event)."""
+    usage = response.get("usage") if isinstance(response, Mapping) else getattr(response, "usage", None)
+    if hasattr(usage, "model_dump"):
+        usage = usage.model_dump()
+    if not usage:
+        return None
+    return {
+        "prompt_tokens": usage.get("input_tokens", 0),
+        "completion_tokens": usage.get("output_tokens", 0),
+        "total_tokens": usage.get("total_tokens", 0),
+    }
+
+
+def _completed_usage(events: list[ResponsesAgentStreamEvent]) -> Usage | None:
+    for event in reversed(events):
+        if event.type == "response.completed":
+            return _responses_usage_of(getattr(event, "response", None) or {})
+    return None
+
+
+class _ResponsesAgentMethods(_EngineBacked):
+    """``predict`` / ``predict_stream`` of :class:`SGLangResponsesAgent`, defined outside the MLflow class so
+    that MLflow does not wrap them in ``@mlflow.trace`` (they trace themselves, after the call)."""
 
     def predict(self, request: ResponsesAgentRequest) -> ResponsesAgentResponse:
-        params = responses_params(request)
-        messages = to_chat_completions_input(request.input)
-        return completion_to_responses(self._engine().chat(_cc_messages(messages), params))
+        request = _responses_request(request)
+
+        def call() -> ResponsesAgentResponse:
+            params = responses_params(request)
+            messages = to_chat_completions_input(request.input)
+            return completion_to_responses(self._engine().chat(_cc_messages(messages), params))
+
+        return traced_call(
+            self.tracing,
+            "SGLangResponsesAgent.predict",
+            SpanType.AGENT,
+            {"request": request},
+            call,
+            _responses_usage_of,
+        )
 
     def predict_stream(self, request: ResponsesAgentRequest) -> Iterator[ResponsesAgentStreamEvent]:
-        params = responses_params(request)
-        _single_choice(params, "ResponsesAgent.predict_stream")
-        messages = to_chat_completions_input(request.input)
-        yield from stream_to_responses(self._engine().stream(_cc_messages(messages), params))
+        request = _responses_request(request)
+
+        def events() -> Iterator[ResponsesAgentStreamEvent]:
+            params = responses_params(request)
+            _single_choice(params, "ResponsesAgent.predict_stream")
+            messages = to_chat_completions_input(request.input)
+            yield from stream_to_responses(self._engine().stream(_cc_messages(messages), params))
+
+        yield from traced_stream(
+            self.tracing,
+            "SGLangResponsesAgent.predict_stream",
+            SpanType.AGENT,
+            {"request": request},
+            events(),
+            ResponsesAgent.responses_agent_output_reducer,
+            _completed_usage,
+        )
+
+
+class SGLangResponsesAgent(_ResponsesAgentMethods, ResponsesAgent):
+    """ResponsesAgent over SGLang: request fields (``text.format`` for JSON schema, tools) and ``custom_inputs``."""

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from launch.config import ConfigError, load_config
-from model_code.engine_client import NO_ENGINE_ENV, SETTINGS_KEY, WEIGHTS_ARTIFACT, resolve_target, split_model_config
 from model_code.requirements import pip_requirements as computed_requirements
+from model_code.target import NO_ENGINE_ENV, SETTINGS_KEY, WEIGHTS_ARTIFACT, resolve_target, split_model_config
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 REPO_DIR = PACKAGE_DIR.parent
@@ -99,7 +99,7 @@ def log_model(
     Args:
         config: deployment YAML path, or the same as a mapping (a bare engine section works too).
             It becomes the model's ``model_config``; an optional ``mlflow:`` section configures the
-            wrapper (see :class:`model_code.engine_client.ModelCodeSettings`).
+            wrapper (see :class:`model_code.target.ModelCodeSettings`).
         flavor: ``responses_agent`` (MLflow's recommended interface), ``chat_agent`` or ``chat_model``; or
             ``entrypoint``: the gateway and the engine as the model's own server, for Databricks custom LLM
             serving (see :mod:`model_code.entrypoint`; register it with

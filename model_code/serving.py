@@ -64,6 +64,12 @@ class ServedModel:
         return (self.metadata.metadata or {}).get("task")
 
     @property
+    def gateway_section(self) -> dict[str, Any]:
+        """The ``gateway:`` section of the logged ``model_config`` (server settings: keys, limits...), or {}."""
+        section = (getattr(self.pyfunc_model, "model_config", None) or {}).get("gateway")
+        return dict(section) if isinstance(section, Mapping) else {}
+
+    @property
     def model_name(self) -> str | None:
         """The engine's served model name (the YAML key)."""
         client = getattr(self.python_model, "client", None)
@@ -80,7 +86,11 @@ class ServedModel:
         if not base_url or not self.model_name:
             raise TypeError("this model has no engine client (was it loaded for logging?)")
         api_key = getattr(client, "api_key", None)
-        return base_url.removesuffix("/").removesuffix("/v1"), self.model_name, None if api_key in (None, "EMPTY") else api_key
+        return (
+            base_url.removesuffix("/").removesuffix("/v1"),
+            self.model_name,
+            None if api_key in (None, "EMPTY") else api_key,
+        )
 
     def predict(self, body: Mapping[str, Any]) -> dict[str, Any]:
         return self.pyfunc_model.predict(normalize_request(body))

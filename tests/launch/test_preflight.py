@@ -240,3 +240,31 @@ def test_cpu_engine_skips_the_driver_check(tmp_path: Path) -> None:
     engine = EngineConfig(model_path=str(local_model(tmp_path)), device="cpu")
     assert check_gpu_stack(engine, (11, 0), ("", "")) == []
     assert preflight(engine, driver_cuda=(11, 0)).ok
+
+
+MIB = 1 << 20
+
+
+def test_tiny_dev_shm_with_tp_turns_nccl_shm_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NCCL_SHM_DISABLE", raising=False)
+    engine = EngineConfig(model_path=str(local_model(tmp_path)), tp_size=2)
+    result = preflight(engine, gpu_count=2, cuda_home="/opt/cuda", shm_bytes=64 * MIB)
+    assert result.ok and result.engine.env["NCCL_SHM_DISABLE"] == "1"
+    assert "/dev/shm is 64 MiB and tp_size is 2" in messages(result) and "--shm-size=1g" in messages(result)
+
+
+def test_small_dev_shm_only_warns_and_a_users_setting_wins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NCCL_SHM_DISABLE", raising=False)
+    engine = EngineConfig(model_path=str(local_model(tmp_path)), tp_size=2)
+    result = preflight(engine, gpu_count=2, cuda_home="/opt/cuda", shm_bytes=768 * MIB)
+    assert "NCCL_SHM_DISABLE" not in result.engine.env and "warning: /dev/shm is 768 MiB" in messages(result)
+    mine = engine.model_copy(update={"env": {"NCCL_SHM_DISABLE": "0"}})
+    result = preflight(mine, gpu_count=2, cuda_home="/opt/cuda", shm_bytes=64 * MIB)
+    assert result.engine.env["NCCL_SHM_DISABLE"] == "0" and "warning: /dev/shm is 64 MiB" in messages(result)
+
+
+@pytest.mark.parametrize("tp_size, shm_mib", [(1, 64), (2, 2048)])
+def test_dev_shm_is_fine_for_one_gpu_or_when_large(tmp_path: Path, tp_size: int, shm_mib: int) -> None:
+    engine = EngineConfig(model_path=str(local_model(tmp_path)), tp_size=tp_size)
+    result = preflight(engine, gpu_count=2, cuda_home="/opt/cuda", shm_bytes=shm_mib * MIB)
+    assert "/dev/shm" not in messages(result) and "NCCL_SHM_DISABLE" not in result.engine.env

@@ -16,7 +16,7 @@ from mlflow.exceptions import MlflowException
 from gateway.config import gateway_settings
 from launch.config import ConfigError, load_config
 from launch.gpu_profiles import DEFAULT_PROFILE
-from model_code import engine_client, log_model
+from model_code import engine_owner, log_model
 from model_code.entrypoint import COMMAND, DEPLOYMENT_FILE, PORT_ENV
 from tests.model_code.helpers import engine_children
 
@@ -33,9 +33,9 @@ def _logged(config: Any, **kwargs: Any) -> tuple[Any, Path]:
 
 @pytest.fixture(scope="module")
 def tiny_logged(mlflow_store: Path, tiny_deployment: Any, tiny_model_dir: Path) -> tuple[Any, Path]:
-    starts, children = engine_client.STARTS, set(engine_children())
+    starts, children = engine_owner.STARTS, set(engine_children())
     logged = _logged(TINY_CONFIG, model_path=tiny_model_dir)
-    assert engine_client.STARTS == starts and set(engine_children()) == children  # no engine at log time
+    assert engine_owner.STARTS == starts and set(engine_children()) == children  # no engine at log time
     return logged
 
 

@@ -58,18 +58,21 @@ def test_chat_agent_without_custom_inputs(url_models):
 
 def test_chat_agent_stream(url_models):
     _, model = url_models["chat_agent"]
-    chunks = list(model.predict_stream({"messages": MESSAGES, "custom_inputs": {"temperature": 0.0, "max_tokens": 16}}))
+    chunks, text = [], ""
+    for chunk in model.predict_stream({"messages": MESSAGES, "custom_inputs": {"temperature": 0.0, "max_tokens": 16}}):
+        text += chunk["delta"]["content"]  # the loop ChatAgent's documentation writes: every chunk has it
+        chunks.append(chunk)
     assert len(chunks) >= 2
     assert all(c["delta"]["role"] == "assistant" for c in chunks)
     assert len({c["delta"]["id"] for c in chunks}) == 1
     finishes = [c for c in chunks if c.get("finish_reason")]
-    assert len(finishes) == 1 and finishes[0]["finish_reason"] in ("stop", "length")
-    assert any(c.get("usage") for c in chunks)
-    text = "".join(c["delta"].get("content") or "" for c in chunks)
+    assert finishes == [chunks[-1]] and finishes[0]["finish_reason"] in ("stop", "length")
+    assert chunks[-1]["usage"]["completion_tokens"] > 0  # usage arrives on the final chunk
+    assert not any(c.get("usage") for c in chunks[:-1])
 
     trace = last_trace()
     assert trace.data.spans[0].outputs["messages"][0]["content"] == text
-    assert trace.info.token_usage["output_tokens"] > 0
+    assert trace.info.token_usage["output_tokens"] == chunks[-1]["usage"]["completion_tokens"]
 
     # the same request without streaming gives the same text (temperature 0)
     out = model.predict({"messages": MESSAGES, "custom_inputs": {"temperature": 0.0, "max_tokens": 16}})
@@ -124,12 +127,19 @@ def test_chat_model_n_and_schema(url_models):
 
 def test_chat_model_stream(url_models):
     _, model = url_models["chat_model"]
-    chunks = list(model.predict_stream({"messages": MESSAGES, "temperature": 0.0, "max_tokens": 12}))
-    choices = [c for chunk in chunks for c in chunk["choices"]]
-    assert choices and all(c["delta"]["role"] == "assistant" for c in choices)
-    assert [c["finish_reason"] for c in choices if c.get("finish_reason")] in (["stop"], ["length"])
-    assert chunks[-1]["usage"]["completion_tokens"] > 0
-    assert last_trace().info.token_usage["output_tokens"] > 0
+    chunks, text = [], ""
+    for chunk in model.predict_stream({"messages": MESSAGES, "temperature": 0.0, "max_tokens": 12}):
+        text += chunk["choices"][0]["delta"]["content"]  # the notebook loop: no chunk may break it
+        chunks.append(chunk)
+    assert all(chunk["choices"][0]["delta"]["role"] == "assistant" for chunk in chunks)
+    assert [c["finish_reason"] for chunk in chunks for c in chunk["choices"] if c.get("finish_reason")] in (
+        ["stop"],
+        ["length"],
+    )
+    assert chunks[-1]["choices"][0]["finish_reason"] and chunks[-1]["usage"]["completion_tokens"] > 0
+    trace = last_trace()
+    assert trace.info.token_usage["output_tokens"] == chunks[-1]["usage"]["completion_tokens"]
+    assert trace.data.spans[0].outputs["choices"][0]["message"]["content"] == text
 
 
 # ------------------------------------------------------------------------------------ ResponsesAgent
@@ -163,17 +173,20 @@ def test_responses_agent_json_schema_via_text_format(url_models):
 
 def test_responses_agent_stream(url_models):
     _, model = url_models["responses_agent"]
-    events = list(model.predict_stream({"input": MESSAGES, "temperature": 0.0, "max_output_tokens": 12}))
-    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    events, text, usage = [], "", None
+    for event in model.predict_stream({"input": MESSAGES, "temperature": 0.0, "max_output_tokens": 12}):
+        events.append(event)  # the documented loop: dispatch on the event type
+        if event["type"] == "response.output_text.delta":
+            text += event["delta"]
+        elif event["type"] == "response.completed":
+            usage = event["response"]["usage"]
     done = [e for e in events if e["type"] == "response.output_item.done"]
-    completed = [e for e in events if e["type"] == "response.completed"]
-    assert deltas and len(done) == 1 and len(completed) == 1 and events[-1]["type"] == "response.completed"
-    text = "".join(e["delta"] for e in deltas)
+    assert text and len(done) == 1 and events[-1]["type"] == "response.completed"
     assert done[0]["item"]["content"][0]["text"] == text
-    assert completed[0]["response"]["usage"]["output_tokens"] > 0
-    assert completed[0]["custom_outputs"]["finish_reason"] in ("stop", "length")
+    assert usage["output_tokens"] > 0  # usage arrives on the final event
+    assert events[-1]["custom_outputs"]["finish_reason"] in ("stop", "length")
     trace = last_trace()
-    assert trace.info.token_usage["output_tokens"] == completed[0]["response"]["usage"]["output_tokens"]
+    assert trace.info.token_usage["output_tokens"] == usage["output_tokens"]
 
 
 # ------------------------------------------------------------------------------------ batch

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from launch.gpu_profiles import DEFAULT_PROFILE
-from model_code import engine_client, log_model
+from model_code import engine_owner, log_model
 from model_code.log import FLAVOR_FILES
 from tests.model_code.helpers import engine_children
 
@@ -24,10 +24,10 @@ def _files(info) -> Path:
 
 @pytest.mark.parametrize("flavor", list(FLAVOR_FILES))
 def test_logging_a_managed_config_starts_no_engine(flavor, mlflow_store, tiny_deployment, tiny_model_dir):
-    starts, children = engine_client.STARTS, set(engine_children())
+    starts, children = engine_owner.STARTS, set(engine_children())
     with mlflow.start_run():
         info = log_model(REPO / "configs" / "tiny-cpu.yaml", flavor=flavor, model_path=tiny_model_dir)
-    assert engine_client.STARTS == starts and set(engine_children()) == children
+    assert engine_owner.STARTS == starts and set(engine_children()) == children
     files = _files(info)
     assert (files / "artifacts" / tiny_model_dir.name / "config.json").is_file()  # weights logged
     for package in ("launch", "model_code"):
@@ -41,10 +41,10 @@ def test_logging_a_managed_config_starts_no_engine(flavor, mlflow_store, tiny_de
 def test_logging_a_7b_gpu_config_without_gpu(mlflow_store):
     """The qwen 7B GPU config logs on a machine without a GPU; the profile's pins and FlashInfer wheel URLs
     in requirements.txt."""
-    starts, children = engine_client.STARTS, set(engine_children())
+    starts, children = engine_owner.STARTS, set(engine_children())
     with mlflow.start_run():
         info = log_model(QWEN_7B, flavor="chat_agent", task="chat", profile=DEFAULT_PROFILE.name, python="3.11")
-    assert engine_client.STARTS == starts and set(engine_children()) == children
+    assert engine_owner.STARTS == starts and set(engine_children()) == children
     files = _files(info)
     requirements = (files / "requirements.txt").read_text().splitlines()
     for line in DEFAULT_PROFILE.requirements():
@@ -74,7 +74,7 @@ def test_flashinfer_override_and_default_task(mlflow_store):
 
 def test_plain_mlflow_log_model_starts_no_engine(mlflow_store, tiny_engine_config, tiny_model_dir):
     """Without our helper: MLflow's own log_model on the models-from-code file is recognised too."""
-    starts, children = engine_client.STARTS, set(engine_children())
+    starts, children = engine_owner.STARTS, set(engine_children())
     with mlflow.start_run():
         mlflow.pyfunc.log_model(
             name="model",
@@ -86,7 +86,7 @@ def test_plain_mlflow_log_model_starts_no_engine(mlflow_store, tiny_engine_confi
             code_paths=[str(REPO / "launch"), str(REPO / "model_code")],
             pip_requirements=["sglang==0.5.23"],
         )
-    assert engine_client.STARTS == starts and set(engine_children()) == children
+    assert engine_owner.STARTS == starts and set(engine_children()) == children
 
 
 def test_bad_arguments(mlflow_store, tmp_path):

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -84,28 +86,47 @@ def test_load_for_serving_request_shapes(url_models, flavor, body):
         served.close()
 
 
+KEY = "sk-model-uri-test"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
 @pytest.fixture(scope="module")
-def gateway_model_uri(url_models, mlflow_store):
-    """``sglang-gateway serve --model-uri`` of the logged ChatAgent, as a user runs it."""
-    info, _ = url_models["chat_agent"]
+def gateway_model_uri(url_config, mlflow_store, tmp_path_factory):
+    """``sglang-gateway serve --model-uri`` of a ChatAgent, as a user runs it, with gateway settings from both
+    places: the logged model_config's ``gateway:`` section (one request at a time, no queue) and a
+    ``--gateway-config`` file (an API key, in a key file named relative to it)."""
+    import mlflow
+
+    from model_code import log_model
+
+    with mlflow.start_run():
+        limited = {**url_config, "gateway": {"limits": {"max_concurrent": 1, "max_queue": 0}, "port": 1}}
+        info = log_model(limited, flavor="chat_agent", flashinfer=None)
+    config_dir = tmp_path_factory.mktemp("gateway-config")
+    (config_dir / "keys.txt").write_text(f"{KEY}\n")
+    (config_dir / "gateway.yaml").write_text("gateway:\n  api_keys_file: keys.txt\n")
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{mlflow_store}/mlflow.db"}
     argv = [sys.executable, "-m", "gateway.cli", "serve", "--model-uri", info.model_uri, "--port", "{port}"]
-    with http_server_process(argv, log_path=mlflow_store / "gateway-model-uri.log", env=env) as served:
+    argv += ["--gateway-config", str(config_dir / "gateway.yaml")]
+    log_path = mlflow_store / "gateway-model-uri.log"
+    with http_server_process(argv, log_path=log_path, env=env, ready_path="/health") as served:
         yield served
 
 
 def test_gateway_model_uri_answers_the_same_body_as_mlflow_serve(gateway_model_uri, served_agent):
     url, _ = gateway_model_uri
     body = {"messages": MESSAGES, "custom_inputs": {"temperature": 0, "max_tokens": 12}}
-    ours = httpx.post(f"{url}/invocations", json=body, timeout=120)
+    ours = httpx.post(f"{url}/invocations", json=body, headers=AUTH, timeout=120)
     theirs = httpx.post(f"{served_agent}/invocations", json=body, timeout=120)
     assert ours.status_code == theirs.status_code == 200, ours.text
     assert ours.json().keys() == theirs.json().keys()
     assert ours.json()["messages"][0]["content"] == theirs.json()["messages"][0]["content"]  # temperature 0
-    bad = httpx.post(f"{url}/invocations", json={"messages": MESSAGES, "custom_inputs": {"temprature": 1}}, timeout=60)
+    bad = httpx.post(
+        f"{url}/invocations", json={"messages": MESSAGES, "custom_inputs": {"temprature": 1}}, headers=AUTH, timeout=60
+    )
     assert bad.status_code == 400
     assert "unknown generation parameter" in bad.json()["error"]["message"]
-    junk = httpx.post(f"{url}/invocations", content=b"{not json", timeout=30)
+    junk = httpx.post(f"{url}/invocations", content=b"{not json", headers=AUTH, timeout=30)
     assert junk.status_code == 400 and set(junk.json()["error"]) >= {"message", "type", "param", "code"}
 
 
@@ -114,7 +135,7 @@ def test_gateway_model_uri_streams_invocations_as_sse(gateway_model_uri):
 
     url, _ = gateway_model_uri
     body = {"messages": MESSAGES, "custom_inputs": {"temperature": 0, "max_tokens": 12}, "stream": True}
-    with httpx.stream("POST", f"{url}/invocations", json=body, timeout=120) as response:
+    with httpx.stream("POST", f"{url}/invocations", json=body, headers=AUTH, timeout=120) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
         raw = response.read().decode()
@@ -124,15 +145,59 @@ def test_gateway_model_uri_streams_invocations_as_sse(gateway_model_uri):
     chunks = [json.loads(event.removeprefix("data: ")) for event in events[:-1]]
     assert len(chunks) >= 2
     assert all(chunk["delta"]["role"] == "assistant" for chunk in chunks)
-    assert "".join(chunk["delta"].get("content") or "" for chunk in chunks)
+    assert "".join(chunk["delta"]["content"] for chunk in chunks)
+    assert chunks[-1]["finish_reason"] and chunks[-1]["usage"]["completion_tokens"] > 0
+
+
+def test_gateway_model_uri_applies_the_gateway_settings(gateway_model_uri):
+    url, _ = gateway_model_uri
+    body = {"messages": MESSAGES, "custom_inputs": {"max_tokens": 4}}
+    assert httpx.post(f"{url}/invocations", json=body, timeout=60).status_code == 401  # the key file's key
+    assert httpx.post(f"{url}/invocations", json=body, headers={"Authorization": "Bearer nope"}).status_code == 401
+    # the logged limit (one at a time, no queue): a long stream holds the model's slot, on both routes
+    long = {"messages": MESSAGES, "custom_inputs": {"max_tokens": 1500, "ignore_eos": True}, "stream": True}
+    with httpx.stream("POST", f"{url}/invocations", json=long, headers=AUTH, timeout=120) as first:
+        assert first.status_code == 200
+        lines = first.iter_lines()  # kept: dropping the iterator would close the stream
+        assert next(lines).startswith("data: ")
+        refused = httpx.post(f"{url}/invocations", json=body, headers=AUTH, timeout=60)
+        assert refused.status_code == 429 and refused.headers["retry-after"]
+        openai_route = {"model": "tiny", "messages": MESSAGES, "max_tokens": 4}
+        assert httpx.post(f"{url}/v1/chat/completions", json=openai_route, headers=AUTH).status_code == 429
+    # the slot comes back once the abandoned stream is noticed (bounded wait)
+    for _ in range(120):
+        status = httpx.post(f"{url}/invocations", json=body, headers=AUTH, timeout=60).status_code
+        if status != 429:
+            break
+        time.sleep(0.5)
+    assert status == 200
 
 
 def test_gateway_model_uri_also_serves_openai_and_stops_cleanly(gateway_model_uri):
     import openai
 
     url, proc = gateway_model_uri
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
     reply = client.chat.completions.create(model="default", messages=MESSAGES, max_tokens=6, temperature=0)
     assert reply.model == "tiny" and reply.choices[0].message.role == "assistant"
     os.killpg(proc.pid, signal.SIGTERM)
     assert proc.wait(timeout=60) == 0
+
+
+@pytest.mark.parametrize(
+    "gateway_yaml, message",
+    [
+        ("gateway:\n  limits:\n    max_concurent: 2\n", "gateway.limits.max_concurent: unknown key"),
+        ("models: {}\n", "no 'gateway:' mapping"),
+        ("gateway:\n  api_keys_env: ${SGLANG_GATEWAY_TEST_UNSET_VAR}\n", "SGLANG_GATEWAY_TEST_UNSET_VAR is not set"),
+    ],
+)
+def test_gateway_config_errors_are_one_line_before_loading(tmp_path, gateway_yaml, message):
+    """A bad --gateway-config fails at once (exit 2, one line naming the file), before any model load."""
+    config = tmp_path / "gateway.yaml"
+    config.write_text(gateway_yaml)
+    argv = [sys.executable, "-m", "gateway.cli", "serve", "--model-uri", "runs:/absent/model"]
+    result = subprocess.run([*argv, "--gateway-config", str(config)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith(f"error: {config}: ") and message in line

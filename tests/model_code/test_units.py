@@ -17,7 +17,6 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from launch.config import ConfigError
 from launch.gpu_profiles import DEFAULT_PROFILE
 from model_code import errors, gpu_stack_lines, pip_requirements
-from model_code.engine_client import ModelCodeSettings, in_log_time, resolve_target, split_model_config
 from model_code.flavors import (
     completion_to_chat_agent,
     completion_to_chat_model,
@@ -29,6 +28,7 @@ from model_code.flavors import (
 from model_code.params import build_request, chat_model_params, responses_params
 from model_code.requirements import UnknownGpuProfile
 from model_code.serving import normalize_request, wants_stream
+from model_code.target import ModelCodeSettings, in_log_time, resolve_target, split_model_config
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
 
@@ -224,6 +224,37 @@ def test_responses_stream_tools_and_text():
     }
 
 
+MULTI_STREAM = [  # n=2: both choices interleave, then one usage chunk
+    _chunk({"role": "assistant", "content": "a"}, index=0),
+    _chunk({"role": "assistant", "content": "b"}, index=1),
+    _chunk({"content": ""}, finish="stop", index=0),
+    _chunk({"content": "c"}, finish="length", index=1),
+    _chunk(choices=False, usage=USAGE),
+]
+
+
+@pytest.mark.parametrize("stream", [TEXT_STREAM, TOOL_STREAM, MULTI_STREAM], ids=["text", "tools", "n=2"])
+def test_chat_model_stream_every_chunk_has_a_content_delta(stream):
+    chunks = [c.to_dict() for c in stream_to_chat_model(stream)]
+    assert chunks and all(isinstance(chunk["choices"][0]["delta"]["content"], str) for chunk in chunks)
+    assert chunks[-1]["usage"] == USAGE and not any("usage" in chunk for chunk in chunks[:-1])
+    assert chunks[-1]["choices"][0]["finish_reason"]
+
+
+@pytest.mark.parametrize("stream", [TEXT_STREAM, TOOL_STREAM], ids=["text", "tools"])
+def test_chat_agent_stream_every_chunk_has_content(stream):
+    chunks = [c.model_dump(exclude_none=True) for c in stream_to_chat_agent(stream)]
+    assert chunks and all(isinstance(chunk["delta"]["content"], str) for chunk in chunks)
+    assert chunks[-1]["finish_reason"] and chunks[-1]["usage"]["total_tokens"] == 5
+    assert not any("usage" in chunk for chunk in chunks[:-1])
+
+
+def test_usage_without_finish_chunk_still_has_a_choice():
+    chunks = [c.to_dict() for c in stream_to_chat_model([_chunk({"content": "x"}), _chunk(choices=False, usage=USAGE)])]
+    assert [chunk["choices"][0]["delta"]["content"] for chunk in chunks] == ["x", ""]
+    assert chunks[-1]["usage"] == USAGE
+
+
 def test_completions_with_tool_calls():
     completion = ChatCompletion.model_validate(
         {
@@ -257,6 +288,25 @@ def test_bare_engine_section_and_settings(tiny_model_dir):
     assert list(data["models"]) == ["model"] and settings.request_timeout_s == 5
     target = resolve_target({"model_path": "/x", "device": "cpu", "port": 31000}, {"llm-model": str(tiny_model_dir)})
     assert target.engine.model_path == str(tiny_model_dir) and target.engine.port == 0  # free port at each load
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (
+            {"engine_sharing": "per_host"},
+            "model_config: mlflow: engine_sharing: Input should be 'shared' or 'per_process'",
+        ),
+        ({"tracing": "some"}, "model_config: mlflow: tracing: Input should be 'on', 'off' or 'sampled'"),
+        ({"trace_sample_ratio": 0}, "model_config: mlflow: trace_sample_ratio: Input should be greater than 0"),
+    ],
+)
+def test_sharing_and_tracing_settings_are_checked(settings, message):
+    with pytest.raises(ConfigError) as error:
+        split_model_config({"models": {"a": {"url": "http://h:1"}}, "mlflow": settings})
+    assert str(error.value) == message
+    _, defaults = split_model_config({"models": {"a": {"url": "http://h:1"}}})
+    assert (defaults.engine_sharing, defaults.tracing, defaults.show_engine_log) == ("shared", "on", False)
 
 
 def test_model_choice():

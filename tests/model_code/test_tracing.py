@@ -1,0 +1,108 @@
+"""Traces recorded after the call (``model_code.tracing``), against a local sqlite tracking store: no engine.
+
+The traced functions here are plain callables (the flavours' use of them is covered with the real
+engine in ``test_flavors_url.py``): what is checked is the span each produces, and when.
+"""
+
+from __future__ import annotations
+
+import time
+
+import mlflow
+import pytest
+from mlflow.entities import SpanType
+
+from model_code import tracing
+from model_code.tracing import TracePolicy, traced_call, traced_stream
+
+USAGE = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+
+
+def _trace_count(experiment_id: str) -> int:
+    mlflow.flush_trace_async_logging()
+    return len(mlflow.search_traces(locations=[experiment_id], return_type="list"))
+
+
+@pytest.fixture
+def experiment(mlflow_store) -> str:
+    experiment_id = mlflow.create_experiment(f"tracing-{time.time_ns()}")
+    mlflow.set_experiment(experiment_id=experiment_id)
+    return experiment_id
+
+
+def _last_trace():
+    mlflow.flush_trace_async_logging()
+    return mlflow.get_trace(mlflow.get_last_active_trace_id())
+
+
+def test_a_call_is_one_span_with_its_real_start_usage_and_output(experiment):
+    before = time.time_ns()
+
+    def call() -> dict:
+        time.sleep(0.05)
+        return {"answer": "hi"}
+
+    out = traced_call(TracePolicy(), "predict", SpanType.AGENT, {"question": "q"}, call, lambda _: USAGE)
+    assert out == {"answer": "hi"}
+    trace = _last_trace()
+    [span] = trace.data.spans
+    assert span.name == "predict" and span.inputs == {"question": "q"} and span.outputs == {"answer": "hi"}
+    assert before <= span.start_time_ns and span.end_time_ns - span.start_time_ns >= 50_000_000
+    assert trace.info.token_usage == {"input_tokens": 3, "output_tokens": 2, "total_tokens": 5}
+
+
+def test_an_error_is_traced_and_raised(experiment):
+    def call() -> None:
+        raise ValueError("bad input")
+
+    with pytest.raises(ValueError, match="bad input"):
+        traced_call(TracePolicy(), "predict", SpanType.AGENT, {}, call, lambda _: None)
+    [span] = _last_trace().data.spans
+    assert span.status.status_code == "ERROR" and "bad input" in str(span.events[0].attributes)
+
+
+def test_a_stream_is_traced_after_its_last_chunk_and_not_before_its_first(experiment, monkeypatch):
+    started: list[str] = []
+    real = mlflow.start_span_no_context
+    monkeypatch.setattr(mlflow, "start_span_no_context", lambda *a, **k: started.append("span") or real(*a, **k))
+
+    def chunks():
+        yield {"text": "a"}
+        yield {"text": "b", "usage": USAGE}
+
+    stream = traced_stream(
+        TracePolicy(), "predict_stream", SpanType.AGENT, {"q": 1}, chunks(), lambda cs: len(cs), lambda cs: USAGE
+    )
+    assert next(stream) == {"text": "a"} and started == []  # the caller has its first chunk: no tracing work yet
+    assert list(stream) == [{"text": "b", "usage": USAGE}] and started == ["span"]
+    trace = _last_trace()
+    [span] = trace.data.spans
+    assert span.outputs == 2 and trace.info.token_usage["total_tokens"] == 5
+    assert span.attributes[tracing.FIRST_CHUNK_ATTRIBUTE] >= 0
+
+
+def test_a_stream_closed_early_keeps_what_the_caller_got(experiment):
+    stream = traced_stream(
+        TracePolicy(), "predict_stream", SpanType.AGENT, {}, iter(range(10)), lambda cs: list(cs), lambda cs: None
+    )
+    assert next(stream) == 0
+    stream.close()
+    [span] = _last_trace().data.spans
+    assert span.outputs == [0]
+
+
+def test_off_and_sampled(experiment, monkeypatch):
+    count = _trace_count(experiment)
+    traced_call(TracePolicy("off"), "predict", SpanType.AGENT, {}, lambda: 1, lambda _: None)
+    assert list(traced_stream(TracePolicy("off"), "s", SpanType.AGENT, {}, iter([1, 2]), list, lambda _: None)) == [
+        1,
+        2,
+    ]
+    assert _trace_count(experiment) == count
+
+    draws = iter([0.05, 0.5, 0.09, 0.99])  # a ratio of 0.1 traces the draws below it
+    monkeypatch.setattr(tracing.random, "random", lambda: next(draws))
+    sampled = TracePolicy("sampled", 0.1)
+    for _ in range(4):
+        traced_call(sampled, "predict", SpanType.AGENT, {}, lambda: 1, lambda _: None)
+    assert _trace_count(experiment) == count + 2
