@@ -80,7 +80,7 @@ def test_chat_agent_json_schema(url_models):
     _, model = url_models["chat_agent"]
     for custom in (
         {"temperature": 0.0, "max_tokens": 64, "json_schema": GRADE_SCHEMA},
-        {"temperature": 0.0, "max_tokens": 64, "json_schema": json.dumps(GRADE_SCHEMA)},  # a schema may come as a JSON string
+        {"temperature": 0.0, "max_tokens": 64, "json_schema": json.dumps(GRADE_SCHEMA)},  # as a JSON string
         {
             "temperature": 0.0,
             "max_tokens": 64,
