@@ -13,16 +13,15 @@ A *batch* is ``requests`` requests at a fixed concurrency against one target; it
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 from urllib.parse import urlsplit
 
 import orjson
 
-_USAGE = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+from benchmarks.apis import APIS, Api
+
 _READ_LIMIT = 8 * 1024 * 1024
 _SENTENCE = "The quick brown fox jumps over the lazy dog.".split()
 
@@ -35,27 +34,25 @@ class Workload:
     stream: bool = True
     prompt_tokens: int = 32
     output_tokens: int = 16
-    ignore_eos: bool = True  # SGLang extension: always generate exactly output_tokens
     timeout_s: float = 60.0
-    path: str = "/v1/chat/completions"
+    api: str = "chat"  # a name of benchmarks.apis.APIS: chat, responses, messages
 
-    def body(self) -> bytes:
+    @property
+    def dialect(self) -> Api:
+        return APIS[self.api]
+
+    @property
+    def path(self) -> str:
+        return self.dialect.path
+
+    def prompt(self) -> str:
         # Natural words: a prompt of one repeated word makes the tiny random model emit byte fragments that
         # SGLang holds back until they form UTF-8, i.e. one content event at the end (no measurable TTFT).
         words = (_SENTENCE * (1 + self.prompt_tokens // len(_SENTENCE)))[: max(1, self.prompt_tokens - 8)]
-        prompt = " ".join(words)  # ~1 token per word; the chat template adds a few tokens
-        data: dict[str, Any] = {
-            "model": self.model,
-            "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": self.output_tokens,
-            "temperature": 0,
-            "stream": self.stream,
-        }
-        if self.stream:
-            data["stream_options"] = {"include_usage": True}
-        if self.ignore_eos:
-            data["ignore_eos"] = True
-        return orjson.dumps(data)
+        return " ".join(words)  # ~1 token per word; the chat template adds a few tokens
+
+    def body(self) -> bytes:
+        return orjson.dumps(self.dialect.body(self.model, self.prompt(), self.output_tokens, self.stream))
 
 
 @dataclass
@@ -144,18 +141,20 @@ class Connection:
         return status
 
 
-class _StreamParser:
-    """SSE bytes -> first-token time, token count, usage, error; byte scans only."""
+class StreamParser:
+    """SSE bytes -> first-token time, text event count, usage, end and error events; byte scans only."""
 
-    __slots__ = ("pending", "first", "last", "events", "usage_tokens", "error", "raw")
+    __slots__ = ("api", "pending", "first", "last", "events", "usage_tokens", "error", "ended", "raw")
 
-    def __init__(self, stream: bool) -> None:
+    def __init__(self, api: Api, stream: bool) -> None:
+        self.api = api
         self.pending = b""
         self.first: float | None = None
         self.last: float | None = None
         self.events = 0
         self.usage_tokens: int | None = None
         self.error: str | None = None
+        self.ended = False
         self.raw = b"" if not stream else None
 
     def feed_plain(self, data: bytes, now: float) -> None:
@@ -168,21 +167,31 @@ class _StreamParser:
             self.pending = data
             return
         self.pending = data[cut + 2 :]
+        api = self.api
         for event in data[: cut + 2].split(b"\n\n"):
             if not event:
                 continue
-            if b'"content":"' in event or b'"content": "' in event:
-                if b'"content":""' not in event and b'"content": ""' not in event:
-                    self.events += 1
-                    if self.first is None:
-                        self.first = now
-                    self.last = now
-            elif b'"completion_tokens"' in event:
-                match = _USAGE.search(event)
-                if match:
-                    self.usage_tokens = int(match.group(1))
-            if b'"error"' in event and b'"choices"' not in event:
+            if api.is_text(event):
+                self.events += 1
+                if self.first is None:
+                    self.first = now
+                self.last = now
+            elif b"_tokens" in event:
+                tokens = api.output_tokens(event)
+                if tokens is not None:
+                    self.usage_tokens = tokens
+            if event.startswith(api.ends):
+                self.ended = True
+            if api.is_error(event):
                 self.error = event[:200].decode("utf-8", "replace")
+
+    def stream_problem(self) -> str | None:
+        """Why a streamed answer that came with a 200 is not a success (None: it is one)."""
+        if self.error is not None:
+            return self.error
+        if not self.ended:
+            return f"stream ended without its last event ({self.api.ends[0].decode().strip()})"
+        return None
 
 
 async def run_batch(
@@ -213,7 +222,7 @@ async def run_batch(
     deadline = t0 + max_seconds
 
     async def one(conn: Connection) -> Sample:
-        parser = _StreamParser(workload.stream)
+        parser = StreamParser(workload.dialect, workload.stream)
         start = time.perf_counter()
         try:
             feed = parser.feed_stream if workload.stream else parser.feed_plain
@@ -230,9 +239,10 @@ async def run_batch(
             if parser.events > 1 and parser.first is not None and parser.last is not None:
                 itl = (parser.last - parser.first) / (parser.events - 1)
             ttft = parser.first - start if parser.first is not None else None
-            return Sample(parser.error is None, start - t0, end - t0, ttft, tokens, itl, parser.error)
-        match = _USAGE.search(parser.raw or b"")
-        return Sample(True, start - t0, end - t0, None, int(match.group(1)) if match else 0)
+            problem = parser.stream_problem()
+            return Sample(problem is None, start - t0, end - t0, ttft, tokens, itl, problem)
+        tokens = workload.dialect.output_tokens(parser.raw or b"")
+        return Sample(True, start - t0, end - t0, None, tokens or 0)
 
     async def worker(conn: Connection) -> None:
         nonlocal issued

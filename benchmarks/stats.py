@@ -1,4 +1,4 @@
-"""Summaries of samples, gateway/direct ratios and the issue's targets."""
+"""Summaries of samples, gateway/direct ratios and the gateway's performance targets."""
 
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def _check(name: str, value: float | None, limit: float, *, at_most: bool, unit:
 
 
 def evaluate_targets(upstream: str, levels: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
-    """The issue's targets for what this run measured (``levels``: concurrency -> {direct, gateway, vs})."""
+    """The gateway's performance targets for what this run measured (``levels``: concurrency -> {direct, gateway, vs})."""
     checks: list[dict[str, Any]] = []
     if upstream.startswith("stub"):
         if 1 in levels:
@@ -110,7 +110,7 @@ def evaluate_targets(upstream: str, levels: dict[int, dict[str, Any]]) -> list[d
                 checks.append(
                     _check(f"stub c={c}: req/s kept", levels[c]["vs"]["req_s"]["ratio"], 0.5, at_most=False, unit="x")
                 )
-                # the issue's reading of that target: gateway CPU per request <= the stub's own CPU per request
+                # the stricter reading of that target: gateway CPU per request <= the stub's own CPU per request
                 gw = levels[c]["gateway"].get("cpu_ms_per_req", {}).get("gateway")
                 up = levels[c]["direct"].get("cpu_ms_per_req", {}).get("upstream")
                 ratio = gw / up if gw is not None and up else None

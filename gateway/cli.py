@@ -19,7 +19,8 @@ from rich.console import Console
 
 from launch.argv import build_argv, build_env, effective_engine
 from launch.config import ConfigError, DeploymentConfig, load_config
-from launch.preflight import Finding, PreflightError, check_replicas, preflight, require, visible_gpu_count
+from launch.lifecycle import start_ready
+from launch.preflight import Finding, PreflightError, check_replicas, preflight, visible_gpu_count
 from launch.process import EngineError, EngineProcess
 from launch.replicas import replica_engines, visible_gpu_ids
 
@@ -117,35 +118,35 @@ def launch(
     if len(models) > 1:
         raise fail(f"{config}: several models have engines ({', '.join(models)}); choose one with --model")
     name, engine = next(iter(models.items()))
-    try:
-        engine = require(preflight(engine), name)
-    except PreflightError as error:
-        raise fail(str(error)) from None
-
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    process = EngineProcess(name, engine)
-    start_errors: list[EngineError] = []
+    outcome: list[EngineProcess | Exception] = []
 
-    def wait_ready() -> None:  # in a helper thread, so Ctrl-C stays responsive in this one
-        try:
-            process.wait_ready()
-        except EngineError as error:
-            start_errors.append(error)
+    with err.status(f"engine {name}: starting") as status:
 
-    try:
-        with err.status(f"engine {name}: starting") as status:
-            process.on_progress = lambda phase, t: status.update(f"engine {name}: {phase} ({t:.0f}s)")
-            process.start()
-            waiter = threading.Thread(target=wait_ready, daemon=True)
-            waiter.start()
-            while waiter.is_alive() and not stop.is_set():
-                waiter.join(0.2)
-        if start_errors:
-            raise fail(str(start_errors[0]), code=1)
+        def start() -> None:  # in a helper thread, so Ctrl-C stays responsive in this one
+            try:
+                outcome.append(
+                    start_ready(name, engine, stop_when=stop.is_set, on_progress=lambda phase, t: status.update(f"engine {name}: {phase} ({t:.0f}s)"))
+                )
+            except (PreflightError, EngineError) as error:
+                outcome.append(error)
+
+        starter = threading.Thread(target=start, daemon=True)
+        starter.start()
+        while starter.is_alive():
+            starter.join(0.2)
+    result = outcome[0]
+    if isinstance(result, PreflightError):
+        raise fail(str(result))
+    if isinstance(result, EngineError):
         if stop.is_set():
             return
+        raise fail(str(result), code=1)
+    assert isinstance(result, EngineProcess)
+    process = result
+    try:
         err.print(
             f"engine [bold]{name}[/] (pid {process.pid}) ready at {process.url}  (Ctrl-C to stop; log: {process.log_file})",
             highlight=False,

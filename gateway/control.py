@@ -321,7 +321,7 @@ class Controller:
             route = self._managed_route(name)
             chosen = self._resolve_policy(policy or self.state.settings.swap_policy_for(name), len(route.replicas))
             builds = [
-                partial(self.executor.engine_backend, name, backend.engine.config, checked=True, replica=backend.replica)  # type: ignore[union-attr]
+                partial(self.executor.engine_backend, name, backend.engine.config, replica=backend.replica)  # type: ignore[union-attr]
                 for backend in route.replicas
             ]
             result = await self.executor.swap(name, builds, chosen, fixed_port=route.backend.engine.config.port)  # type: ignore[union-attr]

@@ -42,6 +42,13 @@ _SSE_HEADERS = [
 ]
 _DONE = b"data: [DONE]\n\n"
 _USAGE = (b'"usage":{', b'"usage": {')
+# How a complete stream ends, by framing: a stream that stops before one of these (a router or engine that
+# closed it cleanly in the middle) ends with the gateway's error event instead.
+_ENDINGS: dict[StreamKind, tuple[bytes, ...]] = {
+    StreamKind.DATA: (_DONE[:-2], b'data: {"error":'),
+    StreamKind.RESPONSES: (b'"type":"response.completed"', b'"type":"response.incomplete"', b'"type":"response.failed"', b"event: error"),
+    StreamKind.ANTHROPIC: (b"event: message_stop", b"event: error"),
+}
 # What makes an event worth parsing, by stream framing. Responses events all carry "error":null.
 _MARKERS: dict[StreamKind, tuple[bytes, ...]] = {
     StreamKind.DATA: (*_USAGE, b'"error"'),
@@ -359,6 +366,8 @@ class SSEProxyResponse(Response):
         self.kind = kind
         self.on_created = on_created  # told the id of a Responses API response when its creation event passes
         self._markers = _MARKERS[kind]
+        self._endings = _ENDINGS[kind]
+        self._ended = False  # the stream's own last event went through
         self._events = 0  # events relayed (Responses: the next sequence number)
         self._pending = b""
 
@@ -402,6 +411,8 @@ class SSEProxyResponse(Response):
                 events = self._complete_events(chunk)
                 if events and self.kind is StreamKind.RESPONSES:
                     self._events += events.count(b"\n\n")
+                if events and not self._ended:
+                    self._ended = any(ending in events for ending in self._endings)
                 if events:
                     if last:  # (cannot happen: nothing follows the end of the body)
                         events, last = last + events, b""
@@ -420,6 +431,11 @@ class SSEProxyResponse(Response):
         if self._pending:
             tail += self._inspect(self._pending)
             self._pending = b""
+            self._ended = self._ended or any(ending in tail for ending in self._endings)
+        if failure is None and not self._ended:
+            failure = GatewayError(
+                502, f"the stream from the engine of {self.model} stopped before its end", code="upstream_stream_incomplete"
+            )
         if failure is not None:
             self.info.error = failure.log_detail or failure.message
             self.metrics.child(self.metrics.stream_errors, self.model).inc()

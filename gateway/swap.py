@@ -1,16 +1,18 @@
-"""Replace the backend of one model without dropping requests: blue-green or stop-first.
+"""Replace the backends of one model without dropping requests: blue-green, rolling or stop-first.
 
-Blue-green starts the new backend beside the old one, switches the route in one registry
-assignment once the new one is ready, then lets the old one finish its in-flight requests (up to
-the drain timeout) and stops it. Stop-first is for engines that cannot both fit in memory: the old
-one is drained (new requests get 503 + Retry-After) and stopped before the new one starts.
+Blue-green starts the new replicas beside the old ones, switches the route in one registry
+assignment once they are ready, then lets the old ones finish their in-flight requests (up to the
+drain timeout) and stops them. Rolling does that one replica at a time (never more than one engine
+extra: the default for models with replicas). Stop-first is for engines that cannot both fit in
+memory: the old ones are drained (new requests get 503 + Retry-After) and stopped before the new
+ones start.
 
 Every operation on a model runs under that model's ``asyncio.Lock`` (held by the caller), so
 swaps, reloads and watchdog restarts of the same model never interleave. The executor owns every
-engine it started (and the ones the gateway started at boot) and stops them all on shutdown.
+engine it started (boot, reload, swap, restart) and stops them all on shutdown.
 
-``EngineProcess.start()`` runs on the event-loop thread (it lives as long as the gateway, which the
-parent-death signal requires); the blocking preflight, readiness wait and stop run in threads.
+Engines start through :func:`launch.lifecycle.start_ready` in a worker thread (preflight, start from
+launch's long-lived starter thread, which the parent-death signal requires, wait until ready).
 """
 
 from __future__ import annotations
@@ -29,10 +31,17 @@ from gateway.config import SwapPolicy
 from gateway.registry import Backend
 from gateway.state import GatewayState
 from launch.config import EngineConfig
-from launch.preflight import PreflightError, preflight, require
+from launch.lifecycle import start_ready
+from launch.preflight import PreflightError
 from launch.process import EngineError, EngineProcess, ProgressCallback, new_engine_key
 
 BackendFactory = Callable[[], Awaitable[Backend]]
+
+
+def _stop_if_started(starting: asyncio.Future[EngineProcess]) -> None:
+    """A start nobody waits for any more: stop the engine if it came up anyway."""
+    if not starting.cancelled() and starting.exception() is None:
+        threading.Thread(target=starting.result().stop, name="stop-orphan-engine", daemon=True).start()
 
 
 def log_progress(name: str) -> ProgressCallback:
@@ -124,37 +133,36 @@ class SwapExecutor:
         return engine is not None and engine in self._owned
 
     # --------------------------------------------------------------- backends
-    async def engine_backend(self, model: str, config: EngineConfig, *, checked: bool = False, replica: int = 0) -> Backend:
-        """Launch an engine for ``model`` and wait until it is ready; SwapError (with log tail) if not."""
-        if not checked:
-            try:
-                config = require(await asyncio.to_thread(preflight, config), model)
-            except PreflightError as error:
-                raise SwapError(model, str(error), cause=error) from None
+    async def engine_backend(self, model: str, config: EngineConfig, *, replica: int = 0) -> Backend:
+        """Launch an engine for ``model`` (replica ``replica``) and wait until it is ready: preflight, start
+        and wait by :func:`launch.lifecycle.start_ready`; SwapError (with the engine's log tail) if not."""
         if self._closing or self.aborted:
             raise SwapError(model, "the gateway is shutting down")
         name = model if not replica else f"{model}-{replica}"
-        engine = EngineProcess(
-            name, config, log_dir=self.log_dir, api_key=new_engine_key(), on_progress=log_progress(name), served_model_name=model
-        )
-        engine.start()  # on the event-loop thread: see the module docstring
-        self._owned.add(engine)
+        given_up = threading.Event()  # this start was cancelled (its caller went away): the thread stops the engine
+        starting = asyncio.ensure_future(
+            asyncio.to_thread(
+                start_ready, name, config, log_dir=self.log_dir, api_key=new_engine_key(), on_progress=log_progress(name),
+                served_model_name=model, stop_when=lambda: given_up.is_set() or self._closing or self.aborted,
+            )
+        )  # fmt: skip
         try:
-            waiting = asyncio.ensure_future(asyncio.to_thread(engine.wait_ready))
-            while not waiting.done():
-                await asyncio.wait({waiting}, timeout=0.2)
-                if self.aborted and not waiting.done():  # stopping the engine ends its wait_ready too
-                    await self._stop(engine, forget=True)
-            await waiting
+            engine = await asyncio.shield(starting)
+        except asyncio.CancelledError:
+            given_up.set()
+            starting.add_done_callback(_stop_if_started)
+            raise
+        except PreflightError as error:
+            raise SwapError(model, str(error), cause=error) from None
         except EngineError as error:
-            await self._stop(engine, forget=True)
-            if self.aborted:
+            if self.aborted or self._closing:
                 raise SwapError(model, "start aborted (the gateway is stopping)") from None
             tail = error.log_tail[-40:]
             raise SwapError(model, f"new engine for {model!r} failed to start: {str(error).splitlines()[0]}", tail, cause=error) from None
-        except BaseException:
+        self._owned.add(engine)
+        if self._closing:  # closed while it came up: close() did not see it
             await self._stop(engine, forget=True)
-            raise
+            raise SwapError(model, "the gateway is shutting down")
         return Backend(config.served_model_name or model, engine=engine, replica=replica)
 
     # --------------------------------------------------------------- swaps (caller holds the model's lock)
@@ -283,7 +291,7 @@ class SwapExecutor:
         """Stop ``old`` (dead or hung) and start a fresh engine with its config (watchdog; lock held)."""
         assert old.engine is not None
         await self._stop(old.engine)
-        new = await self.engine_backend(model, old.engine.config, checked=True, replica=old.replica)
+        new = await self.engine_backend(model, old.engine.config, replica=old.replica)
         if self.registry.set_backend(model, new) is None:
             await self.retire(model, new)
             raise SwapError(model, f"model {model!r} was removed while its engine restarted")

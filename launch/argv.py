@@ -11,51 +11,95 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
+from typing import Literal, get_args, get_origin
 
 import yaml
+from pydantic.fields import FieldInfo
 
 from launch.config import CPU_DEFAULT_MAX_TOTAL_TOKENS, EngineConfig
 
 SGLANG_MODULE = "sglang.launch_server"
 CPU_SHIM_DIR = Path(__file__).resolve().parent / "cpu_shim"
 
-# field name -> flag, for options that are passed as "--flag VALUE" when set.
-_VALUE_FLAGS: dict[str, str] = {
-    "model_path": "--model-path",
-    "tokenizer_path": "--tokenizer-path",
-    "host": "--host",
-    "tp_size": "--tp-size",
-    "dp_size": "--dp-size",
-    "mem_fraction_static": "--mem-fraction-static",
-    "max_total_tokens": "--max-total-tokens",
-    "context_length": "--context-length",
-    "max_running_requests": "--max-running-requests",
-    "dtype": "--dtype",
-    "quantization": "--quantization",
-    "chunked_prefill_size": "--chunked-prefill-size",
-    "grammar_backend": "--grammar-backend",
-    "tool_call_parser": "--tool-call-parser",
-    "reasoning_parser": "--reasoning-parser",
-    "chat_template": "--chat-template",
-    "attention_backend": "--attention-backend",
-    "device": "--device",
-    "random_seed": "--random-seed",
-    "cuda_graph_max_bs": "--cuda-graph-max-bs-decode",
+
+class Passed(StrEnum):
+    """How an engine key's value becomes flags."""
+
+    VALUE = "value"  # "--flag VALUE" when set (and not SGLang's own default, ``EngineFlag.omit``)
+    SWITCH = "switch"  # a bare "--flag" when true
+    OFF = "off"  # "--flag disabled" for each of its flags when false
+
+
+@dataclass(frozen=True)
+class EngineFlag:
+    """The ``sglang.launch_server`` flag(s) of one engine key."""
+
+    flags: tuple[str, ...]
+    passed: Passed = Passed.VALUE
+    omit: object = None  # a value left to SGLang (its own default): not spelled out
+
+    @property
+    def dests(self) -> tuple[str, ...]:
+        """The attributes of SGLang's ``ServerArgs`` these flags set (argparse's dest: dashes to underscores)."""
+        return tuple(flag.removeprefix("--").replace("-", "_") for flag in self.flags)
+
+    def argv(self, value: object) -> list[str]:
+        if self.passed is Passed.SWITCH:
+            return [self.flags[0]] if value else []
+        if self.passed is Passed.OFF:
+            return [part for flag in self.flags for part in (flag, "disabled")] if value is False else []
+        return [] if value is None or value == self.omit else [self.flags[0], str(value)]
+
+
+def _value(flag: str, omit: object = None) -> EngineFlag:
+    return EngineFlag((flag,), Passed.VALUE, omit)
+
+
+def _switch(flag: str) -> EngineFlag:
+    return EngineFlag((flag,), Passed.SWITCH)
+
+
+# Every key of ``EngineConfig`` that becomes flags, in command-line order (a test checks that each key is here
+# or in NOT_FLAGS, and feeds every flag through SGLang's own parser). Adding an engine key: its field in
+# ``launch.config.EngineConfig``, its line here, and its value in the parser test's FULL engine.
+ENGINE_FLAGS: dict[str, EngineFlag] = {
+    "model_path": _value("--model-path"),
+    "tokenizer_path": _value("--tokenizer-path"),
+    "host": _value("--host"),
+    "tp_size": _value("--tp-size"),
+    "dp_size": _value("--dp-size"),
+    "mem_fraction_static": _value("--mem-fraction-static"),
+    "max_total_tokens": _value("--max-total-tokens"),
+    "context_length": _value("--context-length"),
+    "max_running_requests": _value("--max-running-requests"),
+    "dtype": _value("--dtype", omit="auto"),
+    "quantization": _value("--quantization"),
+    "chunked_prefill_size": _value("--chunked-prefill-size"),
+    "grammar_backend": _value("--grammar-backend"),
+    "tool_call_parser": _value("--tool-call-parser"),
+    "reasoning_parser": _value("--reasoning-parser"),
+    "chat_template": _value("--chat-template"),
+    "attention_backend": _value("--attention-backend"),
+    "device": _value("--device"),
+    "random_seed": _value("--random-seed"),
+    "cuda_graph_max_bs": _value("--cuda-graph-max-bs-decode"),
+    "port": _value("--port"),  # the port the launcher picked (``port: 0`` picks a free one)
+    "served_model_name": _value("--served-model-name"),  # default: the model's name in the YAML
+    "trust_remote_code": _switch("--trust-remote-code"),
+    "json_disable_any_whitespace": _switch("--constrained-json-disable-any-whitespace"),
+    "skip_server_warmup": _switch("--skip-server-warmup"),
+    "enable_metrics": _switch("--enable-metrics"),
+    "enable_response_store": _switch("--enable-response-store"),
+    "sleep_on_idle": _switch("--sleep-on-idle"),
+    # SGLang 0.5.23 deprecates --disable-cuda-graph in favour of per-phase backends (only said on cuda)
+    "cuda_graph": EngineFlag(("--cuda-graph-backend-decode", "--cuda-graph-backend-prefill"), Passed.OFF),
 }
-# field name -> flag, for booleans passed as a bare "--flag" when true.
-_SWITCH_FLAGS: dict[str, str] = {
-    "trust_remote_code": "--trust-remote-code",
-    "json_disable_any_whitespace": "--constrained-json-disable-any-whitespace",
-    "skip_server_warmup": "--skip-server-warmup",
-    "enable_metrics": "--enable-metrics",
-    "enable_response_store": "--enable-response-store",
-}
-# SGLang 0.5.23 deprecates --disable-cuda-graph in favour of per-phase backends.
-CUDA_GRAPH_OFF_FLAGS = ("--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled")
-SLEEP_ON_IDLE_FLAG = "--sleep-on-idle"
-PORT_FLAG = "--port"
-SERVED_NAME_FLAG = "--served-model-name"
+# The keys of ``EngineConfig`` that are not SGLang flags (the launcher's own: environment, interpreter,
+# verbatim flags, start-up wait).
+NOT_FLAGS: frozenset[str] = frozenset({"env", "python", "extra_args", "startup_timeout_s"})
+
 CPU_ENGINE_ENV = "SGLANG_USE_CPU_ENGINE"
 # Secrets never go on the command line (``/proc/PID/cmdline`` is world-readable): they go in a YAML
 # file read by SGLang's ``--config`` (keys are flag names without the leading dashes).
@@ -77,26 +121,22 @@ def effective_engine(engine: EngineConfig) -> EngineConfig:
     return engine.model_copy(update=updates) if updates else engine
 
 
+def flag_values(engine: EngineConfig, *, port: int, served_model_name: str | None = None) -> dict[str, object]:
+    """The value each key of :data:`ENGINE_FLAGS` is passed with (after the CPU defaults): the port the launcher
+    picked, the served name's fallback, and CUDA graphs only spoken of on cuda."""
+    engine = effective_engine(engine)
+    return {
+        **dict(engine),
+        "port": port,
+        "served_model_name": engine.served_model_name or served_model_name,
+        "cuda_graph": engine.cuda_graph_enabled if engine.device == "cuda" else None,
+    }
+
+
 def server_args(engine: EngineConfig, *, port: int, served_model_name: str | None = None) -> list[str]:
     """The flags after ``-m sglang.launch_server`` (no interpreter), in a stable order."""
-    engine = effective_engine(engine)
-    args: list[str] = []
-    for field, flag in _VALUE_FLAGS.items():
-        value = getattr(engine, field)
-        if value is None or (field == "dtype" and value == "auto"):
-            continue
-        args += [flag, str(value)]
-    args += [PORT_FLAG, str(port)]
-    name = engine.served_model_name or served_model_name
-    if name:
-        args += [SERVED_NAME_FLAG, name]
-    for field, flag in _SWITCH_FLAGS.items():
-        if getattr(engine, field):
-            args.append(flag)
-    if engine.sleep_on_idle:
-        args.append(SLEEP_ON_IDLE_FLAG)
-    if engine.device == "cuda" and not engine.cuda_graph_enabled:
-        args += CUDA_GRAPH_OFF_FLAGS
+    values = flag_values(engine, port=port, served_model_name=served_model_name)
+    args = [part for key, flag in ENGINE_FLAGS.items() for part in flag.argv(values[key])]
     return args + list(engine.extra_args)
 
 
@@ -148,6 +188,39 @@ def _without_config_flag(args: list[str]) -> list[str]:
     return out
 
 
+def engine_reference_table() -> str:
+    """The README's engine section reference: every key, its default, its flags and what it means (a test
+    checks the README holds exactly this)."""
+    lines = ["| key | default | SGLang flag | meaning |", "|---|---|---|---|"]
+    for key, field in EngineConfig.model_fields.items():
+        flag = ENGINE_FLAGS.get(key)
+        if flag is None:
+            spelled = "(not a flag)"
+        elif flag.passed is Passed.OFF:
+            spelled = " ".join(f"`{name} disabled`" for name in flag.flags) + " when false"
+        elif flag.passed is Passed.SWITCH:
+            spelled = f"`{flag.flags[0]}` when true"
+        else:
+            spelled = f"`{flag.flags[0]}`"
+        meaning = field.description or ""
+        choices = get_args(field.annotation) if get_origin(field.annotation) is Literal else ()
+        if choices:
+            meaning += " One of " + ", ".join(f"`{choice}`" for choice in choices) + "."
+        lines.append(f"| `{key}` | {_default_text(field)} | {spelled} | {meaning} |")
+    return "\n".join(lines)
+
+
+def _default_text(field: FieldInfo) -> str:
+    if field.is_required():
+        return "required"
+    value = field.get_default(call_default_factory=True)
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return f"`{value}`" if isinstance(value, (str, list, dict)) else str(value)
+
+
 @dataclass(frozen=True)
 class EngineEnv:
     """Environment for the engine process, and whether the CPU ``sgl_kernel`` stand-in is on its path."""
@@ -178,7 +251,11 @@ def real_sgl_kernel_importable(python: str) -> bool:
         return False
     try:
         probe = subprocess.run(
-            [python, "-c", "import sgl_kernel, sys; sys.exit(1 if getattr(sgl_kernel, 'IS_SGLANG_GATEWAY_CPU_SHIM', False) else 0)"],
+            [
+                python,
+                "-c",
+                "import sgl_kernel, sys; sys.exit(1 if getattr(sgl_kernel, 'IS_SGLANG_GATEWAY_CPU_SHIM', False) else 0)",
+            ],
             capture_output=True,
             timeout=120,
             check=False,

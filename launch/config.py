@@ -44,59 +44,78 @@ class _Strict(BaseModel):
 
 
 class EngineConfig(_Strict):
-    """One SGLang server process: every field maps to a ``sglang.launch_server`` flag (see ``argv``)."""
+    """One SGLang server process: every field but the launcher's own maps to ``sglang.launch_server`` flags
+    (``launch.argv.ENGINE_FLAGS``; ``launch.argv.NOT_FLAGS`` names the others)."""
 
     model_path: str = Field(description="Local directory with the weights, or a Hugging Face id.")
-    tokenizer_path: str | None = Field(None, description="Tokenizer directory or id, if not the model's.")
+    tokenizer_path: str | None = Field(None, description="Tokenizer directory or id (unset: the model's).")
     served_model_name: str | None = Field(
-        None, description="Name the engine reports; defaults to the model's name in this file."
+        None, description="Name the engine reports (unset: the model's name in this file)."
     )
     host: str = Field("127.0.0.1", description="Interface the engine binds to.")
     port: int = Field(0, ge=0, le=65535, description="Engine port; 0 picks a free one at launch.")
-    tp_size: int = Field(1, ge=1, description="Tensor-parallel size (GPUs per replica).")
+    tp_size: int = Field(
+        1, ge=1, description="Tensor-parallel size: GPUs per replica (checked against the visible GPUs)."
+    )
     dp_size: int = Field(1, ge=1, description="Data-parallel replicas.")
     mem_fraction_static: float | None = Field(
-        None, gt=0.0, lt=1.0, description="Fraction of GPU memory for weights and KV cache."
+        None,
+        gt=0.0,
+        lt=1.0,
+        description="Fraction of GPU memory for weights and KV cache, in (0, 1) (unset: SGLang's).",
     )
     max_total_tokens: int | None = Field(
-        None, gt=0, description=f"KV-cache size in tokens (CPU default {CPU_DEFAULT_MAX_TOTAL_TOKENS})."
+        None,
+        gt=0,
+        description=f"KV-cache size in tokens (unset: SGLang's on cuda, {CPU_DEFAULT_MAX_TOTAL_TOKENS} on cpu).",
     )
-    context_length: int | None = Field(None, gt=0, description="Override the model's context length.")
-    max_running_requests: int | None = Field(None, gt=0, description="Concurrent requests in the engine.")
+    context_length: int | None = Field(None, gt=0, description="Context length (unset: the model's).")
+    max_running_requests: int | None = Field(
+        None, gt=0, description="Concurrent requests in the engine (unset: SGLang's)."
+    )
     dtype: DType = Field("auto", description="Weight and activation dtype.")
-    quantization: str | None = Field(None, description="SGLang quantization method, e.g. fp8, awq.")
-    cuda_graph: bool | None = Field(
-        None, description="Capture CUDA graphs (default: on for cuda, off for cpu)."
+    quantization: str | None = Field(None, description="SGLang quantization method, e.g. fp8, awq, gptq (unset: none).")
+    cuda_graph: bool | None = Field(None, description="Capture CUDA graphs (unset: on for cuda; never on cpu).")
+    cuda_graph_max_bs: int | None = Field(
+        None, gt=0, description="Largest batch captured in a CUDA graph (unset: SGLang's)."
     )
-    cuda_graph_max_bs: int | None = Field(None, gt=0, description="Largest batch captured in a CUDA graph.")
     chunked_prefill_size: int | None = Field(
-        None, description="Prefill chunk size in tokens; -1 disables chunking."
+        None, description="Prefill chunk size in tokens; -1 disables chunking (unset: SGLang's)."
     )
-    grammar_backend: GrammarBackend | None = Field(None, description="Structured-output backend.")
-    tool_call_parser: str | None = Field(None, description="Tool-call parser, e.g. qwen25, llama3, hermes.")
-    reasoning_parser: str | None = Field(None, description="Reasoning parser, e.g. deepseek-r1, qwen3.")
-    chat_template: str | None = Field(None, description="Chat template name or file.")
+    grammar_backend: GrammarBackend | None = Field(None, description="Structured-output backend (unset: SGLang's).")
+    tool_call_parser: str | None = Field(
+        None, description="Tool-call parser, e.g. qwen25, llama3, hermes (unset: none)."
+    )
+    reasoning_parser: str | None = Field(None, description="Reasoning parser, e.g. deepseek-r1, qwen3 (unset: none).")
+    chat_template: str | None = Field(None, description="Chat template name or file (unset: the model's).")
     attention_backend: str | None = Field(
-        None, description="Attention kernels (default: SGLang's choice on cuda, torch_native on cpu)."
+        None, description="Attention kernels (unset: SGLang's choice on cuda, torch_native on cpu)."
     )
-    device: Device = Field("cuda", description="cuda (GPU) or cpu (development).")
+    device: Device = Field("cuda", description="Where the engine runs: a GPU, or the CPU (development and tests).")
     trust_remote_code: bool = Field(False, description="Allow custom model code from the model repo.")
     json_disable_any_whitespace: bool = Field(
         False, description="Forbid free whitespace in constrained JSON (helps small models)."
     )
     sleep_on_idle: bool | None = Field(
-        None, description="Let the scheduler sleep when idle (default: on for cpu)."
+        None, description="Let the scheduler sleep when idle instead of spinning a core (unset: on for cpu)."
     )
     skip_server_warmup: bool = Field(False, description="Skip SGLang's warm-up request (faster start).")
     enable_response_store: bool = Field(
         False, description="Keep Responses API results in the engine (GET /v1/responses/{id}, previous_response_id)."
     )
     enable_metrics: bool = Field(True, description="Expose the engine's Prometheus /metrics.")
-    random_seed: int | None = Field(None, description="Engine random seed.")
-    env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the engine.")
-    python: str | None = Field(None, description="Python executable to run SGLang with (default: this one).")
-    extra_args: list[str] = Field(default_factory=list, description="Flags passed to SGLang verbatim.")
-    startup_timeout_s: float = Field(900.0, gt=0, description="How long to wait for /health to answer 200.")
+    random_seed: int | None = Field(None, description="Engine random seed (unset: SGLang picks one).")
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables for the engine process.")
+    python: str | None = Field(
+        None, description="Python executable that runs SGLang, e.g. a separate venv (unset: this interpreter)."
+    )
+    extra_args: list[str] = Field(
+        default_factory=list,
+        description="Flags passed to SGLang verbatim, after the ones above, for options not named here.",
+    )
+    startup_timeout_s: float = Field(
+        900.0, gt=0, description="Seconds the launcher waits for the engine's /health to answer 200."
+    )
 
     @field_validator("model_path")
     @classmethod

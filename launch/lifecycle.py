@@ -61,6 +61,7 @@ def start_ready(
     on_progress: ProgressCallback | None = None,
     echo_level: str | None = "DEBUG",
     stop_when: Callable[[], bool] | None = None,
+    served_model_name: str | None = None,
 ) -> EngineProcess:
     """A ready engine for ``engine``: preflight (warnings logged), start from :data:`STARTER`, wait for
     ``/health``. On any failure (or ``stop_when()`` turning true while it starts) the engine is stopped
@@ -68,8 +69,9 @@ def start_ready(
     """
     checked = require(preflight(engine), name)
     process = EngineProcess(
-        name, checked, log_dir=log_dir, on_progress=on_progress, api_key=api_key, echo_level=echo_level
-    )
+        name, checked, log_dir=log_dir, on_progress=on_progress, api_key=api_key, echo_level=echo_level,
+        served_model_name=served_model_name,
+    )  # fmt: skip
     STARTER.run(process.start)
     try:
         process.wait_ready(stop_when=stop_when)

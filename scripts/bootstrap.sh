@@ -41,6 +41,29 @@ key=$( {
 cache=${SGLANG_GATEWAY_VENV_CACHE:-$HOME/.cache/sglang-gateway}
 venv="$cache/venv-$flavor-$key"
 
+# sglang's requirements that the CPU environment leaves out on purpose: PyPI has only CUDA builds of its
+# kernels and GPU tools (they fail to import without a GPU driver; launch/cpu_shim stands in for the two ops
+# a CPU engine calls), and a text server never imports its media, dataset and training extras.
+cpu_left_out_gpu="cuda-python flash-attn-4 flashinfer-python humming-kernels kernels nvidia-cutlass-dsl nvidia-mathdx
+  nvshmem4py-cu13 quack-kernels sgl-deep-ep sgl-deep-gemm sgl-flash-mla sglang-kernel tilelang torch-memory-saver"
+cpu_left_out_extras="build datasets deepseek-recipe modelscope smg-grpc-servicer timm tml-renderers torchaudio torchcodec"
+
+# Say once what the CPU environment leaves out and why; fail on any other broken requirement `pip check` finds.
+check_cpu_environment() {
+  local names problems
+  names=$(echo $cpu_left_out_gpu $cpu_left_out_extras | tr ' ' '|')
+  problems=$("$venv/bin/python" -m pip check 2>&1 \
+    | grep -vE "^No broken requirements found|^sglang [^ ]+ requires ($names), which is not installed\.$" || true)
+  if [ -n "$problems" ]; then
+    echo "bootstrap: the new environment has broken requirements (pip check):" >&2
+    echo "$problems" >&2
+    return 1
+  fi
+  echo "bootstrap: CPU environment: left out of sglang's requirements on purpose, its CUDA-only kernels and GPU tools" >&2
+  echo "  ($(echo $cpu_left_out_gpu | sed 's/ /, /g')): no CPU builds exist;" >&2
+  echo "  and its media, dataset and training extras ($(echo $cpu_left_out_extras | sed 's/ /, /g')): a text server does not use them." >&2
+}
+
 # pip prints a warning per package for this machine's absent local indexes: keep the log readable.
 pip_quiet() {
   local rc
@@ -65,9 +88,11 @@ if [ ! -f "$venv/.complete" ]; then
   else
     "${pip[@]}" install -q -r requirements/engine-cpu.txt
     "${pip[@]}" install -q --no-deps "sglang==0.5.23"
-    "${pip[@]}" install -q "$root[mlflow,dev]"
+    # pip would list sglang's deliberately absent requirements as "dependency conflicts": checked below instead
+    "${pip[@]}" install -q --no-warn-conflicts "$root[mlflow,dev]"
   fi
   "${pip[@]}" uninstall -q -y sglang-gateway
+  if [ "$flavor" = cpu ]; then check_cpu_environment; fi
   touch "$venv/.complete"
   echo "bootstrap: environment ready in $(( $(date +%s) - start ))s, $(du -sh "$venv" | cut -f1)" >&2
 fi
@@ -79,11 +104,12 @@ find "$cache" -maxdepth 2 -name .complete -path "$cache/venv-*" -mtime +7 2>/dev
 done
 
 # Point .venv at it, and install this checkout (editable, no dependencies: seconds) if it is not the one installed.
+# -qq: setuptools' notice that an editable install is one is not news here; errors still show and fail.
 if [ "$(readlink .venv 2>/dev/null)" != "$venv" ]; then
   rm -rf .venv
   ln -s "$venv" .venv
 fi
 installed=$("$venv/bin/python" -c 'import launch, os; print(os.path.dirname(os.path.dirname(os.path.abspath(launch.__file__))))' 2>/dev/null || true)
 if [ "$installed" != "$root" ] || [ ! -x "$venv/bin/sglang-gateway" ]; then
-  pip_quiet "$venv/bin/python" -m pip --disable-pip-version-check install -q --no-deps --no-build-isolation -e "$root"
+  pip_quiet "$venv/bin/python" -m pip --disable-pip-version-check install -qq --no-deps --no-build-isolation -e "$root"
 fi

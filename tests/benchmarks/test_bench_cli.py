@@ -1,80 +1,151 @@
-"""Smoke test: the bench CLI runs end to end on a tiny workload against the fake upstream and writes JSON.
+"""The bench CLI runs end to end on a tiny workload against the fake upstream and writes JSON, for every API
+it speaks (chat completions, Responses, Messages); its load generator reads the real engine's streams the
+way it reads the fake's, and the fake sends the engine's event sequence.
 
-No timing is asserted (speed is measured by the benchmarks themselves, never by tests): only that the
-run completes, counts its requests, sees no errors and leaves a well-formed result behind.
+No timing is asserted (speed is measured by the benchmarks themselves, never by tests): only that runs
+complete, count their requests and tokens, see no errors and leave well-formed results behind.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks import processes
-from benchmarks.loadgen import Workload, new_event_loop, run_batch
+import httpx
+import orjson
+import pytest
+
+from benchmarks import fake_upstream, processes
+from benchmarks.apis import APIS
+from benchmarks.loadgen import StreamParser, Workload, new_event_loop, run_batch
+from launch.process import EngineProcess
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_load_generator_against_fake_upstream(tmp_path: Path) -> None:
-    with processes.fake_upstream("raw", tmp_path) as (url, _):
+def _bench(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "benchmarks", *args], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.mark.parametrize("kind", ["raw", "starlette"])
+def test_load_generator_against_fake_upstream(tmp_path: Path, kind: str) -> None:
+    with processes.fake_upstream(kind, tmp_path) as (url, _):
         loop = new_event_loop()
         try:
-            for stream in (True, False):
-                batch = loop.run_until_complete(run_batch(url, Workload(stream=stream, output_tokens=5), 3, 9))
-                assert len(batch.samples) == 9 and all(s.ok for s in batch.samples), batch.samples
-                assert all(s.tokens == 5 for s in batch.samples)
-                if stream:
-                    assert all(s.ttft is not None and s.ttft <= s.latency for s in batch.samples)
+            for api in APIS:
+                for stream in (True, False):
+                    workload = Workload(api=api, stream=stream, output_tokens=5)
+                    batch = loop.run_until_complete(run_batch(url, workload, 3, 9))
+                    assert len(batch.samples) == 9 and all(s.ok for s in batch.samples), (api, batch.samples)
+                    assert all(s.tokens == 5 for s in batch.samples), (api, stream)
+                    if stream:
+                        assert all(s.ttft is not None and s.ttft <= s.latency for s in batch.samples), api
         finally:
             loop.close()
 
 
-def test_compare_cli_end_to_end(tmp_path: Path) -> None:
+@pytest.mark.parametrize("api", list(APIS))
+def test_a_stream_cut_short_or_ending_in_an_error_counts_as_failed(api: str) -> None:
+    """The load generator tells a complete stream from a broken one, in each dialect (the fake's frames)."""
+    events = list(fake_upstream.ANSWERS[APIS[api].path](orjson.dumps(APIS[api].body("m", "hi", 3, True))).events or ())
+    error = {
+        "chat": b'data: {"error": {"message": "engine died", "code": 503}}\n\n',
+        "responses": b'event: error\ndata: {"type": "error", "message": "engine died"}\n\n',
+        "messages": b'event: error\ndata: {"type": "error", "error": {"message": "engine died"}}\n\n',
+    }[api]
+    for stream, problem in (
+        (events, None),
+        (events[:-1], "stream ended without its last event"),
+        (events[:-2] + [error], "engine died"),
+    ):
+        parser = StreamParser(APIS[api], stream=True)
+        for event in stream:
+            parser.feed_stream(event, 0.0)
+        found = parser.stream_problem()
+        assert (found is None) if problem is None else (problem in (found or "")), (api, found)
+        assert parser.events == 3
+
+
+def test_compare_cli_end_to_end_for_every_api(tmp_path: Path) -> None:
     out = tmp_path / "result"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks",
-            "compare",
-            "--upstream",
-            "stub",
-            "-c",
-            "1,2",
-            "-n",
-            "6",
-            "--rounds",
-            "2",
-            "--warmup",
-            "2",
-            "--output-tokens",
-            "4",
-            "--max-seconds",
-            "30",
-            "--out",
-            str(out),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    proc = _bench(
+        "compare", "--upstream", "stub", "-c", "1,2", "-n", "6", "--rounds", "2", "--warmup", "2",
+        "--output-tokens", "4", "--max-seconds", "30", "--api", "chat,responses,messages", "--out", str(out),
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads((out / "result.json").read_text())
     assert result["kind"] == "compare" and result["upstream"] == "stub-starlette"
-    assert set(result["levels"]) == {"1", "2"}
-    for entry in result["levels"].values():
-        for target in ("direct", "gateway"):
-            assert entry[target]["requests"] == 6 and entry[target]["errors"] == 0, entry[target]
-            assert entry[target]["mean_out_tokens"] == 4
-        assert entry["vs"]["req_s"]["ratio"] > 0
-        assert "gateway" in entry["gateway"]["cpu_ms_per_req"]
-    assert {check["target"] for check in result["targets"]} >= {"stub c=1: added p50 latency"}
-    assert "gw/direct" in proc.stdout
+    assert list(result["apis"]) == ["chat", "responses", "messages"]
+    for api, measured in result["apis"].items():
+        assert measured["workload"]["path"] == APIS[api].path
+        assert set(measured["levels"]) == {"1", "2"}
+        for entry in measured["levels"].values():
+            for target in ("direct", "gateway"):
+                assert entry[target]["requests"] == 6 and entry[target]["errors"] == 0, (api, entry[target])
+                assert entry[target]["mean_out_tokens"] == 4
+                assert entry[target]["ttft_p50_ms"] is not None
+            assert entry["vs"]["req_s"]["ratio"] > 0
+            assert "gateway" in entry["gateway"]["cpu_ms_per_req"]
+        assert {check["target"] for check in measured["targets"]} >= {"stub c=1: added p50 latency"}
+    assert {(row["api"], row["c"]) for row in result["summary"]} == {(a, c) for a in APIS for c in (1, 2)}
+    assert "gw/direct" in proc.stdout and "gateway/direct per API" in proc.stdout
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         return
-    assert (out / "plot.png").stat().st_size > 0
+    assert all((out / f"plot-{api}.png").stat().st_size > 0 for api in APIS)
+
+
+def test_run_cli_plain_answers_and_a_bad_api_name(tmp_path: Path) -> None:
+    with processes.fake_upstream("raw", tmp_path) as (url, _):
+        out = tmp_path / "run"
+        proc = _bench(
+            "run", url, "-c", "2", "-n", "4", "--warmup", "0", "--no-stream", "--output-tokens", "3",
+            "--api", "responses,messages", "--no-plot", "--out", str(out),
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        result = json.loads((out / "result.json").read_text())
+        for api in ("responses", "messages"):
+            level = result["apis"][api]["levels"]["2"]["target"]
+            assert level["ok"] == 4 and level["mean_out_tokens"] == 3 and level["ttft_p50_ms"] is None
+        refused = _bench("run", url, "--api", "chat,completions")
+    assert refused.returncode == 2
+    assert "unknown API completions" in refused.stderr and "Traceback" not in refused.stderr
+
+
+# ------------------------------------------------------------------ the real engine's frames
+def _event_types(text: str) -> list[str]:
+    """The SSE event names of a stream, runs of one name collapsed (the count of text deltas varies)."""
+    names = re.findall(r"^event: (\S+)$", text, flags=re.M)
+    return [name for i, name in enumerate(names) if i == 0 or names[i - 1] != name]
+
+
+@pytest.mark.engine
+def test_load_generator_reads_the_real_engines_streams(tiny_engine: EngineProcess) -> None:
+    loop = new_event_loop()
+    try:
+        for api in APIS:
+            for stream in (True, False):
+                workload = Workload(model="tiny", api=api, stream=stream, output_tokens=6)
+                batch = loop.run_until_complete(run_batch(tiny_engine.url, workload, 2, 2))
+                assert all(s.ok for s in batch.samples), (api, stream, batch.samples)
+                assert all(0 < s.tokens <= 6 for s in batch.samples), (api, stream, batch.samples)
+                assert all((s.ttft is not None) == stream for s in batch.samples), (api, stream)
+    finally:
+        loop.close()
+
+
+@pytest.mark.engine
+def test_the_fake_upstream_sends_the_engines_event_sequence(tiny_engine: EngineProcess, tmp_path: Path) -> None:
+    """Responses and Messages streams of the fake have the event names, in order, of SGLang's own."""
+    with processes.fake_upstream("raw", tmp_path) as (fake, _), httpx.Client(timeout=120) as http:
+        for api in ("responses", "messages"):
+            body = orjson.loads(Workload(model="tiny", api=api, output_tokens=6).body())
+            real = http.post(tiny_engine.url + APIS[api].path, json=body).text
+            faked = http.post(fake + APIS[api].path, json=body).text
+            assert _event_types(faked) == _event_types(real), (api, real[:2000])

@@ -1,6 +1,8 @@
-"""Run in a subprocess by test_argv.py: parse argvs (JSON list on stdin) with SGLang's own parser.
+"""Run in a subprocess by test_argv.py: parse argvs with SGLang's own parser and read back the given fields.
 
-Prints one JSON object per argv: {"ok": true, "args": {...selected fields}} or {"ok": false, "error": "..."}.
+Stdin: ``{"fields": [ServerArgs attribute, ...], "argvs": [[flag, ...], ...]}`` (the fields are the flags'
+destinations from ``launch.argv.ENGINE_FLAGS``, so this script needs no list of its own). Prints one JSON
+object per argv: {"ok": true, "args": {field: value}} or {"ok": false, "error": "..."}.
 Kept out of the test process so SGLang's heavy imports and global state stay out of it.
 """
 
@@ -11,17 +13,10 @@ import sys
 
 from sglang.srt.server_args import prepare_server_args
 
-FIELDS = [
-    "model_path", "tokenizer_path", "served_model_name", "host", "port", "tp_size", "dp_size",
-    "mem_fraction_static", "max_total_tokens", "context_length", "max_running_requests", "dtype",
-    "quantization", "chunked_prefill_size", "grammar_backend", "tool_call_parser", "reasoning_parser",
-    "chat_template", "attention_backend", "device", "random_seed", "trust_remote_code",
-    "constrained_json_disable_any_whitespace", "skip_server_warmup", "enable_metrics", "sleep_on_idle",
-    "cuda_graph_backend_decode", "cuda_graph_backend_prefill", "cuda_graph_max_bs_decode", "api_key", "log_level", "enable_response_store",
-]
-
+request = json.load(sys.stdin)
+FIELDS = request["fields"]
 results = []
-for argv in json.load(sys.stdin):
+for argv in request["argvs"]:
     stderr = io.StringIO()
     try:
         with contextlib.redirect_stderr(stderr):

@@ -1,4 +1,9 @@
-"""The argv builder: flag mapping, CPU defaults, and every argv checked by SGLang's own parser."""
+"""The argv builder: flag mapping, CPU defaults, and every argv checked by SGLang's own parser.
+
+The flag table (``launch.argv.ENGINE_FLAGS``) drives the checks: SGLang's parser reads back the destination of
+every flag, each key's value must land where the table says, every key must be exercised by a variant below,
+and every key of ``EngineConfig`` is either in the table or named as not a flag.
+"""
 
 from __future__ import annotations
 
@@ -13,14 +18,23 @@ import yaml
 from launch.argv import (
     CPU_ENGINE_ENV,
     CPU_SHIM_DIR,
+    ENGINE_FLAGS,
+    NOT_FLAGS,
+    Passed,
     build_argv,
     build_env,
+    engine_reference_table,
+    flag_values,
     secret_config,
     server_args,
 )
 from launch.config import CPU_DEFAULT_MAX_TOTAL_TOKENS, EngineConfig
 
 HERE = Path(__file__).resolve().parent
+README = HERE.parents[1] / "README.md"
+PORT = 30123
+# What SGLang's parser is asked to read back: every flag's destination, and two set through --config files.
+PARSED_FIELDS = sorted({dest for flag in ENGINE_FLAGS.values() for dest in flag.dests} | {"api_key", "log_level"})
 
 
 def flag_value(args: list[str], flag: str) -> str | None:
@@ -75,7 +89,9 @@ def test_build_argv_uses_the_configured_python() -> None:
 
 
 def test_cpu_env_adds_engine_flag_and_shim_only_for_the_engine() -> None:
-    env = build_env(EngineConfig(model_path="org/m", device="cpu", env={"OMP_NUM_THREADS": "2"}), base={"PYTHONPATH": "/x"})
+    env = build_env(
+        EngineConfig(model_path="org/m", device="cpu", env={"OMP_NUM_THREADS": "2"}), base={"PYTHONPATH": "/x"}
+    )
     assert env.variables[CPU_ENGINE_ENV] == "1"
     assert env.uses_cpu_shim  # this environment has no real sgl_kernel
     assert env.variables["PYTHONPATH"].split(":") == [str(CPU_SHIM_DIR), "/x"]
@@ -89,12 +105,13 @@ def test_cpu_shim_stays_off_when_a_real_sgl_kernel_imports(tmp_path: Path) -> No
     real.mkdir(parents=True)
     (real / "__init__.py").write_text("")
     fake_python = tmp_path / "python"
-    fake_python.write_text(f"#!/bin/sh\nPYTHONPATH={real.parent} exec {sys.executable} \"$@\"\n")
+    fake_python.write_text(f'#!/bin/sh\nPYTHONPATH={real.parent} exec {sys.executable} "$@"\n')
     fake_python.chmod(0o755)
     env = build_env(EngineConfig(model_path="org/m", device="cpu", python=str(fake_python)), base={})
     assert not env.uses_cpu_shim and "PYTHONPATH" not in env.variables
 
 
+# An engine with every key set away from its default (a new key of ENGINE_FLAGS gets its value here).
 FULL = dict(
     model_path="org/m",
     tokenizer_path="org/tok",
@@ -148,12 +165,12 @@ def keyed_argv(directory: Path) -> list[str]:
 def sglang_parsed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     """Every variant's argv parsed by ``sglang.srt.server_args.prepare_server_args`` (one subprocess)."""
     pytest.importorskip("sglang")
-    argvs = [server_args(engine, port=30123, served_model_name="key") for engine in VARIANTS.values()]
+    argvs = [server_args(engine, port=PORT, served_model_name="key") for engine in VARIANTS.values()]
     argvs.append(keyed_argv(tmp_path_factory.mktemp("engine-key")))
     argvs.append(MISSPELLED)
     proc = subprocess.run(
         [sys.executable, str(HERE / "sglang_parse_argv.py")],
-        input=json.dumps(argvs),
+        input=json.dumps({"fields": PARSED_FIELDS, "argvs": argvs}),
         capture_output=True,
         text=True,
         timeout=300,
@@ -177,24 +194,56 @@ def test_sglang_accepts_every_argv(sglang_parsed: dict[str, dict], variant: str)
     assert result["ok"], f"SGLang rejected the argv for {variant}: {result.get('error')}"
 
 
-def test_sglang_reads_each_value_where_we_meant_it(sglang_parsed: dict[str, dict]) -> None:
-    parsed = sglang_parsed["full-gpu-graphs-off"]["args"]
-    for field in ("model_path", "tokenizer_path", "host", "tp_size", "dp_size", "mem_fraction_static",
-                  "max_total_tokens", "context_length", "max_running_requests", "dtype", "quantization",
-                  "chunked_prefill_size", "grammar_backend", "tool_call_parser", "reasoning_parser",
-                  "chat_template", "attention_backend", "random_seed", "trust_remote_code",
-                  "skip_server_warmup", "sleep_on_idle", "enable_response_store"):
-        assert str(parsed[field]) == str(FULL[field]), field
-    assert parsed["served_model_name"] == "served"
-    assert parsed["port"] == 30123
-    assert parsed["constrained_json_disable_any_whitespace"] is True
-    assert "disabled" in str(parsed["cuda_graph_backend_decode"])
-    assert "disabled" in str(parsed["cuda_graph_backend_prefill"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_sglang_reads_each_value_where_the_table_says(sglang_parsed: dict[str, dict], variant: str) -> None:
+    """Every flag the argv carries lands in SGLang's ``ServerArgs`` with the key's value."""
+    parsed = sglang_parsed[variant]["args"]
+    values = flag_values(VARIANTS[variant], port=PORT, served_model_name="key")
+    for key, flag in ENGINE_FLAGS.items():
+        if not flag.argv(values[key]):
+            continue  # not passed: SGLang's own default applies
+        for dest in flag.dests:
+            got = parsed[dest]
+            if flag.passed is Passed.SWITCH:
+                assert got is True, (key, dest, got)
+            elif flag.passed is Passed.OFF:
+                assert "disabled" in str(got), (key, dest, got)
+            else:
+                assert str(got) == str(values[key]), (key, dest, got)
+
+
+def test_cuda_graphs_left_on_are_not_disabled(sglang_parsed: dict[str, dict]) -> None:
     on = sglang_parsed["full-gpu-graphs-on"]["args"]
-    assert str(on["cuda_graph_max_bs_decode"]) == "32"
-    assert "disabled" not in str(on["cuda_graph_backend_decode"])
+    assert "disabled" not in str(on["cuda_graph_backend_decode"]) and str(on["cuda_graph_max_bs_decode"]) == "32"
     cpu = sglang_parsed["cpu-defaults"]["args"]
     assert cpu["device"] == "cpu" and cpu["attention_backend"] == "torch_native" and cpu["sleep_on_idle"] is True
+
+
+def test_every_key_is_a_flag_or_named_as_not_one() -> None:
+    keys = set(EngineConfig.model_fields)
+    assert set(ENGINE_FLAGS) | NOT_FLAGS == keys, (
+        f"keys with no flag: {sorted(keys - set(ENGINE_FLAGS) - NOT_FLAGS)} (add them to launch.argv.ENGINE_FLAGS, "
+        f"or to NOT_FLAGS if they are the launcher's own); table keys EngineConfig lacks: {sorted(set(ENGINE_FLAGS) - keys)}"
+    )
+    assert not set(ENGINE_FLAGS) & NOT_FLAGS
+
+
+def test_every_flag_is_exercised_by_a_variant() -> None:
+    """A new key gets its value checked by SGLang's parser only if some variant passes it: give it one in FULL."""
+    passed = {
+        key
+        for engine in VARIANTS.values()
+        for key, value in flag_values(engine, port=PORT, served_model_name="key").items()
+        if key in ENGINE_FLAGS and ENGINE_FLAGS[key].argv(value)
+    }
+    assert passed == set(ENGINE_FLAGS), f"never passed by any variant: {sorted(set(ENGINE_FLAGS) - passed)}"
+
+
+def test_readme_engine_reference_is_the_flag_table() -> None:
+    assert engine_reference_table() in README.read_text(), (
+        "README's engine section reference differs from launch/config.py + launch/argv.py: paste the output of "
+        "python -c 'from launch.argv import engine_reference_table as t; print(t())'"
+    )
 
 
 def test_a_misspelled_flag_is_caught_by_the_parser_check(sglang_parsed: dict[str, dict]) -> None:

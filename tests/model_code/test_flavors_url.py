@@ -1,7 +1,7 @@
 """The three flavours through ``mlflow.pyfunc.load_model``, reaching the shared real engine by URL.
 
-Payload shapes are the seeds' (002: ChatAgent with ``custom_inputs``; 004: ChatModel fields; 000: batch
-with system prompt + JSON schema). Random weights: structure is asserted, not content.
+Payload shapes are the ones notebooks send: ChatAgent with parameters in ``custom_inputs``, ChatModel with
+OpenAI chat fields at the top level, and a batch of prompts with a system prompt and a JSON schema. Random weights: structure is asserted, not content.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def test_chat_agent_json_schema(url_models):
     _, model = url_models["chat_agent"]
     for custom in (
         {"temperature": 0.0, "max_tokens": 64, "json_schema": GRADE_SCHEMA},
-        {"temperature": 0.0, "max_tokens": 64, "json_schema": json.dumps(GRADE_SCHEMA)},  # seed 000 passes a string
+        {"temperature": 0.0, "max_tokens": 64, "json_schema": json.dumps(GRADE_SCHEMA)},  # as a JSON string
         {
             "temperature": 0.0,
             "max_tokens": 64,

@@ -1,0 +1,156 @@
+"""Driving load: every concurrency level against every target, rounds alternating, CPU of each process counted.
+
+The commands of ``benchmarks.cli`` start the processes; this module sends the requests and pools what came
+back into per-level summaries (``benchmarks.stats``); ``benchmarks.report`` prints and saves them.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from benchmarks import processes
+from benchmarks.loadgen import BatchResult, Workload, new_event_loop, run_batch
+from benchmarks.progress import progress_bar
+from benchmarks.stats import compare, summarize
+
+
+def drive(
+    targets: dict[str, str],
+    workload: Workload,
+    levels: list[int],
+    requests: int,
+    console: Console,
+    *,
+    rounds: int = 1,
+    warmup: int = 0,
+    max_seconds: float = 60.0,
+    between_levels: Callable[[int], None] | None = None,
+    headers: dict[str, str] | None = None,
+    cpu_groups: dict[str, dict[str, int]] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Run every level against every target; with several targets, batches alternate (ABBA order per round).
+
+    ``cpu_groups``: per target, the process groups whose CPU time each of its batches is charged with.
+    """
+    loop = new_event_loop()
+    names = list(targets)
+    per_round = max(1, -(-requests // rounds))
+    tag = f"{workload.api:<9}"
+    out: dict[str, dict[str, Any]] = {}
+    try:
+        with progress_bar(console) as progress:
+            for level in levels:
+                batches: dict[str, list[BatchResult]] = {name: [] for name in names}
+                if warmup:
+                    task = progress.add_task(f"{tag} c={level:<4} warm-up", total=warmup * len(names))
+                    for name in names:
+                        loop.run_until_complete(
+                            run_batch(
+                                targets[name],
+                                workload,
+                                min(level, warmup),
+                                warmup,
+                                target=name,
+                                max_seconds=max_seconds,
+                                on_done=lambda t=task: progress.advance(t),
+                                headers=headers,
+                            )
+                        )
+                    progress.remove_task(task)
+                task = progress.add_task(
+                    f"{tag} c={level:<4} {' vs '.join(names)}", total=per_round * rounds * len(names)
+                )
+                for r in range(rounds):
+                    order = names if r % 2 == 0 else names[::-1]
+                    for name in order:
+                        progress.update(task, description=f"{tag} c={level:<4} round {r + 1}/{rounds} {name:<8}")
+                        groups = (cpu_groups or {}).get(name, {})
+                        before = {label: processes.group_cpu_s(pgid) for label, pgid in groups.items()}
+                        client_before = time.process_time()
+                        batch = loop.run_until_complete(
+                            run_batch(
+                                targets[name],
+                                workload,
+                                level,
+                                per_round,
+                                target=name,
+                                max_seconds=max_seconds,
+                                on_done=lambda t=task: progress.advance(t),
+                                headers=headers,
+                            )
+                        )
+                        batch.cpu_s = {
+                            label: processes.group_cpu_s(pgid) - before[label] for label, pgid in groups.items()
+                        }
+                        batch.cpu_s["client"] = time.process_time() - client_before
+                        batches[name].append(batch)
+                out[str(level)] = _level_entry(names, batches)
+                if between_levels is not None:
+                    between_levels(level)
+    finally:
+        loop.close()
+    return out
+
+
+def _level_entry(names: list[str], batches: dict[str, list[BatchResult]]) -> dict[str, Any]:
+    """Summaries per target, gateway/direct ratios, and each round's req/s."""
+    entry: dict[str, Any] = {name: summarize(batches[name]) for name in names}
+    if "direct" in entry and "gateway" in entry:
+        entry["vs"] = compare(entry["direct"], entry["gateway"])
+        # rounds run back to back (ABBA): the median of per-round ratios resists load spikes on a shared machine
+        pairs = [
+            g.samples and d.samples and (len(g.samples) / g.wall_s) / (len(d.samples) / d.wall_s)
+            for d, g in zip(batches["direct"], batches["gateway"], strict=True)
+            if d.wall_s and g.wall_s
+        ]
+        entry["vs"]["req_s"]["paired_median_ratio"] = float(statistics.median(pairs)) if pairs else None
+    entry["rounds"] = {
+        name: [round(len([s for s in b.samples if s.ok]) / b.wall_s, 1) if b.wall_s else 0 for b in batches[name]]
+        for name in names
+    }
+    return entry
+
+
+def profile_gateway(
+    url: str,
+    pid: int,
+    workload: Workload,
+    concurrency: int,
+    requests: int,
+    max_seconds: float,
+    out_dir: Path,
+    console: Console,
+) -> dict[str, Any]:
+    """py-spy on the gateway during an extra gateway-only load; the load's summary and the profile's shares."""
+    from benchmarks.profile import analyse
+
+    console.print(f"profiling the gateway (pid {pid}) with py-spy at concurrency {concurrency}")
+    profiler = processes.Profiler(pid, out_dir / "profile")
+    loop = new_event_loop()
+    try:
+        with progress_bar(console) as progress:
+            task = progress.add_task(f"c={concurrency:<4} gateway (profiled)", total=requests)
+            batch = loop.run_until_complete(
+                run_batch(
+                    url,
+                    workload,
+                    concurrency,
+                    requests,
+                    target="gateway",
+                    max_seconds=max_seconds,
+                    on_done=lambda: progress.advance(task),
+                )
+            )
+    finally:
+        loop.close()
+        profiler.stop()
+    report: dict[str, Any] = {"load": summarize([batch]), "svg": str(profiler.svg), "raw": str(profiler.raw)}
+    if profiler.raw.exists():
+        report.update(analyse(profiler.raw))
+    return report

@@ -1,0 +1,263 @@
+"""Reporting what a benchmark measured: the tables printed to the terminal, and ``result.json`` / plots on disk.
+
+A result records the machine it ran on (CPU, load, package versions, the measured commit) next to the
+figures, so that numbers read weeks later still say where they came from.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from benchmarks import processes
+from benchmarks.stats import FIGURES
+
+console = Console(stderr=True)
+out_console = Console(width=max(Console().width, 220))  # tables stay readable in logs and pipes
+
+_PACKAGES = (
+    "sglang-gateway",
+    "sglang",
+    "torch",
+    "uvicorn",
+    "starlette",
+    "fastapi",
+    "aiohttp",
+    "httpx",
+    "httpcore",
+    "h11",
+    "httptools",
+    "uvloop",
+    "openai",
+    "mlflow",
+    "orjson",
+)
+_MET = {True: "[green]met[/]", False: "[red]MISSED[/]", None: "-"}
+
+
+def _version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(
+            ["git", *args], cwd=processes.REPO, capture_output=True, text=True, timeout=5
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def machine_info() -> dict[str, Any]:
+    """The machine, its load and the code a result was measured on."""
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "git_commit": _git("rev-parse", "--short", "HEAD"),  # other work may be in progress in the tree:
+        "gateway_tree_dirty": bool(_git("status", "--porcelain", "gateway")),
+        "cpus": os.cpu_count(),
+        "cpu_model": cpu,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "loadavg_at_start": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "versions": {name: _version(name) for name in _PACKAGES},
+    }
+
+
+def fmt(value: Any, digits: int = 1) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    return str(value)
+
+
+def print_levels(levels: dict[str, dict[str, Any]], targets: list[str], title: str = "per level") -> None:
+    """Every figure per level and target, and the gateway/direct ratios when both were measured."""
+    table = Table(title=title, show_lines=False)
+    table.add_column("c", justify="right")
+    table.add_column("target")
+    for _, label, _ in FIGURES:
+        table.add_column(label, justify="right")
+    table.add_column("err", justify="right")
+    table.add_column("CPU ms/req")
+    for level, entry in levels.items():
+        for name in targets:
+            s = entry[name]
+            cpu = " ".join(f"{k} {v:.2f}" for k, v in s.get("cpu_ms_per_req", {}).items())
+            table.add_row(
+                level,
+                name,
+                *(fmt(s[key], 2 if key.endswith("_ms") else 1) for key, _, _ in FIGURES),
+                str(s["errors"]),
+                cpu,
+            )
+        if "vs" in entry:
+            cells = []
+            for key, _, _ in FIGURES:
+                vs = entry["vs"][key]
+                ratio = fmt(vs["ratio"], 3) if vs["ratio"] is not None else "-"
+                extra = f" (paired {vs['paired_median_ratio']:.3f})" if vs.get("paired_median_ratio") else ""
+                cells.append(ratio + extra + (f" ({vs['added_ms']:+.2f})" if vs.get("added_ms") is not None else ""))
+            table.add_row(level, "[bold]gw/direct[/]", *cells, "")
+    out_console.print(table)
+
+
+def api_summary_rows(apis: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per API and level: the figures the benchmark README tabulates (gateway/direct)."""
+    rows = []
+    for api, measured in apis.items():
+        for level, entry in measured["levels"].items():
+            if "vs" not in entry:
+                continue
+            vs, gateway, direct = entry["vs"], entry["gateway"], entry["direct"]
+            rows.append(
+                {
+                    "api": api,
+                    "c": int(level),
+                    "req_s_ratio": vs["req_s"]["ratio"],
+                    "req_s_paired_median_ratio": vs["req_s"].get("paired_median_ratio"),
+                    "added_ttft_p50_ms": vs["ttft_p50_ms"].get("added_ms"),
+                    "added_latency_p50_ms": vs["latency_p50_ms"].get("added_ms"),
+                    "gateway_cpu_ms_per_req": gateway.get("cpu_ms_per_req", {}).get("gateway"),
+                    "upstream_cpu_ms_per_req": direct.get("cpu_ms_per_req", {}).get("upstream"),
+                    "errors": direct["errors"] + gateway["errors"],
+                }
+            )
+    return rows
+
+
+def print_api_summary(rows: list[dict[str, Any]]) -> None:
+    table = Table(title="gateway/direct per API")
+    for column in (
+        "API",
+        "c",
+        "req/s ratio (paired median)",
+        "added p50 TTFT ms",
+        "added p50 latency ms",
+        "gateway CPU ms/req",
+        "upstream CPU ms/req",
+        "errors",
+    ):
+        table.add_column(column, justify="right")
+    for row in rows:
+        paired = row["req_s_paired_median_ratio"]
+        table.add_row(
+            row["api"],
+            str(row["c"]),
+            fmt(row["req_s_ratio"], 2) + (f" ({paired:.2f})" if paired is not None else ""),
+            fmt(row["added_ttft_p50_ms"], 2),
+            fmt(row["added_latency_p50_ms"], 2),
+            fmt(row["gateway_cpu_ms_per_req"], 2),
+            fmt(row["upstream_cpu_ms_per_req"], 2),
+            str(row["errors"]),
+        )
+    out_console.print(table)
+
+
+def print_targets(checks: list[dict[str, Any]], title: str = "targets") -> None:
+    if not checks:
+        return
+    table = Table(title=title)
+    for column in ("target", "measured", "limit", "met"):
+        table.add_column(column)
+    for check in checks:
+        value = fmt(check["value"], 3 if check["unit"] == "x" else 2)
+        table.add_row(
+            check["target"],
+            f"{value} {check['unit']}",
+            f"{check['op']} {check['limit']} {check['unit']}",
+            _MET[check["met"]],
+        )
+    out_console.print(table)
+
+
+def print_profile(report: dict[str, Any]) -> None:
+    console.print(f"profile: {report.get('svg')} ({report.get('samples', 0)} samples while busy)")
+    for key, title in (
+        ("self_by_component_pct", "self time by component"),
+        ("inclusive_by_component_pct", "inclusive time by component"),
+        ("self_by_function_pct", "self time by function"),
+        ("inclusive_by_function_pct", "inclusive time by function"),
+    ):
+        table = Table(title=title)
+        table.add_column("where")
+        table.add_column("% of busy samples", justify="right")
+        for name, pct in report.get(key, []):
+            table.add_row(name, f"{pct:.1f}")
+        out_console.print(table)
+
+
+def print_mlflow(rows: list[dict[str, Any]], trace_sink: str = "store") -> None:
+    table = Table(title=f"MLflow wrapper vs raw openai client (sequential calls, traces to: {trace_sink})")
+    for column in (
+        "flavour",
+        "mode",
+        "raw p50 ms",
+        "wrapper p50 ms",
+        "added p50 ms",
+        "raw p99 ms",
+        "wrapper p99 ms",
+        "added p99 ms",
+        "added TTFT p50 ms",
+        "added CPU ms caller / all",
+        "target",
+    ):
+        table.add_column(column, justify="right")
+    for row in rows:
+        table.add_row(
+            row["flavor"],
+            row["mode"],
+            fmt(row["raw_p50_ms"], 2),
+            fmt(row["wrapper_p50_ms"], 2),
+            fmt(row["added_p50_ms"], 2),
+            fmt(row["raw_p99_ms"], 2),
+            fmt(row["wrapper_p99_ms"], 2),
+            fmt(row.get("added_p99_ms"), 2),
+            fmt(row.get("added_ttft_p50_ms"), 2),
+            f"{fmt(row.get('added_caller_cpu_ms'), 2)} / {fmt(row.get('added_process_cpu_ms'), 2)}",
+            _MET[row.get("met")],
+        )
+    out_console.print(table)
+
+
+def print_clients(rows: list[dict[str, Any]], title: str) -> None:
+    table = Table(title=title)
+    for column in ("client", "round", "CPU ms/req", "wall s"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(row["client"], str(row["round"]), f"{row['cpu_ms_per_req']:.3f}", f"{row['wall_s']:.2f}")
+    out_console.print(table)
+
+
+def save(result: dict[str, Any], out_dir: Path, plot: bool = True) -> None:
+    """``result.json``, and with ``plot`` one ``plot-<api>.png`` per API measured (needs matplotlib)."""
+    (out_dir / "result.json").write_text(json.dumps(result, indent=2, default=str))
+    console.print(f"results: {out_dir / 'result.json'}")
+    if not plot or "apis" not in result:
+        return
+    try:
+        from benchmarks.plot import plot as make_plot
+
+        for api, measured in result["apis"].items():
+            view = {**result, **measured, "title": f"{result['title']}, {api}"}
+            console.print(f"plot:    {make_plot(view, out_dir / f'plot-{api}.png')}")
+    except ImportError:
+        console.print("[yellow]matplotlib is not installed: no plot[/]")
