@@ -168,6 +168,22 @@ def compare_command(
             help="KEY=VALUE for the gateway process (repeatable), e.g. PYTHONPATH=... to try httptools.",
         ),
     ] = None,
+    router: Annotated[
+        bool,
+        typer.Option(
+            "--router/--no-router",
+            help="Put SGLang's router (sglang-router) in front of the upstream: direct = client -> router, "
+            "gateway = client -> gateway -> router.",
+        ),
+    ] = False,
+    quickack: Annotated[
+        bool,
+        typer.Option(
+            "--quickack/--no-quickack",
+            help="The load generator acknowledges every read at once (TCP_QUICKACK): a client that never "
+            "stalls a server without TCP_NODELAY (the router) on its delayed ACKs.",
+        ),
+    ] = False,
     out: Out = None,
     plot: Annotated[bool, typer.Option(help="Write plot-<api>.png.")] = True,
 ) -> None:
@@ -201,6 +217,11 @@ def compare_command(
         else:
             direct_url, upstream_proc = upstream.rstrip("/"), None
             upstream_label = label or "url"
+        router_proc = None
+        if router:
+            direct_url, router_proc = stack.enter_context(processes.router([direct_url], out_dir))
+            upstream_label = f"router({upstream_label})"
+            console.print(f"sglang-router at {direct_url} (pid {router_proc.pid}) in front of the upstream")
         gateway_url, gateway_child = stack.enter_context(processes.gateway(direct_url, out_dir, env))
         console.print(
             f"direct: {direct_url}   gateway: {gateway_url} (pid {gateway_child.pid}, {' '.join(gateway_child.argv)})"
@@ -208,6 +229,8 @@ def compare_command(
         groups: dict[str, dict[str, int]] = {"direct": {}, "gateway": {"gateway": gateway_child.pid}}
         if upstream_proc is not None:
             groups["direct"]["upstream"] = groups["gateway"]["upstream"] = upstream_proc.pid
+        if router_proc is not None:
+            groups["direct"]["router"] = groups["gateway"]["router"] = router_proc.pid
         for workload in workloads:
             levels = drive(
                 {"direct": direct_url, "gateway": gateway_url},
@@ -219,6 +242,7 @@ def compare_command(
                 warmup=warmup,
                 max_seconds=max_seconds,
                 cpu_groups=groups,
+                quickack=quickack,
             )
             measured[workload.api] = {
                 "workload": {**workload.__dict__, "path": workload.path},
@@ -256,6 +280,7 @@ def compare_command(
         "summary": summary,
         "profile": profile_report,
         "gateway_env": env,
+        "client_quickack": quickack,
     }
     for name, entry in measured.items():
         report.print_levels(entry["levels"], ["direct", "gateway"], title=f"{name}: per level")

@@ -33,10 +33,12 @@ def drive(
     between_levels: Callable[[int], None] | None = None,
     headers: dict[str, str] | None = None,
     cpu_groups: dict[str, dict[str, int]] | None = None,
+    quickack: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """Run every level against every target; with several targets, batches alternate (ABBA order per round).
 
     ``cpu_groups``: per target, the process groups whose CPU time each of its batches is charged with.
+    ``quickack``: the client acknowledges every read at once (see ``benchmarks.loadgen.Connection``).
     """
     loop = new_event_loop()
     names = list(targets)
@@ -60,6 +62,7 @@ def drive(
                                 max_seconds=max_seconds,
                                 on_done=lambda t=task: progress.advance(t),
                                 headers=headers,
+                                quickack=quickack,
                             )
                         )
                     progress.remove_task(task)
@@ -83,6 +86,7 @@ def drive(
                                 max_seconds=max_seconds,
                                 on_done=lambda t=task: progress.advance(t),
                                 headers=headers,
+                                quickack=quickack,
                             )
                         )
                         batch.cpu_s = {

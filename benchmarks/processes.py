@@ -1,5 +1,5 @@
 """The processes a benchmark runs: the fake upstream, the gateway (``sglang-gateway serve``), the real
-SGLang CPU engine, and the profiler. Each child runs in its own process group with a parent-death signal
+SGLang CPU engine, SGLang's router (``sglang_router.launch_router``), and the profiler. Each child runs in its own process group with a parent-death signal
 and is stopped by signalling that group (never by name)."""
 
 from __future__ import annotations
@@ -163,6 +163,33 @@ def sglang_engine(logs: Path, config: Path | None = None) -> Iterator[tuple[str,
     engine = EngineProcess("bench", deployment.engine(name), log_dir=logs)
     with engine:  # starts, waits for /health, stops the process group and its /dev/shm files
         yield engine.url, engine
+
+
+def router_argv(worker_urls: list[str], port: int, metrics_port: int, policy: str = "round_robin") -> list[str]:
+    """SGLang's router in front of ``worker_urls``, bound to loopback (its Prometheus port too)."""
+    return [
+        sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port), "--policy", policy,
+        "--log-level", "warn", "--worker-urls", *worker_urls,
+    ]  # fmt: skip
+
+
+@contextmanager
+def router(worker_urls: list[str], logs: Path, policy: str = "round_robin") -> Iterator[tuple[str, Child]]:
+    """SGLang's router (PyPI ``sglang-router``) in front of ``worker_urls``, ready once a worker is healthy.
+
+    ``HF_HUB_OFFLINE=1``: the router loads the tokenizer of the model its workers report (a local path for the
+    tiny model) and must never reach the hub for it.
+    """
+    port = pick_free_port()
+    argv = router_argv(worker_urls, port, pick_free_port(), policy)
+    child = Child("sglang-router", argv, logs / "router.log", {"HF_HUB_OFFLINE": "1"})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_http(url + "/readiness", child, 120)
+        yield url, child
+    finally:
+        child.stop(grace_s=15)
 
 
 def find_py_spy() -> str | None:

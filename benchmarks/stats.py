@@ -86,7 +86,11 @@ def _check(name: str, value: float | None, limit: float, *, at_most: bool, unit:
 def evaluate_targets(upstream: str, levels: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
     """The gateway's performance targets for what this run measured (``levels``: concurrency -> {direct, gateway, vs})."""
     checks: list[dict[str, Any]] = []
-    if upstream.startswith("stub"):
+    if upstream.startswith("router"):  # the gateway's own connections to a router must not stall on delayed ACKs
+        for c, entry in sorted(levels.items()):
+            added = entry["vs"]["ttft_p50_ms"].get("added_ms")
+            checks.append(_check(f"router c={c}: added p50 TTFT", added, 2.0, at_most=True, unit="ms"))
+    elif upstream.startswith("stub"):
         if 1 in levels:
             vs = levels[1]["vs"]
             checks.append(
