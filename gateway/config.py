@@ -165,6 +165,12 @@ def gateway_settings(deployment: DeploymentConfig, **overrides: object) -> Gatew
     except ValidationError as error:
         lines = format_validation_error(source, error).splitlines()
         raise ConfigError("\n".join(line.replace(f"{source}: ", f"{source}: gateway.", 1) for line in lines)) from None
+    followers = [name for name, engine in deployment.managed().items() if engine.node_rank > 0]
+    if followers:
+        raise ConfigError(
+            f"{source}: models.{followers[0]}.engine.node_rank: a machine with node_rank > 0 serves no HTTP; "
+            "start it with `sglang-gateway launch` and serve the engine from the machine with node_rank 0"
+        )
     for key in ("model_limits", "swap_policy", "model_balancing"):
         unknown = sorted(set(getattr(settings, key)) - set(deployment.models))
         if unknown:

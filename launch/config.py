@@ -32,6 +32,7 @@ GrammarBackend = Literal["xgrammar", "outlines", "llguidance", "none"]
 
 # Default KV-cache size on CPU: without it SGLang sizes the cache from free RAM (15 GB, 70 s start).
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 8192
+_HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:]+\]|[^\s:/\[\]]+):\d{1,5}$")  # host:port, [IPv6]:port
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 
 
@@ -58,6 +59,15 @@ class EngineConfig(_Strict):
         1, ge=1, description="Tensor-parallel size: GPUs per replica (checked against the visible GPUs)."
     )
     dp_size: int = Field(1, ge=1, description="Data-parallel replicas.")
+    nnodes: int = Field(
+        1, ge=1, description="Machines one engine spans, for a model larger than one machine (tp_size counts them all)."
+    )
+    node_rank: int = Field(
+        0, ge=0, description="This machine's rank among nnodes; 0 serves HTTP, the others only compute."
+    )
+    dist_init_addr: str | None = Field(
+        None, description="host:port where rank 0 meets the other machines (required when nnodes > 1)."
+    )
     mem_fraction_static: float | None = Field(
         None,
         gt=0.0,
@@ -147,6 +157,12 @@ class EngineConfig(_Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> EngineConfig:
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank {self.node_rank} must be below nnodes {self.nnodes}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("nnodes > 1 needs dist_init_addr (host:port of the machine with node_rank 0)")
+        if self.dist_init_addr is not None and not _HOST_PORT.match(self.dist_init_addr):
+            raise ValueError(f"dist_init_addr must be host:port, got {self.dist_init_addr!r}")
         if self.device == "cpu":
             if self.cuda_graph:
                 raise ValueError("cuda_graph: true needs device: cuda")
@@ -209,6 +225,8 @@ class ModelEntry(_Strict):
             )
         if self.engine is None and (self.replicas != 1 or self.replica_gpus is not None):
             raise ValueError("replicas and replica_gpus need an 'engine' section (a 'url' model is one upstream)")
+        if self.replicas > 1 and self.engine is not None and self.engine.nnodes > 1:
+            raise ValueError("replicas run on this machine: an engine spanning machines (nnodes > 1) has none")
         if self.replicas > 1 and self.engine is not None and self.engine.port != 0:
             raise ValueError(f"replicas: {self.replicas} engines cannot share engine.port {self.engine.port}; leave it 0 (free ports)")
         if self.replica_gpus is not None:

@@ -197,9 +197,10 @@ def check_gpus(engine: EngineConfig, gpu_count: int | None = None) -> list[Findi
     gpus = visible_gpu_count() if gpu_count is None else gpu_count
     if gpus == 0:
         return [Finding("error", "device: cuda but no NVIDIA GPU is visible (use device: cpu for development)")]
-    needed = engine.tp_size * engine.dp_size
+    needed = -(-engine.tp_size * engine.dp_size // engine.nnodes)  # an engine spanning machines needs its share here
     if needed > gpus:
-        return [Finding("error", f"tp_size x dp_size = {needed} GPUs needed, {gpus} visible")]
+        spread = f" / nnodes {engine.nnodes}" if engine.nnodes > 1 else ""
+        return [Finding("error", f"tp_size x dp_size{spread} = {needed} GPUs needed, {gpus} visible")]
     return []
 
 

@@ -267,7 +267,12 @@ class EngineProcess:
                 time.sleep(poll_s)
 
     def health(self, client: httpx.Client | None = None) -> bool:
-        """One ``GET /health``: True only on 200 (SGLang answers 503 until warm-up is done)."""
+        """One ``GET /health``: True only on 200 (SGLang answers 503 until warm-up is done).
+
+        A follower machine of an engine spanning several (``node_rank`` > 0) serves no HTTP at all: running is
+        all it can show (rank 0 answers for the whole engine)."""
+        if self.config.node_rank > 0:
+            return self.running
         try:
             if client is None:
                 response = httpx.get(f"{self.url}/health", timeout=2.0, trust_env=False)

@@ -39,3 +39,13 @@ def test_errors_name_file_key_and_reason(gateway: dict, message: str) -> None:
 def test_keys_are_not_printed() -> None:
     settings = gateway_settings(_deployment({"api_keys": ["sekrit-value"]}))
     assert "sekrit-value" not in repr(settings) and "sekrit-value" not in str(settings.model_dump())
+
+
+def test_a_follower_machine_of_a_multi_machine_engine_is_not_served() -> None:
+    engine = {"model_path": "m", "nnodes": 2, "node_rank": 1, "dist_init_addr": "head:5000"}
+    deployment = parse_config({"models": {"big": {"engine": engine}}}, "deploy.yaml")
+    with pytest.raises(ConfigError) as caught:
+        gateway_settings(deployment)
+    message = str(caught.value)
+    assert message.startswith("deploy.yaml: models.big.engine.node_rank: a machine with node_rank > 0 serves no HTTP")
+    assert gateway_settings(parse_config({"models": {"big": {"engine": {**engine, "node_rank": 0}}}}))

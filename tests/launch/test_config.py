@@ -170,6 +170,31 @@ def test_replica_settings_are_checked(model: dict, message: str) -> None:
     assert message in str(caught.value) and str(caught.value).startswith("d.yaml: models.m")
 
 
+@pytest.mark.parametrize(
+    ("engine", "message"),
+    [
+        ({"nnodes": 2}, "nnodes > 1 needs dist_init_addr"),
+        ({"nnodes": 2, "node_rank": 2, "dist_init_addr": "10.0.0.1:5000"}, "node_rank 2 must be below nnodes 2"),
+        ({"nnodes": 2, "dist_init_addr": "10.0.0.1"}, "dist_init_addr must be host:port, got '10.0.0.1'"),
+        ({"nnodes": 0}, "nnodes: Input should be greater than or equal to 1"),
+    ],
+)
+def test_multi_machine_keys_are_checked(engine: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config({"models": {"m": {"engine": {"model_path": "m", **engine}}}}, "d.yaml")
+    assert message in str(caught.value) and str(caught.value).startswith("d.yaml: models.m.engine")
+
+
+def test_an_engine_spanning_machines_takes_its_rank_and_has_no_replicas() -> None:
+    spread = {"model_path": "m", "tp_size": 16, "nnodes": 2, "dist_init_addr": "head-0.workers:5000"}
+    follower = parse_config({"models": {"m": {"engine": {**spread, "node_rank": 1}}}}).engine("m")
+    assert (follower.nnodes, follower.node_rank, follower.dist_init_addr) == (2, 1, "head-0.workers:5000")
+    assert parse_config({"models": {"m": {"engine": {**spread, "dist_init_addr": "[fd00::1]:5000"}}}})
+    with pytest.raises(ConfigError) as caught:
+        parse_config({"models": {"m": {"engine": spread, "replicas": 2}}}, "d.yaml")
+    assert "an engine spanning machines (nnodes > 1) has none" in str(caught.value)
+
+
 def test_replica_gpus_slices_and_fit() -> None:
     from launch.replicas import replica_engines
 

@@ -80,6 +80,13 @@ def test_tp_larger_than_gpus_fails(tmp_path: Path) -> None:
     ).ok
 
 
+def test_an_engine_spanning_machines_needs_its_share_of_gpus_here(tmp_path: Path) -> None:
+    spread = EngineConfig(model_path=str(local_model(tmp_path)), tp_size=16, nnodes=2, dist_init_addr="head:5000")
+    assert preflight(spread, gpu_count=8, cuda_home="/usr/local/cuda", driver_cuda=(13, 0)).ok
+    result = preflight(spread, gpu_count=4, cuda_home="/usr/local/cuda", driver_cuda=(13, 0))
+    assert "tp_size x dp_size / nnodes 2 = 8 GPUs needed, 4 visible" in messages(result)
+
+
 def test_missing_cuda_home_turns_graphs_off_with_a_warning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CUDA_HOME", raising=False)
     engine = EngineConfig(model_path=str(local_model(tmp_path)), cuda_graph_max_bs=16)
