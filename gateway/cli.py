@@ -17,6 +17,7 @@ import typer
 from loguru import logger
 from rich.console import Console
 
+from gateway.config import gateway_settings
 from launch.argv import build_argv, build_env, effective_engine
 from launch.config import ConfigError, DeploymentConfig, load_config
 from launch.lifecycle import start_ready
@@ -73,10 +74,14 @@ def check(
     config: ConfigArg,
     model: Annotated[str | None, typer.Option("--model", "-m", help="Only this model.")] = None,
 ) -> None:
-    """Validate CONFIG, run the preflight checks and print each engine's exact command line."""
+    """Validate CONFIG (its gateway: section too), run the preflight checks and print each engine's exact command line."""
     deployment = load_or_exit(config)
+    try:
+        gateway_settings(deployment)  # keys named by *_env / *_file must be there, as at serve time
+    except ConfigError as error:
+        raise fail(str(error)) from None
     failed = False
-    for name in select_models(deployment, model):
+    for name in select_models(deployment, model) if model is not None or deployment.managed() else {}:
         entry = deployment.models[name]
         findings = check_replicas(name, entry)
         try:

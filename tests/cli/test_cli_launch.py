@@ -89,3 +89,16 @@ def test_launch_runs_until_ctrl_c_and_leaves_nothing(tiny_model_dir: Path) -> No
             proc.kill()
             proc.wait()
     assert group_pids(pid) == set(), "the engine outlived the CLI"
+
+
+def test_check_validates_the_gateway_section_of_a_deployment_of_url_models(tmp_path: Path) -> None:
+    path = tmp_path / "gateway.yaml"
+    path.write_text("models:\n  big:\n    url: http://router.internal:30000\ngateway:\n  api_keys_env: CHECK_TEST_KEYS\n")
+    missing = run_cli("check", str(path), env={k: v for k, v in os.environ.items() if k != "CHECK_TEST_KEYS"})
+    assert missing.returncode == 2 and "gateway.api_keys_env: environment variable CHECK_TEST_KEYS is not set" in missing.stderr
+    fine = run_cli("check", str(path), env={**os.environ, "CHECK_TEST_KEYS": "k1,k2"})
+    assert fine.returncode == 0, fine.stderr
+    assert "# big: external engine at http://router.internal:30000" in fine.stdout
+    path.write_text("models:\n  big:\n    url: http://router.internal:30000\ngateway:\n  prot: 1\n")
+    typo = run_cli("check", str(path))
+    assert typo.returncode == 2 and "gateway.prot: unknown key" in typo.stderr and "Traceback" not in typo.stderr
