@@ -12,12 +12,15 @@ ends the stream with an error event framed like the route's own events.
 from __future__ import annotations
 
 import asyncio
+import functools
+import socket
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import aiohttp
 import orjson
+from aiohttp.client_proto import ResponseHandler
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 from yarl import URL
@@ -60,6 +63,41 @@ _MARKERS: dict[StreamKind, tuple[bytes, ...]] = {
 UPSTREAM_KEEPALIVE_S = 4.0
 
 
+class QuickAckResponseHandler(ResponseHandler):
+    """aiohttp's connection protocol, acknowledging every upstream read at once (Linux ``TCP_QUICKACK``).
+
+    An upstream that does not set ``TCP_NODELAY`` (SGLang's router) holds each small write, such as one
+    SSE event, until its previous one is acknowledged; on a reused connection Linux delays that ACK (up to
+    40 ms), so every stream event would wait for it. The flag is not permanent (the kernel goes back to
+    delayed ACKs by itself), hence re-armed at each read; setting it also sends an ACK still pending.
+    """
+
+    _sock: Any = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            self._sock = sock
+
+    def data_received(self, data: bytes) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
+            except OSError:  # a socket closing under us: nothing left to acknowledge
+                self._sock = None
+        super().data_received(data)
+
+
+class QuickAckConnector(aiohttp.TCPConnector):
+    """A ``TCPConnector`` whose connections use :class:`QuickAckResponseHandler` (aiohttp has no public hook
+    for the protocol; a test checks that this one still takes effect)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._factory = functools.partial(QuickAckResponseHandler, loop=self._loop)
+
+
 def upstream_session(connect_timeout_s: float, read_timeout_s: float, max_connections: int) -> aiohttp.ClientSession:
     """The one pooled ``aiohttp.ClientSession`` that forwards every request (create it inside the event loop).
 
@@ -67,9 +105,11 @@ def upstream_session(connect_timeout_s: float, read_timeout_s: float, max_connec
     smaller keep-alive cap: every concurrency level reuses its connections). ``connect_timeout_s``
     bounds the wait for a pooled connection plus the TCP connect; ``read_timeout_s`` is the longest
     silence between upstream bytes (response headers included); there is no total timeout, a
-    stream lasts as long as the engine keeps sending.
+    stream lasts as long as the engine keeps sending. Reads are acknowledged at once where the OS
+    allows it (:class:`QuickAckResponseHandler`): a router's stream events then never wait for a delayed ACK.
     """
-    connector = aiohttp.TCPConnector(
+    connector_class = QuickAckConnector if hasattr(socket, "TCP_QUICKACK") else aiohttp.TCPConnector
+    connector = connector_class(
         limit=max_connections, limit_per_host=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S, ttl_dns_cache=300
     )
     timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_connect=connect_timeout_s, sock_read=read_timeout_s)
