@@ -122,10 +122,12 @@ _TRACEBACK = re.compile(r"Traceback \(most recent call last\):.*", re.S)
 _FRAME = re.compile(r'^\s*File "[^"]*", line \d+.*$')
 # Absolute filesystem paths (two or more segments), but not API routes like /v1/chat/completions.
 _PATH = re.compile(r"(?<![\w:/.])(?:[A-Za-z]:)?(?:[/\\](?!v1[/\\])[\w.\-+@~]+){2,}[/\\]?")
+# URLs: an engine's or a router's message can name the internal address of a worker.
+_URL = re.compile(r"\b(?:https?|grpcs?)://[^\s\"'<>(){}]+(?<![.,;:!?\]])", re.I)
 
 
 def sanitize_message(message: Any) -> str:
-    """Strip tracebacks, ``File "...", line N`` frames with their source lines, and file paths."""
+    """Strip tracebacks, ``File "...", line N`` frames with their source lines, URLs and file paths."""
     if not isinstance(message, str):
         message = orjson.dumps(message).decode() if message is not None else ""
     message = _TRACEBACK.sub("", message)
@@ -140,7 +142,7 @@ def sanitize_message(message: Any) -> str:
             continue
         skip_source = False
         kept.append(line)
-    cleaned = _PATH.sub("<path>", "\n".join(kept)).strip()
+    cleaned = _PATH.sub("<path>", _URL.sub("<url>", "\n".join(kept))).strip()
     if len(cleaned) > MAX_MESSAGE_CHARS:
         cleaned = cleaned[:MAX_MESSAGE_CHARS] + "..."
     return cleaned or "upstream error"

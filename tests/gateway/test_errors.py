@@ -35,6 +35,15 @@ def test_sanitize_message_strips_traceback_frames_and_paths() -> None:
     assert sanitize_message("failed in /usr/lib/x/y.py, see /v1/models") == "failed in <path>, see /v1/models"
 
 
+def test_sanitize_message_strips_urls() -> None:
+    # What SGLang's router says when a worker is gone (its 5xx), and the same shape in a 4xx: no address leaks.
+    router = "error sending request for url (http://10.1.2.3:30000/v1/chat/completions). URL: http://10.1.2.3:30000/v1/chat/completions"
+    assert sanitize_message(router) == "error sending request for url (<url>). URL: <url>"
+    bad = upstream_error(400, json.dumps({"error": {"message": f"worker https://sglang-worker-0.llm.svc:30000 said: {router}"}}).encode())
+    assert bad.status == 400 and "30000" not in bad.message and "sglang-worker-0" not in bad.message, bad.message
+    assert sanitize_message("see http://[fd00::1]:8000/x, then grpc://h:1") == "see <url>, then <url>"
+
+
 def test_upstream_error_mapping() -> None:
     bad = upstream_error(400, json.dumps({"object": "error", "message": "nope at /srv/app/a.py", "code": 400}).encode())
     assert (bad.status, bad.type, bad.message) == (400, "invalid_request_error", "nope at <path>")
