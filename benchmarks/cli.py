@@ -349,6 +349,84 @@ def mlflow_command(
     report.print_mlflow(result["rows"], trace_sink)
 
 
+@app.command("affinity")
+def affinity_command(
+    replicas: Annotated[int, typer.Option(help="Engines behind the model (replicas: N of the tiny CPU engine).")] = 2,
+    prompts: Annotated[int, typer.Option(help="Distinct long system prompts (K).")] = 8,
+    per_prompt: Annotated[int, typer.Option(help="User messages per system prompt (M).")] = 8,
+    system_words: Annotated[int, typer.Option(help="Words of each system prompt (100: ~330 tokens here).")] = 100,
+    output_tokens: OutputTokens = 8,
+    concurrency: Annotated[int, typer.Option("--concurrency", "-c", help="Requests in flight.")] = 2,
+    rounds: Annotated[int, typer.Option(help="Batches per policy, alternating (ABBA).")] = 2,
+    max_total_tokens: Annotated[
+        int, typer.Option(help="KV cache of each replica in tokens: room for most, not all, of the prompts' prefixes.")
+    ] = 2048,
+    max_imbalance: Annotated[int, typer.Option(help="gateway.balancing.max_imbalance under prefix_affinity.")] = 4,
+    out: Out = None,
+) -> None:
+    """Prefix affinity on vs off: SGLang's cached prompt tokens, TTFT and latency over replicas, in one run."""
+    import secrets
+
+    import yaml
+
+    from benchmarks.affinity import (
+        ADMIN_KEY_ENV,
+        POLICIES,
+        AffinityRig,
+        AffinityWorkload,
+        Batch,
+        deployment_for,
+        ratios,
+        summarize,
+    )
+    from launch.ports import pick_free_port
+
+    if min(replicas, prompts, per_prompt, system_words, concurrency, rounds) < 1:
+        raise typer.BadParameter("replicas, prompts, per-prompt, system-words, concurrency and rounds must be >= 1")
+    workload = AffinityWorkload(prompts, per_prompt, system_words, output_tokens)
+    out_dir = _out_dir(out, "affinity")
+    port = pick_free_port()
+    deployment = deployment_for(processes.tiny_model_dir(), replicas, max_total_tokens, max_imbalance, port)
+    config = out_dir / "gateway.yaml"
+    config.write_text(yaml.safe_dump(deployment, sort_keys=False))
+    admin_key = secrets.token_urlsafe(24)
+    info = report.machine_info()
+    batches: dict[str, list[Batch]] = {policy: [] for policy in POLICIES}
+    console.print(f"starting the gateway with {replicas} replicas of the tiny CPU engine (1-3 min)")
+    started = time.monotonic()
+    with processes.serving(config, port, out_dir, {ADMIN_KEY_ENV: admin_key}, ready_timeout_s=900, stop_grace_s=60) as (
+        url,
+        _,
+    ):
+        console.print(f"gateway ready at {url} after {time.monotonic() - started:.0f}s")
+        rig = AffinityRig(url, admin_key, config, deployment)
+        try:
+            warm = AffinityWorkload(min(prompts, 2), 1, system_words, output_tokens)
+            rig.run_batch(POLICIES[0], warm.bodies("warm-up"), concurrency)  # not counted
+            for index in range(rounds):
+                for policy in POLICIES if index % 2 == 0 else POLICIES[::-1]:
+                    batch = rig.run_batch(policy, workload.bodies(f"{index}-{policy}"), concurrency)
+                    batches[policy].append(batch)
+                    console.print(
+                        f"round {index + 1}/{rounds} {policy:<16} {len(batch.answers)} requests in {batch.wall_s:.1f}s, "
+                        f"per replica {batch.per_replica}"
+                    )
+        finally:
+            rig.close()
+    summaries = {policy: summarize(found) for policy, found in batches.items()}
+    result = {
+        "title": f"prefix affinity over {replicas} replicas (tiny CPU engine)",
+        "kind": "affinity",
+        "machine": info,
+        "workload": {**workload.__dict__, "concurrency": concurrency, "rounds": rounds},
+        "engines": {"replicas": replicas, "max_total_tokens": max_total_tokens, "max_imbalance": max_imbalance},
+        "policies": summaries,
+        "ratios": ratios(summaries[POLICIES[0]], summaries[POLICIES[1]]),
+    }
+    report.print_affinity(summaries, result["ratios"])
+    report.save(result, out_dir, plot=False)
+
+
 @app.command("clients")
 def clients_command(
     stub_kind: Annotated[str, typer.Option(help="Fake upstream implementation: starlette | raw.")] = "raw",

@@ -138,13 +138,34 @@ def gateway(upstream_url: str, logs: Path, env: dict[str, str] | None = None) ->
     """``sglang-gateway serve`` in front of ``upstream_url`` (its own process), until the block ends."""
     port = pick_free_port()
     config = gateway_config(upstream_url, port, logs / "gateway.yaml")
+    with serving(config, port, logs, env) as served:
+        yield served
+
+
+@contextmanager
+def serving(
+    config: Path, port: int, logs: Path, env: dict[str, str] | None = None, ready_timeout_s: float = 60, stop_grace_s: float = 15
+) -> Iterator[tuple[str, Child]]:
+    """``sglang-gateway serve CONFIG`` (its own process; ``port``: the YAML's), ready once ``/ready`` is 200.
+
+    A gateway that launches engines stops them on SIGTERM: give it ``stop_grace_s`` for that."""
     child = Child("gateway", gateway_argv(config), logs / "gateway.log", env)
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_http(url + "/ready", child, 60)
+        wait_http(url + "/ready", child, ready_timeout_s)
         yield url, child
     finally:
-        child.stop(grace_s=15)
+        child.stop(grace_s=stop_grace_s)
+
+
+def tiny_model_dir() -> Path:
+    """The tiny offline model (``$SGLANG_GATEWAY_TINY_MODEL``, else ``.cache/tiny-model``), built if missing."""
+    tiny = Path(os.environ.setdefault("SGLANG_GATEWAY_TINY_MODEL", str(REPO / ".cache" / "tiny-model")))
+    if not tiny.is_dir():
+        from launch.tiny_model import build_tiny_model
+
+        build_tiny_model(tiny)
+    return tiny
 
 
 @contextmanager
@@ -153,11 +174,7 @@ def sglang_engine(logs: Path, config: Path | None = None) -> Iterator[tuple[str,
     from launch.config import load_config
     from launch.process import EngineProcess
 
-    tiny = os.environ.setdefault("SGLANG_GATEWAY_TINY_MODEL", str(REPO / ".cache" / "tiny-model"))
-    if not Path(tiny).is_dir():
-        from launch.tiny_model import build_tiny_model
-
-        build_tiny_model(Path(tiny))
+    tiny_model_dir()
     deployment = load_config(config or REPO / "configs" / "tiny-cpu.yaml")
     name = next(iter(deployment.managed()))
     engine = EngineProcess("bench", deployment.engine(name), log_dir=logs)
@@ -165,24 +182,29 @@ def sglang_engine(logs: Path, config: Path | None = None) -> Iterator[tuple[str,
         yield engine.url, engine
 
 
-def router_argv(worker_urls: list[str], port: int, metrics_port: int, policy: str = "round_robin") -> list[str]:
+def router_argv(
+    worker_urls: list[str], port: int, metrics_port: int, policy: str = "round_robin", tokenizer_path: str | None = None
+) -> list[str]:
     """SGLang's router in front of ``worker_urls``, bound to loopback (its Prometheus port too)."""
-    return [
+    argv = [
         sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port), "--policy", policy,
         "--log-level", "warn", "--worker-urls", *worker_urls,
     ]  # fmt: skip
+    return argv + (["--tokenizer-path", tokenizer_path] if tokenizer_path else [])
 
 
 @contextmanager
-def router(worker_urls: list[str], logs: Path, policy: str = "round_robin") -> Iterator[tuple[str, Child]]:
+def router(
+    worker_urls: list[str], logs: Path, policy: str = "round_robin", tokenizer_path: str | None = None
+) -> Iterator[tuple[str, Child]]:
     """SGLang's router (PyPI ``sglang-router``) in front of ``worker_urls``, ready once a worker is healthy.
 
-    ``HF_HUB_OFFLINE=1``: the router loads the tokenizer of the model its workers report (a local path for the
-    tiny model) and must never reach the hub for it.
+    ``HF_HUB_OFFLINE=1``: the router loads a tokenizer (``tokenizer_path``, else the model its workers report)
+    and must never fetch one from the hub.
     """
     port = pick_free_port()
-    argv = router_argv(worker_urls, port, pick_free_port(), policy)
+    argv = router_argv(worker_urls, port, pick_free_port(), policy, tokenizer_path)
     child = Child("sglang-router", argv, logs / "router.log", {"HF_HUB_OFFLINE": "1"})
     try:
         url = f"http://127.0.0.1:{port}"

@@ -238,6 +238,34 @@ def print_mlflow(rows: list[dict[str, Any]], trace_sink: str = "store") -> None:
     out_console.print(table)
 
 
+def print_affinity(summaries: dict[str, dict[str, Any]], ratios: dict[str, float | None]) -> None:
+    """One row per balancing policy, then affinity / no affinity."""
+    table = Table(title="prefix affinity: the same workload under each policy (pooled over rounds)")
+    columns = (
+        ("cached tokens/req", "cached_tokens_per_request", 1),
+        ("prompt tokens/req", "prompt_tokens_per_request", 1),
+        ("cached share", "cached_share", 3),
+        ("engine cached share", "engine_cached_share", 3),
+        ("TTFT p50 ms", "ttft_p50_ms", 1),
+        ("TTFT p90 ms", "ttft_p90_ms", 1),
+        ("lat p50 ms", "latency_p50_ms", 1),
+        ("lat p90 ms", "latency_p90_ms", 1),
+        ("req/s", "req_s", 2),
+    )
+    table.add_column("policy")
+    for label, _, _ in columns:
+        table.add_column(label, justify="right")
+    table.add_column("requests per replica")
+    table.add_column("errors", justify="right")
+    for policy, summary in summaries.items():
+        spread = " ".join(f"{replica}:{count:.0f}" for replica, count in summary["per_replica"].items())
+        table.add_row(policy, *(fmt(summary[key], digits) for _, key, digits in columns), spread, str(summary["errors"]))
+    table.add_row(
+        "[bold]affinity / none[/]", *(fmt(ratios.get(key), 3) if key in ratios else "" for _, key, _ in columns), "", ""
+    )
+    out_console.print(table)
+
+
 def print_clients(rows: list[dict[str, Any]], title: str) -> None:
     table = Table(title=title)
     for column in ("client", "round", "CPU ms/req", "wall s"):
