@@ -1,0 +1,276 @@
+"""Past one machine, simulated on loopback: the gateway in front of SGLang's router in front of two real engines.
+
+Chain: client -> gateway (a ``url:`` model: the router) -> sglang-router 0.3.2 (``--worker-urls``, round robin,
+``HF_HUB_OFFLINE=1``, the tokenizer read from the engines' local model directory) -> two SGLang CPU engines (the
+session's ``tiny_engine`` and one started here: one engine start for this module). In order:
+
+- chat, plain and streamed, through the chain; both engines serve; fields the router keeps reach the engine
+  (they change its answer: ``n``, ``logprobs``, ``stream_options``, a JSON schema, ``max_tokens``);
+- the engine started here is SIGKILLed under a bounded loop of concurrent streaming and plain requests (raw HTTP):
+  no plain request fails (the router retries them on the other engine), every stream either completes or ends
+  with the gateway's error event (the router itself just closes a cut stream), and no answer names an internal
+  address (the router's own messages do: the gateway strips them).
+
+The numbers are printed (``-s``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import httpx
+import openai
+import pytest
+
+from benchmarks import processes
+from benchmarks.affinity import metric_sum
+from launch.config import EngineConfig
+from launch.model_info import vocab_size
+from launch.process import EngineProcess
+from tests.gateway.helpers import KEY, GatewayServer, auth, serve
+from tests.gateway.test_swap import report
+
+pytestmark = pytest.mark.engine
+PROMPT = [{"role": "user", "content": "Say something."}]
+
+
+@dataclass
+class Chain:
+    gateway: GatewayServer
+    router_url: str
+    engines: list[EngineProcess]
+
+    @property
+    def internal_addresses(self) -> list[str]:
+        """What must never reach a client: the router's and the engines' host:port."""
+        return [url.split("//", 1)[1] for url in (self.router_url, *(engine.url for engine in self.engines))]
+
+    def sdk(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.gateway.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+    def requests_served(self) -> list[float]:
+        """Requests each engine finished (its own Prometheus counter, streamed or not)."""
+        return [
+            metric_sum(httpx.get(engine.url + "/metrics", timeout=30).text, "sglang:num_requests_total")
+            for engine in self.engines
+        ]
+
+
+@pytest.fixture(scope="module")
+def second_engine(
+    tiny_engine_config: EngineConfig, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[EngineProcess]:
+    """A second engine of the tiny model (served as ``tiny`` too); this module kills it at the end."""
+    engine = EngineProcess("tiny", tiny_engine_config, log_dir=tmp_path_factory.mktemp("second-engine"))
+    with engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def chain(
+    tiny_engine: EngineProcess, second_engine: EngineProcess, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Chain]:
+    logs = tmp_path_factory.mktemp("router")
+    with processes.router([tiny_engine.url, second_engine.url], logs, policy="round_robin") as (router_url, _):
+        model = {"url": router_url, "vocab_size": vocab_size(tiny_engine.config.model_path)}
+        with serve({"tiny": model}, {"api_keys": [KEY]}) as gateway:
+            yield Chain(gateway, router_url, [tiny_engine, second_engine])
+
+
+def test_chat_plain_and_streamed_through_the_router(chain: Chain) -> None:
+    sdk = chain.sdk()
+    before = chain.requests_served()
+    for _ in range(2):
+        reply = sdk.chat.completions.create(model="tiny", messages=PROMPT, max_tokens=6, temperature=0)
+        assert reply.choices[0].message.role == "assistant" and 0 < reply.usage.completion_tokens <= 6
+    for _ in range(2):
+        chunks = list(
+            sdk.chat.completions.create(
+                model="tiny",
+                messages=PROMPT,
+                max_tokens=6,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        assert chunks[-1].usage is not None and 0 < chunks[-1].usage.completion_tokens <= 6  # include_usage arrived
+        assert any(chunk.choices and chunk.choices[0].delta.content for chunk in chunks)
+    with httpx.stream(
+        "POST", chain.gateway.url + "/v1/chat/completions", headers=auth(), timeout=120,
+        json={"model": "tiny", "messages": PROMPT, "max_tokens": 4, "stream": True},
+    ) as raw:  # fmt: skip
+        assert raw.status_code == 200 and "".join(raw.iter_text()).rstrip().endswith("data: [DONE]")
+    served = [after - start for start, after in zip(before, chain.requests_served(), strict=True)]
+    report("through the router", per_engine=served)
+    assert sum(served) == 5 and min(served) >= 2, served  # round robin: both engines served
+
+
+def test_fields_the_router_keeps_change_the_engines_answer(chain: Chain) -> None:
+    sdk = chain.sdk()
+    two = sdk.chat.completions.create(model="tiny", messages=PROMPT, max_tokens=3, n=2, temperature=0.8)
+    assert len(two.choices) == 2
+    scored = sdk.chat.completions.create(model="tiny", messages=PROMPT, max_tokens=3, logprobs=True, top_logprobs=2)
+    assert scored.choices[0].logprobs is not None and len(scored.choices[0].logprobs.content[0].top_logprobs) == 2
+    schema = {
+        "type": "object",
+        "properties": {"grade": {"enum": ["A", "B", "C"]}},
+        "required": ["grade"],
+        "additionalProperties": False,
+    }
+    graded = sdk.chat.completions.create(
+        model="tiny", messages=PROMPT, max_tokens=40, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "grade", "schema": schema}},
+    )  # fmt: skip
+    assert json.loads(graded.choices[0].message.content)["grade"] in ("A", "B", "C")
+    shaped = sdk.chat.completions.create(model="tiny", messages=PROMPT, max_tokens=8, extra_body={"regex": "(yes|no)"})
+    assert shaped.choices[0].message.content in ("yes", "no")
+    completion = sdk.completions.create(model="tiny", prompt="Once upon", max_tokens=3, echo=True, temperature=0)
+    assert completion.choices[0].text.startswith("Once upon")
+
+
+def test_an_engine_killed_under_load(chain: Chain, second_engine: EngineProcess) -> None:
+    # Two long streams first, back to back: round robin puts one on each engine, so one is cut by the kill.
+    long_streams = [LongStream(chain.gateway.url) for _ in range(2)]
+    for stream in long_streams:
+        stream.start_and_wait_for_tokens()
+    with RawLoad(chain.gateway.url, workers=3) as load:
+        load.wait_for_ok(8, since=0)
+        assert all(stream.thread.is_alive() for stream in long_streams), "a long stream ended before the kill"
+        killed = time.monotonic()
+        os.kill(second_engine.pid, signal.SIGKILL)
+        load.wait_for_ok(24, since=killed, timeout_s=180)
+        for stream in long_streams:
+            stream.thread.join(180)
+    outcomes = load.outcomes + [stream.outcome for stream in long_streams]
+    assert sorted(stream.outcome.ending for stream in long_streams) == ["done", "error_event"], [
+        stream.outcome.text[-300:] for stream in long_streams
+    ]
+    plain_failed = [o for o in outcomes if not o.stream and o.status != 200]
+    cut = [o for o in outcomes if o.stream and o.ending != "done"]
+    leaks = [o.text[:300] for o in outcomes if any(address in o.text for address in chain.internal_addresses)]
+    report(
+        "engine SIGKILL behind the router", requests=len(outcomes), after_kill=len(load.since(killed)),
+        plain_failed=len(plain_failed), streams_cut=len(cut), cut_endings=sorted({o.ending for o in cut}),
+        statuses=sorted({o.status for o in outcomes}),
+    )  # fmt: skip
+    assert not plain_failed, [(o.status, o.text[:200]) for o in plain_failed[:3]]  # the router retried them
+    assert all(o.ending == "error_event" for o in cut), [(o.ending, o.text[-300:]) for o in cut[:3]]
+    assert all(o.started < killed for o in cut), "only streams running on the killed engine may be cut"
+    assert not leaks, leaks[:3]
+
+
+# ----------------------------------------------------------------------------- load (raw HTTP)
+
+
+@dataclass
+class RawOutcome:
+    started: float
+    stream: bool
+    status: int = 0
+    ending: str = ""  # streams: done | error_event | none (the connection closed before either)
+    text: str = ""
+
+    def read(self, response: httpx.Response) -> None:
+        """Keep the whole answer and, for a 200 stream, how it ended."""
+        self.status = response.status_code
+        try:
+            for piece in response.iter_text():
+                self.text += piece
+        except httpx.HTTPError as error:
+            self.text += f" [{type(error).__name__}: {error}]"
+        if self.stream and self.status == 200:
+            last = self.text.rstrip().rsplit("\n\n", 1)[-1]
+            self.ending = (
+                "done" if last == "data: [DONE]" else "error_event" if last.startswith('data: {"error"') else "none"
+            )
+
+
+class LongStream:
+    """One chat stream of ~1500 tokens (seconds on the tiny CPU engine), read in a thread."""
+
+    def __init__(self, base_url: str) -> None:
+        self.base_url = base_url
+        self.outcome = RawOutcome(time.monotonic(), stream=True)
+        self.first_bytes = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def start_and_wait_for_tokens(self) -> None:
+        self.thread.start()
+        assert self.first_bytes.wait(120), "a long stream never started"
+
+    def _run(self) -> None:
+        body = {"model": "tiny", "messages": PROMPT, "max_tokens": 1500, "ignore_eos": True, "stream": True}
+        try:
+            with httpx.stream(
+                "POST", self.base_url + "/v1/chat/completions", json=body, headers=auth(), timeout=300
+            ) as response:
+                self.first_bytes.set()
+                self.outcome.read(response)
+        except httpx.HTTPError as error:
+            self.outcome.text += f" [{type(error).__name__}: {error}]"
+        finally:
+            self.first_bytes.set()
+
+
+@dataclass
+class RawLoad:
+    """A bounded loop of concurrent chat requests (every other one streamed) over raw HTTP, each answer kept whole,
+    so that how a stream ended (``[DONE]``, an error event, or nothing) and every byte a client saw can be checked."""
+
+    base_url: str
+    workers: int = 3
+    max_requests: int = 2000
+    outcomes: list[RawOutcome] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(self.workers)]
+
+    def __enter__(self) -> RawLoad:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(150)
+        assert not any(thread.is_alive() for thread in self._threads), "a load worker hung"
+
+    def _run(self, worker: int) -> None:
+        with httpx.Client(base_url=self.base_url, headers=auth(), timeout=120) as client:
+            n = 0
+            while not self._stop.is_set() and len(self.outcomes) < self.max_requests:
+                outcome = self._one(client, stream=(n + worker) % 2 == 0)
+                n += 1
+                with self._lock:
+                    self.outcomes.append(outcome)
+                time.sleep(0.05)
+
+    def _one(self, client: httpx.Client, stream: bool) -> RawOutcome:
+        outcome = RawOutcome(time.monotonic(), stream)
+        body = {"model": "tiny", "messages": PROMPT, "max_tokens": 8, "temperature": 0, "stream": stream}
+        try:
+            with client.stream("POST", "/v1/chat/completions", json=body) as response:
+                outcome.read(response)
+        except httpx.HTTPError as error:
+            outcome.text += f" [{type(error).__name__}: {error}]"
+        return outcome
+
+    def since(self, start: float) -> list[RawOutcome]:
+        with self._lock:
+            return [o for o in self.outcomes if o.started >= start]
+
+    def wait_for_ok(self, n: int, since: float, timeout_s: float = 120) -> None:
+        deadline = time.monotonic() + timeout_s
+        while len([o for o in self.since(since) if o.status == 200]) < n:
+            assert time.monotonic() < deadline, f"fewer than {n} answers in {timeout_s}s"
+            time.sleep(0.1)
