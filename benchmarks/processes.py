@@ -183,28 +183,27 @@ def sglang_engine(logs: Path, config: Path | None = None) -> Iterator[tuple[str,
 
 
 def router_argv(
-    worker_urls: list[str], port: int, metrics_port: int, policy: str = "round_robin", tokenizer_path: str | None = None
+    worker_urls: list[str], port: int, metrics_port: int, policy: str = "round_robin", extra_args: tuple[str, ...] = ()
 ) -> list[str]:
     """SGLang's router in front of ``worker_urls``, bound to loopback (its Prometheus port too)."""
-    argv = [
+    return [
         sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port), "--policy", policy,
-        "--log-level", "warn", "--worker-urls", *worker_urls,
+        "--log-level", "warn", "--worker-urls", *worker_urls, *extra_args,
     ]  # fmt: skip
-    return argv + (["--tokenizer-path", tokenizer_path] if tokenizer_path else [])
 
 
 @contextmanager
 def router(
-    worker_urls: list[str], logs: Path, policy: str = "round_robin", tokenizer_path: str | None = None
+    worker_urls: list[str], logs: Path, policy: str = "round_robin", extra_args: tuple[str, ...] = ()
 ) -> Iterator[tuple[str, Child]]:
     """SGLang's router (PyPI ``sglang-router``) in front of ``worker_urls``, ready once a worker is healthy.
 
-    ``HF_HUB_OFFLINE=1``: the router loads a tokenizer (``tokenizer_path``, else the model its workers report)
-    and must never fetch one from the hub.
+    ``HF_HUB_OFFLINE=1``: the router loads the tokenizer of the model its workers report (when it is a local
+    directory) and must never fetch one from the hub.
     """
     port = pick_free_port()
-    argv = router_argv(worker_urls, port, pick_free_port(), policy, tokenizer_path)
+    argv = router_argv(worker_urls, port, pick_free_port(), policy, extra_args)
     child = Child("sglang-router", argv, logs / "router.log", {"HF_HUB_OFFLINE": "1"})
     try:
         url = f"http://127.0.0.1:{port}"

@@ -73,9 +73,12 @@ class RecordingWorker:
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
 
+    stopped: bool = False
+
     def stop(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+        self.stopped = True
 
 
 @dataclass
@@ -101,7 +104,8 @@ def chain(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
             with serve({"tiny": {"url": router_url}}, {"api_keys": [KEY]}) as gateway:
                 yield Chain(gateway, worker, router_url)
     finally:
-        worker.stop()
+        if not worker.stopped:
+            worker.stop()
 
 
 def test_chat_fields_kept_renamed_and_dropped(chain: Chain) -> None:
@@ -218,3 +222,33 @@ def test_a_dead_worker_is_answered_without_its_address(chain: Chain) -> None:
         chain.router_url + "/v1/chat/completions", json={"model": "tiny", "messages": HELLO}, timeout=60
     )
     assert direct.status_code in (500, 503), direct.text  # what the gateway re-shaped
+
+
+@pytest.mark.parametrize(
+    ("extra_args", "failed_expected"),
+    [((), True), (("--cb-failure-threshold", "3"), False)],
+    ids=["default-circuit-breaker", "circuit-breaker-below-retries"],
+)
+def test_cache_aware_failover_needs_a_circuit_breaker_below_the_retries(
+    tiny_model_dir: Path, tmp_path: Path, extra_args: tuple[str, ...], failed_expected: bool
+) -> None:
+    """Under ``cache_aware`` a prompt sticks to one worker. When that worker dies, the router retries a request
+    (5 times) on the same worker until its circuit breaker opens: with the default threshold (10 failures) the first
+    requests fail; with a threshold below the retries the same request moves on to the other worker."""
+    workers = [RecordingWorker(str(tiny_model_dir)) for _ in range(2)]
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "the same question every time"}]}
+    try:
+        with processes.router([w.url for w in workers], tmp_path, "cache_aware", extra_args) as (router_url, _):
+            with serve({"tiny": {"url": router_url}}, {"api_keys": [KEY]}) as gateway:
+                ask = lambda: httpx.post(gateway.url + "/v1/chat/completions", json=body, headers=auth(), timeout=60)  # noqa: E731
+                assert all(ask().status_code == 200 for _ in range(4))
+                (sticky,) = [w for w in workers if w.received]  # one prompt, one worker
+                sticky.stop()
+                statuses = [ask().status_code for _ in range(6)]
+    finally:
+        for worker in workers:
+            if not worker.stopped:
+                worker.stop()
+    failed = [status for status in statuses if status != 200]
+    assert bool(failed) is failed_expected, statuses
+    assert set(failed) <= {502} and statuses[-1] == 200, statuses  # the router's 500 becomes the gateway's 502
