@@ -230,7 +230,7 @@ class Proxy:
 
 
 def _another(route: ModelRoute, failed: Backend) -> bool:
-    return any(backend is not failed for backend in route.available())
+    return any(backend is not failed for backend in route.available()) or (route.front is not None and route.front is not failed)
 
 
 async def call_backend(proxy: Proxy, model: str, backend: Backend, method: str, path: str, info: RequestInfo) -> Response:

@@ -173,6 +173,28 @@ def _scalar_to_str(key: Any, value: Any) -> str:
     raise ValueError(f"env.{key} must be a string, number or boolean")
 
 
+class RouterConfig(_Strict):
+    """SGLang's own router (PyPI ``sglang-router``) in front of a model's replicas, started by the gateway."""
+
+    policy: Literal["cache_aware", "power_of_two", "round_robin", "random"] = Field(
+        "cache_aware", description="How the router picks a replica."
+    )
+    extra_args: list[str] = Field(default_factory=list, description="Router flags passed verbatim.")
+    python: str | None = Field(None, description="Python executable with sglang-router installed (default: this one).")
+    startup_timeout_s: float = Field(120.0, gt=0, description="How long to wait for the router's /health.")
+
+    @field_validator("extra_args")
+    @classmethod
+    def _extra(cls, value: list[str]) -> list[str]:
+        if value and not value[0].startswith("--"):
+            raise ValueError(f"must start with a flag (--name), got {value[0]!r}")
+        return value
+
+    @property
+    def python_executable(self) -> str:
+        return self.python or sys.executable
+
+
 class ModelEntry(_Strict):
     """A model the deployment serves: launched here (``engine``) or reached at ``url``."""
 
@@ -189,6 +211,9 @@ class ModelEntry(_Strict):
     replicas: int = Field(1, ge=1, le=64, description="Independent engines of this engine section behind the one name.")
     replica_gpus: list[list[int]] | None = Field(
         None, description="GPU ids per replica (default: consecutive slices of the visible GPUs, tp_size x dp_size each)."
+    )
+    router: RouterConfig | None = Field(
+        None, description="Put SGLang's router in front of the replicas (instead of the gateway's own balancing)."
     )
 
     @field_validator("url")
@@ -207,8 +232,8 @@ class ModelEntry(_Strict):
                 "served_model_name, api_key and vocab_size belong to a 'url' model "
                 "(an engine's name is engine.served_model_name; its vocabulary is read from the model's files)"
             )
-        if self.engine is None and (self.replicas != 1 or self.replica_gpus is not None):
-            raise ValueError("replicas and replica_gpus need an 'engine' section (a 'url' model is one upstream)")
+        if self.engine is None and (self.replicas != 1 or self.replica_gpus is not None or self.router is not None):
+            raise ValueError("replicas, replica_gpus and router need an 'engine' section (a 'url' model is one upstream)")
         if self.replicas > 1 and self.engine is not None and self.engine.port != 0:
             raise ValueError(f"replicas: {self.replicas} engines cannot share engine.port {self.engine.port}; leave it 0 (free ports)")
         if self.replica_gpus is not None:
