@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import os
 
 import pytest
 
 from gateway.engines import EngineManager, StartAborted
 from launch.config import DeploymentConfig
+from tests.leaks import leaves_nothing
 
-pytestmark = pytest.mark.engine
 
-
+@pytest.mark.usefixtures("starts_engine")
 def test_abort_during_start_stops_engines(tiny_deployment: DeploymentConfig) -> None:
     manager = EngineManager(tiny_deployment)
 
@@ -20,12 +19,12 @@ def test_abort_during_start_stops_engines(tiny_deployment: DeploymentConfig) -> 
         starting = asyncio.ensure_future(manager.start_all())
         await asyncio.sleep(2.0)
         assert not starting.done()
+        for engine in manager.engines.values():
+            check.watch(engine.pid)
         manager.abort_start()
         with pytest.raises(StartAborted):
             await asyncio.wait_for(starting, 30)
 
-    asyncio.run(scenario())
-    for engine in manager.engines.values():
-        assert engine.pid is not None and not engine.running
-        with pytest.raises(ProcessLookupError):
-            os.killpg(engine.pid, 0)
+    with leaves_nothing() as check:
+        asyncio.run(scenario())
+        assert check.groups and all(not engine.running for engine in manager.engines.values())
