@@ -154,7 +154,10 @@ async def ready(request: Request) -> Response:
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    return Response(generate_latest(_state(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    """Prometheus text; ``gateway_engine_up`` of url models is their ``/health`` now (probed here)."""
+    state = _state(request)
+    await asyncio.gather(*(_probe(state, route.backend) for route in state.registry.routes() if not route.backend.managed))
+    return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 async def _probe(state: GatewayState, backend: Backend) -> str | None:

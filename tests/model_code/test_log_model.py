@@ -9,9 +9,10 @@ import mlflow
 import pytest
 import yaml
 
+from launch.config import ConfigError
 from model_code import engine_client, log_model
 from model_code.log import FLAVOR_FILES
-from model_code.requirements import FLASHINFER_VERSION
+from model_code.requirements import FLASHINFER_VERSION, UnknownFlashInferTarget
 from tests.model_code.helpers import engine_children
 
 REPO = Path(__file__).resolve().parents[2]
@@ -90,7 +91,7 @@ def test_plain_mlflow_log_model_starts_no_engine(mlflow_store, tiny_engine_confi
 def test_bad_arguments(mlflow_store, tmp_path):
     with pytest.raises(ValueError, match="flavor must be one of"):
         log_model(QWEN_7B, flavor="chat")
-    with pytest.raises(Exception, match="not a local directory"):
+    with pytest.raises(ConfigError, match="missing: not a local directory"):
         log_model(QWEN_7B, model_path=tmp_path / "missing")
-    with pytest.raises(Exception, match="Known: torch"):
+    with pytest.raises(UnknownFlashInferTarget, match="Known: torch"):
         log_model(QWEN_7B, cuda="11.8")
