@@ -1,4 +1,6 @@
-"""Clients that go away and engines that die: the engine stops generating, the gateway keeps serving.
+"""Clients that go away, a gateway that shuts down mid-stream, and engines that die: the engine stops
+generating (its own ``sglang:num_aborted_requests_total`` says so, no timing needed), the gateway
+keeps serving.
 
 The SIGKILL test breaks an engine, so it starts its own (``victim``, module-scoped); the shared
 ``tiny_engine`` is never touched.
