@@ -10,8 +10,9 @@ loop of concurrent streaming and plain requests runs through the ``openai`` SDK.
     zero failed requests, new requests reach the new engine, the old process is gone after the drain;
     a second reload sent at the same time finds nothing left to do;
     then two concurrent stop-first swaps share one swap: only 503 + Retry-After while the model is down;
-(d) the engine is SIGKILLed: requests get 503 (never a hang, never a 500) until the watchdog's
-    restart, then succeed again;
+(d) the engine is SIGKILLed mid-stream: that stream ends with an error event naming the engine,
+    ``/ready`` names the model, requests get 503 (never a hang, never a 500) while the other model
+    (``other``: the session's engine, by URL) keeps serving, until the watchdog's restart;
 (e) the engine hangs (SIGSTOP): after ``unhealthy_after`` failed probes the model answers 503 at once
     and the watchdog restarts it (a new backoff streak, since it had been stable);
 (f) a stop-first reload to a broken engine: a stream outliving ``drain_timeout_s`` is cut, the new
@@ -43,6 +44,7 @@ import yaml
 
 from gateway.app import app_from_config
 from launch.config import load_config
+from launch.process import EngineProcess
 from launch.procgroup import group_pids, signal_group
 from tests.gateway.helpers import KEY, GatewayServer, assert_openai_error, auth, prometheus_value
 from tests.leaks import LeakCheck
@@ -153,7 +155,7 @@ WATCHDOG = {"interval_s": 0.5, "unhealthy_after": 2, "backoff_initial_s": 0.5, "
 
 
 def _deployment(
-    model_dir: Path | str, *, max_total_tokens: int = 4096, served: str | None = None, **gateway: Any
+    model_dir: Path | str, *, other_url: str, max_total_tokens: int = 4096, served: str | None = None, **gateway: Any
 ) -> dict[str, Any]:
     engine: dict[str, Any] = {
         "model_path": str(model_dir),
@@ -166,7 +168,7 @@ def _deployment(
     if served:
         engine["served_model_name"] = served
     return {
-        "models": {"tiny": {"engine": engine}},
+        "models": {"tiny": {"engine": engine}, "other": {"url": other_url}},
         "gateway": {
             "api_keys": [KEY],
             "admin_keys": [ADMIN],
@@ -193,17 +195,22 @@ class SwapRig:
     config: Path
     model_dir: Path
     tmp: Path
+    other_url: str  # the session's engine, served as model "other": what must keep working meanwhile
     leaks: LeakCheck = field(default_factory=LeakCheck)
 
-    def write(self, data: dict[str, Any] | str) -> None:
-        self.config.write_text(data if isinstance(data, str) else yaml.safe_dump(data, sort_keys=False))
+    def write(self, text: str) -> None:
+        self.config.write_text(text)
+
+    def deploy(self, model_dir: Path | str, **options: Any) -> None:
+        """Write the deployment YAML (see ``_deployment``) for the next reload."""
+        self.write(yaml.safe_dump(_deployment(model_dir, other_url=self.other_url, **options), sort_keys=False))
 
     def admin(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         return httpx.request(method, self.server.url + path, headers=auth(ADMIN), timeout=600, **kwargs)
 
     def model(self) -> dict[str, Any]:
         """The model's entry in GET /admin/models (its engine must be gone when the module ends)."""
-        (model,) = self.admin("GET", "/admin/models").json()["models"]
+        model = {m["name"]: m for m in self.admin("GET", "/admin/models").json()["models"]}["tiny"]
         self.leaks.watch(model.get("engine", {}).get("pid"))
         return model
 
@@ -230,8 +237,8 @@ class SwapRig:
             time.sleep(0.25)
         return model
 
-    def chat(self, max_tokens: int = 2) -> httpx.Response:
-        body = {"model": "tiny", "messages": PROMPT, "max_tokens": max_tokens}
+    def chat(self, model: str = "tiny") -> httpx.Response:
+        body = {"model": model, "messages": PROMPT, "max_tokens": 2}
         return httpx.post(self.server.url + "/v1/chat/completions", json=body, headers=auth(KEY), timeout=120)
 
 
@@ -241,15 +248,17 @@ def changes(before: dict[str, float], after: dict[str, float]) -> dict[str, floa
 
 
 @pytest.fixture(scope="module")
-def rig(starts_engine: None, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SwapRig]:
+def rig(
+    starts_engine: None, tiny_engine: EngineProcess, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SwapRig]:
     tmp = tmp_path_factory.mktemp("swap")
     config = tmp / "deploy.yaml"
-    config.write_text(yaml.safe_dump(_deployment(tiny_model_dir)))
+    config.write_text(yaml.safe_dump(_deployment(tiny_model_dir, other_url=tiny_engine.url)))
     started = time.monotonic()
     leaks = LeakCheck()
     app, settings = app_from_config(load_config(config), log_dir=tmp / "logs")
     server = GatewayServer(app, settings).start(timeout_s=400)
-    rig = SwapRig(server, config, tiny_model_dir, tmp, leaks)
+    rig = SwapRig(server, config, tiny_model_dir, tmp, tiny_engine.url, leaks)
     report("gateway up", start_s=round(time.monotonic() - started, 1), engine=rig.model()["engine"])
     try:
         yield rig
@@ -288,7 +297,7 @@ def test_c_engine_that_cannot_start_leaves_the_old_one_serving(rig: SwapRig) -> 
     broken = _broken_model_dir(rig.tmp)
     before = rig.model()
     counters = rig.metrics()
-    rig.write(_deployment(broken))
+    rig.deploy(broken)
     with Load(rig.server.url) as load:
         load.wait_for_requests(4, 0)
         t0 = time.monotonic()
@@ -318,7 +327,7 @@ def test_a_engine_change_swaps_blue_green_without_failed_requests(rig: SwapRig) 
     before = rig.model()
     counters = rig.metrics()
     old_pid, old_port = before["engine"]["pid"], before["engine"]["port"]
-    rig.write(_deployment(rig.model_dir, max_total_tokens=2048, served="tiny-v2"))
+    rig.deploy(rig.model_dir, max_total_tokens=2048, served="tiny-v2")
     with Load(rig.server.url) as load:
         load.wait_for_requests(6, 0)
         t0 = time.monotonic()
@@ -392,17 +401,33 @@ def test_d_sigkilled_engine_is_restarted_and_requests_get_503_meanwhile(rig: Swa
     before = rig.model()
     counters = rig.metrics()
     pid = before["engine"]["pid"]
+    sdk = openai.OpenAI(base_url=rig.server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
     with Load(rig.server.url, workers=2) as load:
         load.wait_for_requests(4, 0)
+        long = sdk.chat.completions.create(
+            model="tiny", messages=PROMPT, max_tokens=1900, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
+        chunks = iter(long)
+        for _ in range(3):
+            assert next(chunks).object == "chat.completion.chunk"
         killed = time.monotonic()
         os.kill(pid, signal.SIGKILL)
+        with pytest.raises(openai.APIError) as cut_short:  # the stream running at the kill ends with an error event
+            for _ in chunks:
+                pass
+        assert "tiny" in cut_short.value.message and "engine" in cut_short.value.message
+        assert cut_short.value.body["type"] == "service_unavailable"
         deadline = killed + 60  # far less than a restart takes: a /ready that never flips fails here
         while (ready := httpx.get(rig.server.url + "/ready", timeout=10)).status_code == 200:
             assert time.monotonic() < deadline, "/ready still 200 after the kill"
             time.sleep(0.05)
-        assert ready.status_code == 503 and ready.json()["models"]["tiny"]["ready"] is False
+        body = assert_openai_error(ready, 503, "not_ready")
+        assert body["models"]["tiny"]["ready"] is False and body["models"]["other"]["ready"] is True
+        assert "tiny" in body["error"]["message"] and "other" not in body["error"]["message"]
+        assert rig.chat("other").status_code == 200  # the other model is served meanwhile
         metrics = httpx.get(rig.server.url + "/metrics", headers=auth(KEY)).text
         assert prometheus_value(metrics, "gateway_engine_up", {"model": "tiny"}) == 0
+        assert prometheus_value(metrics, "gateway_engine_up", {"model": "other"}) == 1
         rig.wait_ready_after(pid)
         back = time.monotonic()
         load.wait_for_requests(6, back)
@@ -410,6 +435,7 @@ def test_d_sigkilled_engine_is_restarted_and_requests_get_503_meanwhile(rig: Swa
     assert after["restarts"] == before["restarts"] + 1 and after["engine"]["pid"] != pid
     metrics = httpx.get(rig.server.url + "/metrics", headers=auth(KEY)).text
     assert prometheus_value(metrics, "gateway_engine_up", {"model": "tiny"}) == 1
+    assert prometheus_value(metrics, "gateway_in_flight_requests", {"model": "tiny"}) == 0
     assert httpx.get(rig.server.url + "/ready").status_code == 200
 
     kinds = load.counts(load.outcomes)
@@ -419,11 +445,11 @@ def test_d_sigkilled_engine_is_restarted_and_requests_get_503_meanwhile(rig: Swa
     assert refused and all(o.retry_after for o in refused)
     cut = [o for o in load.outcomes if o.kind == "stream_cut"]
     assert all(o.started < killed for o in cut), "only streams already running at the kill may be cut"
-    assert changes(counters, rig.metrics()) == {"restarts": 1, **({"stream_errors": len(cut)} if cut else {})}
+    assert changes(counters, rig.metrics()) == {"restarts": 1, "stream_errors": len(cut) + 1}
     first_ok = min(o.ended for o in load.between(killed) if o.kind == "ok")
     report(
         "(d) SIGKILL and automatic restart",
-        requests=len(load.outcomes), outcomes=kinds, answered_503=len(refused), streams_cut_by_the_kill=len(cut),
+        requests=len(load.outcomes), outcomes=kinds, answered_503=len(refused), streams_cut_by_the_kill=len(cut) + 1,
         slowest_503_s=round(max(o.ended - o.started for o in refused), 3),
         outage_s=round(first_ok - killed, 1), restart_detected_to_ready_s=round(back - killed, 1),
         old_pid=pid, new_pid=after["engine"]["pid"],
@@ -467,7 +493,7 @@ def test_f_stop_first_swap_to_an_engine_that_fails(rig: SwapRig) -> None:
     before = rig.model()
     counters = rig.metrics()
     pid = before["engine"]["pid"]
-    rig.write(_deployment(_broken_model_dir(rig.tmp), drain_timeout_s=1, swap_policy={"tiny": "stop-first"}))
+    rig.deploy(_broken_model_dir(rig.tmp), drain_timeout_s=1, swap_policy={"tiny": "stop-first"})
     events: list[bytes] = []
     streaming = threading.Event()
 
@@ -497,14 +523,14 @@ def test_f_stop_first_swap_to_an_engine_that_fails(rig: SwapRig) -> None:
     assert after["served_model_name"] == before["served_model_name"]
     assert rig.chat().status_code == 200
     assert changes(counters, rig.metrics()) == {"reloads_partial": 1, "swaps_failed": 1, "restarts": 1, "stream_errors": 1}
-    rig.write(_deployment(rig.model_dir, max_total_tokens=2048, served="tiny-v2"))  # what is running again
+    rig.deploy(rig.model_dir, max_total_tokens=2048, served="tiny-v2")  # what is running again
     assert rig.admin("POST", "/admin/reload").json()["models"]["tiny"]["action"] == "unchanged"
 
 
 def test_g_watchdog_gives_up_then_a_swap_revives(rig: SwapRig) -> None:
     """With ``max_restarts: 0`` the watchdog does not restart a dead engine: the model stays down
     (503 naming what to do) until an operator swaps it."""
-    rig.write(_deployment(rig.model_dir, max_total_tokens=2048, served="tiny-v2", watchdog={**WATCHDOG, "max_restarts": 0}))
+    rig.deploy(rig.model_dir, max_total_tokens=2048, served="tiny-v2", watchdog={**WATCHDOG, "max_restarts": 0})
     assert rig.admin("POST", "/admin/reload").json()["settings_changed"] == ["watchdog"]
     before = rig.model()
     counters = rig.metrics()
@@ -524,5 +550,5 @@ def test_g_watchdog_gives_up_then_a_swap_revives(rig: SwapRig) -> None:
         assert rig.model()["state"] == "ready" and rig.chat().status_code == 200
         assert changes(counters, rig.metrics()) == {"swaps_ok": 1}
     finally:
-        rig.write(_deployment(rig.model_dir, max_total_tokens=2048, served="tiny-v2"))
+        rig.deploy(rig.model_dir, max_total_tokens=2048, served="tiny-v2")
         rig.admin("POST", "/admin/reload")
