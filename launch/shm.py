@@ -19,7 +19,17 @@ from pathlib import Path
 from launch.procgroup import group_pids, live_pids
 
 SHM_DIR = Path("/dev/shm")
-ENGINE_SHM_PATTERNS = ("sglang_*", "sem.loky-*", "sem.mp-*")
+# What SGLang 0.5.23 and the libraries under it leave (its own CI clean-up, sglang/srt/utils/
+# stale_shm_cleanup.py, lists the same families), plus multiprocessing's semaphores.
+ENGINE_SHM_PATTERNS = (
+    "sglang_*",
+    "sgl_shm_*",
+    "multi_tokenizer_args_*",
+    "cuda.shm.*",
+    "nccl-*",
+    "sem.loky-*",
+    "sem.mp-*",
+)
 ORPHAN_MIN_AGE_S = 10.0
 """The start-up sweep leaves younger files alone: belt and braces for a process still setting one up."""
 

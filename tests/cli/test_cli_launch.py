@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from launch.procgroup import group_pids
+from launch.shm import SHM_DIR
 from tests.leaks import leaves_nothing, unused_shm_files
 from tests.servers import CLI, REPO, ServerProcess
 
@@ -68,18 +69,24 @@ def test_launch_killed_takes_its_engine_along_and_ctrl_c_leaves_nothing(tiny_mod
     env = {**os.environ, "SGLANG_GATEWAY_TINY_MODEL": str(tiny_model_dir), "COLUMNS": "300"}
     argv = [*CLI, "launch", "configs/tiny-cpu.yaml"]
     with leaves_nothing() as check:
+        listed = set(SHM_DIR.iterdir())
         killed = ServerProcess(argv, log_path=tmp_path / "killed.log", env=env)
         check.watch(killed.pid)
         engine_pid = int(killed.wait_log(READY).group(1))
         check.watch(engine_pid)
+        appeared = {path for path in set(SHM_DIR.iterdir()) - listed if path.name.startswith("sglang_")}
+        assert appeared, "the engine made no /dev/shm file"
         os.kill(killed.pid, signal.SIGKILL)  # the launcher only: its engine is in a group of its own
         assert killed.proc.wait(timeout=30) == -signal.SIGKILL
         deadline = time.monotonic() + 120
         while group_pids(engine_pid):
             assert time.monotonic() < deadline, "the engine outlived its SIGKILLed launcher"
             time.sleep(0.5)
-        orphans = unused_shm_files() - check.baseline
-        assert any(path.name.startswith("sglang_") for path in orphans), orphans
+        orphans = (unused_shm_files() - check.baseline) & appeared
+        if not orphans and not any(path.exists() for path in appeared):
+            # Only on a machine shared with other checkouts: another engine's stop removed them first.
+            pytest.skip("another process on this machine removed the dead engine's files before the next start")
+        assert orphans, "the dead engine's files are gone or still in use before the next start"
 
         launcher = ServerProcess(argv, log_path=tmp_path / "launch.log", env=env)
         check.watch(launcher.pid)
