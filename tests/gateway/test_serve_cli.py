@@ -85,7 +85,8 @@ def test_serve_tiny_cpu_readme_examples_and_graceful_sigterm(tiny_model_dir: Pat
         assert events[-1] == "data: [DONE]", events[-3:]
         chunks = [json.loads(event.removeprefix("data: ")) for event in events[:-1]]
         assert not [chunk for chunk in chunks if "error" in chunk], "the stream ended with an error event"
-        assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+        finish_reasons = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+        assert finish_reasons and finish_reasons[-1] == "length", events[-3:]
         assert chunks[-1]["usage"]["completion_tokens"] == STREAM_TOKENS
         # ...and the events between reached the client: one per token, except where a token ends mid
         # UTF-8 character (random weights emit many) and the engine holds its text for the next one.
