@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 import time
 
 import httpx
 import openai
 
 from launch.process import EngineProcess
-from tests.gateway.helpers import KEY, GatewayServer, auth, prometheus_value, serve
+from tests.gateway.helpers import KEY, BackgroundStream, GatewayServer, auth, prometheus_value, serve
 
 HELLO = [{"role": "user", "content": "Tell me a long story."}]
 LONG = {"max_tokens": 1900, "temperature": 0, "extra_body": {"ignore_eos": True}}
@@ -82,26 +81,10 @@ def test_shutdown_grace_cuts_off_streams_that_outlast_it(tiny_engine: EngineProc
     """On SIGTERM / Ctrl-C a stream may finish for ``shutdown_grace_s``; one that would outlast it is cut
     (the client sees the stream end early) and the engine stops generating for nobody."""
     aborted = engine_metric(tiny_engine, "sglang:num_aborted_requests_total")
-    events: list[str] = []
-    failures: list[str] = []
-    started = threading.Event()
     with serve({"tiny": {"url": tiny_engine.url}}, {"shutdown_grace_s": 1}) as gw:
         body = {"model": "tiny", "messages": HELLO, "stream": True, "max_tokens": 1900, "temperature": 0, "ignore_eos": True}
-
-        def read() -> None:
-            try:
-                with httpx.stream("POST", gw.url + "/v1/chat/completions", json=body, timeout=120) as response:
-                    for line in response.iter_lines():
-                        started.set()
-                        if line:
-                            events.append(line)
-            except httpx.HTTPError as error:  # the connection closed mid-body
-                failures.append(type(error).__name__)
-
-        reader = threading.Thread(target=read)
-        reader.start()
-        assert started.wait(60)
+        stream = BackgroundStream(gw.url + "/v1/chat/completions", body).start()
         gw.stop()  # what SIGTERM does: stop accepting, wait up to shutdown_grace_s, then cut
-        reader.join(120)
+        events = stream.finish()
     assert "data: [DONE]" not in events and len(events) < 1900 // 2, (len(events), events[-2:])
     wait_for(lambda: engine_metric(tiny_engine, "sglang:num_aborted_requests_total") == aborted + 1, 60, "the engine to abort it")

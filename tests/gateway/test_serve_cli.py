@@ -13,14 +13,13 @@ import os
 import shutil
 import signal
 import subprocess
-import threading
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
 from launch.procgroup import child_pids, cmdline
+from tests.gateway.helpers import BackgroundStream
 from tests.leaks import leaves_nothing
 from tests.servers import CLI, REPO, ServerProcess
 
@@ -65,23 +64,11 @@ def test_serve_tiny_cpu_readme_examples_and_graceful_sigterm(tiny_model_dir: Pat
         assert streamed
 
         # SIGTERM during a stream: the stream still runs to its end, then everything stops.
-        events: list[str] = []
-        started = threading.Event()
-
-        def stream() -> None:
-            body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": STREAM_TOKENS,
-                    "ignore_eos": True, "stream": True, "temperature": 0, "stream_options": {"include_usage": True}}
-            with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=60) as response:
-                for line in response.iter_lines():
-                    started.set()
-                    if line:
-                        events.append(line)
-
-        reader = threading.Thread(target=stream)
-        reader.start()
-        assert started.wait(30)
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": STREAM_TOKENS,
+                "ignore_eos": True, "stream": True, "temperature": 0, "stream_options": {"include_usage": True}}
+        stream = BackgroundStream(base + "/v1/chat/completions", body).start()
         server.proc.send_signal(signal.SIGTERM)
-        reader.join(60)
+        events = stream.finish()
         assert events[-1] == "data: [DONE]", events[-3:]
         chunks = [json.loads(event.removeprefix("data: ")) for event in events[:-1]]
         assert not [chunk for chunk in chunks if "error" in chunk], "the stream ended with an error event"

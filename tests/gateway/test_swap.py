@@ -46,7 +46,7 @@ from gateway.app import app_from_config
 from launch.config import load_config
 from launch.process import EngineProcess
 from launch.procgroup import group_pids, signal_group
-from tests.gateway.helpers import KEY, GatewayServer, assert_openai_error, auth, prometheus_value
+from tests.gateway.helpers import KEY, BackgroundStream, GatewayServer, assert_openai_error, auth, prometheus_value
 from tests.leaks import LeakCheck
 
 ADMIN = "swap-admin-key"
@@ -494,28 +494,16 @@ def test_f_stop_first_swap_to_an_engine_that_fails(rig: SwapRig) -> None:
     counters = rig.metrics()
     pid = before["engine"]["pid"]
     rig.deploy(_broken_model_dir(rig.tmp), drain_timeout_s=1, swap_policy={"tiny": "stop-first"})
-    events: list[bytes] = []
-    streaming = threading.Event()
-
-    def long_stream() -> None:
-        body = {"model": "tiny", "messages": PROMPT, "max_tokens": 1900, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", rig.server.url + "/v1/chat/completions", json=body, headers=auth(KEY), timeout=120) as response:
-            for line in response.iter_lines():
-                streaming.set()
-                if line:
-                    events.append(line.encode())
-
-    reader = threading.Thread(target=long_stream)
-    reader.start()
-    assert streaming.wait(60)
+    body = {"model": "tiny", "messages": PROMPT, "max_tokens": 1900, "ignore_eos": True, "stream": True}
+    stream = BackgroundStream(rig.server.url + "/v1/chat/completions", body, auth(KEY)).start()
     response = rig.admin("POST", "/admin/reload")
-    reader.join(60)
+    events = stream.finish()
     assert response.status_code == 502, response.text
     item = response.json()["reload"]["models"]["tiny"]
     assert item["action"] == "engine_changed" and item["ok"] is False and item["policy"] == "stop-first"
     assert item["drain_timed_out"] is True and item["drain_s"] >= 1
     assert "the watchdog restarts it with the previous config" in item["error"], item["error"]
-    assert events[-1].startswith(b'data: {"error"'), events[-3:]  # the stream cut by the stop, said so
+    assert events[-1].startswith('data: {"error"'), events[-3:]  # the stream cut by the stop, said so
     refused = rig.chat()  # the old engine is stopped and the new one failed: down until the watchdog acts
     assert_openai_error(refused, 503, "engine_unavailable")
     assert refused.headers["retry-after"]
