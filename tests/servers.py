@@ -28,13 +28,17 @@ CLI = [sys.executable, "-m", "gateway.cli"]
 class ServerProcess:
     """One server subprocess in its own process group, logging to ``log_path``."""
 
-    def __init__(self, argv: Sequence[str], *, log_path: Path, env: dict[str, str] | None = None, cwd: Path = REPO) -> None:
+    def __init__(
+        self, argv: Sequence[str], *, log_path: Path, env: dict[str, str] | None = None, cwd: Path = REPO
+    ) -> None:
         self.port = pick_free_port()
         self.argv = [arg.replace("{port}", str(self.port)) for arg in argv]
         self.log_path = log_path
         self.url = f"http://127.0.0.1:{self.port}"
         with open(log_path, "wb") as log:
-            self.proc = popen_group(self.argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = popen_group(
+                self.argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
+            )
 
     @property
     def pid(self) -> int:
@@ -52,7 +56,9 @@ class ServerProcess:
             if result:
                 return result
             if self.proc.poll() is not None:
-                raise AssertionError(f"{self.argv[:4]} exited with code {self.proc.returncode} before {what}:\n{self.log(3000)}")
+                raise AssertionError(
+                    f"{self.argv[:4]} exited with code {self.proc.returncode} before {what}:\n{self.log(3000)}"
+                )
             if time.monotonic() > deadline:
                 raise AssertionError(f"{self.argv[:4]}: no {what} after {timeout_s:.0f}s:\n{self.log(3000)}")
             time.sleep(0.25)

@@ -29,12 +29,18 @@ def cors_gateway(tiny_engine: EngineProcess) -> Iterator[GatewayServer]:
 @pytest.mark.parametrize("path", [CHAT, "/v1/completions", "/v1/embeddings", "/v1/models"])
 def test_preflight_from_an_allowed_origin(cors_gateway: GatewayServer, path: str) -> None:
     method = "GET" if path == "/v1/models" else "POST"
-    headers = {"Origin": APP, "Access-Control-Request-Method": method, "Access-Control-Request-Headers": "authorization, content-type"}
+    headers = {
+        "Origin": APP,
+        "Access-Control-Request-Method": method,
+        "Access-Control-Request-Headers": "authorization, content-type",
+    }
     response = httpx.options(cors_gateway.url + path, headers=headers, timeout=30)
     assert response.status_code == 200, response.text
     assert response.headers["access-control-allow-origin"] == APP
     assert method in response.headers["access-control-allow-methods"]
-    assert {"authorization", "content-type"} <= {h.strip().lower() for h in response.headers["access-control-allow-headers"].split(",")}
+    assert {"authorization", "content-type"} <= {
+        h.strip().lower() for h in response.headers["access-control-allow-headers"].split(",")
+    }
 
 
 def test_requests_from_an_allowed_origin_carry_cors_headers(cors_gateway: GatewayServer) -> None:
@@ -56,7 +62,9 @@ def test_other_origins_get_no_cors_headers(cors_gateway: GatewayServer) -> None:
     headers = {"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"}
     preflight = httpx.options(cors_gateway.url + CHAT, headers=headers, timeout=30)
     assert preflight.status_code == 400 and "access-control-allow-origin" not in preflight.headers
-    chat = httpx.post(cors_gateway.url + CHAT, json=BODY, headers={**auth(), "Origin": "https://evil.example"}, timeout=60)
+    chat = httpx.post(
+        cors_gateway.url + CHAT, json=BODY, headers={**auth(), "Origin": "https://evil.example"}, timeout=60
+    )
     assert chat.status_code == 200 and "access-control-allow-origin" not in chat.headers
 
 

@@ -47,12 +47,18 @@ def test_embeddings_need_a_key_and_are_counted(embedding_gateway: GatewayServer)
     labels = {"model": "embed", "route": "/v1/embeddings", "status": "200"}
 
     def answered() -> float:
-        text = httpx.get(embedding_gateway.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).text
+        text = httpx.get(
+            embedding_gateway.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=30
+        ).text
         return prometheus_value(text, "gateway_requests_total", labels) or 0.0
 
     before = answered()
     body = {"model": "embed", "input": "hi"}
-    assert_openai_error(httpx.post(embedding_gateway.url + "/v1/embeddings", json=body, timeout=60), 401, "missing_api_key")
-    ok = httpx.post(embedding_gateway.url + "/v1/embeddings", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert_openai_error(
+        httpx.post(embedding_gateway.url + "/v1/embeddings", json=body, timeout=60), 401, "missing_api_key"
+    )
+    ok = httpx.post(
+        embedding_gateway.url + "/v1/embeddings", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60
+    )
     assert ok.status_code == 200 and ok.json()["object"] == "list", ok.text
     assert answered() == before + 1

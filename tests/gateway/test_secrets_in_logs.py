@@ -94,7 +94,9 @@ def test_no_key_reaches_the_logs(
         with httpx.Client(base_url=server.url, timeout=60) as http:
             chat = {"model": "tiny", "messages": HELLO, "max_tokens": 2}
             for name in ("yaml client key", "env client key", "file client key"):
-                assert http.post("/v1/chat/completions", json=chat, headers=auth(SECRETS[name])).status_code == 200, name
+                assert http.post("/v1/chat/completions", json=chat, headers=auth(SECRETS[name])).status_code == 200, (
+                    name
+                )
             wrong = SECRETS["wrong key presented"]
             assert http.post("/v1/chat/completions", json=chat, headers=auth(wrong)).status_code == 401
             assert http.get("/v1/models", headers={"Authorization": f"Basic {wrong}"}).status_code == 401
@@ -104,12 +106,17 @@ def test_no_key_reaches_the_logs(
             config.write_text(yaml.safe_dump(_deployment(tiny_engine.url, key_file, SECRETS["rotated upstream key"])))
             reload = http.post("/admin/reload", headers=auth(SECRETS["admin key"]))
             assert reload.status_code == 200 and reload.json()["models"]["tiny"]["changed"] == ["api_key"], reload.text
-            assert http.post("/v1/chat/completions", json=chat, headers=auth(SECRETS["yaml client key"])).status_code == 200
+            assert (
+                http.post("/v1/chat/completions", json=chat, headers=auth(SECRETS["yaml client key"])).status_code
+                == 200
+            )
 
         # The MLflow wrapper, in URL mode in front of this gateway, with its key from mlflow.api_key_env.
         monkeypatch.setenv("GW_TEST_MLFLOW_KEY", SECRETS["mlflow api_key_env key"])
         model_config = {"models": {"tiny": {"url": server.url}}, "mlflow": {"api_key_env": "GW_TEST_MLFLOW_KEY"}}
-        client = EngineClient.from_model_config({**model_config, "mlflow": {**model_config["mlflow"], "defaults": {"max_tokens": 2}}})
+        client = EngineClient.from_model_config(
+            {**model_config, "mlflow": {**model_config["mlflow"], "defaults": {"max_tokens": 2}}}
+        )
         try:
             assert client.chat(HELLO).choices[0].message.role == "assistant"
         finally:
@@ -125,6 +132,8 @@ def test_no_key_reaches_the_logs(
         server.stop()
 
     text = "\n".join(captured_logs)
-    assert '"request_id"' in text and "status=401" in text and "reload (admin)" in text, "the capture missed the gateway's logs"
+    assert '"request_id"' in text and "status=401" in text and "reload (admin)" in text, (
+        "the capture missed the gateway's logs"
+    )
     leaked = [name for name, secret in SECRETS.items() if secret in text]
     assert not leaked, f"keys found in the logs: {leaked}"
