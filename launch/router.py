@@ -12,7 +12,6 @@ from __future__ import annotations
 import collections
 import json
 import os
-import signal
 import subprocess
 import tempfile
 import threading
@@ -26,7 +25,8 @@ from loguru import logger
 from launch.argv import ROUTER_ENV, ROUTER_MODULE, router_args
 from launch.config import RouterConfig
 from launch.ports import pick_free_port
-from launch.process import LOG_TAIL_LINES, EngineExited, EngineStartTimeout, _group_alive, _set_parent_death_signal, _signal_group, _wait_group
+from launch.process import LOG_TAIL_LINES, EngineExited, EngineStartTimeout
+from launch.procgroup import popen_group, stop_group
 
 
 class RouterProcess:
@@ -76,14 +76,12 @@ class RouterProcess:
         self.log_file = self._log_dir / f"router-{self.name}-{self.port}-{int(time.time())}.log"
         log = os.open(self.log_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         logger.info("router {}: starting on port {} in front of {}", self.name, self.port, ", ".join(worker_urls) or "no worker yet")
-        self._proc = subprocess.Popen(
+        self._proc = popen_group(
             [self.config.python_executable, "-m", ROUTER_MODULE, secret],
             env={**os.environ, **ROUTER_ENV},
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=_set_parent_death_signal,
         )
         self.started_at = time.monotonic()
         self._reader = threading.Thread(target=self._pump_log, args=(log,), name=f"router-log-{self.name}", daemon=True)
@@ -121,12 +119,7 @@ class RouterProcess:
         proc = self._proc
         if proc is None:
             return
-        if proc.poll() is None or _group_alive(proc.pid):
-            _signal_group(proc.pid, signal.SIGTERM)
-            if not _wait_group(proc, grace_s):
-                _signal_group(proc.pid, signal.SIGKILL)
-                _wait_group(proc, 10.0)
-        proc.wait()
+        stop_group(proc, grace_s, label=f"router {self.name}")
         if self._reader is not None:
             self._reader.join(timeout=5.0)
 

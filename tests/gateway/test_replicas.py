@@ -28,7 +28,7 @@ import yaml
 
 from gateway.app import app_from_config
 from launch.config import load_config
-from launch.shm import group_pids
+from launch.procgroup import group_pids
 from tests.gateway.helpers import KEY, GatewayServer, auth, prometheus_value
 from tests.gateway.test_swap import Load, report
 from tests.model_code.helpers import engine_children

@@ -9,6 +9,7 @@ import mlflow
 import pytest
 import yaml
 
+from launch.config import ConfigError
 from launch.gpu_profiles import DEFAULT_PROFILE
 from model_code import engine_owner, log_model
 from model_code.log import FLAVOR_FILES
@@ -92,7 +93,7 @@ def test_plain_mlflow_log_model_starts_no_engine(mlflow_store, tiny_engine_confi
 def test_bad_arguments(mlflow_store, tmp_path):
     with pytest.raises(ValueError, match="flavor must be one of"):
         log_model(QWEN_7B, flavor="chat")
-    with pytest.raises(Exception, match="not a local directory"):
+    with pytest.raises(ConfigError, match="missing: not a local directory"):
         log_model(QWEN_7B, model_path=tmp_path / "missing")
     with pytest.raises(Exception, match=r"^no GPU stack profile for CUDA 12\.8: .* Profiles: sglang-0\.5\.23-cu130 "):
         log_model(QWEN_7B, cuda="12.8")
