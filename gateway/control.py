@@ -98,7 +98,7 @@ class Controller:
         self.watchdog = Watchdog(state, executor)
         self.last_reload: ReloadOutcome | None = None
         self.last_errors: dict[str, str] = {}
-        self._keys: dict[str, str] = {}  # per model, for replicas behind SGLang's router
+        self._keys: dict[str, str] = {}  # one engine key per model (see _model_key)
         self._reload_lock = asyncio.Lock()
         self._swaps: dict[str, asyncio.Task[SwapResult]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -304,7 +304,8 @@ class Controller:
         await self.executor.stop_router(front)
 
     def _model_key(self, name: str) -> str:
-        """The one API key of a model's replicas when SGLang's router sits in front of them (it has one for all)."""
+        """The one API key of all engines of a model, kept across swaps and restarts: SGLang's router, which may be
+        put in front of running replicas later, holds one key for all of its workers."""
         return self._keys.setdefault(name, new_engine_key())
 
     def _builds(self, name: str, entry: ModelEntry) -> list[BackendFactory]:
@@ -316,7 +317,7 @@ class Controller:
 
             return [url]
         configs = replica_engines(entry, visible_gpu_ids(visible_gpu_count()))
-        key = self._model_key(name) if entry.router is not None else None
+        key = self._model_key(name)
         return [partial(self.executor.engine_backend, name, config, replica=index, api_key=key) for index, config in enumerate(configs)]
 
     def swap_policy_for(self, name: str) -> SwapPolicy:
@@ -364,7 +365,7 @@ class Controller:
         async with self.executor.lock(name):
             route = self._managed_route(name)
             chosen = self._resolve_policy(policy or self.state.settings.swap_policy_for(name), len(route.replicas))
-            key = self._model_key(name) if route.front is not None else None
+            key = self._model_key(name)
             builds = [
                 partial(self.executor.engine_backend, name, backend.engine.config, replica=backend.replica, api_key=key)  # type: ignore[union-attr]
                 for backend in route.replicas

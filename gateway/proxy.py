@@ -165,7 +165,7 @@ class Proxy:
                 # chosen once per attempt: a swap mid-request must not split it across backends
                 backend = self._choose(route, body, balancing, pinned, failed, limiter.settings.retry_after_s)
                 lease.take(backend, self.metrics.child(self.metrics.in_flight, route.name))
-                info.replica = backend.replica if len(route.replicas) > 1 else None
+                info.replica = backend.replica if len(route.replicas) > 1 and backend.router is None else None
                 body["model"] = backend.served_name
                 payload = orjson.dumps(body)
                 lease.request = (path, payload)
@@ -183,6 +183,10 @@ class Proxy:
                         failed = backend  # nothing reached the client yet: once more, on another replica
                         continue
                     raise transport_error(error, route.name, limiter.settings.retry_after_s) from None
+                if finished and result is not None and _router_lost_its_worker(backend, *result) and pinned is None and failed is None and _another(route, backend):
+                    lease.let_go()
+                    failed = backend  # the router could not reach its replica: once more, to a replica directly
+                    continue
                 break
             if not finished:
                 info.error = "client disconnected"
@@ -227,6 +231,16 @@ class Proxy:
         # Plain answers (and errors) are read whole; a 200 stream is relayed by SSEProxyResponse.
         content = await upstream.read() if upstream.status != 200 or not streamed else None
         return upstream, content
+
+
+# What SGLang's router (0.3.x) answers, with a 5xx, when the worker it chose did not take or answer the request.
+_ROUTER_WORKER_LOST = (b"error sending request", b"connection closed", b"Failed to send request", b"No available workers")
+
+
+def _router_lost_its_worker(backend: Backend, upstream: aiohttp.ClientResponse, content: bytes | None) -> bool:
+    """A router's 5xx that means its worker was unreachable or died under the request: nothing reached the
+    client, and another replica can answer (the router's own retries pick the same worker again)."""
+    return backend.router is not None and upstream.status >= 500 and any(marker in (content or b"") for marker in _ROUTER_WORKER_LOST)
 
 
 def _another(route: ModelRoute, failed: Backend) -> bool:

@@ -297,7 +297,7 @@ class SwapExecutor:
         """Stop ``old`` (dead or hung) and start a fresh engine with its config (watchdog; lock held)."""
         assert old.engine is not None
         await self._stop(old.engine)
-        new = await self.engine_backend(model, old.engine.config, replica=old.replica)
+        new = await self.engine_backend(model, old.engine.config, replica=old.replica, api_key=old.engine.api_key)  # the same key
         if self.registry.set_backend(model, new) is None:
             await self.retire(model, new)
             raise SwapError(model, f"model {model!r} was removed while its engine restarted")
@@ -365,13 +365,14 @@ class SwapExecutor:
         return Backend(served, url=router.url, api_key=api_key, router=router)
 
     async def sync_router(self, model: str) -> None:
-        """Make the router in front of ``model`` (if any) route to exactly its current replicas."""
+        """Make the router in front of ``model`` (if any) route to exactly the replicas that can take requests now
+        (a dead, hung or draining replica leaves its list at once, instead of after the router's own health checks)."""
         route = self.registry.route(model)
         router = route.front.router if route is not None and route.front is not None else None
         if router is None or not router.running:
             return
         try:
-            await asyncio.to_thread(router.sync_workers, [backend.url for backend in route.replicas])  # type: ignore[union-attr]
+            await asyncio.to_thread(router.sync_workers, [backend.url for backend in route.available()])  # type: ignore[union-attr]
         except Exception as error:  # noqa: BLE001 - the watchdog restarts a router that stopped answering
             logger.warning("router of model {}: could not update its workers: {}", model, error)
 

@@ -149,6 +149,7 @@ class Watchdog:
         backend.failure = f"{reason}; restarting (attempt {health.attempts}{of})"
         backend.retry_after_s = max(1, int(delay) + 1)
         self._restarting[key] = asyncio.ensure_future(self._restart(name, backend, delay, health))
+        await self.executor.sync_router(name)  # out of the router's list until it is back
 
     async def _note_crash_suspects(self, name: str, backend: Backend) -> bool:
         """True when a request most likely crashed the engine: it died of an exception (its log says

@@ -45,6 +45,7 @@ class RouterProcess:
         self.metrics_port = 0
         self.log_file: Path | None = None
         self.started_at: float | None = None
+        self._first_workers: list[str] | None = None  # added through the API once the router answers
 
     @property
     def url(self) -> str:
@@ -68,7 +69,10 @@ class RouterProcess:
     def start(self, worker_urls: list[str]) -> None:
         """Spawn the router in front of ``worker_urls`` (returns at once; see :meth:`wait_ready`)."""
         self.port, self.metrics_port = pick_free_port(), pick_free_port()
-        argv = router_args(self.config, port=self.port, metrics_port=self.metrics_port, worker_urls=worker_urls, tokenizer_path=self.tokenizer_path)
+        # Workers named by --worker-urls get no API key from the router (0.3.2): each is added through its
+        # API instead (sync_workers), with the engines' key, once the router answers.
+        self._first_workers = list(worker_urls)
+        argv = router_args(self.config, port=self.port, metrics_port=self.metrics_port, worker_urls=[], tokenizer_path=self.tokenizer_path)
         fd, secret = tempfile.mkstemp(prefix=f"sglang-gateway-router-{self.name}-", suffix=".json")  # mode 0600
         with os.fdopen(fd, "w") as handle:
             json.dump({"argv": argv, "api_key": self.api_key}, handle)
@@ -102,7 +106,11 @@ class RouterProcess:
                         name=self.name, returncode=self._proc.returncode, log_tail=self.log_tail(LOG_TAIL_LINES), log_file=self.log_file,
                     )  # fmt: skip
                 try:
-                    if client.get(self.url + "/liveness").status_code == 200 and self._healthy_workers(client) >= set(worker_urls):
+                    alive = client.get(self.url + "/liveness").status_code == 200
+                    if alive and self._first_workers is not None:
+                        self.sync_workers(self._first_workers)
+                        self._first_workers = None
+                    if alive and self._healthy_workers(client) >= set(worker_urls):
                         logger.info("router {}: ready at {}", self.name, self.url)
                         return
                 except httpx.HTTPError:
@@ -124,14 +132,18 @@ class RouterProcess:
             self._reader.join(timeout=5.0)
 
     # ------------------------------------------------------------------ its worker list
+    def _auth(self) -> dict[str, str]:
+        """The router's own API (``/workers``) takes the key it was started with, as the engines do."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
     def workers(self, client: httpx.Client | None = None) -> dict[str, str]:
         """``{url: worker id}`` as the router knows them now."""
-        response = (client or httpx).get(self.url + "/workers", timeout=10.0)
+        response = (client or httpx).get(self.url + "/workers", headers=self._auth(), timeout=10.0)
         response.raise_for_status()
         return {worker["url"]: worker["id"] for worker in response.json().get("workers", [])}
 
     def _healthy_workers(self, client: httpx.Client) -> set[str]:
-        response = client.get(self.url + "/workers")
+        response = client.get(self.url + "/workers", headers=self._auth())
         return {w["url"] for w in response.json().get("workers", []) if w.get("is_healthy")} if response.status_code == 200 else set()
 
     def sync_workers(self, urls: list[str]) -> tuple[list[str], list[str]]:
@@ -145,9 +157,9 @@ class RouterProcess:
                 body: dict[str, str] = {"url": url}
                 if self.api_key:
                     body["api_key"] = self.api_key
-                client.post(self.url + "/workers", json=body, timeout=10.0).raise_for_status()
+                client.post(self.url + "/workers", json=body, headers=self._auth(), timeout=10.0).raise_for_status()
             for url in removed:
-                client.delete(f"{self.url}/workers/{current[url]}", timeout=10.0).raise_for_status()
+                client.delete(f"{self.url}/workers/{current[url]}", headers=self._auth(), timeout=10.0).raise_for_status()
         if added or removed:
             logger.info("router {}: workers + {} - {}", self.name, added or "none", removed or "none")
         return added, removed

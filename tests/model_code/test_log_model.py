@@ -12,7 +12,7 @@ import yaml
 from launch.config import ConfigError
 from launch.gpu_profiles import DEFAULT_PROFILE
 from model_code import engine_owner, log_model
-from model_code.log import FLAVOR_FILES
+from model_code.flavor_table import FLAVORS
 from tests.model_code.helpers import engine_children
 
 REPO = Path(__file__).resolve().parents[2]
@@ -23,7 +23,7 @@ def _files(info) -> Path:
     return Path(mlflow.artifacts.download_artifacts(info.model_uri))
 
 
-@pytest.mark.parametrize("flavor", list(FLAVOR_FILES))
+@pytest.mark.parametrize("flavor", list(FLAVORS))
 def test_logging_a_managed_config_starts_no_engine(flavor, mlflow_store, tiny_deployment, tiny_model_dir):
     starts, children = engine_owner.STARTS, set(engine_children())
     with mlflow.start_run():
@@ -79,7 +79,7 @@ def test_plain_mlflow_log_model_starts_no_engine(mlflow_store, tiny_engine_confi
     with mlflow.start_run():
         mlflow.pyfunc.log_model(
             name="model",
-            python_model=str(FLAVOR_FILES["chat_model"]),
+            python_model=str(FLAVORS["chat_model"].path),
             model_config={
                 "models": {"tiny": {"engine": tiny_engine_config.model_dump(mode="json", exclude_defaults=True)}}
             },
