@@ -18,11 +18,11 @@ import httpx
 import pytest
 import yaml
 from loguru import logger
-from model_code.engine_client import EngineClient
 
 from gateway.app import app_from_config
 from launch.config import load_config
 from launch.process import EngineProcess
+from model_code.client import EngineClient
 from model_code.errors import AuthenticationError
 from tests.gateway.helpers import GatewayServer, auth
 

@@ -83,7 +83,7 @@ def test_plain_mlflow_log_model_starts_no_engine(mlflow_store, tiny_engine_confi
             model_config={
                 "models": {"tiny": {"engine": tiny_engine_config.model_dump(mode="json", exclude_defaults=True)}}
             },
-            artifacts={"llm-model": str(tiny_model_dir)},
+            artifacts={"llm-model": str(tiny_model_dir.resolve())},  # MLflow refuses a symlinked directory
             code_paths=[str(REPO / "launch"), str(REPO / "model_code")],
             pip_requirements=["sglang==0.5.23"],
         )
