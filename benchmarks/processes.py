@@ -4,7 +4,6 @@ and is stopped by signalling that group (never by name)."""
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
 import signal
@@ -18,13 +17,9 @@ from pathlib import Path
 import httpx
 
 from launch.ports import pick_free_port
-from launch.shm import group_pids, stat_fields
+from launch.procgroup import group_pids, popen_group, stat_fields, stop_group
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def _pdeathsig() -> None:  # between fork and exec: die with the benchmark
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
 
 
 class Child:
@@ -36,14 +31,12 @@ class Child:
         self.log = log
         log.parent.mkdir(parents=True, exist_ok=True)
         self._sink = open(log, "wb")
-        self.proc = subprocess.Popen(
+        self.proc = popen_group(
             argv,
             stdin=subprocess.DEVNULL,
             stdout=self._sink,
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},
-            start_new_session=True,
-            preexec_fn=_pdeathsig,
             cwd=REPO,
         )
 
@@ -55,25 +48,10 @@ class Child:
         return self.proc.poll() is None
 
     def stop(self, grace_s: float = 10.0, sig: signal.Signals = signal.SIGTERM) -> int | None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                pass
-            try:
-                self.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self.proc.wait(10)
-        try:  # whatever else is left in the group
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        """``sig`` to the whole group, SIGKILL after ``grace_s``; returns the exit code."""
+        returncode = stop_group(self.proc, grace_s, first=sig, label=self.name)
         self._sink.close()
-        return self.proc.returncode
+        return returncode
 
     def tail(self, lines: int = 20) -> str:
         try:

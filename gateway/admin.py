@@ -142,6 +142,13 @@ def describe(controller: Controller) -> dict[str, Any]:
         }
         if "engine" in first:
             item["engine"] = first["engine"]
+        if route.front is not None and route.front.router is not None:
+            router = route.front.router
+            item["router"] = {
+                "url": router.url, "pid": router.pid, "running": router.running, "policy": router.config.policy,
+                "metrics_port": router.metrics_port, "in_flight": route.front.in_flight,
+                "log_file": str(router.log_file) if router.log_file else None,
+            }  # fmt: skip
         models.append(item)
     config_file = str(controller.config_path) if controller.config_path else None
     return {"config_file": config_file, "models": models, "last_reload": reload_report(controller.last_reload)}

@@ -10,7 +10,7 @@ that prefix from memory instead of computing it again on every replica. A replic
 busy one takes the request. A replica that leaves (dies, is drained) moves only its own prefixes.
 
 Only replicas that can take requests are chosen (healthy, not being replaced); ``exclude`` lets a retry
-avoid the replica that just failed.
+avoid the replica that just failed. A model with SGLang's router in front (``router:``) leaves the choice to it.
 """
 
 from __future__ import annotations
@@ -29,7 +29,11 @@ _CONVERSATION = ("messages", "input", "prompt")
 
 
 def pick(route: ModelRoute, settings: BalancingSettings, body: dict[str, Any], exclude: Backend | None = None) -> Backend | None:
-    """The replica that should take ``body`` (None: no replica can take requests now)."""
+    """The replica that should take ``body`` (None: no replica can take requests now). A model with SGLang's
+    router in front sends everything to the router, and to its replicas directly only while the router is down."""
+    front = route.front
+    if front is not None and front is not exclude and front.unavailable_reason() is None:
+        return front
     candidates = [backend for backend in route.available() if backend is not exclude]
     if len(candidates) <= 1:
         return candidates[0] if candidates else None

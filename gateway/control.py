@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,7 @@ from gateway.swap import BackendFactory, SwapError, SwapExecutor, SwapResult, de
 from gateway.watchdog import Watchdog
 from launch.config import ConfigError, DeploymentConfig, ModelEntry, load_config
 from launch.preflight import visible_gpu_count
+from launch.process import new_engine_key
 from launch.replicas import replica_engines, visible_gpu_ids
 
 WATCH_INTERVAL_S = 1.0
@@ -97,6 +98,7 @@ class Controller:
         self.watchdog = Watchdog(state, executor)
         self.last_reload: ReloadOutcome | None = None
         self.last_errors: dict[str, str] = {}
+        self._keys: dict[str, str] = {}  # one engine key per model (see _model_key)
         self._reload_lock = asyncio.Lock()
         self._swaps: dict[str, asyncio.Task[SwapResult]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -210,7 +212,11 @@ class Controller:
         self.state.settings = settings
         removed = self._apply_routes(new, settings)
         work = [self._spawn(self._apply_backend(change, settings)) for change in plan.changes if _needs_backend(change)]
-        work += [self._spawn(self._retire(name, backend)) for name, route in removed for backend in route.replicas]
+        work += [
+            self._spawn(self._retire(name, backend))
+            for name, route in removed
+            for backend in (*route.replicas, *([route.front] if route.front is not None else []))
+        ]
         if fail_fast:  # the first failed start stops the others' starts
             for finished in asyncio.as_completed(work):
                 outcome = await finished
@@ -238,7 +244,7 @@ class Controller:
                     routes.append(ModelRoute(name, url_backend(name, entry), tuple(entry.aliases), ConcurrencyLimiter(limits)))
                 continue  # an added engine joins when ready
             limiter = route.limiter if route.limiter.settings == limits else ConcurrencyLimiter(limits)
-            routes.append(ModelRoute(name, route.replicas, tuple(entry.aliases), limiter, route.drained))
+            routes.append(replace(route, aliases=tuple(entry.aliases), limiter=limiter))
         self.registry.replace(routes)
         return [(name, route) for name, route in current.items() if name not in new.models]
 
@@ -262,10 +268,45 @@ class Controller:
                 self.registry.put(ModelRoute(name, tuple(replicas), tuple(entry.aliases), limiter))
                 result.ok, result.new, result.start_s = True, describe_backend(replicas[0]), time.monotonic() - started
                 logger.info("model {}: added, served by {}", name, ", ".join(backend.describe() for backend in replicas))
-                return result
-            port = entry.engine.port if entry.engine is not None else 0
-            policy = self._resolve_policy(change.swap_policy, entry.replicas)
-            return await self.executor.swap(name, builds, policy, fixed_port=port)
+            elif change.details == ("router",):  # only the router in front changed: the engines stay
+                result = SwapResult(name, change.swap_policy, ok=True, replicas=len(builds))
+            else:
+                port = entry.engine.port if entry.engine is not None else 0
+                policy = self._resolve_policy(change.swap_policy, entry.replicas)
+                result = await self.executor.swap(name, builds, policy, fixed_port=port)
+            if result.ok:
+                try:
+                    await self._ensure_router(name, entry)
+                except SwapError as error:
+                    result.ok, result.error, result.log_tail, result.cause = False, error.message, error.log_tail, error.cause
+            return result
+
+    async def _ensure_router(self, name: str, entry: ModelEntry) -> None:
+        """Start, restart (its config changed) or stop SGLang's router in front of ``name``'s replicas."""
+        route = self.registry.route(name)
+        if route is None:
+            return
+        front = route.front
+        wanted = entry.router
+        if front is not None and front.router is not None and wanted == front.router.config and front.router.running:
+            await self.executor.sync_router(name)
+            return
+        if wanted is not None and entry.engine is not None:
+            tokenizer = entry.engine.tokenizer_path or route.backend.engine.config.model_path  # type: ignore[union-attr]
+            new_front = await self.executor.router_front(name, wanted, self._model_key(name), tokenizer)
+            current = self.registry.route(name)
+            if current is not None:
+                self.registry.put(replace(current, front=new_front))
+        elif front is not None:
+            current = self.registry.route(name)
+            if current is not None:
+                self.registry.put(replace(current, front=None))
+        await self.executor.stop_router(front)
+
+    def _model_key(self, name: str) -> str:
+        """The one API key of all engines of a model, kept across swaps and restarts: SGLang's router, which may be
+        put in front of running replicas later, holds one key for all of its workers."""
+        return self._keys.setdefault(name, new_engine_key())
 
     def _builds(self, name: str, entry: ModelEntry) -> list[BackendFactory]:
         """One backend maker per replica of ``entry`` (ConfigError when its replicas do not fit the GPUs)."""
@@ -276,7 +317,8 @@ class Controller:
 
             return [url]
         configs = replica_engines(entry, visible_gpu_ids(visible_gpu_count()))
-        return [partial(self.executor.engine_backend, name, config, replica=index) for index, config in enumerate(configs)]
+        key = self._model_key(name)
+        return [partial(self.executor.engine_backend, name, config, replica=index, api_key=key) for index, config in enumerate(configs)]
 
     def swap_policy_for(self, name: str) -> SwapPolicy:
         route = self.registry.route(name)
@@ -289,7 +331,10 @@ class Controller:
             return "rolling" if replicas > 1 else "blue-green"
         return policy
 
-    async def _retire(self, name: str, backend: Backend) -> None:  # a removed model's replica
+    async def _retire(self, name: str, backend: Backend) -> None:  # a removed model's replica (or router)
+        if backend.router is not None:
+            await self.executor.stop_router(backend)
+            return
         logger.info("model {}: removed; draining {}", name, backend.describe())
         await self.executor.retire(name, backend)
 
@@ -320,8 +365,9 @@ class Controller:
         async with self.executor.lock(name):
             route = self._managed_route(name)
             chosen = self._resolve_policy(policy or self.state.settings.swap_policy_for(name), len(route.replicas))
+            key = self._model_key(name)
             builds = [
-                partial(self.executor.engine_backend, name, backend.engine.config, replica=backend.replica)  # type: ignore[union-attr]
+                partial(self.executor.engine_backend, name, backend.engine.config, replica=backend.replica, api_key=key)  # type: ignore[union-attr]
                 for backend in route.replicas
             ]
             result = await self.executor.swap(name, builds, chosen, fixed_port=route.backend.engine.config.port)  # type: ignore[union-attr]
@@ -374,6 +420,7 @@ def _effective(new: DeploymentConfig, plan: ReloadPlan, results: dict[str, SwapR
             models[change.name] = ModelEntry.model_construct(
                 engine=old.engine, url=old.url, served_model_name=old.served_model_name, api_key=old.api_key,
                 vocab_size=old.vocab_size, aliases=list(change.new.aliases), replicas=old.replicas, replica_gpus=old.replica_gpus,
+                router=old.router,
             )
     return new.model_copy(update={"models": models})
 

@@ -47,6 +47,20 @@ class HealthProbes:
         backend.last_health = reason is None
         return reason
 
+    async def engine_requests(self, backend: Backend) -> int | None:
+        """Requests running or queued in an SGLang engine, from its ``/metrics`` (None when it cannot tell)."""
+        try:
+            response = await self.client.get(backend.url + "/metrics")
+        except httpx.HTTPError:
+            return None
+        if response.status_code != 200:
+            return None
+        total = 0.0
+        for line in response.text.splitlines():
+            if line.startswith(("sglang:num_running_reqs", "sglang:num_queue_reqs")):
+                total += float(line.rsplit(" ", 1)[-1])
+        return int(total)
+
     async def fill_context_lengths(self, backends: Iterable[Backend]) -> None:
         """Ask each backend that does not know its context length yet (SGLang's ``max_model_len``); retried later on failure."""
         missing = [b for b in backends if b.context_length is None and b.unavailable_reason() is None]

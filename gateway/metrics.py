@@ -54,10 +54,10 @@ class _EngineUp(Collector):
         self.models = models
 
     def describe(self) -> Iterator[GaugeMetricFamily]:
-        yield GaugeMetricFamily("gateway_engine_up", "1 when the model's engine is ready (managed) or last answered /health (external).", labels=["model"])
+        yield GaugeMetricFamily("gateway_engine_up", "1 when the model's engine is ready (managed) or answers /health (url models, probed at scrape time).", labels=["model"])
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        family = GaugeMetricFamily("gateway_engine_up", "1 when the model's engine is ready (managed) or last answered /health (external).", labels=["model"])
+        family = GaugeMetricFamily("gateway_engine_up", "1 when the model's engine is ready (managed) or answers /health (url models, probed at scrape time).", labels=["model"])
         for route in self.models.routes():
             backend = route.backend
             up = backend.unavailable_reason() is None if backend.managed else bool(backend.last_health)

@@ -205,7 +205,7 @@ class Proxy:
                 # chosen once per attempt: a swap mid-request must not split it across backends
                 backend = self._choose(route, body, balancing, pinned, failed, limiter.settings.retry_after_s)
                 lease.take(backend, self.metrics.child(self.metrics.in_flight, route.name))
-                info.replica = backend.replica if len(route.replicas) > 1 else None
+                info.replica = backend.replica if len(route.replicas) > 1 and backend.router is None else None
                 body["model"] = backend.served_name
                 payload = orjson.dumps(body)
                 lease.request = (path, payload)
@@ -223,6 +223,10 @@ class Proxy:
                         failed = backend  # nothing reached the client yet: once more, on another replica
                         continue
                     raise transport_error(error, route.name, limiter.settings.retry_after_s) from None
+                if finished and result is not None and _router_lost_its_worker(backend, *result) and pinned is None and failed is None and _another(route, backend):
+                    lease.let_go()
+                    failed = backend  # the router could not reach its replica: once more, to a replica directly
+                    continue
                 break
             if not finished:
                 info.error = "client disconnected"
@@ -269,8 +273,18 @@ class Proxy:
         return upstream, content
 
 
+# What SGLang's router (0.3.x) answers, with a 5xx, when the worker it chose did not take or answer the request.
+_ROUTER_WORKER_LOST = (b"error sending request", b"connection closed", b"Failed to send request", b"No available workers")
+
+
+def _router_lost_its_worker(backend: Backend, upstream: aiohttp.ClientResponse, content: bytes | None) -> bool:
+    """A router's 5xx that means its worker was unreachable or died under the request: nothing reached the
+    client, and another replica can answer (the router's own retries pick the same worker again)."""
+    return backend.router is not None and upstream.status >= 500 and any(marker in (content or b"") for marker in _ROUTER_WORKER_LOST)
+
+
 def _another(route: ModelRoute, failed: Backend) -> bool:
-    return any(backend is not failed for backend in route.available())
+    return any(backend is not failed for backend in route.available()) or (route.front is not None and route.front is not failed)
 
 
 async def call_backend(proxy: Proxy, model: str, backend: Backend, method: str, path: str, info: RequestInfo) -> Response:

@@ -21,6 +21,7 @@ from gateway.limits import ConcurrencyLimiter
 from launch.config import DeploymentConfig, ModelEntry
 from launch.model_info import vocab_size as model_vocab_size
 from launch.process import EngineProcess
+from launch.router import RouterProcess
 
 
 class Backend:
@@ -35,11 +36,13 @@ class Backend:
         api_key: str | None = None,
         vocab_size: int | None = None,
         replica: int = 0,
+        router: RouterProcess | None = None,
     ) -> None:
         if (engine is None) == (url is None):
             raise ValueError("a backend has either an engine or a url")
         self.served_name = served_name
         self.replica = replica  # its place among the model's replicas (kept across restarts and swaps)
+        self.router = router  # set for the SGLang router the gateway runs in front of a model's replicas
         self.engine = engine
         self._url = url
         self.api_key = api_key  # sent upstream as a bearer token; never logged or listed
@@ -90,6 +93,8 @@ class Backend:
         """Why requests cannot go upstream now (managed engine not running / not ready), else None."""
         if self.failure is not None:
             return self.failure
+        if self.router is not None and not self.router.running:
+            return f"its router is not running (exit code {self.router.returncode})"
         if self.engine is None:
             return None
         if not self.engine.running:
@@ -113,6 +118,7 @@ class ModelRoute:
     aliases: tuple[str, ...] = ()
     limiter: ConcurrencyLimiter = field(default_factory=lambda: ConcurrencyLimiter(LimitSettings()))
     drained: bool = False  # set by the admin API: new requests get 503 until undrained
+    front: Backend | None = None  # SGLang's router in front of the replicas, when the model asks for one
 
     def __post_init__(self) -> None:
         if isinstance(self.replicas, Backend):
@@ -129,7 +135,8 @@ class ModelRoute:
 
     @property
     def in_flight(self) -> int:
-        return sum(backend.in_flight for backend in self.replicas)
+        """Requests of this model in flight (through its router too)."""
+        return sum(backend.in_flight for backend in self.replicas) + (self.front.in_flight if self.front is not None else 0)
 
     def available(self) -> list[Backend]:
         """The replicas that can take a request now."""

@@ -105,7 +105,7 @@ def _backend_diff(before: ModelEntry, after: ModelEntry) -> list[str]:
         return ["engine" if after.engine is not None else "url"]
     if before.engine is not None and after.engine is not None:
         old, new = before.engine.model_dump(), after.engine.model_dump()
-        replicas = [key for key in ("replicas", "replica_gpus") if getattr(before, key) != getattr(after, key)]
+        replicas = [key for key in ("replicas", "replica_gpus", "router") if getattr(before, key) != getattr(after, key)]
         return [f"engine.{key}" for key in new if old.get(key) != new[key]] + replicas
     return [key for key in ("url", "served_model_name", "api_key", "vocab_size") if getattr(before, key) != getattr(after, key)]
 

@@ -222,7 +222,12 @@ async def _model_readiness(state: GatewayState, route: ModelRoute) -> tuple[str,
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    return Response(generate_latest(_state(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    """Prometheus text; ``gateway_engine_up`` of url models is their ``/health`` now (probed here)."""
+    state = _state(request)
+    probes = _probes(state)
+    url_backends = [backend for route in state.registry.routes() for backend in route.replicas if not backend.managed]
+    await asyncio.gather(*(probes.not_ready(backend, state.settings.health_timeout_s) for backend in url_backends))
+    return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 def _cards(route: ModelRoute, state: GatewayState) -> list[dict[str, Any]]:

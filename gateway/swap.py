@@ -30,10 +30,11 @@ from loguru import logger
 from gateway.config import SwapPolicy
 from gateway.registry import Backend
 from gateway.state import GatewayState
-from launch.config import EngineConfig
-from launch.lifecycle import start_ready
+from launch.config import EngineConfig, RouterConfig
+from launch.lifecycle import STARTER, start_ready
 from launch.preflight import PreflightError
 from launch.process import EngineError, EngineProcess, ProgressCallback, new_engine_key
+from launch.router import RouterProcess
 
 BackendFactory = Callable[[], Awaitable[Backend]]
 
@@ -115,6 +116,7 @@ class SwapExecutor:
         self.retiring: dict[str, list[Backend]] = {}  # old backends still finishing requests, by model
         self._closing = False
         self._abort = threading.Event()  # set from a signal handler, or by a failed boot: starts give up
+        self._routers: set[RouterProcess] = set()  # SGLang routers started in front of replicas
 
     @property
     def aborted(self) -> bool:
@@ -133,7 +135,7 @@ class SwapExecutor:
         return engine is not None and engine in self._owned
 
     # --------------------------------------------------------------- backends
-    async def engine_backend(self, model: str, config: EngineConfig, *, replica: int = 0) -> Backend:
+    async def engine_backend(self, model: str, config: EngineConfig, *, replica: int = 0, api_key: str | None = None) -> Backend:
         """Launch an engine for ``model`` (replica ``replica``) and wait until it is ready: preflight, start
         and wait by :func:`launch.lifecycle.start_ready`; SwapError (with the engine's log tail) if not."""
         if self._closing or self.aborted:
@@ -142,7 +144,7 @@ class SwapExecutor:
         given_up = threading.Event()  # this start was cancelled (its caller went away): the thread stops the engine
         starting = asyncio.ensure_future(
             asyncio.to_thread(
-                start_ready, name, config, log_dir=self.log_dir, api_key=new_engine_key(), on_progress=log_progress(name),
+                start_ready, name, config, log_dir=self.log_dir, api_key=api_key or new_engine_key(), on_progress=log_progress(name),
                 served_model_name=model, stop_when=lambda: given_up.is_set() or self._closing or self.aborted,
             )
         )  # fmt: skip
@@ -215,6 +217,7 @@ class SwapExecutor:
             result.error = f"model {model!r} was removed while its new engine started"
             return
         self.registry.put(replace(route, replicas=tuple(new)))
+        await self.sync_router(model)
         result.ok, result.new = True, describe_backend(new[0])
         logger.info("model {}: now served by {} (ready after {:.1f}s); draining {}", model, _describe(new), result.start_s, _describe(old))
         drains = await asyncio.gather(*(self.retire(model, backend) for backend in old))
@@ -232,6 +235,7 @@ class SwapExecutor:
                 route = self.registry.route(model)
                 if route is not None and previous is not None:
                     self.registry.put(route.without_replica(replica))
+                    await self.sync_router(model)
                     await self.retire(model, previous)
                 continue
             try:
@@ -244,6 +248,7 @@ class SwapExecutor:
                 await self.retire(model, new)
                 result.error = f"model {model!r} was removed during its rolling swap"
                 return
+            await self.sync_router(model)
             logger.info("model {}: replica {} now served by {}", model, replica, new.describe())
             if previous is not None:
                 drain_s, timed_out = await self.retire(model, previous)
@@ -259,7 +264,7 @@ class SwapExecutor:
             backend.retry_after_s = self.state.settings.swap_retry_after_s
             backend.failure = f"model {model!r} is being swapped (stop-first); retry shortly"
         logger.info("model {}: stop-first swap: draining and stopping {}", model, _describe(old))
-        drains = await asyncio.gather(*(self._drain(backend) for backend in old))
+        drains = await asyncio.gather(*(self._drain(backend, model) for backend in old))
         result.drain_s = max(drain for drain, _ in drains)
         result.drain_timed_out = any(timed_out for _, timed_out in drains)
         await asyncio.gather(*(self._stop(backend.engine) for backend in old))
@@ -281,6 +286,7 @@ class SwapExecutor:
             result.error = f"model {model!r} was removed while its new engine started"
             return
         self.registry.put(replace(route, replicas=tuple(new)))
+        await self.sync_router(model)
         for backend in old:
             self._owned.discard(backend.engine)  # type: ignore[arg-type]
         result.unavailable_s = time.monotonic() - down
@@ -291,10 +297,11 @@ class SwapExecutor:
         """Stop ``old`` (dead or hung) and start a fresh engine with its config (watchdog; lock held)."""
         assert old.engine is not None
         await self._stop(old.engine)
-        new = await self.engine_backend(model, old.engine.config, replica=old.replica)
+        new = await self.engine_backend(model, old.engine.config, replica=old.replica, api_key=old.engine.api_key)  # the same key
         if self.registry.set_backend(model, new) is None:
             await self.retire(model, new)
             raise SwapError(model, f"model {model!r} was removed while its engine restarted")
+        await self.sync_router(model)
         self._owned.discard(old.engine)
         return new
 
@@ -303,7 +310,7 @@ class SwapExecutor:
         """Wait for ``backend``'s in-flight requests (bounded by the drain timeout), then stop its engine."""
         self.retiring.setdefault(model, []).append(backend)
         try:
-            drained = await self._drain(backend)
+            drained = await self._drain(backend, model)
             await self._stop(backend.engine, forget=True)
         finally:
             self.retiring[model].remove(backend)
@@ -311,12 +318,18 @@ class SwapExecutor:
                 del self.retiring[model]
         return drained
 
-    async def _drain(self, backend: Backend) -> tuple[float, bool]:
+    async def _drain(self, backend: Backend, model: str | None = None) -> tuple[float, bool]:
+        """Wait (up to the drain timeout) until ``backend`` has no request left: the gateway's own count, and
+        for a replica behind SGLang's router (which the gateway does not see through) the engine's count."""
         started = time.monotonic()
         deadline = started + self.state.settings.drain_timeout_s
-        while backend.in_flight > 0 and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        timed_out = backend.in_flight > 0
+        route = self.registry.route(model) if model is not None else None
+        behind_router = backend.engine is not None and route is not None and route.front is not None
+        while time.monotonic() < deadline:
+            if backend.in_flight == 0 and not (behind_router and await self._engine_busy(backend)):
+                break
+            await asyncio.sleep(0.05 if not behind_router else 0.25)
+        timed_out = backend.in_flight > 0 or (behind_router and await self._engine_busy(backend))
         if timed_out:
             logger.warning("{}: {} request(s) still running after the drain timeout; stopping anyway", backend.describe(), backend.in_flight)
         return time.monotonic() - started, timed_out
@@ -330,10 +343,65 @@ class SwapExecutor:
         if forget:
             self._owned.discard(engine)
 
+    async def _engine_busy(self, backend: Backend) -> bool:
+        probes = self.state.probes
+        return bool(probes and await probes.engine_requests(backend))
+
+    # --------------------------------------------------------------- SGLang's router in front of replicas
+    async def router_front(self, model: str, config: RouterConfig, api_key: str, tokenizer_path: str) -> Backend:
+        """Start SGLang's router in front of ``model``'s current replicas; the Backend requests go to."""
+        route = self.registry.route(model)
+        urls = [backend.url for backend in route.replicas] if route else []
+        router = RouterProcess(model, config, tokenizer_path=tokenizer_path, api_key=api_key, log_dir=self.log_dir)
+        STARTER.run(lambda: router.start(urls))  # forked from launch's long-lived thread (parent-death signal)
+        self._routers.add(router)
+        try:
+            await asyncio.to_thread(router.wait_ready, urls, None, lambda: self._closing or self.aborted)
+        except EngineError as error:
+            await asyncio.to_thread(router.stop)
+            self._routers.discard(router)
+            raise SwapError(model, f"router of {model!r} failed to start: {str(error).splitlines()[0]}", error.log_tail, cause=error) from None
+        served = route.backend.served_name if route else model
+        return Backend(served, url=router.url, api_key=api_key, router=router)
+
+    async def sync_router(self, model: str) -> None:
+        """Make the router in front of ``model`` (if any) route to exactly the replicas that can take requests now
+        (a dead, hung or draining replica leaves its list at once, instead of after the router's own health checks)."""
+        route = self.registry.route(model)
+        router = route.front.router if route is not None and route.front is not None else None
+        if router is None or not router.running:
+            return
+        try:
+            await asyncio.to_thread(router.sync_workers, [backend.url for backend in route.available()])  # type: ignore[union-attr]
+        except Exception as error:  # noqa: BLE001 - the watchdog restarts a router that stopped answering
+            logger.warning("router of model {}: could not update its workers: {}", model, error)
+
+    async def restart_router(self, model: str) -> None:
+        """Replace a router that died by a fresh one with the same settings and the current replicas."""
+        route = self.registry.route(model)
+        old = route.front if route is not None else None
+        if old is None or old.router is None:
+            return
+        router = old.router
+        new = await self.router_front(model, router.config, router.api_key or "", router.tokenizer_path)
+        current = self.registry.route(model)
+        if current is None:
+            await self.stop_router(new)
+            return
+        self.registry.put(replace(current, front=new))
+        await self.stop_router(old)
+        logger.info("model {}: router back at {}", model, new.url)
+
+    async def stop_router(self, front: Backend | None) -> None:
+        if front is not None and front.router is not None:
+            await asyncio.to_thread(front.router.stop)
+            self._routers.discard(front.router)
+
     async def close(self) -> None:
         """Stop every engine this gateway owns (shutdown); starts in progress fail and stop too."""
         self._closing = True
-        engines = list(self._owned)
-        if engines:
-            await asyncio.gather(*(asyncio.to_thread(engine.stop) for engine in engines), return_exceptions=True)
+        processes = [*self._owned, *self._routers]
+        if processes:
+            await asyncio.gather(*(asyncio.to_thread(process.stop) for process in processes), return_exceptions=True)
         self._owned.clear()
+        self._routers.clear()

@@ -69,6 +69,18 @@ class Watchdog:
     async def check_all(self, settings: GatewaySettings) -> None:
         owned = [(r.name, b) for r in self.registry.routes() for b in r.replicas if self.executor.owns(b.engine)]
         await asyncio.gather(*(self._check(name, backend, settings) for name, backend in owned))
+        for route in self.registry.routes():  # SGLang's router in front of replicas: restarted when it died
+            front = route.front
+            if front is not None and front.router is not None and not front.router.running and not self.restarting(route.name, -1):
+                logger.error("model {}: its router exited with code {}; restarting it", route.name, front.router.returncode)
+                self._restarting[(route.name, -1)] = asyncio.ensure_future(self._restart_router(route.name))
+
+    async def _restart_router(self, name: str) -> None:
+        async with self.executor.lock(name):
+            try:
+                await self.executor.restart_router(name)
+            except SwapError as error:
+                logger.error("model {}: its router did not come back: {}", name, error.message)
 
     async def close(self) -> None:
         for task in self._restarting.values():
@@ -137,6 +149,7 @@ class Watchdog:
         backend.failure = f"{reason}; restarting (attempt {health.attempts}{of})"
         backend.retry_after_s = max(1, int(delay) + 1)
         self._restarting[key] = asyncio.ensure_future(self._restart(name, backend, delay, health))
+        await self.executor.sync_router(name)  # out of the router's list until it is back
 
     async def _note_crash_suspects(self, name: str, backend: Backend) -> bool:
         """True when a request most likely crashed the engine: it died of an exception (its log says

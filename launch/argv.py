@@ -1,4 +1,4 @@
-"""Engine config -> ``python -m sglang.launch_server`` argv and environment.
+"""Engine config -> ``python -m sglang.launch_server`` argv and environment (and the flags of SGLang's router).
 
 This is the only module that knows SGLang's flag spellings (checked against SGLang's own parser
 by ``tests/launch/test_argv_sglang_parser.py``, so a renamed flag fails CI, not a deployment).
@@ -18,7 +18,7 @@ from typing import Literal, get_args, get_origin
 import yaml
 from pydantic.fields import FieldInfo
 
-from launch.config import CPU_DEFAULT_MAX_TOTAL_TOKENS, EngineConfig
+from launch.config import CPU_DEFAULT_MAX_TOTAL_TOKENS, EngineConfig, RouterConfig
 
 SGLANG_MODULE = "sglang.launch_server"
 CPU_SHIM_DIR = Path(__file__).resolve().parent / "cpu_shim"
@@ -266,3 +266,25 @@ def real_sgl_kernel_importable(python: str) -> bool:
     except (OSError, subprocess.TimeoutExpired):
         return False  # the launch itself will report a broken interpreter
     return probe.returncode == 0
+
+
+# ------------------------------------------------------------------------------ SGLang's router
+ROUTER_MODULE = "launch.router_main"  # runs sglang_router.launch_router with the secret read from a file
+
+
+def router_args(router: RouterConfig, *, port: int, metrics_port: int, worker_urls: list[str], tokenizer_path: str) -> list[str]:
+    """``sglang_router.launch_router`` flags for a router bound to loopback (its metrics too), in front of
+    ``worker_urls``, with a local tokenizer (no hub access). The workers' API key is not here: see
+    :mod:`launch.router_main`."""
+    args = [
+        "--host", "127.0.0.1", "--port", str(port),
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
+        "--policy", router.policy, "--tokenizer-path", tokenizer_path,
+    ]  # fmt: skip
+    if worker_urls:
+        args += ["--worker-urls", *worker_urls]
+    return args + list(router.extra_args)
+
+
+ROUTER_API_KEY_FLAG = "--api-key"
+ROUTER_ENV = {"HF_HUB_OFFLINE": "1"}  # the router would fetch a tokenizer from the hub otherwise

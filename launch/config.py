@@ -151,9 +151,7 @@ class EngineConfig(_Strict):
     @field_validator("extra_args")
     @classmethod
     def _extra(cls, value: list[str]) -> list[str]:
-        if value and not value[0].startswith("--"):
-            raise ValueError(f"must start with a flag (--name), got {value[0]!r}")
-        return value
+        return flags_first(value)
 
     @model_validator(mode="after")
     def _consistent(self) -> EngineConfig:
@@ -181,12 +179,39 @@ class EngineConfig(_Strict):
         return self.python or sys.executable
 
 
+def flags_first(args: list[str]) -> list[str]:
+    """``extra_args`` passed verbatim to a command line must start with a flag (``--name``)."""
+    if args and not args[0].startswith("--"):
+        raise ValueError(f"must start with a flag (--name), got {args[0]!r}")
+    return args
+
+
 def _scalar_to_str(key: Any, value: Any) -> str:
     if isinstance(value, bool):
         return "1" if value else "0"
     if isinstance(value, (int, float)):
         return str(value)
     raise ValueError(f"env.{key} must be a string, number or boolean")
+
+
+class RouterConfig(_Strict):
+    """SGLang's own router (PyPI ``sglang-router``) in front of a model's replicas, started by the gateway."""
+
+    policy: Literal["cache_aware", "power_of_two", "round_robin", "random"] = Field(
+        "cache_aware", description="How the router picks a replica."
+    )
+    extra_args: list[str] = Field(default_factory=list, description="Router flags passed verbatim.")
+    python: str | None = Field(None, description="Python executable with sglang-router installed (default: this one).")
+    startup_timeout_s: float = Field(120.0, gt=0, description="How long to wait for the router's /health.")
+
+    @field_validator("extra_args")
+    @classmethod
+    def _extra(cls, value: list[str]) -> list[str]:
+        return flags_first(value)
+
+    @property
+    def python_executable(self) -> str:
+        return self.python or sys.executable
 
 
 class ModelEntry(_Strict):
@@ -206,6 +231,9 @@ class ModelEntry(_Strict):
     replica_gpus: list[list[int]] | None = Field(
         None, description="GPU ids per replica (default: consecutive slices of the visible GPUs, tp_size x dp_size each)."
     )
+    router: RouterConfig | None = Field(
+        None, description="Put SGLang's router in front of the replicas (instead of the gateway's own balancing)."
+    )
 
     @field_validator("url")
     @classmethod
@@ -223,8 +251,8 @@ class ModelEntry(_Strict):
                 "served_model_name, api_key and vocab_size belong to a 'url' model "
                 "(an engine's name is engine.served_model_name; its vocabulary is read from the model's files)"
             )
-        if self.engine is None and (self.replicas != 1 or self.replica_gpus is not None):
-            raise ValueError("replicas and replica_gpus need an 'engine' section (a 'url' model is one upstream)")
+        if self.engine is None and (self.replicas != 1 or self.replica_gpus is not None or self.router is not None):
+            raise ValueError("replicas, replica_gpus and router need an 'engine' section (a 'url' model is one upstream)")
         if self.replicas > 1 and self.engine is not None and self.engine.nnodes > 1:
             raise ValueError("replicas run on this machine: an engine spanning machines (nnodes > 1) has none")
         if self.replicas > 1 and self.engine is not None and self.engine.port != 0:
@@ -328,6 +356,11 @@ def parse_config(data: Any, source: str | Path = "<config>") -> DeploymentConfig
 def load_config(path: str | Path) -> DeploymentConfig:
     """Read, expand ``${VAR}`` / ``${VAR:-default}``, and validate a deployment YAML file."""
     file = Path(path)
+    return parse_config(_resolve_relative_paths(read_yaml(file), file.parent), file)
+
+
+def read_yaml(file: Path) -> Any:
+    """A YAML file's data with ``${VAR}`` expanded; ConfigError naming the file (and line) otherwise."""
     try:
         text = file.read_text()
     except FileNotFoundError:
@@ -341,7 +374,7 @@ def load_config(path: str | Path) -> DeploymentConfig:
         where = f"line {mark.line + 1}: " if mark else ""
         problem = getattr(error, "problem", None) or str(error).splitlines()[0]
         raise ConfigError(f"{file}: {where}invalid YAML: {problem}") from None
-    return parse_config(_resolve_relative_paths(data, file.parent), file)
+    return data
 
 
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")

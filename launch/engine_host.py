@@ -40,7 +40,8 @@ from launch.lifecycle import start_ready
 from launch.ports import port_is_free
 from launch.preflight import PreflightError
 from launch.process import EngineError, EngineProcess, EngineStartCancelled, new_engine_key
-from launch.shm import group_pids, orphaned_shm_files, remove_files
+from launch.procgroup import group_pids
+from launch.shm import orphaned_shm_files, remove_files
 
 WATCH_S = 0.5
 MAX_RESTARTS = 3

@@ -11,11 +11,9 @@ parent-death signal when the *thread* that forked the child exits.
 from __future__ import annotations
 
 import collections
-import ctypes
 import os
 import re
 import secrets
-import signal
 import subprocess
 import tempfile
 import threading
@@ -30,10 +28,11 @@ from loguru import logger
 
 from launch.argv import build_argv, build_env, secret_config
 from launch.config import EngineConfig
+from launch.logpump import pump_output
 from launch.ports import pick_free_port
-from launch.shm import orphaned_shm_files, owned_shm_files, remove_files
+from launch.procgroup import popen_group, stop_group
+from launch.shm import orphaned_shm_files, owned_shm_files, remove_files, remove_orphaned_shm
 
-_PR_SET_PDEATHSIG = 1
 LOG_TAIL_LINES = 200
 
 # Start-up phases, in the order SGLang logs them (first match wins for each line).
@@ -85,11 +84,6 @@ ProgressCallback = Callable[[str, float], None]
 def new_engine_key() -> str:
     """A random API key for one engine: only the process that launched it knows it."""
     return secrets.token_urlsafe(32)
-
-
-def _set_parent_death_signal() -> None:  # runs in the child between fork and exec
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class EngineProcess:
@@ -193,9 +187,17 @@ class EngineProcess:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        """Spawn the engine (returns at once; see :meth:`wait_ready`)."""
+        """Spawn the engine (returns at once; see :meth:`wait_ready`).
+
+        First removes the ``/dev/shm`` files of engines that died with nobody left to clean up
+        (their launcher was SIGKILLed): files no live process uses.
+        """
         if self._proc is not None:
             raise RuntimeError(f"engine {self.name!r} was already started")
+        orphans = remove_orphaned_shm()
+        if orphans:
+            names = ", ".join(sorted(path.name for path in orphans))
+            logger.info("removed {} /dev/shm file(s) that no live process uses: {}", len(orphans), names)
         if self.port == 0:
             self.port = pick_free_port(self.config.host)
         if self.api_key:
@@ -206,14 +208,12 @@ class EngineProcess:
         self._log_dir.mkdir(parents=True, exist_ok=True)
         self.log_file = self._log_dir / f"{_safe(self.name)}-{self.port}-{int(time.time())}.log"
         logger.info("engine {}: starting on port {}: {}", self.name, self.port, " ".join(self.argv))
-        self._proc = subprocess.Popen(
+        self._proc = popen_group(
             self.argv,
             env=engine_env.variables,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=_set_parent_death_signal,
         )
         self._started_at = time.monotonic()
         self._started_wall = time.time()
@@ -294,14 +294,9 @@ class EngineProcess:
         grace = self.stop_grace_s if grace_s is None else grace_s
         self._ready = False
         self._known_shm |= owned_shm_files(proc.pid)
-        if proc.poll() is None or _group_alive(proc.pid):
+        if proc.poll() is None:
             logger.info("engine {}: stopping (pid {})", self.name, proc.pid)
-            _signal_group(proc.pid, signal.SIGTERM)
-            if not _wait_group(proc, grace):
-                logger.warning("engine {}: still running {:.0f}s after SIGTERM; sending SIGKILL", self.name, grace)
-                _signal_group(proc.pid, signal.SIGKILL)
-                _wait_group(proc, 10.0)
-        proc.wait()
+        stop_group(proc, grace, label=f"engine {self.name}")
         self._join_reader()
         self._remove_secret_file()
         leftovers = set(self._known_shm)
@@ -330,22 +325,14 @@ class EngineProcess:
     # ------------------------------------------------------------------ internals
     def _pump_log(self) -> None:
         assert self._proc is not None and self._proc.stdout is not None and self.log_file is not None
-        # Owner-only: SGLang prints its server arguments at start-up (the API key among them, which is
-        # also redacted below).
-        fd = os.open(self.log_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with open(fd, "w", encoding="utf-8", errors="replace") as sink:
-            for raw in iter(self._proc.stdout.readline, b""):
-                line = raw.decode("utf-8", errors="replace").rstrip()
-                if self.api_key and self.api_key in line:
-                    line = line.replace(self.api_key, "<redacted>")
-                sink.write(line + "\n")
-                sink.flush()
-                with self._lock:
-                    self._tail.append(line)
-                if self.echo_level is not None:
-                    logger.log(self.echo_level, "[{}] {}", self.name, line)
-                self._parse_phase(line)
-        self._proc.stdout.close()
+        pump_output(self._proc.stdout, self.log_file, secret=self.api_key, on_line=self._on_log_line)
+
+    def _on_log_line(self, line: str) -> None:
+        with self._lock:
+            self._tail.append(line)
+        if self.echo_level is not None:
+            logger.log(self.echo_level, "[{}] {}", self.name, line)
+        self._parse_phase(line)
 
     def _parse_phase(self, line: str) -> None:
         if self._ready:
@@ -385,32 +372,3 @@ def _write_private_yaml(data: dict[str, object], name: str) -> Path:
 
 def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", name)
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        pass
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _wait_group(proc: subprocess.Popen[bytes], timeout_s: float) -> bool:
-    """Wait until the leader is reaped and no process is left in its group."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        proc.poll()
-        if proc.returncode is not None and not _group_alive(proc.pid):
-            return True
-        time.sleep(0.1)
-    proc.poll()
-    return proc.returncode is not None and not _group_alive(proc.pid)

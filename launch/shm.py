@@ -1,39 +1,37 @@
 """Find and remove the ``/dev/shm`` files an engine leaves behind.
 
 Each SGLang run leaves ``sglang_loads_*.shm`` and multiprocessing semaphores (``sem.*``) in
-``/dev/shm``. Only files that belong to *this* engine are removed: the ones its processes have
-mapped or open, and loky semaphores named after one of its pids. Another engine's files are never
-touched, so engines of several tests or gateways can run side by side.
+``/dev/shm``. A stopping engine removes its own: the files its processes have mapped or open, and
+loky semaphores named after one of its pids. An engine whose launcher was SIGKILLed (a notebook
+killed, a launcher OOM-killed) dies by its parent-death signal with nobody left to remove its
+files: the next engine start removes such orphans, engine files that no live process on the machine
+uses. A file another running engine uses is never touched, so engines of several tests, gateways
+or users can run side by side.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from launch.procgroup import group_pids, live_pids
+
 SHM_DIR = Path("/dev/shm")
-
-
-def stat_fields(pid: int) -> list[str] | None:
-    """Fields of ``/proc/PID/stat`` after the command name (index 0 = state, 2 = pgrp, 11/12 = utime/stime)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # The command name is in parentheses and may contain spaces: split after the last ')'.
-    return stat[stat.rfind(")") + 2 :].split()
-
-
-def group_pids(pgid: int) -> set[int]:
-    """Pids of the live processes in process group ``pgid``."""
-    pids: set[int] = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            fields = stat_fields(int(entry.name))
-            if fields is not None and len(fields) > 2 and int(fields[2]) == pgid:
-                pids.add(int(entry.name))
-    return pids
+# What SGLang 0.5.23 and the libraries under it leave (its own CI clean-up, sglang/srt/utils/
+# stale_shm_cleanup.py, lists the same families), plus multiprocessing's semaphores.
+ENGINE_SHM_PATTERNS = (
+    "sglang_*",
+    "sgl_shm_*",
+    "multi_tokenizer_args_*",
+    "cuda.shm.*",
+    "nccl-*",
+    "sem.loky-*",
+    "sem.mp-*",
+)
+ORPHAN_MIN_AGE_S = 10.0
+"""The start-up sweep leaves younger files alone: belt and braces for a process still setting one up."""
 
 
 def _shm_paths_of(pid: int) -> set[Path]:
@@ -70,35 +68,41 @@ def owned_shm_files(pgid: int) -> set[Path]:
     return owned
 
 
-_ENGINE_SHM_PATTERNS = ("sglang_*", "sem.loky-*", "sem.mp-*")
-
-
 def shm_in_use() -> set[Path]:
     """``/dev/shm`` files that any live process has mapped or open."""
     used: set[Path] = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            used |= _shm_paths_of(int(entry.name))
+    for pid in live_pids():
+        used |= _shm_paths_of(pid)
     return used
 
 
-def orphaned_shm_files(since: float) -> set[Path]:
-    """Engine-style ``/dev/shm`` files created at or after ``since`` (epoch seconds) that no live process uses.
+def orphaned_shm_files(since: float | None = None, *, min_age_s: float = 0.0) -> set[Path]:
+    """This user's engine-style ``/dev/shm`` files that no live process uses.
 
-    Catches what an engine that died during start-up left before its files could be attributed to it;
-    a file another running engine uses is never included.
+    ``since`` (epoch seconds): only files modified at or after it (what an engine that died during
+    start-up left before its files could be attributed to it). ``min_age_s``: only files at least
+    that old. A file another running engine uses is never included.
     """
     if not SHM_DIR.is_dir():
         return set()
+    now = time.time()
+    uid = os.geteuid()
     candidates: set[Path] = set()
-    for pattern in _ENGINE_SHM_PATTERNS:
+    for pattern in ENGINE_SHM_PATTERNS:
         for path in SHM_DIR.glob(pattern):
             try:
-                if path.stat().st_mtime >= since:
-                    candidates.add(path)
+                info = path.stat()
             except OSError:
                 continue
+            if info.st_uid != uid or (since is not None and info.st_mtime < since) or now - info.st_mtime < min_age_s:
+                continue
+            candidates.add(path)
     return candidates - shm_in_use() if candidates else set()
+
+
+def remove_orphaned_shm(min_age_s: float = ORPHAN_MIN_AGE_S) -> list[Path]:
+    """Remove engine files that no live process uses (orphans of SIGKILLed launchers); return them."""
+    return remove_files(orphaned_shm_files(min_age_s=min_age_s))
 
 
 def remove_files(paths: Iterable[Path]) -> list[Path]:
@@ -107,8 +111,6 @@ def remove_files(paths: Iterable[Path]) -> list[Path]:
     for path in paths:
         try:
             path.unlink()
-        except FileNotFoundError:
-            continue
         except OSError:
             continue
         removed.append(path)

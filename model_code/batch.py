@@ -1,5 +1,5 @@
-"""Many prompts at once (the seed-000 use case): a list or DataFrame of prompts, an optional system prompt
-and JSON schema, sent concurrently to the engine, results in input order.
+"""Many prompts at once (scoring a table of reviews or documents in a notebook): a list or DataFrame of
+prompts, an optional system prompt and JSON schema, sent concurrently to the engine, results in input order.
 
 >>> model = mlflow.pyfunc.load_model(uri)
 >>> batch_predict(model, ["What is Databricks?", "What is AI?"], json_schema=Grade, params={"temperature": 0.0})

@@ -6,9 +6,10 @@ import contextlib
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from launch.config import ConfigError, load_config
+from model_code.flavor_table import FLAVORS
 from model_code.requirements import pip_requirements as computed_requirements
 from model_code.target import NO_ENGINE_ENV, SETTINGS_KEY, WEIGHTS_ARTIFACT, resolve_target, split_model_config
 
@@ -16,30 +17,8 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 REPO_DIR = PACKAGE_DIR.parent
 CODE_PATHS = [str(REPO_DIR / "launch"), str(PACKAGE_DIR)]
 
-Flavor = Literal["chat_agent", "chat_model", "responses_agent", "entrypoint"]
-FLAVOR_FILES: dict[str, Path] = {
-    "chat_agent": PACKAGE_DIR / "chat_agent.py",
-    "chat_model": PACKAGE_DIR / "chat_model.py",
-    "responses_agent": PACKAGE_DIR / "responses_agent.py",
-}
 ENTRYPOINT_FLAVOR = "entrypoint"  # Databricks custom LLM serving: see model_code.entrypoint
 CHAT_TASK = "llm/v1/chat"
-
-_EXAMPLE_QUESTION = "What is Databricks?"
-INPUT_EXAMPLES: dict[str, dict[str, Any]] = {
-    # seed 002's shape: parameters in custom_inputs
-    "chat_agent": {
-        "messages": [{"role": "user", "content": _EXAMPLE_QUESTION}],
-        "custom_inputs": {"temperature": 0.1, "max_tokens": 50},
-    },
-    # seed 004's shape: OpenAI chat fields at the top level
-    "chat_model": {"messages": [{"role": "user", "content": _EXAMPLE_QUESTION}], "temperature": 0.1, "max_tokens": 50},
-    "responses_agent": {
-        "input": [{"role": "user", "content": _EXAMPLE_QUESTION}],
-        "temperature": 0.1,
-        "max_output_tokens": 50,
-    },
-}
 
 
 @contextlib.contextmanager
@@ -78,7 +57,7 @@ def config_dict(config: str | os.PathLike[str] | Mapping[str, Any]) -> dict[str,
 def log_model(
     config: str | os.PathLike[str] | Mapping[str, Any],
     *,
-    flavor: Flavor = "responses_agent",
+    flavor: str = "responses_agent",
     model_path: str | os.PathLike[str] | None = None,
     name: str = "model",
     registered_model_name: str | None = None,
@@ -131,8 +110,8 @@ def log_model(
     """
     import mlflow
 
-    if flavor not in FLAVOR_FILES and flavor != ENTRYPOINT_FLAVOR:
-        raise ValueError(f"flavor must be one of {', '.join([*FLAVOR_FILES, ENTRYPOINT_FLAVOR])}, got {flavor!r}")
+    if flavor not in FLAVORS and flavor != ENTRYPOINT_FLAVOR:
+        raise ValueError(f"flavor must be one of {', '.join([*FLAVORS, ENTRYPOINT_FLAVOR])}, got {flavor!r}")
     model_config = config_dict(config)
     merged_settings = {**model_config.get(SETTINGS_KEY, {}), **(settings or {}), **({"model": model} if model else {})}
     if merged_settings:
@@ -177,12 +156,12 @@ def log_model(
     with no_engine():
         return mlflow.pyfunc.log_model(
             name=name,
-            python_model=str(FLAVOR_FILES[flavor]),
+            python_model=str(FLAVORS[flavor].path),
             model_config=model_config,
             artifacts=artifacts,
             code_paths=CODE_PATHS,
             pip_requirements=requirements,
-            input_example=dict(input_example) if input_example is not None else INPUT_EXAMPLES[flavor],
+            input_example=dict(input_example) if input_example is not None else FLAVORS[flavor].input_example,
             metadata=metadata or None,
             registered_model_name=registered_model_name,
             **log_kwargs,

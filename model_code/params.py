@@ -9,8 +9,8 @@
 
 Accepted keys (anything else is a :class:`BadRequestError` that lists them):
 OpenAI ones are passed as is; SGLang sampling extras (``top_k``, ``min_p``, ``repetition_penalty``,
-``regex``, ``ebnf``, ...) go in ``extra_body``; ``json_schema`` (a dict or JSON string, as in the batch
-seeds) becomes ``response_format={"type": "json_schema", ...}``; ``extra_body`` is merged verbatim.
+``regex``, ``ebnf``, ...) go in ``extra_body``; ``json_schema`` (a dict or JSON string, as batch users
+already pass it) becomes ``response_format={"type": "json_schema", ...}``; ``extra_body`` is merged verbatim.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-FLAVORS = ("chat_agent", "chat_model", "responses_agent")
+from model_code.flavor_table import flavor_of
 
 
 def wants_stream(body: Mapping[str, Any]) -> bool:
@@ -126,18 +126,6 @@ def close_model(model: Any) -> None:
     close = getattr(python_model_of(model), "close", None)
     if close is not None:
         close()
-
-
-def flavor_of(python_model: Any) -> str:
-    from mlflow.pyfunc import ChatAgent, ChatModel, ResponsesAgent
-
-    if isinstance(python_model, ResponsesAgent):
-        return "responses_agent"
-    if isinstance(python_model, ChatAgent):
-        return "chat_agent"
-    if isinstance(python_model, ChatModel):
-        return "chat_model"
-    raise TypeError(f"not a chat model: {type(python_model).__name__} (log it with model_code.log_model)")
 
 
 def load_for_serving(model_uri: str) -> ServedModel:

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from launch.config import ConfigError, DeploymentConfig, EngineConfig, format_validation_error, parse_config
 
 WEIGHTS_ARTIFACT = "llm-model"
-"""Key of the local weights in ``context.artifacts`` (same name as the seeds)."""
+"""Key of the local weights in ``context.artifacts`` (the name notebooks that log models by hand already use)."""
 NO_ENGINE_ENV = "SGLANG_GATEWAY_MLFLOW_NO_ENGINE"
 """Set to ``1`` to load models without starting an engine (log time; also usable by hand)."""
 SHOW_ENGINE_LOG_ENV = "SGLANG_GATEWAY_SHOW_ENGINE_LOG"

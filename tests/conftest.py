@@ -2,6 +2,11 @@
 
 SGLang takes ~30 s to start on CPU, so engines are session-scoped and started only by the tests
 that ask for them. Every engine started here is stopped (process group, /dev/shm files) at the end.
+
+The ``engine`` marker is derived, not written by hand: a test whose fixtures (directly or through
+other fixtures) include ``starts_engine`` is marked ``engine``, so ``-m "not engine"`` runs no
+SGLang engine at all. ``tiny_engine`` and every fixture that starts an engine request it; a test
+that starts one itself says so with ``@pytest.mark.usefixtures("starts_engine")``.
 """
 
 from __future__ import annotations
@@ -18,6 +23,20 @@ from launch.process import EngineProcess
 REPO = Path(__file__).resolve().parent.parent
 TINY_CONFIG = REPO / "configs" / "tiny-cpu.yaml"
 TINY_MODEL = Path(os.environ.get("SGLANG_GATEWAY_TINY_MODEL", REPO / ".cache" / "tiny-model"))
+ENGINE_FIXTURE = "starts_engine"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark ``engine`` every test whose fixture closure includes ``starts_engine`` (before ``-m`` selects)."""
+    for item in items:
+        if ENGINE_FIXTURE in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.engine)
+
+
+@pytest.fixture(scope="session")
+def starts_engine() -> None:
+    """Request this (directly or through a fixture) in anything that starts a real SGLang engine."""
 
 
 @pytest.fixture(scope="session")
@@ -41,7 +60,9 @@ def tiny_engine_config(tiny_deployment: DeploymentConfig) -> EngineConfig:
 
 
 @pytest.fixture(scope="session")
-def tiny_engine(tiny_engine_config: EngineConfig, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
+def tiny_engine(
+    starts_engine: None, tiny_engine_config: EngineConfig, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[EngineProcess]:
     """One real SGLang engine on CPU serving the tiny model as `tiny`, shared by the whole session.
 
     Tests must not stop or kill it; tests that break an engine start their own.

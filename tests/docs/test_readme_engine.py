@@ -13,7 +13,7 @@ import pytest
 from tests.docs.readme_blocks import README, marked_blocks
 
 
-@pytest.mark.engine
+@pytest.mark.usefixtures("starts_engine")
 def test_readme_engine_example(tiny_model_dir: Path) -> None:
     (block,) = marked_blocks("engine")
     env = {**os.environ, "SGLANG_GATEWAY_TINY_MODEL": str(tiny_model_dir)}

@@ -8,6 +8,7 @@ paths in it are made absolute.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,9 +17,8 @@ import pytest
 
 from tests.docs.readme_blocks import README, marked_blocks
 
-pytestmark = pytest.mark.engine
 
-
+@pytest.mark.usefixtures("starts_engine")
 def test_readme_notebook_tour(tiny_model_dir: Path, tmp_path: Path) -> None:
     (block,) = marked_blocks("mlflow")
     code = block.code.replace('"configs/tiny-cpu.yaml"', repr(str(README.parent / "configs" / "tiny-cpu.yaml")))
@@ -33,7 +33,9 @@ def test_readme_notebook_tour(tiny_model_dir: Path, tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-4000:]
     out = result.stdout
     assert "'role': 'assistant'" in out  # predict's answer was printed
-    assert "grade" in out and ("yes" in out or "no" in out)  # structured output and the batch table
+    assert re.search(r"""'content': '\{"grade": ?"(yes|no)"\}'""", out), out  # structured output: the schema's JSON
+    rows = re.findall(r"^([01]) .*\{'grade': '(?:yes|no)'\}\s*$", out, re.M)  # the batch table: each row parsed
+    assert rows == ["0", "1"], out
     assert (tmp_path / "mlflow.db").is_file()
     # quiet by default: the start-up phases and the URL, not the engine's own ~20 kB of log
     assert "ready at http://" in result.stderr and "server_args=" not in result.stderr

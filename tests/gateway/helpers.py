@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 import threading
@@ -67,6 +68,54 @@ def serve(
         yield server
     finally:
         server.stop()
+
+
+class BackgroundStream:
+    """A streamed POST read line by line in a thread, for tests that act while it runs (stop, swap...).
+
+    ``start()`` returns once the first line arrived; ``finish()`` waits for the end. ``lines`` holds the
+    non-empty lines; a connection cut mid-body is not an error here (``cut`` says so).
+    """
+
+    def __init__(self, url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> None:
+        self.url, self.body, self.headers = url, body, headers or {}
+        self.lines: list[str] = []
+        self.cut = False
+        self._started = threading.Event()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+
+    def _read(self) -> None:
+        try:
+            with httpx.stream("POST", self.url, json=self.body, headers=self.headers, timeout=120) as response:
+                for line in response.iter_lines():
+                    if line:
+                        self.lines.append(line)
+                    self._started.set()
+        except httpx.HTTPError:
+            self.cut = True
+        finally:
+            self._started.set()
+
+    def start(self, timeout_s: float = 60) -> BackgroundStream:
+        self._thread.start()
+        assert self._started.wait(timeout_s) and self.lines, f"no line of the stream within {timeout_s}s"
+        return self
+
+    def finish(self, timeout_s: float = 120) -> list[str]:
+        self._thread.join(timeout_s)
+        assert not self._thread.is_alive(), f"the stream did not end within {timeout_s}s"
+        return self.lines
+
+
+def last_sse_event(lines: list[str]) -> tuple[str | None, dict[str, Any]]:
+    """(event name, data) of the last event of an SSE stream, from its non-empty lines (``[DONE]`` skipped)."""
+    kind, last = None, (None, {})
+    for line in lines:
+        if line.startswith("event: "):
+            kind = line[7:]
+        elif line.startswith("data: ") and line != "data: [DONE]":
+            last, kind = (kind, json.loads(line[6:])), None
+    return last
 
 
 def auth(key: str = KEY) -> dict[str, str]:

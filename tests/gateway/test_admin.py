@@ -11,9 +11,6 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import signal
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,11 +22,10 @@ import yaml
 from gateway.app import app_from_config
 from gateway.config import gateway_settings
 from launch.config import ConfigError, load_config, parse_config
-from launch.ports import pick_free_port
 from tests.gateway.helpers import KEY, GatewayServer, assert_openai_error, auth, closed_port_url, serve
+from tests.servers import CLI, server_process
 
 ADMIN = "admin-key-1"
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _write(path: Path, models: dict[str, Any], gateway: dict[str, Any]) -> None:
@@ -199,52 +195,31 @@ def test_admin_keys_from_env_and_file(tmp_path: Path, monkeypatch: pytest.Monkey
     assert gateway_settings(deployment).resolved_admin_keys() == (b"from-env-1", b"from-env-2", b"from-file")
 
 
-def _wait(predicate, timeout_s: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"gateway exited: {log.read_text()[-3000:] if log else ''}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}: {log.read_text()[-3000:] if log else ''}")
-        time.sleep(0.2)
-
-
 def test_serve_reloads_on_sighup_and_with_watch(tmp_path: Path) -> None:
     """The real ``serve --watch`` command: SIGHUP reloads, an edited file reloads, a broken one is logged."""
     config = tmp_path / "deploy.yaml"
     url = closed_port_url()
     _write(config, {"a": {"url": url}}, {"api_keys": [KEY]})
-    port = pick_free_port()
-    log = tmp_path / "serve.log"
-    with log.open("w") as sink:
-        proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", str(config), "--port", str(port), "--watch"],
-                                cwd=REPO, stdout=sink, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
+    with server_process([*CLI, "serve", str(config), "--port", "{port}", "--watch"], log_path=tmp_path / "serve.log") as server:
 
-    def ids() -> set[str]:
-        try:
-            return {c["id"] for c in httpx.get(base + "/v1/models", headers=auth(KEY), timeout=5).json()["data"]}
-        except httpx.HTTPError:
-            return set()
+        def ids() -> set[str]:
+            try:
+                return {c["id"] for c in httpx.get(server.url + "/v1/models", headers=auth(KEY), timeout=5).json()["data"]}
+            except httpx.HTTPError:
+                return set()
 
-    try:
-        _wait(lambda: ids() == {"a"}, 60, "the gateway to serve", proc, log)
+        server.wait_until(lambda: ids() == {"a"}, 60, "the gateway serving")
         # SIGHUP (the watcher may see the edit too: the log line proves the signal reloaded, not killed)
         _write(config, {"a": {"url": url, "aliases": ["by-signal"]}}, {"api_keys": [KEY]})
-        os.kill(proc.pid, signal.SIGHUP)
-        _wait(lambda: ids() == {"a", "by-signal"}, 30, "the SIGHUP reload", proc, log)
-        _wait(lambda: "reload (SIGHUP)" in log.read_text(), 10, "the SIGHUP reload log line", proc, log)
-        assert proc.poll() is None  # SIGHUP's default action (terminate) is replaced
+        os.kill(server.pid, signal.SIGHUP)
+        server.wait_until(lambda: ids() == {"a", "by-signal"}, 30, "the SIGHUP reload")
+        server.wait_log(r"reload \(SIGHUP\)", 10)
+        assert server.proc.poll() is None  # SIGHUP's default action (terminate) is replaced
 
         _write(config, {"a": {"url": url, "aliases": ["by-watch"]}}, {"api_keys": [KEY]})
-        _wait(lambda: ids() == {"a", "by-watch"}, 30, "the --watch reload", proc, log)
+        server.wait_until(lambda: ids() == {"a", "by-watch"}, 30, "the --watch reload")
 
         config.write_text("models:\n  a:\n    urll: nope\n")
-        _wait(lambda: "models.a.urll: unknown key" in log.read_text(), 30, "the invalid-file error in the log", proc, log)
+        server.wait_log("models.a.urll: unknown key", 30)
         assert ids() == {"a", "by-watch"}
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        assert server.stop() == 0

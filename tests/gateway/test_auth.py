@@ -13,6 +13,7 @@ from launch.process import EngineProcess
 from tests.gateway.helpers import KEY, GatewayServer, assert_openai_error, auth, serve
 
 HELLO = [{"role": "user", "content": "hi"}]
+# Each route and one request for it (an authorised embeddings call that succeeds is in test_embeddings.py).
 REQUESTS = {
     "/v1/chat/completions": ("POST", {"model": "tiny", "messages": HELLO, "max_tokens": 2}),
     "/v1/completions": ("POST", {"model": "tiny", "prompt": "hi", "max_tokens": 2}),
@@ -62,7 +63,10 @@ def test_every_route_needs_a_key(gateway: GatewayServer) -> None:
                 else:
                     assert_openai_error(response, 401)
                     assert response.headers["www-authenticate"] == "Bearer"
-            assert _call(http, path, auth()).status_code == AUTHORISED.get(path, 200), path
+            authorised = _call(http, path, auth())
+            assert authorised.status_code == AUTHORISED.get(path, 200), (path, authorised.text)
+            if path == "/v1/embeddings":  # past the gateway's auth: the engine's own answer
+                assert "embedding model" in assert_openai_error(authorised, 400)["error"]["message"]
         assert_openai_error(http.get("/no/such/route"), 401)  # unknown routes do not leak a 404 either
 
 

@@ -1,39 +1,36 @@
-"""The boot of a deployment (the lifespan's first step): a stop request while engines start stops them at once."""
+"""Start-up can be aborted (SIGTERM / Ctrl-C before the server serves): engines being started are stopped."""
 
 from __future__ import annotations
 
 import asyncio
-import os
 
 import pytest
 
 from gateway.app import app_from_config
 from gateway.control import StartAborted
 from launch.config import DeploymentConfig
+from tests.leaks import leaves_nothing
 from tests.model_code.helpers import engine_children
 
-pytestmark = pytest.mark.engine
 
-
+@pytest.mark.usefixtures("starts_engine")
 def test_abort_during_boot_stops_engines(tiny_deployment: DeploymentConfig) -> None:
     app, _ = app_from_config(tiny_deployment)
     controller = app.state.controller
     before = set(engine_children())
-    started: list[int] = []
 
     async def scenario() -> None:
         booting = asyncio.ensure_future(controller.boot())
         await asyncio.sleep(2.0)
         assert not booting.done()
-        started.extend(set(engine_children()) - before)  # the engines being started
+        for pid in set(engine_children()) - before:  # the engines being started
+            check.watch(pid)
         controller.abort_start()  # what SIGTERM / Ctrl-C does before the server serves
         with pytest.raises(StartAborted):
             await asyncio.wait_for(booting, 30)
         await controller.close()
 
-    asyncio.run(scenario())
-    assert started, "no engine was starting"
-    for pid in started:
-        with pytest.raises(ProcessLookupError):
-            os.killpg(pid, 0)
+    with leaves_nothing() as check:
+        asyncio.run(scenario())
+        assert check.groups, "no engine was starting"
     assert controller.registry.routes() == ()  # nothing half-started was installed

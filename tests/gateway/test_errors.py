@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import httpx
+import openai
 
 from gateway.errors import sanitize_message, upstream_error
 from launch.process import EngineProcess
@@ -17,11 +21,19 @@ from tests.gateway.helpers import (
     auth,
     closed_port_url,
     fake_stalled_upstream,
+    prometheus_value,
     serve,
 )
 
 CHAT = "/v1/chat/completions"
 HELLO = [{"role": "user", "content": "hi"}]
+
+
+def wait_until(predicate: Callable[[], bool], what: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
 
 
 def test_sanitize_message_strips_traceback_frames_and_paths() -> None:
@@ -122,29 +134,52 @@ def test_429_concurrency_limit_with_retry_after(tiny_engine: EngineProcess) -> N
 def test_429_after_queue_timeout_and_queued_request_proceeds(tiny_engine: EngineProcess) -> None:
     limits = {"limits": {"max_concurrent": 1, "max_queue": 1, "queue_timeout_s": 1.0}}
     with serve({"tiny": {"url": tiny_engine.url}}, limits) as gw, httpx.Client(base_url=gw.url, timeout=60) as http:
+        limiter = gw.state.registry.route("tiny").limiter
         body = {"model": "tiny", "messages": HELLO, "max_tokens": 2000, "temperature": 0, "stream": True, "ignore_eos": True}
+        results: dict[str, httpx.Response] = {}
+
+        def send(name: str) -> None:
+            results[name] = httpx.post(gw.url + CHAT, json={"model": "tiny", "messages": HELLO, "max_tokens": 2}, timeout=60)
+
         with http.stream("POST", CHAT, json=body) as holding:
-            chunks = holding.iter_raw()
-            next(chunks)
-            started = time.monotonic()
-            refused = http.post(CHAT, json={"model": "tiny", "messages": HELLO, "max_tokens": 2})
-            assert_openai_error(refused, 429, "concurrency_limit_exceeded")
-            assert time.monotonic() - started >= 0.9  # it waited in the queue first
+            held = holding.iter_raw()  # keep the iterator: dropping it closes the stream
+            next(held)  # the only slot is taken while this stream is open
+            timing_out = threading.Thread(target=send, args=("timed out",))
+            timing_out.start()
+            wait_until(lambda: limiter.waiting == 1, "the request to wait in the queue")
+            timing_out.join(30)  # the holder is still streaming: nothing frees the slot
+            assert_openai_error(results["timed out"], 429, "concurrency_limit_exceeded")
+            assert "no free slot within 1s" in results["timed out"].json()["error"]["message"]
+            assert limiter.waiting == 0
+
         # A queued request gets the slot as soon as the holder goes away.
-        results: list[int] = []
-
-        def queued() -> None:
-            response = httpx.post(gw.url + CHAT, json={"model": "tiny", "messages": HELLO, "max_tokens": 2}, timeout=60)
-            results.append(response.status_code)
-
         with http.stream("POST", CHAT, json=body) as holding:
-            chunks = holding.iter_raw()
-            next(chunks)
-            waiter = threading.Thread(target=queued)
-            waiter.start()
-            time.sleep(0.3)
-        waiter.join(30)
-        assert results == [200]
+            held = holding.iter_raw()
+            next(held)
+            queued = threading.Thread(target=send, args=("queued",))
+            queued.start()
+            wait_until(lambda: limiter.waiting == 1, "the request to wait in the queue")
+            assert "queued" not in results
+        queued.join(30)
+        assert results["queued"].status_code == 200, results["queued"].text
+
+
+def test_model_limits_override_the_default_per_model(tiny_engine: EngineProcess) -> None:
+    """``model_limits.a`` caps model ``a`` only; ``b`` (same engine) keeps the default (no limit)."""
+    models = {"a": {"url": tiny_engine.url}, "b": {"url": tiny_engine.url}}
+    gateway_cfg = {"model_limits": {"a": {"max_concurrent": 1, "retry_after_s": 7}}}
+    with serve(models, gateway_cfg) as gw, httpx.Client(base_url=gw.url, timeout=60) as http:
+        body = {"model": "a", "messages": HELLO, "max_tokens": 2000, "temperature": 0, "stream": True, "ignore_eos": True}
+        with http.stream("POST", CHAT, json=body) as holding:
+            held = holding.iter_raw()
+            next(held)
+            refused = http.post(CHAT, json={"model": "a", "messages": HELLO, "max_tokens": 2})
+            assert_openai_error(refused, 429, "concurrency_limit_exceeded")
+            assert refused.headers["retry-after"] == "7"
+            with http.stream("POST", CHAT, json={**body, "model": "b"}) as other:  # b: no limit, two at once
+                also_held = other.iter_raw()
+                next(also_held)
+                assert http.post(CHAT, json={"model": "b", "messages": HELLO, "max_tokens": 2}).status_code == 200
 
 
 def test_503_engine_unreachable_and_504_stalled(tiny_engine: EngineProcess) -> None:
@@ -166,6 +201,37 @@ def test_503_engine_unreachable_and_504_stalled(tiny_engine: EngineProcess) -> N
             assert http.post(CHAT, json={"model": "tiny", "messages": HELLO, "max_tokens": 2}).status_code == 200
 
 
+@contextmanager
+def fake_unreachable_upstream() -> Iterator[str]:
+    """A fake engine whose connections never complete: a listener that never accepts and whose queue
+    is kept full, so the kernel drops every new SYN (for the connect-timeout test; the real engine
+    cannot be made to do this on demand)."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    fillers = []
+    for _ in range(4):
+        filler = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        filler.setblocking(False)
+        filler.connect_ex(("127.0.0.1", port))
+        fillers.append(filler)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        for sock in (*fillers, listener):
+            sock.close()
+
+
+def test_504_when_the_engine_does_not_accept_within_the_connect_timeout() -> None:
+    with fake_unreachable_upstream() as url, serve({"slow": {"url": url}}, {"upstream_connect_timeout_s": 0.5}) as gw:
+        for stream in (False, True):
+            body = {"model": "slow", "messages": HELLO, "stream": stream}
+            response = httpx.post(gw.url + CHAT, json=body, timeout=60)
+            error = assert_openai_error(response, 504, "upstream_timeout")
+            assert error["error"]["message"] == "timed out connecting to the engine of slow"
+
+
 def test_request_id_echoed_or_generated(gateway: GatewayServer) -> None:
     with httpx.Client(base_url=gateway.url, timeout=30) as http:
         assert http.get("/health", headers={"X-Request-Id": "abc-123"}).headers["x-request-id"] == "abc-123"
@@ -174,14 +240,39 @@ def test_request_id_echoed_or_generated(gateway: GatewayServer) -> None:
         assert http.get("/v1/models").headers["x-request-id"]  # 401s carry one too
 
 
-def test_metrics_after_traffic(gateway: GatewayServer) -> None:
-    from tests.gateway.helpers import prometheus_value
+def test_metrics_after_traffic(gateway: GatewayServer, client: openai.OpenAI) -> None:
+    """Each request adds exactly one to its counters; tokens are the engine's usage; TTFT is observed once each."""
+    series = {
+        "ok": ("gateway_requests_total", {"model": "second", "route": CHAT, "status": "200"}),
+        "latency": ("gateway_request_duration_seconds_count", {"model": "second", "route": CHAT}),
+        "ttft": ("gateway_time_to_first_token_seconds_count", {"model": "second"}),
+        "prompt": ("gateway_tokens_total", {"model": "second", "kind": "prompt"}),
+        "completion": ("gateway_tokens_total", {"model": "second", "kind": "completion"}),
+        "in_flight": ("gateway_in_flight_requests", {"model": "second"}),
+    }
 
-    with httpx.Client(base_url=gateway.url, headers=auth(KEY), timeout=30) as http:
-        http.post(CHAT, json={"model": "second", "messages": HELLO, "max_tokens": 3, "temperature": 0})
-        text = http.get("/metrics").text
-    assert prometheus_value(text, "gateway_requests_total", {"model": "second", "route": CHAT, "status": "200"}) >= 1
-    assert prometheus_value(text, "gateway_tokens_total", {"model": "second", "kind": "completion"}) >= 1
-    assert prometheus_value(text, "gateway_request_duration_seconds_count", {"model": "second", "route": CHAT}) >= 1
-    assert prometheus_value(text, "gateway_in_flight_requests", {"model": "second"}) == 0
-    assert prometheus_value(text, "gateway_engine_up", {"model": "tiny"}) is not None
+    def scrape() -> dict[str, float]:
+        text = httpx.get(gateway.url + "/metrics", headers=auth(KEY), timeout=30).text
+        return {key: prometheus_value(text, name, labels) or 0.0 for key, (name, labels) in series.items()}
+
+    before = scrape()
+    reply = client.chat.completions.create(model="second", messages=HELLO, max_tokens=3, temperature=0)
+    chunks = client.chat.completions.create(
+        model="second", messages=HELLO, max_tokens=5, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
+    streamed = [chunk.usage for chunk in chunks if chunk.usage is not None][-1]
+    after = scrape()
+    assert reply.usage is not None
+    assert after["ok"] == before["ok"] + 2 and after["latency"] == before["latency"] + 2
+    assert after["ttft"] == before["ttft"] + 2
+    assert after["prompt"] == before["prompt"] + reply.usage.prompt_tokens + streamed.prompt_tokens
+    assert after["completion"] == before["completion"] + reply.usage.completion_tokens + streamed.completion_tokens
+    assert after["in_flight"] == 0
+
+
+def test_engine_up_reports_url_models_as_probed_at_scrape_time(tiny_engine: EngineProcess) -> None:
+    """A url model is up when its server answers /health now: the first scrape already says so."""
+    with serve({"tiny": {"url": tiny_engine.url}, "down": {"url": closed_port_url()}}) as gw:
+        text = httpx.get(gw.url + "/metrics", timeout=30).text  # no /ready call before
+        assert prometheus_value(text, "gateway_engine_up", {"model": "tiny"}) == 1
+        assert prometheus_value(text, "gateway_engine_up", {"model": "down"}) == 0

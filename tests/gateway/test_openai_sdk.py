@@ -11,8 +11,6 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-pytestmark = pytest.mark.engine
-
 MESSAGES = [{"role": "user", "content": "Say hello."}]
 
 

@@ -19,7 +19,6 @@ from launch.model_info import vocab_size
 from launch.process import EngineProcess
 from tests.gateway.helpers import KEY, GatewayServer, assert_openai_error, auth, serve
 
-pytestmark = pytest.mark.engine
 MAX_BODY = 4096
 HELLO = [{"role": "user", "content": "hi"}]
 BASES: dict[str, dict[str, Any]] = {

@@ -6,7 +6,11 @@ One gateway (started from a YAML file, owning its engines) serves the module. In
 - one replica is SIGKILLed under a bounded loop of concurrent streaming and plain SDK requests: no plain
   request fails, the model never answers 503, the replica is restarted and serves again;
 - a rolling swap (a changed engine section) under the same load: no failed request, and never more than
-  replicas + 1 engines alive at once.
+  replicas + 1 engines alive at once;
+- SGLang's router put in front of the replicas by a reload (engines untouched): requests go through it, one
+  engine SIGKILLed under load (no failed plain request, cut streams end with an error event, no internal
+  address in any answer, the router's workers follow the restart), the router itself SIGKILLed (requests fall
+  back to the replicas until the watchdog has restarted it), then taken away again by a reload.
 
 The numbers are printed (``-s``).
 """
@@ -28,7 +32,7 @@ import yaml
 
 from gateway.app import app_from_config
 from launch.config import load_config
-from launch.shm import group_pids
+from launch.procgroup import group_pids
 from tests.gateway.helpers import KEY, GatewayServer, auth, prometheus_value
 from tests.gateway.test_swap import Load, report
 from tests.model_code.helpers import engine_children
@@ -58,9 +62,16 @@ class Rig:
     def __init__(self, server: GatewayServer, config: Path, model_dir: Path) -> None:
         self.server, self.config, self.model_dir = server, config, model_dir
         self.pids: set[int] = set()
+        self.current = _deployment(model_dir)
 
     def admin(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         return httpx.request(method, self.server.url + path, headers=auth(ADMIN), timeout=900, **kwargs)
+
+    def router_workers(self) -> list[str]:
+        """The worker URLs SGLang's router itself lists (asked with the key only the gateway holds)."""
+        route = self.server.app.state.controller.registry.route("tiny")
+        assert route is not None and route.front is not None and route.front.router is not None
+        return list(route.front.router.workers())
 
     def model(self) -> dict[str, Any]:
         (model,) = self.admin("GET", "/admin/models").json()["models"]
@@ -72,6 +83,7 @@ class Rig:
         return {r: prometheus_value(text, "gateway_replica_requests_total", {"model": "tiny", "replica": r}) or 0 for r in ("0", "1")}
 
     def reload(self, data: dict[str, Any]) -> dict[str, Any]:
+        self.current = data
         self.config.write_text(yaml.safe_dump(data, sort_keys=False))
         response = self.admin("POST", "/admin/reload")
         assert response.status_code == 200, response.text
@@ -196,3 +208,55 @@ def test_rolling_swap_under_load(rig: Rig) -> None:
         "rolling swap under load", requests=len(load.outcomes), outcomes=kinds, swap_s=round(done - t0, 1),
         max_engines_alive=max(alive), engines_before=2,
     )  # fmt: skip
+
+
+def test_managed_router_in_front_of_the_replicas(rig: Rig) -> None:
+    engines = {r["engine"]["pid"] for r in rig.model()["replicas"]}
+    routed = {**rig.current, "models": {"tiny": {**rig.current["models"]["tiny"], "router": {"policy": "round_robin"}}}}
+    outcome = rig.reload(routed)
+    assert outcome["ok"] and outcome["models"]["tiny"]["changed"] == ["router"], outcome
+    model = rig.model()
+    router = model["router"]
+    assert router["running"] and router["url"].startswith("http://127.0.0.1:")
+    assert {r["engine"]["pid"] for r in model["replicas"]} == engines  # the engines were not touched
+    assert httpx.get(router["url"] + "/workers", timeout=10).status_code == 401  # its API takes the replicas' key
+    assert sorted(rig.router_workers()) == sorted(r["url"] for r in model["replicas"])
+
+    before = rig.served_by()
+    for n in range(4):
+        assert _chat(rig.server.url, f"through the router {n}").status_code == 200
+    assert rig.served_by() == before  # the router chose, not the gateway's balancer
+
+    internal = {str(r["engine"]["port"]) for r in model["replicas"]} | {router["url"].rsplit(":", 1)[1]}
+    victim = model["replicas"][1]["engine"]["pid"]
+    with Load(rig.server.url, workers=3) as load:
+        load.wait_for_requests(6, 0)
+        killed = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        deadline = killed + 300
+        while not ((m := rig.model())["ready_replicas"] == 2 and m["replicas"][1]["engine"]["pid"] != victim):
+            assert time.monotonic() < deadline, f"replica 1 not back within 300s: {m}"
+            time.sleep(0.25)
+        back = time.monotonic()
+        load.wait_for_requests(6, back)
+        # the router itself dies: requests go to the replicas directly until the watchdog restarts it
+        router_pid = rig.model()["router"]["pid"]
+        os.kill(router_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while not ((m := rig.model()).get("router", {}).get("running") and m["router"]["pid"] != router_pid):
+            assert time.monotonic() < deadline, f"router not restarted: {m.get('router')}"
+            time.sleep(0.25)
+        load.wait_for_requests(6, time.monotonic())
+    kinds = load.counts(load.outcomes)
+    assert not [o for o in load.outcomes if not o.stream and o.kind != "ok"], kinds
+    assert all(o.started < killed or o.kind != "stream_cut" or o.started >= back for o in load.outcomes)
+    leaks = [o.detail for o in load.outcomes if o.detail and any(f":{port}" in o.detail for port in internal)]
+    assert not leaks, leaks[:3]
+    model = rig.model()
+    assert sorted(rig.router_workers()) == sorted(r["url"] for r in model["replicas"])  # followed the restart
+    report("managed router: engine and router SIGKILLed under load", requests=len(load.outcomes), outcomes=kinds,
+           replica_back_after_s=round(back - killed, 1))  # fmt: skip
+
+    plain = {**rig.current, "models": {"tiny": {k: v for k, v in rig.current["models"]["tiny"].items() if k != "router"}}}
+    assert rig.reload(plain)["ok"]
+    assert "router" not in rig.model()

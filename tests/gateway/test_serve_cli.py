@@ -2,7 +2,8 @@
 
 Starts the real command (which launches its own engine through the app's lifespan), runs the
 README's curl and OpenAI SDK examples against it, then sends SIGTERM during a stream: the stream
-finishes, the process exits 0 and the engine it started is gone.
+runs to its last token, the process exits 0, and neither the engine it started nor its /dev/shm
+files are left.
 """
 
 from __future__ import annotations
@@ -12,20 +13,17 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
-from launch.ports import pick_free_port
-from launch.shm import group_pids
+from launch.procgroup import child_pids, cmdline
+from tests.gateway.helpers import BackgroundStream
+from tests.leaks import leaves_nothing
+from tests.servers import CLI, REPO, ServerProcess
 
-REPO = Path(__file__).resolve().parents[2]
-CLI = [sys.executable, "-m", "gateway.cli"]
+STREAM_TOKENS = 150
 
 
 def test_serve_bad_config_is_one_line_error(tmp_path: Path) -> None:
@@ -36,39 +34,17 @@ def test_serve_bad_config_is_one_line_error(tmp_path: Path) -> None:
     assert result.stderr.strip() == f"error: {bad}: gateway.port: Input should be a valid integer, unable to parse string as an integer"
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry.name))
-    return found
-
-
-@pytest.mark.engine
+@pytest.mark.usefixtures("starts_engine")
 def test_serve_tiny_cpu_readme_examples_and_graceful_sigterm(tiny_model_dir: Path, tmp_path: Path) -> None:
-    port = pick_free_port()
     env = {**os.environ, "SGLANG_GATEWAY_TINY_MODEL": str(tiny_model_dir)}
-    log = (tmp_path / "serve.log").open("w")
-    proc = subprocess.Popen([*CLI, "serve", "configs/tiny-cpu.yaml", "--port", str(port)], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-            try:
-                if httpx.get(base + "/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "gateway not ready after 300s"
-            time.sleep(0.5)
-        engine_pids = _children(proc.pid)
-        assert engine_pids, "the gateway started no engine process"
+    with leaves_nothing() as check:
+        server = ServerProcess([*CLI, "serve", "configs/tiny-cpu.yaml", "--port", "{port}"], log_path=tmp_path / "serve.log", env=env)
+        check.watch(server.pid)
+        server.wait_http("/ready", timeout_s=300)
+        base = server.url
+        engine_pids = [pid for pid in child_pids(server.pid) if "sglang.launch_server" in cmdline(pid)]
+        assert len(engine_pids) == 1, "the gateway should have started one engine process"
+        check.watch(engine_pids[0])
 
         # README: curl
         if shutil.which("curl"):
@@ -87,33 +63,20 @@ def test_serve_tiny_cpu_readme_examples_and_graceful_sigterm(tiny_model_dir: Pat
             model="default", messages=[{"role": "user", "content": "Hello!"}], max_tokens=16, stream=True) if c.choices]
         assert streamed
 
-        # SIGTERM during a stream: the stream still ends with [DONE], then everything stops.
-        events: list[bytes] = []
-        started = threading.Event()
-
-        def stream() -> None:
-            body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 150,
-                    "ignore_eos": True, "stream": True, "temperature": 0}
-            with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=60) as response:
-                for line in response.iter_lines():
-                    started.set()
-                    if line:
-                        events.append(line.encode())
-
-        reader = threading.Thread(target=stream)
-        reader.start()
-        assert started.wait(30)
-        proc.send_signal(signal.SIGTERM)
-        reader.join(60)
-        assert events[-1] == b"data: [DONE]", events[-3:]
-        assert proc.wait(timeout=60) == 0
-        for pid in engine_pids:
-            assert not group_pids(pid), f"engine process group {pid} still alive"
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        log.close()
+        # SIGTERM during a stream: the stream still runs to its end, then everything stops.
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": STREAM_TOKENS,
+                "ignore_eos": True, "stream": True, "temperature": 0, "stream_options": {"include_usage": True}}
+        stream = BackgroundStream(base + "/v1/chat/completions", body).start()
+        server.proc.send_signal(signal.SIGTERM)
+        events = stream.finish()
+        assert events[-1] == "data: [DONE]", events[-3:]
+        chunks = [json.loads(event.removeprefix("data: ")) for event in events[:-1]]
+        assert not [chunk for chunk in chunks if "error" in chunk], "the stream ended with an error event"
+        finish_reasons = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+        assert finish_reasons and finish_reasons[-1] == "length", events[-3:]
+        assert chunks[-1]["usage"]["completion_tokens"] == STREAM_TOKENS
+        # ...and the events between reached the client: one per token, except where a token ends mid
+        # UTF-8 character (random weights emit many) and the engine holds its text for the next one.
+        deltas = [c["choices"][0]["delta"].get("content") for c in chunks if c["choices"]]
+        assert len([d for d in deltas if d]) >= STREAM_TOKENS // 2, len(deltas)
+        assert server.proc.wait(timeout=60) == 0

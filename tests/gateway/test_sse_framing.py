@@ -9,8 +9,6 @@ import pytest
 
 from tests.gateway.helpers import GatewayServer, auth
 
-pytestmark = pytest.mark.engine
-
 
 def _raw_stream(gateway: GatewayServer, path: str, body: dict) -> tuple[httpx.Response, bytes]:
     with httpx.Client(timeout=60) as http, http.stream("POST", gateway.url + path, json=body, headers=auth()) as response:

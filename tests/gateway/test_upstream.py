@@ -12,7 +12,6 @@ import pytest
 from launch.process import EngineProcess
 from tests.gateway.helpers import KEY, serve
 
-pytestmark = pytest.mark.engine
 UPSTREAM_KEY = "upstream-secret-key"
 HELLO = [{"role": "user", "content": "Hello"}]
 

@@ -1,8 +1,9 @@
 """The watchdog's backoff and its give-up rule, without an SGLang engine.
 
-The engine here is a real process that can never become ready (``python: /bin/false`` exits 1 at
-once), so each restart attempt fails in milliseconds the way a broken engine fails in seconds. The
-restart of a real SGLang engine after SIGKILL is tested in ``test_swap.py``.
+The engine here can never start: its model directory has no ``config.json``, so each restart attempt
+fails at the start-up preflight in milliseconds, the way a broken engine fails in seconds (and were the
+preflight passed, ``python: /bin/false`` exits 1 at once). The restart of a real SGLang engine after
+SIGKILL is tested in ``test_swap.py``.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def test_dead_engine_is_restarted_with_backoff_then_given_up(tmp_path: Path) -> 
     reasons = asyncio.run(scenario())
     health = watchdog.model("m")
     assert health.restarts == 3 and health.attempts == 3
-    assert "failed to start" in (health.last_error or "")
+    assert "no config.json in this directory" in (health.last_error or "")  # why the restarts failed
     assert any("restarting (attempt 1 of 3)" in r for r in reasons) and any("attempt 3 of 3" in r for r in reasons)
     assert "an operator must swap or reload model 'm'" in (backend.failure or "")
     assert backend.unavailable_reason() == backend.failure  # requests get 503 with this reason

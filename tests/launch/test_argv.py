@@ -28,10 +28,12 @@ from launch.argv import (
     secret_config,
     server_args,
 )
-from launch.config import CPU_DEFAULT_MAX_TOTAL_TOKENS, EngineConfig
+from launch.config import CPU_DEFAULT_MAX_TOTAL_TOKENS, EngineConfig, load_config
+from launch.preflight import preflight, require
 
 HERE = Path(__file__).resolve().parent
-README = HERE.parents[1] / "README.md"
+REPO = HERE.parents[1]
+README = REPO / "README.md"
 PORT = 30123
 # What SGLang's parser is asked to read back: every flag's destination, and two set through --config files.
 PARSED_FIELDS = sorted({dest for flag in ENGINE_FLAGS.values() for dest in flag.dests} | {"api_key", "log_level"})
@@ -164,12 +166,33 @@ def keyed_argv(directory: Path) -> list[str]:
     return argv
 
 
+# The shipped GPU deployments (configs/*.yaml with a cuda engine), as a GPU machine with a CUDA
+# toolkit would launch them: through the preflight, on as many GPUs as they ask for.
+PRESETS: dict[str, tuple[str, EngineConfig]] = {
+    f"{path.stem}:{name}": (name, engine)
+    for path in sorted((REPO / "configs").glob("*.yaml"))
+    for name, engine in load_config(path).managed().items()
+    if engine.device == "cuda"
+}
+
+
+def launched_preset(preset: str) -> EngineConfig:
+    name, engine = PRESETS[preset]
+    gpus = engine.tp_size * engine.dp_size
+    return require(preflight(engine, gpu_count=gpus, cuda_home="/usr/local/cuda", driver_cuda=(13, 0)), name)
+
+
+def test_there_are_gpu_presets() -> None:
+    assert len(PRESETS) >= 2, PRESETS
+
+
 @pytest.fixture(scope="module")
 def sglang_parsed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    """Every variant's argv parsed by ``sglang.srt.server_args.prepare_server_args`` (one subprocess)."""
+    """Every variant's and preset's argv parsed by ``sglang.srt.server_args.prepare_server_args`` (one subprocess)."""
     pytest.importorskip("sglang")
     argvs = [server_args(engine, port=PORT, served_model_name="key") for engine in VARIANTS.values()]
     argvs.append(keyed_argv(tmp_path_factory.mktemp("engine-key")))
+    argvs += [server_args(launched_preset(preset), port=8001, served_model_name=PRESETS[preset][0]) for preset in PRESETS]
     argvs.append(MISSPELLED)
     proc = subprocess.run(
         [sys.executable, str(HERE / "sglang_parse_argv.py")],
@@ -181,7 +204,7 @@ def sglang_parsed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     )
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULTS ")), None)
     assert line, f"parser script failed:\n{proc.stderr[-3000:]}"
-    return dict(zip([*VARIANTS, "engine-key", "misspelled"], json.loads(line.removeprefix("RESULTS ")), strict=True))
+    return dict(zip([*VARIANTS, "engine-key", *PRESETS, "misspelled"], json.loads(line.removeprefix("RESULTS ")), strict=True))
 
 
 def test_the_engine_key_reaches_sglang_through_the_config_file(sglang_parsed: dict[str, dict]) -> None:
@@ -253,3 +276,16 @@ def test_a_misspelled_flag_is_caught_by_the_parser_check(sglang_parsed: dict[str
     """The check itself can fail: SGLang's parser rejects an unknown flag."""
     result = sglang_parsed["misspelled"]
     assert result["ok"] is False and "--disable-cuda-graphs" in " ".join(result["error"])
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_shipped_gpu_presets_pass_preflight_and_sglangs_parser(sglang_parsed: dict[str, dict], preset: str) -> None:
+    name, engine = PRESETS[preset]
+    result = sglang_parsed[preset]
+    assert result["ok"], f"SGLang rejected the argv of {preset}: {result.get('error')}"
+    parsed = result["args"]
+    assert parsed["model_path"] == engine.model_path and parsed["served_model_name"] == name
+    for field in ("dtype", "context_length", "mem_fraction_static", "chunked_prefill_size", "grammar_backend", "tool_call_parser", "tp_size"):
+        assert str(parsed[field]) == str(getattr(engine, field)), field
+    assert engine.cuda_graph and str(parsed["cuda_graph_max_bs_decode"]) == str(engine.cuda_graph_max_bs)
+    assert "disabled" not in str(parsed["cuda_graph_backend_decode"])  # the toolkit was found: graphs stay on

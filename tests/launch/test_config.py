@@ -155,7 +155,7 @@ def test_shipped_configs_are_valid(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize(
     ("model", "message"),
     [
-        ({"url": "http://h:1", "replicas": 2}, "replicas and replica_gpus need an 'engine' section"),
+        ({"url": "http://h:1", "replicas": 2}, "replicas, replica_gpus and router need an 'engine' section"),
         ({"engine": {"model_path": "m", "port": 30000}, "replicas": 2}, "cannot share engine.port 30000"),
         ({"engine": {"model_path": "m", "device": "cpu"}, "replicas": 2, "replica_gpus": [[0], [1]]}, "replica_gpus needs device: cuda"),
         ({"engine": {"model_path": "m"}, "replicas": 2, "replica_gpus": [[0]]}, "replica_gpus lists 1 replica(s), replicas is 2"),

@@ -1,14 +1,19 @@
-"""The supervised engine process, driven against the real SGLang server on CPU.
+"""The supervised engine process, driven against the real SGLang server on CPU, and its /dev/shm hygiene.
 
 A fake engine (a shell script) is used only where the real one cannot produce the fault on
-demand: a process that ignores SIGTERM, to prove the SIGKILL fallback.
+demand: a process that ignores SIGTERM, to prove the SIGKILL fallback. The orphan sweep is shown on
+files made here, mapped by a plain child process (an engine's files are mapped the same way).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -17,25 +22,20 @@ import pytest
 
 from launch.config import EngineConfig
 from launch.process import EngineExited, EngineProcess, EngineStartTimeout, new_engine_key
-from launch.shm import SHM_DIR, group_pids, owned_shm_files
-
-pytestmark = pytest.mark.engine
-
-
-def assert_nothing_left(engine: EngineProcess, shm_files: set[Path]) -> None:
-    assert engine.pid is not None
-    assert group_pids(engine.pid) == set(), "processes of the engine's group are still running"
-    leftovers = [p for p in shm_files if p.exists()]
-    assert leftovers == [], f"/dev/shm files left behind: {leftovers}"
+from launch.procgroup import group_pids
+from launch.shm import SHM_DIR, orphaned_shm_files, remove_orphaned_shm
+from tests.leaks import leaves_nothing, unused_shm_files
 
 
+@pytest.mark.usefixtures("starts_engine")
 def test_engine_starts_serves_a_chat_and_stops_clean(tiny_engine_config: EngineConfig, tmp_path: Path) -> None:
     phases: list[str] = []
     key = new_engine_key()
     engine = EngineProcess(
         "tiny", tiny_engine_config, log_dir=tmp_path, on_progress=lambda phase, _t: phases.append(phase), api_key=key
     )
-    with engine:
+    with leaves_nothing() as check, engine:
+        check.watch(engine.pid)
         assert engine.ready and engine.health()  # /health needs no key (probes, load balancers)
         # The key reaches SGLang through a private file, gone once the engine is ready; never on the command line.
         assert key not in Path(f"/proc/{engine.pid}/cmdline").read_bytes().decode()
@@ -50,10 +50,7 @@ def test_engine_starts_serves_a_chat_and_stops_clean(tiny_engine_config: EngineC
         assert reply.usage is not None and 0 < reply.usage.completion_tokens <= 8
         assert reply.choices[0].finish_reason in ("length", "stop")
         assert client.models.list().data[0].id == "tiny"  # served under the model's YAML name
-        shm_files = owned_shm_files(engine.pid)
-        assert any(p.name.startswith("sglang_") for p in shm_files), "expected SGLang to map a /dev/shm file"
     assert engine.returncode is not None and not engine.running
-    assert_nothing_left(engine, shm_files)
     assert phases[0] == "starting" and phases[-1].startswith("stopped")
     for phase in ("loading weights", "allocating KV cache", "HTTP server up", "ready"):
         assert phase in phases, phases
@@ -63,21 +60,23 @@ def test_engine_starts_serves_a_chat_and_stops_clean(tiny_engine_config: EngineC
     assert engine.log_file.stat().st_mode & 0o077 == 0
 
 
+@pytest.mark.usefixtures("starts_engine")
 def test_readiness_timeout_raises_with_log_tail_and_stops(tiny_engine_config: EngineConfig, tmp_path: Path) -> None:
     engine = EngineProcess("slow", tiny_engine_config, log_dir=tmp_path)
-    engine.start()
-    try:
-        with pytest.raises(EngineStartTimeout) as caught:
-            engine.wait_ready(timeout_s=2.0)
-        assert "was not ready after 2s" in str(caught.value)
-        assert caught.value.returncode is None and caught.value.log_file == engine.log_file
-    finally:
-        started = time.monotonic()
-        engine.stop()
-    assert not engine.running and time.monotonic() - started < 30
-    assert group_pids(engine.pid) == set()
+    with leaves_nothing() as check:
+        engine.start()
+        check.watch(engine.pid)
+        try:
+            with pytest.raises(EngineStartTimeout) as caught:
+                engine.wait_ready(timeout_s=2.0)
+            assert "was not ready after 2s" in str(caught.value)
+            assert caught.value.returncode is None and caught.value.log_file == engine.log_file
+        finally:
+            engine.stop()
+        assert not engine.running
 
 
+@pytest.mark.usefixtures("starts_engine")
 def test_engine_dying_at_startup_reports_exit_code_and_log_quickly(tiny_model_dir: Path, tmp_path: Path) -> None:
     broken = tmp_path / "broken-model"
     broken.mkdir()
@@ -86,21 +85,18 @@ def test_engine_dying_at_startup_reports_exit_code_and_log_quickly(tiny_model_di
     (broken / "config.json").write_text(json.dumps({"model_type": "qwen2", "architectures": ["NoSuchModelForCausalLM"]}))
     config = EngineConfig(model_path=str(broken), device="cpu", startup_timeout_s=600)
     engine = EngineProcess("broken", config, log_dir=tmp_path)
-    shm_before = set(SHM_DIR.iterdir())
-    engine.start()
-    try:
-        with pytest.raises(EngineExited) as caught:
-            engine.wait_ready()  # the 600 s timeout must not be what ends this
-    finally:
-        engine.stop()
+    with leaves_nothing() as check:  # the engine that died leaves no /dev/shm file either
+        engine.start()
+        check.watch(engine.pid)
+        try:
+            with pytest.raises(EngineExited) as caught:
+                engine.wait_ready()  # the 600 s timeout must not be what ends this
+        finally:
+            engine.stop()
     error = caught.value
     assert error.returncode not in (None, 0)
     assert f"exited with code {error.returncode}" in str(error)
     assert error.log_tail and "last lines of the engine log" in str(error)
-    assert engine.uptime_s < 300
-    assert group_pids(engine.pid) == set()
-    left = {p for p in set(SHM_DIR.iterdir()) - shm_before if p.name.startswith(("sglang_", "sem.loky-"))}
-    assert left == set(), f"the engine that died left /dev/shm files: {left}"
 
 
 FAKE_ENGINE_IGNORING_SIGTERM = """#!/bin/sh
@@ -132,3 +128,44 @@ def test_stop_falls_back_to_sigkill(tmp_path: Path) -> None:
 
 def test_shm_dir_exists_on_this_platform() -> None:
     assert SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
+
+
+MAP_AND_WAIT = "import mmap, sys; f = open(sys.argv[1], 'r+b'); m = mmap.mmap(f.fileno(), 0); f.close(); print('mapped', flush=True); sys.stdin.read()"
+
+
+@pytest.fixture()
+def engine_style_files() -> Iterator[list[Path]]:
+    """Three engine-named /dev/shm files of 4 KiB (removed at the end if a test left them)."""
+    paths = [SHM_DIR / f"sglang_loads_test_{uuid.uuid4().hex}.shm" for _ in range(3)]
+    for path in paths:
+        path.write_bytes(b"\0" * 4096)
+        os.utime(path, (time.time() - 60, time.time() - 60))  # made a minute ago
+    yield paths
+    for path in paths:
+        path.unlink(missing_ok=True)
+
+
+def test_orphan_sweep_removes_only_files_no_live_process_uses(engine_style_files: list[Path]) -> None:
+    """What the next engine start does with the files of an engine whose launcher was SIGKILLed."""
+    used, orphan, young = engine_style_files
+    os.utime(young, None)  # just made: left alone, whoever is setting it up
+    holder = subprocess.Popen([sys.executable, "-c", MAP_AND_WAIT, str(used)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "mapped\n"
+        assert orphaned_shm_files() >= {orphan, young} and used not in orphaned_shm_files()
+        assert {orphan, young} <= unused_shm_files() and used not in unused_shm_files()  # the tests' own check agrees
+        removed = remove_orphaned_shm()
+        assert orphan in removed and not orphan.exists()
+        assert used.exists() and young.exists()
+    finally:
+        holder.communicate("")  # the holder exits: its file is an orphan now
+    os.utime(used, (time.time() - 60, time.time() - 60))
+    assert used in remove_orphaned_shm() and not used.exists() and young.exists()
+
+
+def test_orphan_sweep_leaves_other_users_files(engine_style_files: list[Path]) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give a file to another user")
+    theirs = engine_style_files[0]
+    os.chown(theirs, 54321, 54321)
+    assert theirs not in remove_orphaned_shm() and theirs.exists()

@@ -24,7 +24,8 @@ from loguru import logger
 
 from launch import engine_dir, shared
 from launch.config import EngineConfig
-from launch.shm import group_pids, owned_shm_files
+from launch.procgroup import group_pids
+from launch.shm import owned_shm_files
 
 SETTLE_S = 120  # bound on waiting for processes to appear or go away (never a timing assertion)
 

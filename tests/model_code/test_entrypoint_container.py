@@ -30,7 +30,8 @@ import pytest
 import yaml
 
 from launch.ports import pick_free_port
-from launch.shm import SHM_DIR, group_pids, owned_shm_files, shm_in_use
+from launch.procgroup import group_pids
+from launch.shm import SHM_DIR, owned_shm_files, shm_in_use
 from model_code import log_model
 from model_code.entrypoint import PORT_ENV
 from tests.model_code.helpers import engine_children

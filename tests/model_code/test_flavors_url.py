@@ -13,8 +13,6 @@ import pytest
 from model_code import errors, python_model_of
 from tests.model_code.helpers import engine_children, last_trace
 
-pytestmark = pytest.mark.engine
-
 MESSAGES = [{"role": "user", "content": "What is Databricks?"}]
 GRADE_SCHEMA = {
     "type": "object",

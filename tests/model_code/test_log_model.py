@@ -9,9 +9,10 @@ import mlflow
 import pytest
 import yaml
 
+from launch.config import ConfigError
 from launch.gpu_profiles import DEFAULT_PROFILE
 from model_code import engine_owner, log_model
-from model_code.log import FLAVOR_FILES
+from model_code.flavor_table import FLAVORS
 from tests.model_code.helpers import engine_children
 
 REPO = Path(__file__).resolve().parents[2]
@@ -22,7 +23,7 @@ def _files(info) -> Path:
     return Path(mlflow.artifacts.download_artifacts(info.model_uri))
 
 
-@pytest.mark.parametrize("flavor", list(FLAVOR_FILES))
+@pytest.mark.parametrize("flavor", list(FLAVORS))
 def test_logging_a_managed_config_starts_no_engine(flavor, mlflow_store, tiny_deployment, tiny_model_dir):
     starts, children = engine_owner.STARTS, set(engine_children())
     with mlflow.start_run():
@@ -78,11 +79,11 @@ def test_plain_mlflow_log_model_starts_no_engine(mlflow_store, tiny_engine_confi
     with mlflow.start_run():
         mlflow.pyfunc.log_model(
             name="model",
-            python_model=str(FLAVOR_FILES["chat_model"]),
+            python_model=str(FLAVORS["chat_model"].path),
             model_config={
                 "models": {"tiny": {"engine": tiny_engine_config.model_dump(mode="json", exclude_defaults=True)}}
             },
-            artifacts={"llm-model": str(tiny_model_dir)},
+            artifacts={"llm-model": str(tiny_model_dir.resolve())},  # MLflow refuses a symlinked directory
             code_paths=[str(REPO / "launch"), str(REPO / "model_code")],
             pip_requirements=["sglang==0.5.23"],
         )
@@ -92,7 +93,7 @@ def test_plain_mlflow_log_model_starts_no_engine(mlflow_store, tiny_engine_confi
 def test_bad_arguments(mlflow_store, tmp_path):
     with pytest.raises(ValueError, match="flavor must be one of"):
         log_model(QWEN_7B, flavor="chat")
-    with pytest.raises(Exception, match="not a local directory"):
+    with pytest.raises(ConfigError, match="missing: not a local directory"):
         log_model(QWEN_7B, model_path=tmp_path / "missing")
     with pytest.raises(Exception, match=r"^no GPU stack profile for CUDA 12\.8: .* Profiles: sglang-0\.5\.23-cu130 "):
         log_model(QWEN_7B, cuda="12.8")

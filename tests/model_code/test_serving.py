@@ -5,7 +5,6 @@ gateway's ``--model-uri`` mode builds on). URL mode against the shared engine: n
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -14,9 +13,7 @@ import httpx
 import pytest
 
 from model_code import load_for_serving
-from tests.model_code.helpers import http_server_process
-
-pytestmark = pytest.mark.engine
+from tests.servers import server_process
 
 MESSAGES = [{"role": "user", "content": "What is Databricks?"}]
 
@@ -43,8 +40,8 @@ def served_agent(url_models, mlflow_store):
         "-p",
         "{port}",
     ]
-    with http_server_process(argv, log_path=mlflow_store / "mlflow-serve.log", env=env) as (url, _proc):
-        yield url
+    with server_process(argv, log_path=mlflow_store / "mlflow-serve.log", env=env, ready_path="/ping") as server:
+        yield server.url
 
 
 def test_mlflow_models_serve_invocations(served_agent):
@@ -108,13 +105,12 @@ def gateway_model_uri(url_config, mlflow_store, tmp_path_factory):
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{mlflow_store}/mlflow.db"}
     argv = [sys.executable, "-m", "gateway.cli", "serve", "--model-uri", info.model_uri, "--port", "{port}"]
     argv += ["--gateway-config", str(config_dir / "gateway.yaml")]
-    log_path = mlflow_store / "gateway-model-uri.log"
-    with http_server_process(argv, log_path=log_path, env=env, ready_path="/health") as served:
-        yield served
+    with server_process(argv, log_path=mlflow_store / "gateway-model-uri.log", env=env, ready_path="/health") as server:
+        yield server
 
 
 def test_gateway_model_uri_answers_the_same_body_as_mlflow_serve(gateway_model_uri, served_agent):
-    url, _ = gateway_model_uri
+    url = gateway_model_uri.url
     body = {"messages": MESSAGES, "custom_inputs": {"temperature": 0, "max_tokens": 12}}
     ours = httpx.post(f"{url}/invocations", json=body, headers=AUTH, timeout=120)
     theirs = httpx.post(f"{served_agent}/invocations", json=body, timeout=120)
@@ -133,7 +129,7 @@ def test_gateway_model_uri_answers_the_same_body_as_mlflow_serve(gateway_model_u
 def test_gateway_model_uri_streams_invocations_as_sse(gateway_model_uri):
     import json
 
-    url, _ = gateway_model_uri
+    url = gateway_model_uri.url
     body = {"messages": MESSAGES, "custom_inputs": {"temperature": 0, "max_tokens": 12}, "stream": True}
     with httpx.stream("POST", f"{url}/invocations", json=body, headers=AUTH, timeout=120) as response:
         assert response.status_code == 200
@@ -150,7 +146,7 @@ def test_gateway_model_uri_streams_invocations_as_sse(gateway_model_uri):
 
 
 def test_gateway_model_uri_applies_the_gateway_settings(gateway_model_uri):
-    url, _ = gateway_model_uri
+    url = gateway_model_uri.url
     body = {"messages": MESSAGES, "custom_inputs": {"max_tokens": 4}}
     assert httpx.post(f"{url}/invocations", json=body, timeout=60).status_code == 401  # the key file's key
     assert httpx.post(f"{url}/invocations", json=body, headers={"Authorization": "Bearer nope"}).status_code == 401
@@ -176,12 +172,10 @@ def test_gateway_model_uri_applies_the_gateway_settings(gateway_model_uri):
 def test_gateway_model_uri_also_serves_openai_and_stops_cleanly(gateway_model_uri):
     import openai
 
-    url, proc = gateway_model_uri
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+    client = openai.OpenAI(base_url=f"{gateway_model_uri.url}/v1", api_key=KEY, max_retries=0)
     reply = client.chat.completions.create(model="default", messages=MESSAGES, max_tokens=6, temperature=0)
     assert reply.model == "tiny" and reply.choices[0].message.role == "assistant"
-    os.killpg(proc.pid, signal.SIGTERM)
-    assert proc.wait(timeout=60) == 0
+    assert gateway_model_uri.stop() == 0
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,7 @@ import pytest
 from launch.engine_dir import STATE_FILE, runtime_root
 from launch.shm import owned_shm_files
 from model_code import log_model
-from tests.model_code.helpers import http_server_process
+from tests.servers import server_process
 
 pytestmark = pytest.mark.engine
 
@@ -118,8 +118,8 @@ def test_two_workers_one_engine_survives_the_owner_and_leaves_nothing(logged_age
     argv = [sys.executable, "-m", "mlflow", "models", "serve", "-m", logged_agent.model_uri]
     argv += ["--env-manager", "local", "-h", "127.0.0.1", "-p", "{port}", "-w", "2"]
     log_path = mlflow_store / "mlflow-serve-w2.log"
-    with http_server_process(argv, log_path=log_path, env=env) as (url, proc):
-        server = psutil.Process(proc.pid)
+    with server_process(argv, log_path=log_path, env=env, ready_path="/ping") as served:
+        url, server = served.url, psutil.Process(served.pid)
         _wait_for(lambda: len(scoring_workers(server)) == 2, "two scoring workers")
         workers = {p.pid for p in scoring_workers(server)}
         _wait_for(lambda: {p.ppid() for p in engine_hosts() if p.pid not in hosts_before} & workers, "the engine host")

@@ -1,0 +1,74 @@
+"""The one "leaves nothing behind" check of the tests: no process group left, no ``/dev/shm`` file left.
+
+``/dev/shm`` is checked whole: every file in it that no live process has mapped or open is a leak,
+unless it was already there, unused, before the check began. Other engines running on the machine
+(other tests, other users) use their files, so they never count, and no before/after comparison of
+the directory is needed. The product's own idea of which files an engine owns is not used: a bug in
+it would hide the very leak this looks for.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from launch.procgroup import group_pids, signal_group
+from launch.shm import SHM_DIR, shm_in_use
+
+SETTLE_S = 30.0
+"""How long leftovers may take to go (another engine on the machine may be mid-stop meanwhile)."""
+
+
+def unused_shm_files() -> set[Path]:
+    """Files in ``/dev/shm`` that no live process on this machine has mapped or open."""
+    files = {path for path in SHM_DIR.iterdir() if path.is_file()} if SHM_DIR.is_dir() else set()
+    return files - shm_in_use() if files else set()
+
+
+class LeakCheck:
+    """Remembers the process groups a test started and the ``/dev/shm`` files already unused."""
+
+    def __init__(self) -> None:
+        self.baseline = unused_shm_files()
+        self.groups: set[int] = set()
+
+    def watch(self, pgid: int | None) -> None:
+        """A process group that must be gone at the end (an engine's pid, a CLI's pid)."""
+        if pgid is not None:
+            self.groups.add(pgid)
+
+    def leftovers(self) -> tuple[dict[int, set[int]], set[Path]]:
+        alive = {pgid: pids for pgid in self.groups if (pids := group_pids(pgid))}
+        return alive, unused_shm_files() - self.baseline
+
+    def kill_all(self) -> None:
+        """SIGKILL every watched group (a failed test must not leave its engines running)."""
+        for pgid in self.groups:
+            signal_group(pgid, signal.SIGKILL)
+
+    def assert_nothing_left(self, settle_s: float = SETTLE_S) -> None:
+        deadline = time.monotonic() + settle_s
+        while True:
+            alive, files = self.leftovers()
+            if not alive and not files:
+                return
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert not alive, f"process groups still alive (group: pids): {alive}"
+        assert not files, f"/dev/shm files that no live process uses were left behind: {sorted(map(str, files))}"
+
+
+@contextmanager
+def leaves_nothing() -> Iterator[LeakCheck]:
+    """``with leaves_nothing() as check: ...; check.watch(pid)``: fails if the block leaves anything."""
+    check = LeakCheck()
+    try:
+        yield check
+    except BaseException:
+        check.kill_all()
+        raise
+    check.assert_nothing_left()
