@@ -10,9 +10,12 @@ A map, by plane:
   ``routes``         the FastAPI routes made from it, stored responses by id, models, health, ready, metrics
   ``protocol``       request validation (bodies go upstream as sent, only ``model`` rewritten)*
   ``proxy``          admission, forwarding, SSE relay event by event, usage and error inspection*
+  ``balancer``       which replica takes a request (least in flight, or prompt-prefix affinity)*
   ``limits``         per-model concurrency and queue*; ``poison`` requests that crash engines*
   ``errors``         errors in the route's dialect (OpenAI or Anthropic), sanitized
   ``responses_index`` which engine stored which Responses API response
+  ``context``        what is learnt about one request (for its log line); ``metrics`` the Prometheus series
+  ``invocations``, ``model_uri``  ``POST /invocations`` and ``serve --model-uri`` for a logged MLflow model
 
 **Shared state**: ``state.GatewayState`` (settings, registry, metrics, proxy, probes, quarantine,
 responses index), read by both planes; ``registry`` maps names and aliases to routes and backends,
@@ -24,5 +27,6 @@ replaced in one assignment.
   ``swap``           starts, switches, drains and stops backends (blue-green / stop-first); owns the engines
   ``watchdog``       restarts dead or unhealthy engines with backoff
   ``health``         every probe of a backend, on a client of its own
-  ``admin``          the admin API and its reports; ``config`` the ``gateway:`` section; ``server`` uvicorn
+  ``admin``          the admin API and its reports; ``config`` the ``gateway:`` section; ``server`` uvicorn;
+                     ``cli`` the ``sglang-gateway`` command (serve, launch, check)
 """

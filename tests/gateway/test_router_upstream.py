@@ -22,7 +22,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 import openai
@@ -35,6 +35,7 @@ from launch.model_info import vocab_size
 from launch.process import EngineProcess
 from tests.gateway.helpers import KEY, GatewayServer, auth, serve
 from tests.gateway.test_swap import report
+from tests.load import ThreadedLoad
 
 pytestmark = pytest.mark.engine
 PROMPT = [{"role": "user", "content": "Say something."}]
@@ -220,42 +221,16 @@ class LongStream:
 
 
 @dataclass
-class RawLoad:
+class RawLoad(ThreadedLoad[RawOutcome]):
     """A bounded loop of concurrent chat requests (every other one streamed) over raw HTTP, each answer kept whole,
     so that how a stream ended (``[DONE]``, an error event, or nothing) and every byte a client saw can be checked."""
 
-    base_url: str
-    workers: int = 3
     max_requests: int = 2000
-    outcomes: list[RawOutcome] = field(default_factory=list)
 
-    def __post_init__(self) -> None:
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(self.workers)]
+    def client(self) -> httpx.Client:
+        return httpx.Client(base_url=self.base_url, headers=auth(), timeout=120)
 
-    def __enter__(self) -> RawLoad:
-        for thread in self._threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(150)
-        assert not any(thread.is_alive() for thread in self._threads), "a load worker hung"
-
-    def _run(self, worker: int) -> None:
-        with httpx.Client(base_url=self.base_url, headers=auth(), timeout=120) as client:
-            n = 0
-            while not self._stop.is_set() and len(self.outcomes) < self.max_requests:
-                outcome = self._one(client, stream=(n + worker) % 2 == 0)
-                n += 1
-                with self._lock:
-                    self.outcomes.append(outcome)
-                time.sleep(0.05)
-
-    def _one(self, client: httpx.Client, stream: bool) -> RawOutcome:
+    def one(self, client: httpx.Client, stream: bool) -> RawOutcome:
         outcome = RawOutcome(time.monotonic(), stream)
         body = {"model": "tiny", "messages": PROMPT, "max_tokens": 8, "temperature": 0, "stream": stream}
         try:
@@ -264,10 +239,6 @@ class RawLoad:
         except httpx.HTTPError as error:
             outcome.text += f" [{type(error).__name__}: {error}]"
         return outcome
-
-    def since(self, start: float) -> list[RawOutcome]:
-        with self._lock:
-            return [o for o in self.outcomes if o.started >= start]
 
     def wait_for_ok(self, n: int, since: float, timeout_s: float = 120) -> None:
         deadline = time.monotonic() + timeout_s

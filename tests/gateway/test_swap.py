@@ -36,7 +36,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -64,6 +63,7 @@ from tests.gateway.helpers import (
     prometheus_value,
 )
 from tests.leaks import LeakCheck
+from tests.load import ThreadedLoad
 
 ADMIN = "swap-admin-key"
 PROMPT = [{"role": "user", "content": "Say something."}]
@@ -85,42 +85,18 @@ class Outcome:
 
 
 @dataclass
-class Load:
-    """A bounded loop of concurrent requests (half streaming) from ``workers`` threads, recorded."""
+class Load(ThreadedLoad[Outcome]):
+    """A bounded loop of concurrent requests (half streaming) through the openai SDK, recorded."""
 
-    base_url: str
-    workers: int = 3
-    max_requests: int = 5000
-    outcomes: list[Outcome] = field(default_factory=list)
+    join_s: float = 90
 
-    def __post_init__(self) -> None:
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(self.workers)]
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base_url + "/v1", api_key=KEY, max_retries=0, timeout=60)
 
-    def __enter__(self) -> Load:
-        for thread in self._threads:
-            thread.start()
-        return self
+    def pause(self, outcome: Outcome) -> float:
+        return 0.05 if outcome.kind == "ok" else 0.5  # a polite client (Retry-After, shortened)
 
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(90)
-        assert not any(t.is_alive() for t in self._threads), "a load worker hung"
-
-    def _run(self, worker: int) -> None:
-        client = openai.OpenAI(base_url=self.base_url + "/v1", api_key=KEY, max_retries=0, timeout=60)
-        n = 0
-        while not self._stop.is_set() and len(self.outcomes) < self.max_requests:
-            stream = (n + worker) % 2 == 0
-            n += 1
-            outcome = self._one(client, stream)
-            with self._lock:
-                self.outcomes.append(outcome)
-            time.sleep(0.05 if outcome.kind == "ok" else 0.5)  # a polite client (Retry-After, shortened)
-
-    def _one(self, client: openai.OpenAI, stream: bool) -> Outcome:
+    def one(self, client: openai.OpenAI, stream: bool) -> Outcome:
         started = time.monotonic()
         out = Outcome(started, started, stream, "ok")
         try:
@@ -143,10 +119,6 @@ class Load:
         out.ended = time.monotonic()
         return out
 
-    def between(self, start: float, end: float = float("inf")) -> list[Outcome]:
-        with self._lock:
-            return [o for o in self.outcomes if o.started >= start and o.started < end]
-
     def counts(self, outcomes: list[Outcome]) -> dict[str, int]:
         out: dict[str, int] = {}
         for o in outcomes:
@@ -155,8 +127,8 @@ class Load:
 
     def wait_for_requests(self, n: int, since: float, timeout_s: float = 60) -> None:
         deadline = time.monotonic() + timeout_s
-        while len([o for o in self.between(since) if o.kind == "ok"]) < n:
-            assert time.monotonic() < deadline, f"fewer than {n} successful requests in {timeout_s}s: {self.counts(self.between(since))}"
+        while len([o for o in self.since(since) if o.kind == "ok"]) < n:
+            assert time.monotonic() < deadline, f"fewer than {n} successful requests in {timeout_s}s: {self.counts(self.since(since))}"
             time.sleep(0.1)
 
 
@@ -324,7 +296,7 @@ def test_b_broken_yaml_changes_nothing(rig: SwapRig) -> None:
         load.wait_for_requests(4, time.monotonic())
     after = rig.model()
     assert after["engine"]["pid"] == before["engine"]["pid"] and after["state"] == "ready"
-    during = load.between(t0)
+    during = load.since(t0)
     assert load.counts(during).keys() == {"ok"}, load.counts(during)
     assert changes(counters, rig.metrics()) == {"reloads_invalid": 2}
     report("(b) broken YAML", requests=len(load.outcomes), failed=sum(o.kind != "ok" for o in load.outcomes), error=message)
@@ -389,10 +361,10 @@ def test_a_engine_change_swaps_blue_green_without_failed_requests(rig: SwapRig) 
 
     failed = [o for o in load.outcomes if o.kind != "ok"]
     assert not failed, failed[:3]
-    old_answers = [o for o in load.between(0, swapped_at) if o.model == "tiny"]
-    new_answers = [o for o in load.between(swapped_at, ended)]
+    old_answers = [o for o in load.since(0, swapped_at) if o.model == "tiny"]
+    new_answers = [o for o in load.since(swapped_at, ended)]
     assert old_answers and new_answers and all(o.model == "tiny-v2" for o in new_answers), {o.model for o in new_answers}
-    during = load.between(t0, swapped_at)
+    during = load.since(t0, swapped_at)
     report(
         "(a) blue-green swap under load",
         requests=len(load.outcomes), failed=len(failed), requests_during_swap=len(during),
@@ -420,7 +392,7 @@ def test_stop_first_swap_answers_503_with_retry_after_meanwhile(rig: SwapRig) ->
     assert results[0]["policy"] == "stop-first" and results[0]["new"]["pid"] != before["engine"]["pid"]
     after = rig.model()
     assert after["engine"]["pid"] == results[0]["new"]["pid"] and not group_pids(before["engine"]["pid"])
-    during = load.between(t0, done)
+    during = load.since(t0, done)
     kinds = load.counts(load.outcomes)
     assert set(kinds) <= {"ok", "503"}, [o for o in load.outcomes if o.kind not in ("ok", "503")][:3]
     refused = [o for o in load.outcomes if o.kind == "503"]
@@ -495,7 +467,7 @@ def test_d_sigkilled_engine_is_restarted_and_requests_get_503_meanwhile(rig: Swa
     cut = [o for o in load.outcomes if o.kind == "stream_cut"]
     assert all(o.started < killed for o in cut), "only streams already running at the kill may be cut"
     assert changes(counters, rig.metrics()) == {"restarts": 1, "stream_errors": len(cut) + 3}
-    first_ok = min(o.ended for o in load.between(killed) if o.kind == "ok")
+    first_ok = min(o.ended for o in load.since(killed) if o.kind == "ok")
     report(
         "(d) SIGKILL and automatic restart",
         requests=len(load.outcomes), outcomes=kinds, answered_503=len(refused), streams_cut_by_the_kill=len(cut) + 3,
