@@ -38,6 +38,7 @@ class ProxiedRoute:
     model: ModelChoice = ModelChoice.BODY
     response_ids: bool = False  # records the ids of the responses it creates (GET /v1/responses/{id}...)
     upstream: str | None = None  # the engine's path, when not ``path``
+    renames_model: bool = False  # the engine's answer names the model by its weights' path: the served name instead
 
     @property
     def upstream_path(self) -> str:
@@ -59,7 +60,10 @@ PROXIED: tuple[ProxiedRoute, ...] = (
         "/v1/messages/count_tokens", protocol.CountTokensRequest, "Count the tokens of a Messages request (Anthropic)",
         "generation", dialect=Dialect.ANTHROPIC, stream=None,
     ),
-    ProxiedRoute("/v1/embeddings", protocol.EmbeddingRequest, "Embeddings (OpenAI)", "embedding", stream=None, token_ids=("input",)),
+    ProxiedRoute(
+        "/v1/embeddings", protocol.EmbeddingRequest, "Embeddings (OpenAI)", "embedding", stream=None, token_ids=("input",),
+        renames_model=True,
+    ),
     ProxiedRoute("/v1/tokenize", protocol.TokenizeRequest, "Text or messages to token ids", "any", stream=None, model=ModelChoice.BODY_OR_DEFAULT),
     ProxiedRoute(
         "/v1/detokenize", protocol.DetokenizeRequest, "Token ids to text", "any", stream=None, token_ids=("tokens",),

@@ -33,7 +33,8 @@ def uvicorn_config(app: FastAPI, settings: GatewaySettings, *, log_level: str = 
         lifespan="on",
         access_log=False,  # the gateway writes its own line per request
         log_level=log_level,
-        timeout_graceful_shutdown=int(settings.shutdown_grace_s) or None,
+        # Seconds as given: uvicorn hands the value to asyncio.wait_for (a float works; 0 means no grace at all).
+        timeout_graceful_shutdown=settings.shutdown_grace_s,  # type: ignore[arg-type]
         timeout_keep_alive=max(1, round(settings.http.keepalive_timeout_s)),
         loop="auto",  # uvloop when installed
         http=guarded_protocol(settings.http),  # httptools with header/connection limits and timeouts

@@ -39,6 +39,7 @@ def test_embeddings_through_the_sdk(embedding_gateway: GatewayServer, tiny_model
     assert all(len(vector) == width and all(isinstance(x, float) for x in vector) for vector in vectors)
     assert vectors[0] != vectors[1]
     assert result.usage.prompt_tokens > 0
+    assert result.model == "embed"  # SGLang answers with the weights' path: never shown to clients
     again = client.embeddings.create(model="embed", input="hello")  # one string; the same text, the same vector
     assert again.data[0].embedding == pytest.approx(vectors[1], abs=1e-5)
 
