@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from launch.config import ConfigError
-from launch.gpu_profiles import DEFAULT_PROFILE
+from launch.gpu_profiles import DEFAULT_PROFILE, UnknownGpuProfile
 from model_code import engine_owner, log_model
 from model_code.flavor_table import FLAVORS
 from tests.model_code.helpers import engine_children
@@ -95,5 +95,5 @@ def test_bad_arguments(mlflow_store, tmp_path):
         log_model(QWEN_7B, flavor="chat")
     with pytest.raises(ConfigError, match="missing: not a local directory"):
         log_model(QWEN_7B, model_path=tmp_path / "missing")
-    with pytest.raises(Exception, match=r"^no GPU stack profile for CUDA 12\.8: .* Profiles: sglang-0\.5\.23-cu130 "):
+    with pytest.raises(UnknownGpuProfile, match=r"^no GPU stack profile for CUDA 12\.8: .* Profiles: sglang-0\.5\.23-cu130 "):
         log_model(QWEN_7B, cuda="12.8")
