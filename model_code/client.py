@@ -23,7 +23,7 @@ from loguru import logger
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from launch.shared import SharedEngine
-from model_code.engine_owner import Engine, acquire_engine, release_engine
+from model_code.engine_owner import Engine, acquire_engine, release_engine, replica_specs
 from model_code.errors import BadRequestError, EngineUnavailableError, from_openai_error
 from model_code.params import build_request
 from model_code.target import LOG_TIME_TEXT, ModelCodeSettings, in_log_time, resolve_target
@@ -70,7 +70,7 @@ class EngineClient:
             api_key = os.environ.get(target.settings.api_key_env, api_key)
         if target.url is not None:
             return cls(_v1(target.url), target.served_name, target.settings, api_key=api_key)
-        engine = acquire_engine(target)
+        engine = acquire_engine(target.settings, *replica_specs(target)[0])  # first replica until the set is wired
         return cls(
             _v1(engine.url), target.served_name, target.settings, api_key=engine.api_key or api_key, engine=engine
         )
