@@ -17,7 +17,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import yaml
 from fastapi import FastAPI
 from loguru import logger
 from pydantic import ValidationError
@@ -26,7 +25,7 @@ from gateway.app import create_app
 from gateway.config import GatewaySettings, gateway_settings
 from gateway.invocations import invocations_router
 from gateway.registry import build_registry
-from launch.config import ConfigError, expand_env, format_validation_error, parse_config
+from launch.config import ConfigError, format_validation_error, parse_config, read_yaml
 
 GATEWAY_SECTION = "gateway"
 _KEY_FILES = ("api_keys_file", "admin_keys_file")
@@ -38,16 +37,7 @@ def read_gateway_section(path: Path) -> dict[str, Any]:
     ``${VAR}`` is expanded and relative key files are made relative to the file; the section is
     checked now, so a bad key fails before the model (and its engine) is loaded.
     """
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such file") from None
-    except OSError as error:
-        raise ConfigError(f"{path}: cannot read: {error.strerror}") from None
-    try:
-        data = yaml.safe_load(expand_env(text, path))
-    except yaml.YAMLError as error:
-        raise ConfigError(f"{path}: invalid YAML: {getattr(error, 'problem', None) or error}") from None
+    data = read_yaml(path)
     section = data.get(GATEWAY_SECTION) if isinstance(data, dict) else None
     if not isinstance(section, dict):
         raise ConfigError(f"{path}: no '{GATEWAY_SECTION}:' mapping (the server settings: api_keys, limits...)")

@@ -141,9 +141,7 @@ class EngineConfig(_Strict):
     @field_validator("extra_args")
     @classmethod
     def _extra(cls, value: list[str]) -> list[str]:
-        if value and not value[0].startswith("--"):
-            raise ValueError(f"must start with a flag (--name), got {value[0]!r}")
-        return value
+        return flags_first(value)
 
     @model_validator(mode="after")
     def _consistent(self) -> EngineConfig:
@@ -163,6 +161,13 @@ class EngineConfig(_Strict):
     @property
     def python_executable(self) -> str:
         return self.python or sys.executable
+
+
+def flags_first(args: list[str]) -> list[str]:
+    """``extra_args`` passed verbatim to a command line must start with a flag (``--name``)."""
+    if args and not args[0].startswith("--"):
+        raise ValueError(f"must start with a flag (--name), got {args[0]!r}")
+    return args
 
 
 def _scalar_to_str(key: Any, value: Any) -> str:
@@ -186,9 +191,7 @@ class RouterConfig(_Strict):
     @field_validator("extra_args")
     @classmethod
     def _extra(cls, value: list[str]) -> list[str]:
-        if value and not value[0].startswith("--"):
-            raise ValueError(f"must start with a flag (--name), got {value[0]!r}")
-        return value
+        return flags_first(value)
 
     @property
     def python_executable(self) -> str:
@@ -335,6 +338,11 @@ def parse_config(data: Any, source: str | Path = "<config>") -> DeploymentConfig
 def load_config(path: str | Path) -> DeploymentConfig:
     """Read, expand ``${VAR}`` / ``${VAR:-default}``, and validate a deployment YAML file."""
     file = Path(path)
+    return parse_config(_resolve_relative_paths(read_yaml(file), file.parent), file)
+
+
+def read_yaml(file: Path) -> Any:
+    """A YAML file's data with ``${VAR}`` expanded; ConfigError naming the file (and line) otherwise."""
     try:
         text = file.read_text()
     except FileNotFoundError:
@@ -348,7 +356,7 @@ def load_config(path: str | Path) -> DeploymentConfig:
         where = f"line {mark.line + 1}: " if mark else ""
         problem = getattr(error, "problem", None) or str(error).splitlines()[0]
         raise ConfigError(f"{file}: {where}invalid YAML: {problem}") from None
-    return parse_config(_resolve_relative_paths(data, file.parent), file)
+    return data
 
 
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")

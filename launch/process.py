@@ -28,6 +28,7 @@ from loguru import logger
 
 from launch.argv import build_argv, build_env, secret_config
 from launch.config import EngineConfig
+from launch.logpump import pump_output
 from launch.ports import pick_free_port
 from launch.procgroup import popen_group, stop_group
 from launch.shm import orphaned_shm_files, owned_shm_files, remove_files, remove_orphaned_shm
@@ -319,22 +320,14 @@ class EngineProcess:
     # ------------------------------------------------------------------ internals
     def _pump_log(self) -> None:
         assert self._proc is not None and self._proc.stdout is not None and self.log_file is not None
-        # Owner-only: SGLang prints its server arguments at start-up (the API key among them, which is
-        # also redacted below).
-        fd = os.open(self.log_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with open(fd, "w", encoding="utf-8", errors="replace") as sink:
-            for raw in iter(self._proc.stdout.readline, b""):
-                line = raw.decode("utf-8", errors="replace").rstrip()
-                if self.api_key and self.api_key in line:
-                    line = line.replace(self.api_key, "<redacted>")
-                sink.write(line + "\n")
-                sink.flush()
-                with self._lock:
-                    self._tail.append(line)
-                if self.echo_level is not None:
-                    logger.log(self.echo_level, "[{}] {}", self.name, line)
-                self._parse_phase(line)
-        self._proc.stdout.close()
+        pump_output(self._proc.stdout, self.log_file, secret=self.api_key, on_line=self._on_log_line)
+
+    def _on_log_line(self, line: str) -> None:
+        with self._lock:
+            self._tail.append(line)
+        if self.echo_level is not None:
+            logger.log(self.echo_level, "[{}] {}", self.name, line)
+        self._parse_phase(line)
 
     def _parse_phase(self, line: str) -> None:
         if self._ready:

@@ -24,6 +24,7 @@ from loguru import logger
 
 from launch.argv import ROUTER_ENV, ROUTER_MODULE, router_args
 from launch.config import RouterConfig
+from launch.logpump import pump_output
 from launch.ports import pick_free_port
 from launch.process import LOG_TAIL_LINES, EngineExited, EngineStartTimeout
 from launch.procgroup import popen_group, stop_group
@@ -78,7 +79,6 @@ class RouterProcess:
             json.dump({"argv": argv, "api_key": self.api_key}, handle)
         self._log_dir.mkdir(parents=True, exist_ok=True)
         self.log_file = self._log_dir / f"router-{self.name}-{self.port}-{int(time.time())}.log"
-        log = os.open(self.log_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         logger.info("router {}: starting on port {} in front of {}", self.name, self.port, ", ".join(worker_urls) or "no worker yet")
         self._proc = popen_group(
             [self.config.python_executable, "-m", ROUTER_MODULE, secret],
@@ -88,7 +88,7 @@ class RouterProcess:
             stderr=subprocess.STDOUT,
         )
         self.started_at = time.monotonic()
-        self._reader = threading.Thread(target=self._pump_log, args=(log,), name=f"router-log-{self.name}", daemon=True)
+        self._reader = threading.Thread(target=self._pump_log, name=f"router-log-{self.name}", daemon=True)
         self._reader.start()
 
     def wait_ready(
@@ -164,14 +164,6 @@ class RouterProcess:
             logger.info("router {}: workers + {} - {}", self.name, added or "none", removed or "none")
         return added, removed
 
-    def _pump_log(self, fd: int) -> None:
-        assert self._proc is not None and self._proc.stdout is not None
-        with open(fd, "w", encoding="utf-8", errors="replace") as sink:
-            for raw in iter(self._proc.stdout.readline, b""):
-                line = raw.decode("utf-8", errors="replace").rstrip()
-                if self.api_key and self.api_key in line:
-                    line = line.replace(self.api_key, "<redacted>")
-                sink.write(line + "\n")
-                sink.flush()
-                self._tail.append(line)
-        self._proc.stdout.close()
+    def _pump_log(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None and self.log_file is not None
+        pump_output(self._proc.stdout, self.log_file, secret=self.api_key, on_line=self._tail.append)
