@@ -28,11 +28,11 @@ import httpx
 import mlflow
 import pytest
 
-from launch.config import ConfigError
+from launch.config import ConfigError, EngineConfig
 from launch.engine_dir import STATE_FILE, key_dir_for, read_json
 from launch.ports import pick_free_port
 from launch.process import EngineError, EngineStartCancelled
-from launch.shared import SharedEngine
+from launch.shared import SharedEngine, join
 from model_code import close_model, engine_owner, log_model, python_model_of
 from model_code.client import EngineClient
 from model_code.errors import EngineUnavailableError
@@ -40,6 +40,7 @@ from model_code.replica_set import Replica, ReplicaSet
 from model_code.target import ModelCodeSettings, resolve_target
 from tests.docs.readme_blocks import marked_blocks
 from tests.leaks import leaves_nothing
+from tests.model_code.helpers import engine_children
 from tests.servers import server_process
 
 MESSAGES = [{"role": "user", "content": "What is Databricks?"}]
@@ -135,6 +136,33 @@ def test_one_replica_failing_to_start_gives_up_the_others(tiny_deployment, monke
 
 
 # ------------------------------------------------------------------------------------ with real engines
+@pytest.mark.usefixtures("starts_engine")
+def test_a_shared_start_given_up_stops_its_engine_and_leaves_nothing(tiny_deployment):
+    """What a replica's start does when another replica failed: it gives up its lease while the engine is
+    starting, and the host, with nobody left, stops that engine and removes its directory."""
+    config = EngineConfig.model_validate(_engine(tiny_deployment))
+    key_dir = key_dir_for("tiny-given-up", config)
+    seen: dict[str, Any] = {}
+
+    def engine_is_starting() -> bool:
+        state = read_json(key_dir / STATE_FILE) or {}
+        engines = engine_children(state["host_pid"]) if state.get("host_pid") else []
+        if engines:
+            seen.update(host_pid=state["host_pid"], engines=engines)
+        return bool(engines)
+
+    with leaves_nothing() as check:
+        with pytest.raises(EngineStartCancelled, match="start given up"):
+            join("tiny-given-up", config, stop_when=engine_is_starting)
+        check.watch(seen["host_pid"])
+        for pid in seen["engines"]:
+            check.watch(pid)
+    deadline = time.monotonic() + SETTLE_S
+    while key_dir.exists():
+        assert time.monotonic() < deadline, f"shared-engine directory left: {key_dir}"
+        time.sleep(0.5)
+
+
 def requests_served(engine: Any) -> float:
     """Requests the engine itself counted (``sglang:num_requests_total``, all label sets summed)."""
     text = httpx.get(f"{engine.url}/metrics", headers=engine.auth_headers(), timeout=30).text
