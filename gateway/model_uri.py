@@ -1,8 +1,9 @@
 """``sglang-gateway serve --model-uri``: serve a logged MLflow model with streaming.
 
-Loads the model (``mlflow.pyfunc.load_model``: starts or joins its engine, or connects to its URL),
-then serves the gateway's OpenAI endpoints in front of that engine plus ``POST /invocations`` with
-the Databricks request shapes, streaming when the body has ``"stream": true``.
+Loads the model (``mlflow.pyfunc.load_model``: starts or joins its engines, or connects to its URL),
+then serves the gateway's OpenAI endpoints in front of those engines (balanced over a model's replicas
+like the replicas of a YAML model) plus ``POST /invocations`` with the Databricks request shapes,
+streaming when the body has ``"stream": true`` (the model balances those requests itself).
 
 The server's settings are the ``gateway:`` section of the deployment (API keys, limits, timeouts,
 CORS...): the logged ``model_config``'s, overridden key by key by the one of ``--gateway-config FILE``,
@@ -24,7 +25,7 @@ from pydantic import ValidationError
 from gateway.app import create_app
 from gateway.config import GatewaySettings, gateway_settings
 from gateway.invocations import invocations_router
-from gateway.registry import build_registry
+from gateway.registry import build_registry, with_url_replicas
 from launch.config import ConfigError, format_validation_error, parse_config, read_yaml
 
 GATEWAY_SECTION = "gateway"
@@ -72,7 +73,8 @@ def app_for_served_model(
 
     Settings: the model's logged ``gateway:`` section, then ``gateway_section`` over it, then host/port.
     """
-    base_url, name, api_key = served.upstream
+    name, upstreams = served.model_name, served.upstreams
+    base_url, api_key = upstreams[0]
     entry: dict[str, Any] = {"url": base_url, "aliases": [] if name == "default" else ["default"]}
     if api_key:
         entry["api_key"] = api_key
@@ -81,6 +83,9 @@ def app_for_served_model(
     deployment = parse_config({"models": {name: entry}, GATEWAY_SECTION: section}, source)
     settings = gateway_settings(deployment, host=host, port=port)
     registry = build_registry(deployment, settings)
+    route = registry.route(name)
+    if route is not None and len(upstreams) > 1:  # replicas: the gateway balances over the model's own engines
+        registry.put(with_url_replicas(route, upstreams))
     app = create_app(settings, registry)
     app.include_router(invocations_router(served, limiter=lambda: registry.route(name).limiter))
     return app, settings

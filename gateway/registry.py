@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
@@ -237,3 +237,14 @@ def url_backend(name: str, entry: ModelEntry) -> Backend:
     """The backend of a ``url:`` model: its upstream name defaults to the model's name here."""
     assert entry.url is not None
     return Backend(entry.served_model_name or name, url=entry.url, api_key=entry.api_key, vocab_size=entry.vocab_size)
+
+
+def with_url_replicas(route: ModelRoute, upstreams: Sequence[tuple[str, str | None]]) -> ModelRoute:
+    """``route`` with one url backend per (base URL, API key) in ``upstreams``, numbered in order: engines
+    run by someone else (the replicas of a served MLflow model), balanced like an engine section's replicas."""
+    first = route.backend
+    backends = tuple(
+        Backend(first.served_name, url=url, api_key=api_key, vocab_size=first.vocab_size, replica=index)
+        for index, (url, api_key) in enumerate(upstreams)
+    )
+    return replace(route, replicas=backends)

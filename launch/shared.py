@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,7 @@ from launch.engine_dir import (
     read_json,
     write_private_json,
 )
-from launch.process import EngineStartTimeout
+from launch.process import EngineStartCancelled, EngineStartTimeout
 
 HOST_MODULE = "launch.engine_host"
 POLL_S = 0.25
@@ -82,7 +83,8 @@ class SharedEngine:
             "log_dir": str(log_dir) if log_dir else None,
         }
         self._show_log = show_log
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # one recovery at a time
+        self._fd_lock = threading.Lock()  # close() never waits for a recovery
         self.state: dict[str, Any] = {}
         self.started_host = False
 
@@ -138,8 +140,12 @@ class SharedEngine:
         return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     # ----------------------------------------------------------------- life cycle
-    def wait_ready(self, timeout_s: float) -> None:
-        """Start a host if there is none, then wait until the engine is ready (or the host gives up)."""
+    def wait_ready(self, timeout_s: float, stop_when: Callable[[], bool] | None = None) -> None:
+        """Start a host if there is none, then wait until the engine is ready (or the host gives up).
+
+        :class:`launch.process.EngineStartCancelled` as soon as ``stop_when()`` is true (the caller gave up:
+        once it closes this lease, a host with no user left stops the engine it was starting).
+        """
         deadline = time.monotonic() + timeout_s
         takeovers = 0
         saw_attempt = False  # a failed state seen before any other is a dead host's leftover
@@ -193,6 +199,10 @@ class SharedEngine:
                     reported = now
                 if tail is not None:
                     tail.follow(state.get("log_file"), self.name)
+            if stop_when is not None and stop_when():
+                raise EngineStartCancelled(
+                    f"engine {self.name!r}: start given up", name=self.name, returncode=None, log_tail=[], log_file=None
+                )
             if time.monotonic() >= deadline:
                 raise EngineStartTimeout(
                     f"engine {self.name!r} was not ready after {timeout_s:.0f}s (host pid {state.get('host_pid')}, "
@@ -206,7 +216,9 @@ class SharedEngine:
 
     def recover(self, timeout_s: float | None = None) -> bool:
         """After a request could not reach the engine: wait until an engine answers again (the host
-        restarts a dead engine; a dead host is replaced). True when the lease is usable again."""
+        restarts a dead engine; a dead host is replaced). True when the lease is usable again; False when
+        it is not within the timeout or the lease was closed meanwhile. Raises :class:`launch.process.EngineError` when
+        no engine can be started."""
         if self.closed:
             return False
         timeout = self.config.startup_timeout_s + WAIT_MARGIN_S if timeout_s is None else timeout_s
@@ -225,15 +237,18 @@ class SharedEngine:
                             )
                         return True
                 elif not host_alive(self.key_dir):
-                    self.wait_ready(max(1.0, deadline - time.monotonic()))
+                    try:
+                        self.wait_ready(max(1.0, deadline - time.monotonic()), stop_when=lambda: self.closed)
+                    except EngineStartCancelled:
+                        return False
                     continue
-                if time.monotonic() >= deadline:
+                if time.monotonic() >= deadline or self.closed:
                     return False
                 time.sleep(POLL_S)
 
     def close(self) -> None:
         """Stop using the engine (the host stops it when nobody else does). Idempotent."""
-        with self._lock:
+        with self._fd_lock:
             fd, self._users_fd = self._users_fd, None
         if fd is not None:
             os.close(fd)
@@ -298,15 +313,18 @@ def join(
     log_dir: str | Path | None = None,
     show_log: bool = False,
     timeout_s: float | None = None,
+    stop_when: Callable[[], bool] | None = None,
 ) -> SharedEngine:
     """Use the machine's engine for ``engine`` (starting it through a new host if none runs); wait until ready.
 
-    Raises :class:`launch.process.EngineError` (with the engine's log tail) when it cannot start.
+    Raises :class:`launch.process.EngineError` (with the engine's log tail) when it cannot start, and
+    :class:`launch.process.EngineStartCancelled` once ``stop_when()`` is true while waiting (the lease is
+    given back, so an engine nobody else waits for is stopped by its host).
     """
     key_dir = key_dir_for(name, engine)
     lease = SharedEngine(name, engine, key_dir, hold_users_lock(key_dir), log_dir=log_dir, show_log=show_log)
     try:
-        lease.wait_ready(engine.startup_timeout_s + WAIT_MARGIN_S if timeout_s is None else timeout_s)
+        lease.wait_ready(engine.startup_timeout_s + WAIT_MARGIN_S if timeout_s is None else timeout_s, stop_when)
     except BaseException:
         lease.close()
         raise

@@ -1,31 +1,30 @@
-"""The ``openai`` client every flavour calls, bound to one served model: an engine this package runs
-(see :mod:`model_code.engine_owner`) or a server reached at a URL; :class:`LogTimeClient` stands in for
-it while MLflow logs the model (it validates requests exactly like the real client and answers a
-placeholder).
+"""The ``openai`` client every flavour calls, bound to one served model: the engines this package runs
+(one, or one per replica; see :mod:`model_code.engine_owner`) or a server reached at a URL;
+:class:`LogTimeClient` stands in for it while MLflow logs the model (it validates requests exactly like
+the real client and answers a placeholder).
 
-Errors are the typed :mod:`model_code.errors`. When a shared engine cannot be reached (restarted by its
-host, or its host replaced), the request waits for it to be back and is sent once more: a stream only
-if nothing was received yet.
+Errors are the typed :mod:`model_code.errors`. A request whose replica cannot be reached is sent once
+more (a stream only if nothing was received yet): to another replica when the model has one that can
+take it, else, for a shared engine (restarted by its host, or its host replaced), to the same engine
+once it is back.
 """
 
 from __future__ import annotations
 
 import os
-import threading
 import time
 import uuid
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import openai
 from loguru import logger
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from launch.shared import SharedEngine
-from model_code.engine_owner import Engine, acquire_engine, release_engine
+from model_code.engine_owner import Engine, acquire_engines
 from model_code.errors import BadRequestError, EngineUnavailableError, from_openai_error
 from model_code.params import build_request
+from model_code.replica_set import Replica, ReplicaSet
 from model_code.target import LOG_TIME_TEXT, ModelCodeSettings, in_log_time, resolve_target
 
 
@@ -43,24 +42,21 @@ def usage_dict(usage: Any) -> dict[str, int] | None:
     return out or None
 
 
-@dataclass
 class EngineClient:
-    """``openai`` client bound to one served model; holds the engine it uses (None for a URL target)."""
+    """``openai`` clients bound to one served model: one per replica (an engine this package runs, or the
+    URL), the engines it holds, and the choice of a replica per request (:mod:`model_code.replica_set`)."""
 
-    base_url: str
-    model: str
-    settings: ModelCodeSettings = field(default_factory=ModelCodeSettings)
-    api_key: str = "EMPTY"
-    engine: Engine | None = None
-    _client: openai.OpenAI | None = None
-    _closed: bool = False
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    def __init__(self, model: str, replicas: ReplicaSet, settings: ModelCodeSettings | None = None) -> None:
+        self.model = model
+        self.replicas = replicas
+        self.settings = settings or ModelCodeSettings()
+        self._closed = False
 
     @classmethod
     def from_model_config(
         cls, model_config: Mapping[str, Any] | None, artifacts: Mapping[str, str] | None = None
     ) -> EngineClient | LogTimeClient:
-        """Start or join the engine (or connect to the URL); a :class:`LogTimeClient` while MLflow logs the model."""
+        """Start or join the engines (or connect to the URL); a :class:`LogTimeClient` while MLflow logs the model."""
         target = resolve_target(model_config, artifacts)
         if in_log_time():
             logger.info("model {}: loaded by MLflow's log/save step: no engine is started", target.name)
@@ -69,26 +65,37 @@ class EngineClient:
         if target.settings.api_key_env:
             api_key = os.environ.get(target.settings.api_key_env, api_key)
         if target.url is not None:
-            return cls(_v1(target.url), target.served_name, target.settings, api_key=api_key)
-        engine = acquire_engine(target)
-        return cls(
-            _v1(engine.url), target.served_name, target.settings, api_key=engine.api_key or api_key, engine=engine
-        )
+            replicas = [Replica(0, target.url, api_key, target.settings)]
+        else:
+            engines = acquire_engines(target)
+            replicas = [
+                Replica(index, engine.url, engine.api_key or api_key, target.settings, engine)
+                for index, engine in enumerate(engines)
+            ]
+        return cls(target.served_name, ReplicaSet(replicas), target.settings)
 
     @property
-    def client(self) -> openai.OpenAI:
-        client = self._client
-        if client is None:
-            with self._lock:
-                if self._client is None:
-                    self._client = openai.OpenAI(
-                        base_url=self.base_url,
-                        api_key=self.api_key,
-                        timeout=self.settings.request_timeout_s,
-                        max_retries=self.settings.max_retries,
-                    )
-                client = self._client
-        return client
+    def engines(self) -> list[Engine]:
+        """The engines this client holds, in replica order (empty for a URL target)."""
+        return [replica.engine for replica in self.replicas.replicas if replica.engine is not None]
+
+    @property
+    def engine(self) -> Engine | None:
+        """The first replica's engine (the only one of most models), or None for a URL target."""
+        return self.replicas.replicas[0].engine
+
+    @property
+    def upstreams(self) -> list[tuple[str, str]]:
+        """(base URL ending in ``/v1``, API key) of each replica, in replica order."""
+        return [(replica.base_url, replica.api_key) for replica in self.replicas.replicas]
+
+    @property
+    def base_url(self) -> str:
+        return self.replicas.replicas[0].base_url
+
+    @property
+    def api_key(self) -> str:
+        return self.replicas.replicas[0].api_key
 
     def request(self, params: Mapping[str, Any] | None) -> dict[str, Any]:
         return build_request(params, self.settings.defaults)
@@ -96,16 +103,20 @@ class EngineClient:
     def chat(self, messages: list[dict[str, Any]], params: Mapping[str, Any] | None = None) -> ChatCompletion:
         """One non-streaming completion; typed errors."""
         kwargs = self.request(params)
-        self._check_open()
+        replica = self._take()
         for attempt in (1, 2):
-            client = self.client
             try:
-                return client.chat.completions.create(model=self.model, messages=messages, **kwargs)
+                return replica.openai().chat.completions.create(model=self.model, messages=messages, **kwargs)
             except openai.APIConnectionError as error:
-                if attempt == 2 or not self._recovered(client, error):
-                    raise from_openai_error(error) from error
+                refused = error
             except openai.OpenAIError as error:
                 raise from_openai_error(error) from error
+            finally:
+                self.replicas.release(replica)
+            following = self._retry_after(replica, refused) if attempt == 1 else None
+            if following is None:
+                raise from_openai_error(refused) from refused
+            replica = following
         raise AssertionError("unreachable")
 
     def stream(
@@ -113,12 +124,11 @@ class EngineClient:
     ) -> Iterator[ChatCompletionChunk]:
         """Engine chunks as they arrive (usage in the last one); typed errors, also mid-stream."""
         kwargs = self.request(params)
-        self._check_open()
+        replica = self._take()
         for attempt in (1, 2):
-            client = self.client
             received = False
             try:
-                stream = client.chat.completions.create(
+                stream = replica.openai().chat.completions.create(
                     model=self.model, messages=messages, stream=True, stream_options={"include_usage": True}, **kwargs
                 )
                 with stream:
@@ -127,43 +137,53 @@ class EngineClient:
                         yield chunk
                 return
             except openai.APIConnectionError as error:
-                if attempt == 2 or received or not self._recovered(client, error):
-                    raise from_openai_error(error) from error
+                refused = error
             except openai.OpenAIError as error:
                 raise from_openai_error(error) from error
+            finally:
+                self.replicas.release(replica)
+            following = None if received or attempt == 2 else self._retry_after(replica, refused)
+            if following is None:
+                raise from_openai_error(refused) from refused
+            replica = following
 
-    def _recovered(self, failed: openai.OpenAI, error: openai.APIConnectionError) -> bool:
-        """After ``failed`` could not connect: True once the shared engine answers again (URL/key refreshed)."""
-        engine = self.engine
-        if isinstance(error, openai.APITimeoutError) or not isinstance(engine, SharedEngine) or self._closed:
-            return False
-        with self._lock:
-            if self._client is not failed:
-                return True  # another thread already switched to a fresh client
-            logger.warning("model {}: the engine is unreachable ({}); waiting for it to be back", self.model, error)
-            if not engine.recover():
-                return False
-            self.base_url, self.api_key = _v1(engine.url), engine.api_key or self.api_key
-            self._client = None
-        return True
-
-    def _check_open(self) -> None:
+    def _take(self) -> Replica:
+        """The replica for a new request (counted in flight); EngineUnavailableError when none can take it."""
         if self._closed:
             raise EngineUnavailableError(f"model {self.model!r}: the client was closed")
-        engine = self.engine
-        if engine is not None and not isinstance(engine, SharedEngine) and not engine.running:
-            raise EngineUnavailableError(
-                f"model {self.model!r}: the engine is not running (exit code {engine.returncode}; log: {engine.log_file})"
+        replica = self.replicas.take()
+        if replica is None:
+            raise EngineUnavailableError(self.replicas.unavailable(self.model))
+        return replica
+
+    def _retry_after(self, refused: Replica, error: openai.APIConnectionError) -> Replica | None:
+        """Where the one retry of a request ``refused`` could not connect to goes (counted in flight), or None.
+
+        Another replica when one can take it (a shared engine that refused waits for its host's restart in
+        the background, out of the rotation); else the same shared engine once it answers again.
+        """
+        if isinstance(error, openai.APITimeoutError) or self._closed:
+            return None
+        other = self.replicas.take(exclude=refused)
+        if other is not None:
+            logger.warning(
+                "model {}: replica {} cannot be reached ({}); sent to replica {}",
+                self.model,
+                refused.index,
+                error,
+                other.index,
             )
+            refused.recover_in_background()
+            return other
+        if not refused.shared:
+            return None
+        logger.warning("model {}: the engine is unreachable ({}); waiting for it to be back", self.model, error)
+        return self.replicas.hold(refused) if refused.recover() else None
 
     def close(self) -> None:
-        """Stop (or stop using) the engine and close the HTTP client. Idempotent."""
+        """Stop (or stop using) every replica's engine and close the HTTP clients. Idempotent."""
         self._closed = True
-        if self._client is not None:
-            self._client.close()
-            self._client = None
-        if self.engine is not None:
-            release_engine(self.engine)
+        self.replicas.close()
 
 
 class LogTimeClient:
@@ -224,8 +244,3 @@ class LogTimeClient:
 def _check_messages(messages: list[dict[str, Any]]) -> None:
     if not messages:
         raise BadRequestError("no messages")
-
-
-def _v1(url: str) -> str:
-    url = url.rstrip("/")
-    return url if url.endswith("/v1") else f"{url}/v1"

@@ -148,7 +148,8 @@ class _EngineBacked:
     @property
     def engine_process(self) -> Any:
         """The engine this model uses (:class:`launch.process.EngineProcess` of this process, or a
-        :class:`launch.shared.SharedEngine`), or None (URL mode, log time)."""
+        :class:`launch.shared.SharedEngine`; the first replica's for a model with replicas, all of them are
+        in ``client.engines``), or None (URL mode, log time)."""
         return getattr(self.client, "engine", None)
 
     def close(self) -> None:

@@ -76,21 +76,20 @@ class ServedModel:
         return getattr(client, "model", None)
 
     @property
-    def upstream(self) -> tuple[str, str, str | None]:
-        """(engine base URL without ``/v1``, served model name, API key or None) the model talks to.
+    def upstreams(self) -> list[tuple[str, str | None]]:
+        """(engine base URL without ``/v1``, API key or None) of each replica the model talks to, in order.
 
-        Lets a server put the OpenAI endpoints in front of the same engine the model started.
+        Lets a server put the OpenAI endpoints in front of the same engines the model started (and balance
+        over them as the model does); the served model name is :attr:`model_name`.
         """
         client = getattr(self.python_model, "client", None)
-        base_url = getattr(client, "base_url", None)
-        if not base_url or not self.model_name:
+        upstreams = getattr(client, "upstreams", None)
+        if not upstreams or not self.model_name:
             raise TypeError("this model has no engine client (was it loaded for logging?)")
-        api_key = getattr(client, "api_key", None)
-        return (
-            base_url.removesuffix("/").removesuffix("/v1"),
-            self.model_name,
-            None if api_key in (None, "EMPTY") else api_key,
-        )
+        return [
+            (base_url.removesuffix("/").removesuffix("/v1"), None if api_key in (None, "EMPTY") else api_key)
+            for base_url, api_key in upstreams
+        ]
 
     def predict(self, body: Mapping[str, Any]) -> dict[str, Any]:
         return self.pyfunc_model.predict(normalize_request(body))

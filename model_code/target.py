@@ -3,7 +3,8 @@ URL to reach) plus the wrapper's own settings (:class:`ModelCodeSettings`, the `
 
 ``model_config`` has the shape of the deployment YAML (``models:`` mapping, optionally ``gateway:``),
 plus the optional ``mlflow:`` section. A bare engine section (a mapping with ``model_path``) is accepted
-too and served as ``model``.
+too and served as ``model``. ``replicas: N`` (and ``replica_gpus``) on the served model run N engines of
+its engine section (see :mod:`model_code.engine_owner`); ``router:`` is refused (the wrapper balances itself).
 
 While MLflow logs a model it loads it and predicts on the input example two or three times. No engine
 is started then: :func:`in_log_time` detects it (our ``log_model`` sets
@@ -21,7 +22,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from launch.config import ConfigError, DeploymentConfig, EngineConfig, format_validation_error, parse_config
+from launch.config import ConfigError, DeploymentConfig, EngineConfig, ModelEntry, format_validation_error, parse_config
 
 WEIGHTS_ARTIFACT = "llm-model"
 """Key of the local weights in ``context.artifacts`` (the name notebooks that log models by hand already use)."""
@@ -89,6 +90,12 @@ class Target:
     served_name: str = ""
     api_key: str | None = None
 
+    @property
+    def entry(self) -> ModelEntry:
+        """The served model's entry with the engine section this target starts (local weights, free port):
+        its ``replicas`` and ``replica_gpus`` say how many engines of it to run."""
+        return self.deployment.models[self.name].model_copy(update={"engine": self.engine})
+
 
 def split_model_config(model_config: Mapping[str, Any] | None) -> tuple[dict[str, Any], ModelCodeSettings]:
     """(deployment mapping, settings) from a ``model_config``; a bare engine section becomes ``models.model``."""
@@ -112,6 +119,11 @@ def resolve_target(model_config: Mapping[str, Any] | None, artifacts: Mapping[st
     deployment = parse_config(data, "model_config")
     name = _pick_model(deployment, settings)
     entry = deployment.models[name]
+    if entry.router is not None:
+        raise ConfigError(
+            f"model_config: models.{name}.router: router is served by `sglang-gateway serve`, not by the MLflow "
+            "wrapper (it balances the replicas itself); remove the key"
+        )
     engine = entry.engine
     if engine is not None:
         updates: dict[str, Any] = {}
