@@ -18,8 +18,13 @@ def pick_free_port(host: str = "127.0.0.1") -> int:
 
 
 def port_is_free(host: str, port: int) -> bool:
-    """Whether nothing is listening on (or bound to) ``host:port``."""
+    """Whether nothing is listening on (or bound to) ``host:port``.
+
+    Connections of a stopped server still in TIME_WAIT do not count: the engine's server binds with
+    ``SO_REUSEADDR`` (uvicorn does), so an engine restarted after a crash gets its old port back.
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((_bind_host(host), port))
         except OSError:
