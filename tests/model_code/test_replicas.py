@@ -266,7 +266,7 @@ def test_one_engine_killed_the_other_serves_then_close_leaves_nothing(loaded):
             check.watch(engine.pid)
             check.watch(engine.host_pid)
         killed = engines[1]
-        key_dir, old_pid = killed.key_dir, killed.pid
+        key_dir, old_pid, old_url = killed.key_dir, killed.pid, killed.url
         survivor_before = requests_served(engines[0])
         os.kill(old_pid, signal.SIGKILL)
         for _ in range(6):  # the killed replica refuses: each request goes to the other one
@@ -281,6 +281,7 @@ def test_one_engine_killed_the_other_serves_then_close_leaves_nothing(loaded):
             time.sleep(1)
             state = read_json(key_dir / STATE_FILE) or {}
         check.watch(state["engine_pid"])
+        assert state["url"] == old_url  # its old port again: URLs held by others (serve --model-uri) stay valid
         for _ in range(60):
             loaded.predict(BODY)
             if killed.pid == state["engine_pid"] and requests_served(killed) > 0:
