@@ -116,13 +116,25 @@ class Connection:
         self._ack = _nothing
 
     async def request(self, head: bytes, body: bytes, on_data: Callable[[bytes, float], None]) -> int:
-        """Send one request; feed body bytes to ``on_data`` as they arrive; return the status."""
-        if self.writer is None:
+        """Send one request; feed body bytes to ``on_data`` as they arrive; return the status.
+
+        A kept-alive connection that the server closed while it was idle (uvicorn closes one after 5 s: a
+        client that spreads its requests over several servers leaves each connection idle in turn) answers
+        nothing at all; the request never reached the server, so it is sent once more on a new connection.
+        """
+        fresh = self.writer is None
+        if fresh:
             await self.open()
         assert self.reader is not None and self.writer is not None
         reader, ack = self.reader, self._ack
-        self.writer.write(head + body)
-        raw = await reader.readuntil(b"\r\n\r\n")
+        try:
+            self.writer.write(head + body)
+            raw = await reader.readuntil(b"\r\n\r\n")
+        except (asyncio.IncompleteReadError, ConnectionResetError) as error:
+            if fresh or getattr(error, "partial", b""):
+                raise
+            self.close()
+            return await self.request(head, body, on_data)
         ack()
         status = int(raw[9:12])
         chunked, length, close = False, None, False
