@@ -86,3 +86,15 @@ def test_cluster_benchmark_end_to_end(rig: tuple[ReplicaRig, str], capsys: pytes
         "gateway -> router -> replicas",
     ]
     assert "gateway -> router -> replicas" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["affinity", "cluster"])
+def test_replica_commands_refuse_zero_rounds(command: str) -> None:
+    """The commands' wiring (their imports run first) and their one-line refusal, without starting anything."""
+    from typer.testing import CliRunner
+
+    from benchmarks.cli import app
+
+    answer = CliRunner().invoke(app, [command, "--rounds", "0"])
+    assert answer.exit_code == 2, answer.output
+    assert "must be >= 1" in answer.output
