@@ -21,19 +21,25 @@ import re
 import statistics
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import httpx
 import orjson
-import yaml
 from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console
 
 from benchmarks.apis import CHAT
 from benchmarks.loadgen import Connection, StreamParser, new_event_loop
+from benchmarks.replica_rig import DEFAULT_POLICY, MODEL, ReplicaRig, metric_sum
 
-POLICIES = ("least_in_flight", "prefix_affinity")
-MODEL = "tiny"
+__all__ = [
+    "AffinityWorkload",
+    "measure_affinity",
+    "metric_sum",
+    "ratios",
+    "summarize",
+]  # metric_sum: tests import it here
+
+POLICIES = (DEFAULT_POLICY, "prefix_affinity")
 _WORDS = "The quick brown fox jumps over the lazy dog while a careful clerk files each report.".split()
 _CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
@@ -149,67 +155,53 @@ async def _send_all(url: str, bodies: list[bytes], concurrency: int, timeout_s: 
     return [answer for answer in answers if answer is not None], time.perf_counter() - t0
 
 
-def metric_sum(text: str, name: str, **labels: str) -> float:
-    """The sum of every sample named ``name`` in Prometheus text whose labels include ``labels``."""
-    return sum(
-        sample.value
+def counters(rig: ReplicaRig) -> tuple[dict[str, float], float, float]:
+    """Requests per replica (gateway), and cached / prompt tokens summed over the engines (their own counts)."""
+    text = rig.http.get(rig.url + "/metrics").text
+    per_replica = {
+        sample.labels["replica"]: sample.value
         for family in text_string_to_metric_families(text)
         for sample in family.samples
-        if sample.name == name and all(sample.labels.get(key) == value for key, value in labels.items())
-    )
+        if sample.name == "gateway_replica_requests_total" and sample.labels.get("model") == MODEL
+    }
+    cached = sum(rig.engine_metric("sglang:cached_tokens_total").values())  # by source: device, host, storage
+    prompt = sum(rig.engine_metric("sglang:prompt_tokens_total").values())
+    return per_replica, cached, prompt
 
 
-class AffinityRig:
-    """The gateway over the replicas, seen through its admin API and metrics and the engines' metrics."""
+def run_policy_batch(
+    rig: ReplicaRig, policy: str, bodies: list[bytes], concurrency: int, timeout_s: float = 300
+) -> Batch:
+    """``bodies`` through the gateway under ``policy``, with what the gateway and the engines counted meanwhile."""
+    rig.set_policy(policy)
+    replicas_before, cached_before, prompt_before = counters(rig)
+    loop = new_event_loop()
+    try:
+        answers, wall = loop.run_until_complete(_send_all(rig.url, bodies, concurrency, timeout_s))
+    finally:
+        loop.close()
+    replicas_after, cached_after, prompt_after = counters(rig)
+    per_replica = {r: replicas_after[r] - replicas_before.get(r, 0.0) for r in sorted(replicas_after)}
+    return Batch(policy, answers, wall, per_replica, cached_after - cached_before, prompt_after - prompt_before)
 
-    def __init__(self, gateway_url: str, admin_key: str, config: Path, deployment: dict[str, Any]) -> None:
-        self.url, self.admin_key, self.config, self.deployment = gateway_url, admin_key, config, deployment
-        self.http = httpx.Client(timeout=900, trust_env=False)
 
-    def close(self) -> None:
-        self.http.close()
-
-    def set_policy(self, policy: str) -> None:
-        """Rewrite the YAML with ``policy`` and reload it (a settings change: the engines keep running)."""
-        self.deployment["gateway"]["balancing"]["policy"] = policy
-        self.config.write_text(yaml.safe_dump(self.deployment, sort_keys=False))
-        answer = self.http.post(self.url + "/admin/reload", headers={"authorization": f"Bearer {self.admin_key}"})
-        report = answer.json() if answer.headers.get("content-type", "").startswith("application/json") else {}
-        if answer.status_code != 200 or not report.get("ok"):
-            raise RuntimeError(f"reload to {policy} failed: HTTP {answer.status_code} {answer.text[:500]}")
-
-    def engine_urls(self) -> list[str]:
-        answer = self.http.get(self.url + "/admin/models", headers={"authorization": f"Bearer {self.admin_key}"})
-        (model,) = [m for m in answer.json()["models"] if m["name"] == MODEL]
-        return [f"http://127.0.0.1:{replica['engine']['port']}" for replica in model["replicas"]]
-
-    def counters(self) -> tuple[dict[str, float], float, float]:
-        """Requests per replica (gateway), and cached / prompt tokens summed over the engines (their own counts)."""
-        text = self.http.get(self.url + "/metrics").text
-        per_replica = {
-            sample.labels["replica"]: sample.value
-            for family in text_string_to_metric_families(text)
-            for sample in family.samples
-            if sample.name == "gateway_replica_requests_total" and sample.labels.get("model") == MODEL
-        }
-        cached = prompt = 0.0
-        for engine in self.engine_urls():
-            metrics = self.http.get(engine + "/metrics").text
-            cached += metric_sum(metrics, "sglang:cached_tokens_total")  # by source: device, host, storage
-            prompt += metric_sum(metrics, "sglang:prompt_tokens_total")
-        return per_replica, cached, prompt
-
-    def run_batch(self, policy: str, bodies: list[bytes], concurrency: int, timeout_s: float = 300) -> Batch:
-        self.set_policy(policy)
-        replicas_before, cached_before, prompt_before = self.counters()
-        loop = new_event_loop()
-        try:
-            answers, wall = loop.run_until_complete(_send_all(self.url, bodies, concurrency, timeout_s))
-        finally:
-            loop.close()
-        replicas_after, cached_after, prompt_after = self.counters()
-        per_replica = {r: replicas_after[r] - replicas_before.get(r, 0.0) for r in sorted(replicas_after)}
-        return Batch(policy, answers, wall, per_replica, cached_after - cached_before, prompt_after - prompt_before)
+def measure_affinity(
+    rig: ReplicaRig, workload: AffinityWorkload, concurrency: int, rounds: int, console: Console
+) -> dict[str, Any]:
+    """Every policy over ``rounds`` alternating (ABBA) batches after a warm-up: summaries and ratios."""
+    batches: dict[str, list[Batch]] = {policy: [] for policy in POLICIES}
+    warm = AffinityWorkload(min(workload.prompts, 2), 1, workload.system_words, workload.output_tokens)
+    run_policy_batch(rig, POLICIES[0], warm.bodies("warm-up"), concurrency)  # not counted
+    for index in range(rounds):
+        for policy in POLICIES if index % 2 == 0 else POLICIES[::-1]:
+            batch = run_policy_batch(rig, policy, workload.bodies(f"{index}-{policy}"), concurrency)
+            batches[policy].append(batch)
+            console.print(
+                f"round {index + 1}/{rounds} {policy:<16} {len(batch.answers)} requests in {batch.wall_s:.1f}s, "
+                f"per replica {batch.per_replica}"
+            )
+    summaries = {policy: summarize(found) for policy, found in batches.items()}
+    return {"policies": summaries, "ratios": ratios(summaries[POLICIES[0]], summaries[POLICIES[1]])}
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -272,24 +264,3 @@ def ratios(without: dict[str, Any], with_affinity: dict[str, Any]) -> dict[str, 
         base, value = without.get(key), with_affinity.get(key)
         out[key] = value / base if base and value is not None else None
     return out
-
-
-ADMIN_KEY_ENV = "BENCH_ADMIN_KEY"
-
-
-def deployment_for(
-    model_dir: Path, replicas: int, max_total_tokens: int, max_imbalance: int, port: int
-) -> dict[str, Any]:
-    """The gateway YAML: ``replicas`` of the tiny CPU engine reporting cached tokens, no client keys, the admin
-    API on (its key in ``$BENCH_ADMIN_KEY`` of the gateway's process, never in the file)."""
-    engine = {
-        "model_path": str(model_dir), "device": "cpu", "dtype": "float32", "max_total_tokens": max_total_tokens,
-        "skip_server_warmup": True, "startup_timeout_s": 600, "extra_args": ["--enable-cache-report"],
-    }  # fmt: skip
-    return {
-        "models": {MODEL: {"replicas": replicas, "engine": engine}},
-        "gateway": {
-            "host": "127.0.0.1", "port": port, "log_requests": False, "admin_keys_env": ADMIN_KEY_ENV,
-            "balancing": {"policy": POLICIES[0], "max_imbalance": max_imbalance},
-        },
-    }  # fmt: skip

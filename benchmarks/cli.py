@@ -365,65 +365,75 @@ def affinity_command(
     out: Out = None,
 ) -> None:
     """Prefix affinity on vs off: SGLang's cached prompt tokens, TTFT and latency over replicas, in one run."""
-    import secrets
-
-    import yaml
-
-    from benchmarks.affinity import (
-        ADMIN_KEY_ENV,
-        POLICIES,
-        AffinityRig,
-        AffinityWorkload,
-        Batch,
-        deployment_for,
-        ratios,
-        summarize,
-    )
-    from launch.ports import pick_free_port
+    from benchmarks.affinity import AffinityWorkload, measure_affinity
+    from benchmarks.replica_rig import replica_gateway, tiny_deployment
 
     if min(replicas, prompts, per_prompt, system_words, concurrency, rounds) < 1:
         raise typer.BadParameter("replicas, prompts, per-prompt, system-words, concurrency and rounds must be >= 1")
     workload = AffinityWorkload(prompts, per_prompt, system_words, output_tokens)
     out_dir = _out_dir(out, "affinity")
-    port = pick_free_port()
-    deployment = deployment_for(processes.tiny_model_dir(), replicas, max_total_tokens, max_imbalance, port)
-    config = out_dir / "gateway.yaml"
-    config.write_text(yaml.safe_dump(deployment, sort_keys=False))
-    admin_key = secrets.token_urlsafe(24)
+    deployment, _ = tiny_deployment(out_dir, replicas, max_total_tokens, max_imbalance)
     info = report.machine_info()
-    batches: dict[str, list[Batch]] = {policy: [] for policy in POLICIES}
-    console.print(f"starting the gateway with {replicas} replicas of the tiny CPU engine (1-3 min)")
-    started = time.monotonic()
-    with processes.serving(config, port, out_dir, {ADMIN_KEY_ENV: admin_key}, ready_timeout_s=900, stop_grace_s=60) as (
-        url,
-        _,
-    ):
-        console.print(f"gateway ready at {url} after {time.monotonic() - started:.0f}s")
-        rig = AffinityRig(url, admin_key, config, deployment)
-        try:
-            warm = AffinityWorkload(min(prompts, 2), 1, system_words, output_tokens)
-            rig.run_batch(POLICIES[0], warm.bodies("warm-up"), concurrency)  # not counted
-            for index in range(rounds):
-                for policy in POLICIES if index % 2 == 0 else POLICIES[::-1]:
-                    batch = rig.run_batch(policy, workload.bodies(f"{index}-{policy}"), concurrency)
-                    batches[policy].append(batch)
-                    console.print(
-                        f"round {index + 1}/{rounds} {policy:<16} {len(batch.answers)} requests in {batch.wall_s:.1f}s, "
-                        f"per replica {batch.per_replica}"
-                    )
-        finally:
-            rig.close()
-    summaries = {policy: summarize(found) for policy, found in batches.items()}
+    with replica_gateway(deployment, out_dir, console) as rig:
+        measured = measure_affinity(rig, workload, concurrency, rounds, console)
     result = {
         "title": f"prefix affinity over {replicas} replicas (tiny CPU engine)",
         "kind": "affinity",
         "machine": info,
         "workload": {**workload.__dict__, "concurrency": concurrency, "rounds": rounds},
         "engines": {"replicas": replicas, "max_total_tokens": max_total_tokens, "max_imbalance": max_imbalance},
-        "policies": summaries,
-        "ratios": ratios(summaries[POLICIES[0]], summaries[POLICIES[1]]),
+        **measured,
     }
-    report.print_affinity(summaries, result["ratios"])
+    report.print_affinity(measured["policies"], measured["ratios"])
+    report.save(result, out_dir, plot=False)
+
+
+@app.command("cluster")
+def cluster_command(
+    concurrency: Levels = "1,8",
+    requests: Requests = 400,
+    rounds: Annotated[int, typer.Option(help="Alternating rounds over the three targets per level (ABBA).")] = 4,
+    prompt_tokens: PromptTokens = 32,
+    output_tokens: OutputTokens = 16,
+    warmup: Annotated[int, typer.Option(help="Warm-up requests per target per level.")] = 8,
+    max_seconds: MaxSeconds = 120.0,
+    replicas: Annotated[int, typer.Option(help="Engines behind the model (replicas: N of the tiny CPU engine).")] = 2,
+    out: Out = None,
+) -> None:
+    """The same replicas three ways: direct (client round robin), gateway -> replicas, gateway -> router -> replicas."""
+    from benchmarks.cluster import LABELS, ROUTER_POLICY, measure_cluster, summary_rows
+    from benchmarks.replica_rig import MODEL, forget_keys, replica_gateway, tapped_engine_key, tiny_deployment
+
+    levels = _levels(concurrency)
+    if min(requests, rounds, replicas) < 1:
+        raise typer.BadParameter("requests, rounds and replicas must be >= 1")
+    workload = Workload(
+        model=MODEL, stream=True, prompt_tokens=prompt_tokens, output_tokens=output_tokens, timeout_s=max_seconds
+    )
+    out_dir = _out_dir(out, "cluster")
+    deployment, keys = tiny_deployment(out_dir, replicas, tap_keys=True)
+    info = report.machine_info()
+    try:
+        with replica_gateway(deployment, out_dir, console) as rig:
+            measured = measure_cluster(
+                rig, tapped_engine_key(keys), workload, levels, requests, rounds, console,
+                warmup=warmup, max_seconds=max_seconds,
+            )  # fmt: skip
+    finally:
+        forget_keys(keys)
+    rows = summary_rows(measured["levels"])
+    result = {
+        "title": f"cluster path over {replicas} replicas (tiny CPU engine): {', '.join(LABELS.values())}",
+        "kind": "cluster",
+        "machine": info,
+        "workload": {**workload.__dict__, "path": workload.path, "rounds": rounds, "requests_per_level": requests},
+        "targets": LABELS,
+        **measured,
+        "summary": rows,
+    }
+    report.print_cluster(
+        rows, f"cluster path, {replicas} replicas, router policy {ROUTER_POLICY} (pooled over {rounds} rounds)"
+    )
     report.save(result, out_dir, plot=False)
 
 

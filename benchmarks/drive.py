@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from rich.console import Console
 
@@ -20,8 +20,17 @@ from benchmarks.progress import progress_bar
 from benchmarks.stats import compare, summarize
 
 
+class BatchHooks(Protocol):
+    """What a command does around each batch: put a target in place (e.g. reload the gateway's YAML) before it,
+    record what the servers counted (requests per engine, CPU of processes that come and go) after it."""
+
+    def before(self, target: str) -> None: ...
+
+    def after(self, target: str, batch: BatchResult) -> None: ...
+
+
 def drive(
-    targets: dict[str, str],
+    targets: dict[str, str | Sequence[str]],
     workload: Workload,
     levels: list[int],
     requests: int,
@@ -34,11 +43,14 @@ def drive(
     headers: dict[str, str] | None = None,
     cpu_groups: dict[str, dict[str, int]] | None = None,
     quickack: bool = False,
+    hooks: BatchHooks | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Run every level against every target; with several targets, batches alternate (ABBA order per round).
 
+    A target is a base URL, or several that its requests are spread over (round robin, see ``run_batch``).
     ``cpu_groups``: per target, the process groups whose CPU time each of its batches is charged with.
     ``quickack``: the client acknowledges every read at once (see ``benchmarks.loadgen.Connection``).
+    ``hooks``: called before every batch (warm-up too) and after every measured one.
     """
     loop = new_event_loop()
     names = list(targets)
@@ -52,6 +64,8 @@ def drive(
                 if warmup:
                     task = progress.add_task(f"{tag} c={level:<4} warm-up", total=warmup * len(names))
                     for name in names:
+                        if hooks is not None:
+                            hooks.before(name)
                         loop.run_until_complete(
                             run_batch(
                                 targets[name],
@@ -73,6 +87,8 @@ def drive(
                     order = names if r % 2 == 0 else names[::-1]
                     for name in order:
                         progress.update(task, description=f"{tag} c={level:<4} round {r + 1}/{rounds} {name:<8}")
+                        if hooks is not None:
+                            hooks.before(name)
                         groups = (cpu_groups or {}).get(name, {})
                         before = {label: processes.group_cpu_s(pgid) for label, pgid in groups.items()}
                         client_before = time.process_time()
@@ -93,6 +109,8 @@ def drive(
                             label: processes.group_cpu_s(pgid) - before[label] for label, pgid in groups.items()
                         }
                         batch.cpu_s["client"] = time.process_time() - client_before
+                        if hooks is not None:
+                            hooks.after(name, batch)
                         batches[name].append(batch)
                 out[str(level)] = _level_entry(names, batches)
                 if between_levels is not None:
@@ -102,18 +120,27 @@ def drive(
     return out
 
 
+def _versus(direct: list[BatchResult], other: list[BatchResult]) -> dict[str, Any]:
+    """other/direct per figure, with the median of per-round req/s ratios."""
+    vs = compare(summarize(direct), summarize(other))
+    # rounds run back to back (ABBA): the median of per-round ratios resists load spikes on a shared machine
+    pairs = [
+        o.samples and d.samples and (len(o.samples) / o.wall_s) / (len(d.samples) / d.wall_s)
+        for d, o in zip(direct, other, strict=True)
+        if d.wall_s and o.wall_s
+    ]
+    vs["req_s"]["paired_median_ratio"] = float(statistics.median(pairs)) if pairs else None
+    return vs
+
+
 def _level_entry(names: list[str], batches: dict[str, list[BatchResult]]) -> dict[str, Any]:
-    """Summaries per target, gateway/direct ratios, and each round's req/s."""
+    """Summaries per target, ratios of every other target against ``direct`` (``vs``: the gateway's, when the
+    targets are direct and gateway), and each round's req/s."""
     entry: dict[str, Any] = {name: summarize(batches[name]) for name in names}
-    if "direct" in entry and "gateway" in entry:
-        entry["vs"] = compare(entry["direct"], entry["gateway"])
-        # rounds run back to back (ABBA): the median of per-round ratios resists load spikes on a shared machine
-        pairs = [
-            g.samples and d.samples and (len(g.samples) / g.wall_s) / (len(d.samples) / d.wall_s)
-            for d, g in zip(batches["direct"], batches["gateway"], strict=True)
-            if d.wall_s and g.wall_s
-        ]
-        entry["vs"]["req_s"]["paired_median_ratio"] = float(statistics.median(pairs)) if pairs else None
+    if "direct" in entry and len(names) > 1:
+        entry["vs_direct"] = {name: _versus(batches["direct"], batches[name]) for name in names if name != "direct"}
+        if "gateway" in entry:
+            entry["vs"] = entry["vs_direct"]["gateway"]
     entry["rounds"] = {
         name: [round(len([s for s in b.samples if s.ok]) / b.wall_s, 1) if b.wall_s else 0 for b in batches[name]]
         for name in names

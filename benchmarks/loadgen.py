@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -116,13 +116,25 @@ class Connection:
         self._ack = _nothing
 
     async def request(self, head: bytes, body: bytes, on_data: Callable[[bytes, float], None]) -> int:
-        """Send one request; feed body bytes to ``on_data`` as they arrive; return the status."""
-        if self.writer is None:
+        """Send one request; feed body bytes to ``on_data`` as they arrive; return the status.
+
+        A kept-alive connection that the server closed while it was idle (uvicorn closes one after 5 s: a
+        client that spreads its requests over several servers leaves each connection idle in turn) answers
+        nothing at all; the request never reached the server, so it is sent once more on a new connection.
+        """
+        fresh = self.writer is None
+        if fresh:
             await self.open()
         assert self.reader is not None and self.writer is not None
         reader, ack = self.reader, self._ack
-        self.writer.write(head + body)
-        raw = await reader.readuntil(b"\r\n\r\n")
+        try:
+            self.writer.write(head + body)
+            raw = await reader.readuntil(b"\r\n\r\n")
+        except (asyncio.IncompleteReadError, ConnectionResetError) as error:
+            if fresh or getattr(error, "partial", b""):
+                raise
+            self.close()
+            return await self.request(head, body, on_data)
         ack()
         status = int(raw[9:12])
         chunked, length, close = False, None, False
@@ -214,7 +226,7 @@ class StreamParser:
 
 
 async def run_batch(
-    url: str,
+    url: str | Sequence[str],
     workload: Workload,
     concurrency: int,
     requests: int,
@@ -225,24 +237,32 @@ async def run_batch(
     headers: dict[str, str] | None = None,
     quickack: bool = False,
 ) -> BatchResult:
-    """``requests`` requests at ``concurrency`` against ``url`` (base URL, no path); ``quickack``: see
-    :class:`Connection`."""
-    parts = urlsplit(url)
-    host, port = parts.hostname or "127.0.0.1", parts.port or 80
+    """``requests`` requests at ``concurrency`` against ``url`` (base URL, no path), or spread round robin over
+    several base URLs (request i goes to URL i mod n; each worker keeps a connection to every URL);
+    ``quickack``: see :class:`Connection`."""
+    urls = [url] if isinstance(url, str) else list(url)
     body = workload.body()
     extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
-    head = (
-        f"POST {parts.path.rstrip('/')}{workload.path} HTTP/1.1\r\nhost: {host}:{port}\r\n"
-        f"content-type: application/json\r\naccept: */*\r\n{extra}content-length: {len(body)}\r\n\r\n"
-    ).encode()
+    heads, addresses = [], []
+    for one_url in urls:
+        parts = urlsplit(one_url)
+        host, port = parts.hostname or "127.0.0.1", parts.port or 80
+        addresses.append((host, port))
+        heads.append(
+            (
+                f"POST {parts.path.rstrip('/')}{workload.path} HTTP/1.1\r\nhost: {host}:{port}\r\n"
+                f"content-type: application/json\r\naccept: */*\r\n{extra}content-length: {len(body)}\r\n\r\n"
+            ).encode()
+        )
     result = BatchResult(target, concurrency)
-    connections = [Connection(host, port, quickack) for _ in range(concurrency)]
+    pools = [[Connection(host, port, quickack) for host, port in addresses] for _ in range(concurrency)]
+    connections = [conn for pool in pools for conn in pool]
     await asyncio.gather(*(c.open() for c in connections))
     issued = 0
     t0 = time.perf_counter()
     deadline = t0 + max_seconds
 
-    async def one(conn: Connection) -> Sample:
+    async def one(conn: Connection, head: bytes) -> Sample:
         parser = StreamParser(workload.dialect, workload.stream)
         start = time.perf_counter()
         try:
@@ -265,19 +285,20 @@ async def run_batch(
         tokens = workload.dialect.output_tokens(parser.raw or b"")
         return Sample(True, start - t0, end - t0, None, tokens or 0)
 
-    async def worker(conn: Connection) -> None:
+    async def worker(pool: list[Connection]) -> None:
         nonlocal issued
         while issued < requests:
             if time.perf_counter() > deadline:
                 result.truncated = True
                 return
+            pick = issued % len(pool)
             issued += 1
-            result.samples.append(await one(conn))
+            result.samples.append(await one(pool[pick], heads[pick]))
             if on_done is not None:
                 on_done()
 
     try:
-        await asyncio.gather(*(worker(c) for c in connections))
+        await asyncio.gather(*(worker(pool) for pool in pools))
     finally:
         result.wall_s = time.perf_counter() - t0
         for conn in connections:

@@ -259,7 +259,9 @@ def print_affinity(summaries: dict[str, dict[str, Any]], ratios: dict[str, float
     table.add_column("errors", justify="right")
     for policy, summary in summaries.items():
         spread = " ".join(f"{replica}:{count:.0f}" for replica, count in summary["per_replica"].items())
-        table.add_row(policy, *(fmt(summary[key], digits) for _, key, digits in columns), spread, str(summary["errors"]))
+        table.add_row(
+            policy, *(fmt(summary[key], digits) for _, key, digits in columns), spread, str(summary["errors"])
+        )
     table.add_row(
         "[bold]affinity / none[/]", *(fmt(ratios.get(key), 3) if key in ratios else "" for _, key, _ in columns), "", ""
     )
@@ -289,3 +291,31 @@ def save(result: dict[str, Any], out_dir: Path, plot: bool = True) -> None:
             console.print(f"plot:    {make_plot(view, out_dir / f'plot-{api}.png')}")
     except ImportError:
         console.print("[yellow]matplotlib is not installed: no plot[/]")
+
+
+def print_cluster(rows: list[dict[str, Any]], title: str) -> None:
+    """One row per concurrency level and target, then that target against ``direct``."""
+    table = Table(title=title)
+    for column in (
+        "c", "target", "TTFT p50 ms", "TTFT p90 ms", "lat p50 ms", "req/s", "x direct: TTFT p50 / p90",
+        "lat p50", "req/s (paired)", "requests per engine", "errors", "CPU ms/req",
+    ):  # fmt: skip
+        table.add_column(column, justify="right")
+    for row in rows:
+        ratios = row.get("ratios")
+        paired = row.get("req_s_paired_median_ratio")
+        table.add_row(
+            str(row["c"]),
+            row["target"],
+            fmt(row["ttft_p50_ms"], 2),
+            fmt(row["ttft_p90_ms"], 2),
+            fmt(row["latency_p50_ms"], 2),
+            fmt(row["req_s"], 2),
+            f"{fmt(ratios['ttft_p50_ms'], 3)} / {fmt(ratios['ttft_p90_ms'], 3)}" if ratios else "",
+            fmt(ratios["latency_p50_ms"], 3) if ratios else "",
+            (fmt(ratios["req_s"], 3) + (f" ({paired:.3f})" if paired is not None else "")) if ratios else "",
+            " ".join(f"{count:.0f}" for count in row["requests_per_engine"]),
+            str(row["errors"]),
+            " ".join(f"{k} {v:.2f}" for k, v in row["cpu_ms_per_req"].items()),
+        )
+    out_console.print(table)
