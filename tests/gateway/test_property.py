@@ -48,6 +48,8 @@ WRONG: dict[str, st.SearchStrategy[Any]] = {
     "top_p": st.one_of(_text, _lists, _dicts, st.floats(min_value=1.01, allow_infinity=False)),
     "stream_options": st.one_of(_text, _ints, _lists),
 }
+# Routes whose model is optional (the default model when absent) take "model": null as absent.
+OPTIONAL_MODEL_WRONG = st.one_of(_ints, _lists, _dicts, st.booleans())
 CHAT_WRONG = {**WRONG, "messages": st.one_of(_text, _ints, _dicts, _lists, st.just([]))}
 COMPLETION_WRONG = {**WRONG, "prompt": st.one_of(_ints, _dicts, st.booleans(), st.just([]))}
 EMBEDDING_WRONG = {"model": WRONG["model"], "input": st.one_of(_ints, _dicts, st.booleans(), st.just([]))}
@@ -62,11 +64,11 @@ FIELDS = {
     "/v1/messages": {**_SAMPLING_WRONG, "messages": _MESSAGES, "max_tokens": st.one_of(_text, _lists, st.integers(max_value=0)),
                      "system": st.one_of(_ints, _dicts)},
     "/v1/messages/count_tokens": {"model": WRONG["model"], "messages": _MESSAGES},
-    "/v1/tokenize": {"model": WRONG["model"], "prompt": st.one_of(_ints, _dicts, st.booleans())},
-    "/v1/detokenize": {"model": WRONG["model"], "tokens": st.one_of(_text, _dicts, st.booleans(), st.just([]), st.just([-1]))},
-    "/v1/score": {"model": WRONG["model"], "query": st.one_of(_dicts, st.booleans(), st.just([-2])), "label_token_ids": st.one_of(_text, _dicts)},
-    "/v1/rerank": {"model": WRONG["model"], "query": st.one_of(_ints, st.booleans()), "documents": st.one_of(_text, _ints, st.just([]))},
-    "/v1/classify": {"model": WRONG["model"], "input": st.one_of(_ints, _dicts, st.booleans(), st.just([]))},
+    "/v1/tokenize": {"model": OPTIONAL_MODEL_WRONG, "prompt": st.one_of(_ints, _dicts, st.booleans())},
+    "/v1/detokenize": {"model": OPTIONAL_MODEL_WRONG, "tokens": st.one_of(_text, _dicts, st.booleans(), st.just([]), st.just([-1]))},
+    "/v1/score": {"model": OPTIONAL_MODEL_WRONG, "query": st.one_of(_dicts, st.booleans(), st.just([-2])), "label_token_ids": st.one_of(_text, _dicts)},
+    "/v1/rerank": {"model": OPTIONAL_MODEL_WRONG, "query": st.one_of(_ints, st.booleans()), "documents": st.one_of(_text, _ints, st.just([]))},
+    "/v1/classify": {"model": OPTIONAL_MODEL_WRONG, "input": st.one_of(_ints, _dicts, st.booleans(), st.just([]))},
 }  # fmt: skip
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8),

@@ -179,10 +179,11 @@ def test_rolling_swap_under_load(rig: Rig) -> None:
     old_pids = {r["engine"]["pid"] for r in before["replicas"]}
     alive: list[int] = []
     stop = threading.Event()
+    others = set(engine_children()) - old_pids  # engines of other tests in this session (the shared one)
 
     def count_engines() -> None:
         while not stop.is_set():
-            alive.append(len(engine_children()))
+            alive.append(len(set(engine_children()) - others))
             time.sleep(0.1)
 
     counter = threading.Thread(target=count_engines, daemon=True)

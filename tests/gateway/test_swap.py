@@ -157,7 +157,7 @@ def _deployment(
     if served:
         engine["served_model_name"] = served
     return {
-        "models": {"tiny": {"engine": engine}, "other": {"url": other_url}},
+        "models": {"tiny": {"engine": engine}, "other": {"url": other_url, "served_model_name": "tiny"}},
         "gateway": {
             "api_keys": [KEY],
             "admin_keys": [ADMIN],
