@@ -11,7 +11,6 @@ parent-death signal when the *thread* that forked the child exits.
 from __future__ import annotations
 
 import collections
-import os
 import re
 import secrets
 import subprocess
@@ -23,7 +22,6 @@ from pathlib import Path
 from types import TracebackType
 
 import httpx
-import yaml
 from loguru import logger
 
 from launch.argv import build_argv, build_env, secret_config
@@ -31,6 +29,7 @@ from launch.config import EngineConfig
 from launch.logpump import pump_output
 from launch.ports import pick_free_port
 from launch.procgroup import popen_group, stop_group
+from launch.secret_file import remove_orphaned_secret_files, safe_name, write_secret_file
 from launch.shm import orphaned_shm_files, owned_shm_files, remove_files, remove_orphaned_shm
 
 LOG_TAIL_LINES = 200
@@ -198,15 +197,18 @@ class EngineProcess:
         if orphans:
             names = ", ".join(sorted(path.name for path in orphans))
             logger.info("removed {} /dev/shm file(s) that no live process uses: {}", len(orphans), names)
+        stale_keys = remove_orphaned_secret_files()
+        if stale_keys:
+            logger.info("removed {} engine key file(s) left by launchers that were killed", len(stale_keys))
         if self.port == 0:
             self.port = pick_free_port(self.config.host)
         if self.api_key:
-            self._secret_file = _write_private_yaml(secret_config(self.config, api_key=self.api_key), self.name)
+            self._secret_file = write_secret_file(secret_config(self.config, api_key=self.api_key), self.name)
         self.argv = build_argv(self.config, port=self.port, served_model_name=self.served_model_name, config_file=self._secret_file)
         engine_env = build_env(self.config)
         self.uses_cpu_shim = engine_env.uses_cpu_shim
         self._log_dir.mkdir(parents=True, exist_ok=True)
-        self.log_file = self._log_dir / f"{_safe(self.name)}-{self.port}-{int(time.time())}.log"
+        self.log_file = self._log_dir / f"{safe_name(self.name)}-{self.port}-{int(time.time())}.log"
         logger.info("engine {}: starting on port {}: {}", self.name, self.port, " ".join(self.argv))
         self._proc = popen_group(
             self.argv,
@@ -362,13 +364,3 @@ class EngineProcess:
             self._reader.join(timeout=5.0)
 
 
-def _write_private_yaml(data: dict[str, object], name: str) -> Path:
-    """Write ``data`` to a new owner-only ``.yaml`` file (SGLang's ``--config`` wants that suffix)."""
-    fd, path = tempfile.mkstemp(prefix=f"sglang-gateway-{_safe(name)}-", suffix=".yaml")  # mode 0600
-    with os.fdopen(fd, "w") as handle:
-        yaml.safe_dump(data, handle)
-    return Path(path)
-
-
-def _safe(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]", "_", name)
