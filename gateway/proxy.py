@@ -494,7 +494,7 @@ class SSEProxyResponse(Response):
         self.lease.close()
         tail = last
         if self._pending:
-            tail += self._inspect(self._pending)
+            tail += self._last_partial_event(self._pending)
             self._pending = b""
             self._ended = self._ended or any(ending in tail for ending in self._endings)
         if failure is None and not self._ended:
@@ -506,6 +506,18 @@ class SSEProxyResponse(Response):
             self.metrics.child(self.metrics.stream_errors, self.model).inc()
             tail += sse_error_event(failure, self.kind, self._events)
         await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+    def _last_partial_event(self, pending: bytes) -> bytes:
+        """What follows the last blank line when the upstream body ended: the stream's own last event as it
+        is; otherwise whole lines go out (an event whose closing blank line never came), closed with one, and a
+        line cut short is dropped, so that the error event after it starts on an event boundary instead of
+        inside a broken JSON line."""
+        if any(ending in pending for ending in self._endings):
+            return self._inspect(pending)  # the stream's own last event, without its closing blank line
+        whole = pending[: pending.rfind(b"\n") + 1]
+        if not whole.strip():
+            return b""
+        return self._inspect(whole) + (b"\n" if whole.endswith(b"\n") and not whole.endswith(b"\n\n") else b"")
 
     def _complete_events(self, chunk: bytes) -> bytes:
         """The complete events received so far (held back: a partial event at the end)."""

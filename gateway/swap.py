@@ -334,6 +334,11 @@ class SwapExecutor:
             logger.warning("{}: {} request(s) still running after the drain timeout; stopping anyway", backend.describe(), backend.in_flight)
         return time.monotonic() - started, timed_out
 
+    async def end_crashed(self, backend: Backend) -> None:
+        """Stop the engine of ``backend`` now: after a crash SGLang lingers for seconds (crash diagnostics)
+        while the requests it held wait; stopped, their connections break, which names the suspects."""
+        await self._stop(backend.engine)
+
     async def _stop(self, engine: EngineProcess | None, *, forget: bool = False) -> None:
         """Stop an engine we own. ``forget`` once its backend has left the registry: an engine stopped
         while its backend still routes the model stays owned, so the watchdog restarts it."""

@@ -130,6 +130,8 @@ class Watchdog:
             health.down_since = time.monotonic()
             tail = "\n".join(f"    {line}" for line in backend.engine.log_tail(20))
             logger.error("model {}: {} (pid {}); last lines of its log:\n{}", name, reason, backend.engine.pid, tail)
+            if backend.engine.running and backend.engine.crash_exception() is not None:
+                await self.executor.end_crashed(backend)  # unhealthy because it crashed: end it now
             if not backend.engine.running and await self._note_crash_suspects(name, backend):
                 health.attempts = 0  # a request crashed a working engine: restart at once, no backoff
         if health.gave_up:

@@ -98,8 +98,20 @@ class BackgroundStream:
 
     def start(self, timeout_s: float = 60) -> BackgroundStream:
         self._thread.start()
+        return self.wait_started(timeout_s)
+
+    def wait_started(self, timeout_s: float = 60) -> BackgroundStream:
         assert self._started.wait(timeout_s) and self.lines, f"no line of the stream within {timeout_s}s"
         return self
+
+    @staticmethod
+    def start_together(*streams: BackgroundStream, timeout_s: float = 60) -> None:
+        """Start every stream at once, then wait for the first line of each (streams that may end within a
+        second or two are then all still running)."""
+        for stream in streams:
+            stream._thread.start()
+        for stream in streams:
+            stream.wait_started(timeout_s)
 
     def finish(self, timeout_s: float = 120) -> list[str]:
         self._thread.join(timeout_s)
@@ -180,6 +192,87 @@ def fake_stalled_upstream() -> Iterator[str]:
         for conn in held:
             conn.close()
         listener.close()
+
+
+class CuttingRelay:
+    """A TCP relay in front of a real engine. Once :meth:`arm` is called, each connection forwards
+    ``hold_after`` more bytes of answers, then holds the rest, until :meth:`cut` closes every connection: an
+    upstream dying mid-stream at a chosen point.
+
+    The real engine cannot be cut on demand at that point (a SIGKILL races streams that end in a second); this
+    relay is a fake fault in front of it, named as one. Use it as ``with CuttingRelay(engine_url) as url:``.
+    """
+
+    def __init__(self, upstream_url: str, hold_after: int = 1500) -> None:
+        host, port = upstream_url.removeprefix("http://").rsplit(":", 1)
+        self.upstream = (host, int(port))
+        self.hold_after = hold_after
+        self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(16)
+        self.listener.settimeout(0.2)
+        self.holding = 0  # connections whose answer is held
+        self.armed = threading.Event()
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+
+    def __enter__(self) -> str:
+        self._thread.start()
+        return f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+
+    def __exit__(self, *exc: object) -> None:
+        self.cut()
+        self._stop.set()
+        self._thread.join(2)
+        self.listener.close()
+
+    def arm(self) -> None:
+        """From now on, hold each answer after ``hold_after`` bytes."""
+        self.armed.set()
+
+    def cut(self) -> None:
+        """Close every relayed connection at once (both sides)."""
+        with self._lock:
+            sockets, self._sockets = self._sockets, []
+        for sock in sockets:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                client, _ = self.listener.accept()
+            except (TimeoutError, OSError):
+                continue
+            upstream = socket.create_connection(self.upstream)
+            with self._lock:
+                self._sockets += [client, upstream]
+            threading.Thread(target=self._pump, args=(client, upstream, None), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, self.hold_after), daemon=True).start()
+
+    def _pump(self, source: socket.socket, target: socket.socket, limit: int | None) -> None:
+        sent = 0
+        try:
+            while data := source.recv(65536):
+                if limit is not None and not self.armed.is_set():
+                    target.sendall(data)
+                    continue
+                if limit is not None and sent + len(data) > limit:
+                    target.sendall(data[: max(0, limit - sent)])
+                    with self._lock:
+                        self.holding += 1
+                    while source.recv(65536):  # hold the rest: read it, forward nothing
+                        pass
+                    return
+                target.sendall(data)
+                sent += len(data)
+        except OSError:
+            return
 
 
 def closed_port_url() -> str:

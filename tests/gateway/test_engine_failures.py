@@ -1,8 +1,9 @@
 """Clients that go away and a gateway that shuts down mid-stream: the engine stops generating (its
 own ``sglang:num_aborted_requests_total`` says so, no timing needed) and the gateway keeps count.
 
-All of it on the session's ``tiny_engine``, which nothing here breaks; an engine SIGKILLed mid-stream
-is in ``test_swap.py`` (the module with an engine of its own to break).
+All of it on the session's ``tiny_engine``, which nothing here breaks: an upstream lost mid-stream is a
+relay in front of it that cuts its connections (``CuttingRelay``); an engine SIGKILLed mid-stream is in
+``test_swap.py`` (the module with an engine of its own to break).
 """
 
 from __future__ import annotations
@@ -15,7 +16,16 @@ import httpx
 import openai
 
 from launch.process import EngineProcess
-from tests.gateway.helpers import KEY, BackgroundStream, GatewayServer, auth, prometheus_value, serve
+from tests.gateway.helpers import (
+    KEY,
+    BackgroundStream,
+    CuttingRelay,
+    GatewayServer,
+    auth,
+    last_sse_event,
+    prometheus_value,
+    serve,
+)
 
 HELLO = [{"role": "user", "content": "Tell me a long story."}]
 LONG = {"max_tokens": 1900, "temperature": 0, "extra_body": {"ignore_eos": True}}
@@ -89,3 +99,32 @@ def test_shutdown_grace_cuts_off_streams_that_outlast_it(tiny_engine: EngineProc
         events = stream.finish()
     assert "data: [DONE]" not in events and len(events) < 1900 // 2, (len(events), events[-2:])
     wait_for(lambda: engine_metric(tiny_engine, "sglang:num_aborted_requests_total") == aborted + 1, 60, "the engine to abort it")
+
+
+def test_an_upstream_lost_mid_stream_ends_each_dialects_stream_with_its_error_event(tiny_engine: EngineProcess) -> None:
+    """Chat, Responses and Anthropic Messages streams whose upstream connection dies after their first bytes
+    (a relay in front of the real engine holds the rest, then cuts every connection) each end with an error
+    event framed like their own events, and the gateway counts each one."""
+    relay = CuttingRelay(tiny_engine.url)
+    with relay as relay_url, serve({"tiny": {"url": relay_url}}) as gw:
+        raw = {"model": "tiny", "stream": True, "temperature": 0}
+        streams = {
+            "chat": BackgroundStream(gw.url + "/v1/chat/completions", {**raw, "messages": HELLO, "max_tokens": 1900, "ignore_eos": True}),
+            "responses": BackgroundStream(gw.url + "/v1/responses", {**raw, "input": "Tell me a story.", "max_output_tokens": 1900}),
+            "messages": BackgroundStream(gw.url + "/v1/messages", {**raw, "messages": HELLO, "max_tokens": 1900}),
+        }
+        before = gateway_metric(gw, "gateway_stream_errors_total", {"model": "tiny"})
+        relay.arm()
+        BackgroundStream.start_together(*streams.values())  # each has its 200 and first line; the rest is held
+        wait_for(lambda: relay.holding == 3, 60, "the relay to hold all three answers")
+        relay.cut()
+        lines = {name: stream.finish() for name, stream in streams.items()}
+        assert gateway_metric(gw, "gateway_stream_errors_total", {"model": "tiny"}) == before + 3
+    chat = json.loads(lines["chat"][-1].removeprefix("data: "))
+    assert chat["error"]["code"] == "engine_unavailable" and "tiny" in chat["error"]["message"], lines["chat"][-2:]
+    kind, data = last_sse_event(lines["responses"])
+    assert kind == "error" and data["type"] == "error" and data["code"] == "engine_unavailable", data
+    assert isinstance(data["sequence_number"], int) and data["sequence_number"] > 0
+    kind, data = last_sse_event(lines["messages"])
+    assert kind == "error" and data == {"type": "error", "error": {"type": "overloaded_error", "message": data["error"]["message"]}}
+    assert "tiny" in data["error"]["message"]

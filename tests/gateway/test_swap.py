@@ -59,7 +59,6 @@ from tests.gateway.helpers import (
     GatewayServer,
     assert_openai_error,
     auth,
-    last_sse_event,
     prometheus_value,
 )
 from tests.leaks import LeakCheck
@@ -419,11 +418,6 @@ def test_d_sigkilled_engine_is_restarted_and_requests_get_503_meanwhile(rig: Swa
         chunks = iter(long)
         for _ in range(3):
             assert next(chunks).object == "chat.completion.chunk"
-        # The Responses and Anthropic Messages streams of the same engine, read as raw SSE (the Responses
-        # API has no ignore_eos: the kill follows its first event at once).
-        raw = {"model": "tiny", "stream": True, "temperature": 0}
-        messages = BackgroundStream(rig.server.url + "/v1/messages", {**raw, "messages": PROMPT, "max_tokens": 1900, "ignore_eos": True}, auth(KEY)).start()
-        responses = BackgroundStream(rig.server.url + "/v1/responses", {**raw, "input": "Tell me a story.", "max_output_tokens": 1900}, auth(KEY)).start()
         killed = time.monotonic()
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(openai.APIError) as cut_short:  # the stream running at the kill ends with an error event
@@ -431,13 +425,6 @@ def test_d_sigkilled_engine_is_restarted_and_requests_get_503_meanwhile(rig: Swa
                 pass
         assert "tiny" in cut_short.value.message and "engine" in cut_short.value.message
         assert cut_short.value.body["type"] == "service_unavailable"
-        # each cut stream ends with an error event framed like its own events
-        kind, data = last_sse_event(responses.finish())
-        assert kind == "error" and data["type"] == "error" and data["code"] == "engine_unavailable", data
-        assert isinstance(data["sequence_number"], int) and data["sequence_number"] > 0
-        kind, data = last_sse_event(messages.finish())
-        assert kind == "error" and data == {"type": "error", "error": {"type": "overloaded_error", "message": data["error"]["message"]}}
-        assert "tiny" in data["error"]["message"]
         deadline = killed + 60  # far less than a restart takes: a /ready that never flips fails here
         while (ready := httpx.get(rig.server.url + "/ready", timeout=10)).status_code == 200:
             assert time.monotonic() < deadline, "/ready still 200 after the kill"
@@ -466,7 +453,7 @@ def test_d_sigkilled_engine_is_restarted_and_requests_get_503_meanwhile(rig: Swa
     assert refused and all(o.retry_after for o in refused)
     cut = [o for o in load.outcomes if o.kind == "stream_cut"]
     assert all(o.started < killed for o in cut), "only streams already running at the kill may be cut"
-    assert changes(counters, rig.metrics()) == {"restarts": 1, "stream_errors": len(cut) + 3}
+    assert changes(counters, rig.metrics()) == {"restarts": 1, "stream_errors": len(cut) + 1}
     first_ok = min(o.ended for o in load.since(killed) if o.kind == "ok")
     report(
         "(d) SIGKILL and automatic restart",
