@@ -109,7 +109,8 @@ if [ "$(readlink .venv 2>/dev/null)" != "$venv" ]; then
   rm -rf .venv
   ln -s "$venv" .venv
 fi
-installed=$("$venv/bin/python" -c 'import launch, os; print(os.path.dirname(os.path.dirname(os.path.abspath(launch.__file__))))' 2>/dev/null || true)
+# Asked from / : run from the checkout, `import launch` would find the checkout itself, installed or not.
+installed=$(cd / && "$venv/bin/python" -c 'import launch, os; print(os.path.dirname(os.path.dirname(os.path.abspath(launch.__file__))))' 2>/dev/null || true)
 if [ "$installed" != "$root" ] || [ ! -x "$venv/bin/sglang-gateway" ]; then
   pip_quiet "$venv/bin/python" -m pip --disable-pip-version-check install -qq --no-deps --no-build-isolation -e "$root"
 fi
