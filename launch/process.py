@@ -81,8 +81,12 @@ ProgressCallback = Callable[[str, float], None]
 
 
 def new_engine_key() -> str:
-    """A random API key for one engine: only the process that launched it knows it."""
-    return secrets.token_urlsafe(32)
+    """A random API key for one engine: only the process that launched it knows it.
+
+    Prefixed: SGLang turns its config file into arguments, and a key starting with ``-`` (one in 64 of
+    ``token_urlsafe``'s) would be read as an option (``--api-key: expected one argument``).
+    """
+    return "sgw_" + secrets.token_urlsafe(32)
 
 
 class EngineProcess:

@@ -30,6 +30,7 @@ from launch.argv import (
 )
 from launch.config import CPU_DEFAULT_MAX_TOTAL_TOKENS, EngineConfig, load_config
 from launch.preflight import preflight, require
+from launch.process import new_engine_key
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -289,3 +290,10 @@ def test_shipped_gpu_presets_pass_preflight_and_sglangs_parser(sglang_parsed: di
         assert str(parsed[field]) == str(getattr(engine, field)), field
     assert engine.cuda_graph and str(parsed["cuda_graph_max_bs_decode"]) == str(engine.cuda_graph_max_bs)
     assert "disabled" not in str(parsed["cuda_graph_backend_decode"])  # the toolkit was found: graphs stay on
+
+
+def test_engine_keys_never_look_like_an_option() -> None:
+    """SGLang reads the key from its config file as an argument: one starting with ``-`` would be taken for an
+    option and the engine would not start (one in 64 of ``token_urlsafe``'s keys did)."""
+    keys = {new_engine_key() for _ in range(2000)}
+    assert len(keys) == 2000 and not [key for key in keys if key.startswith("-")]
