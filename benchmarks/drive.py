@@ -57,6 +57,23 @@ def drive(
     per_round = max(1, -(-requests // rounds))
     tag = f"{workload.api:<9}"
     out: dict[str, dict[str, Any]] = {}
+
+    def batch_of(name: str, concurrency: int, count: int, task: Any) -> BatchResult:
+        """One batch of ``count`` requests against target ``name``."""
+        return loop.run_until_complete(
+            run_batch(
+                targets[name],
+                workload,
+                concurrency,
+                count,
+                target=name,
+                max_seconds=max_seconds,
+                on_done=lambda: progress.advance(task),
+                headers=headers,
+                quickack=quickack,
+            )
+        )
+
     try:
         with progress_bar(console) as progress:
             for level in levels:
@@ -66,19 +83,7 @@ def drive(
                     for name in names:
                         if hooks is not None:
                             hooks.before(name)
-                        loop.run_until_complete(
-                            run_batch(
-                                targets[name],
-                                workload,
-                                min(level, warmup),
-                                warmup,
-                                target=name,
-                                max_seconds=max_seconds,
-                                on_done=lambda t=task: progress.advance(t),
-                                headers=headers,
-                                quickack=quickack,
-                            )
-                        )
+                        batch_of(name, min(level, warmup), warmup, task)
                     progress.remove_task(task)
                 task = progress.add_task(
                     f"{tag} c={level:<4} {' vs '.join(names)}", total=per_round * rounds * len(names)
@@ -88,23 +93,11 @@ def drive(
                     for name in order:
                         progress.update(task, description=f"{tag} c={level:<4} round {r + 1}/{rounds} {name:<8}")
                         if hooks is not None:
-                            hooks.before(name)
+                            hooks.before(name)  # before the CPU snapshot: a reload is not the batch's cost
                         groups = (cpu_groups or {}).get(name, {})
                         before = {label: processes.group_cpu_s(pgid) for label, pgid in groups.items()}
                         client_before = time.process_time()
-                        batch = loop.run_until_complete(
-                            run_batch(
-                                targets[name],
-                                workload,
-                                level,
-                                per_round,
-                                target=name,
-                                max_seconds=max_seconds,
-                                on_done=lambda t=task: progress.advance(t),
-                                headers=headers,
-                                quickack=quickack,
-                            )
-                        )
+                        batch = batch_of(name, level, per_round, task)
                         batch.cpu_s = {
                             label: processes.group_cpu_s(pgid) - before[label] for label, pgid in groups.items()
                         }
