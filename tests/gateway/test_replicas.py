@@ -147,18 +147,24 @@ def test_prefix_affinity_keeps_a_system_prompt_on_one_replica(rig: Rig) -> None:
     rig.reload(_deployment(rig.model_dir))
 
 
+def _kill_replica_until_back(rig: Rig, index: int, pid: int) -> tuple[float, float]:
+    """SIGKILL replica ``index``'s engine ``pid``; wait until both replicas are ready again, that one on a new
+    engine. (when it was killed, when it was back)"""
+    killed = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    deadline = killed + 300
+    while not ((m := rig.model())["ready_replicas"] == 2 and m["replicas"][index]["engine"]["pid"] != pid):
+        assert time.monotonic() < deadline, f"replica {index} not back within 300s: {m}"
+        time.sleep(0.25)
+    return killed, time.monotonic()
+
+
 def test_sigkill_of_one_replica_under_load(rig: Rig) -> None:
     model = rig.model()
     victim = model["replicas"][0]["engine"]["pid"]
     with Load(rig.server.url, workers=3) as load:
         load.wait_for_requests(6, 0)
-        killed = time.monotonic()
-        os.kill(victim, signal.SIGKILL)
-        deadline = killed + 300
-        while not ((m := rig.model())["ready_replicas"] == 2 and m["replicas"][0]["engine"]["pid"] != victim):
-            assert time.monotonic() < deadline, f"replica 0 not back within 300s: {m}"
-            time.sleep(0.25)
-        back = time.monotonic()
+        killed, back = _kill_replica_until_back(rig, 0, victim)
         load.wait_for_requests(6, back)
     kinds = load.counts(load.outcomes)
     plain_failures = [o for o in load.outcomes if not o.stream and o.kind != "ok"]
@@ -232,13 +238,7 @@ def test_managed_router_in_front_of_the_replicas(rig: Rig) -> None:
     victim = model["replicas"][1]["engine"]["pid"]
     with Load(rig.server.url, workers=3) as load:
         load.wait_for_requests(6, 0)
-        killed = time.monotonic()
-        os.kill(victim, signal.SIGKILL)
-        deadline = killed + 300
-        while not ((m := rig.model())["ready_replicas"] == 2 and m["replicas"][1]["engine"]["pid"] != victim):
-            assert time.monotonic() < deadline, f"replica 1 not back within 300s: {m}"
-            time.sleep(0.25)
-        back = time.monotonic()
+        killed, back = _kill_replica_until_back(rig, 1, victim)
         load.wait_for_requests(6, back)
         # the router itself dies: requests go to the replicas directly until the watchdog restarts it
         router_pid = rig.model()["router"]["pid"]
