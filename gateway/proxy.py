@@ -243,7 +243,7 @@ class Proxy:
                     if endpoint.response_ids and isinstance(data.get("id"), str):
                         self.responses.record(data["id"], route.name, backend)
                 if endpoint.renames_model:  # SGLang names an embedding model by its path (a file path on this host)
-                    content = _with_model(content or b"", backend.served_name)
+                    content = _with_model(content or b"", data, backend.served_name)
                 media = upstream.headers.get("Content-Type", "application/json")
                 return Response(content or b"", status_code=200, media_type=media)
             handed_over = True
@@ -389,9 +389,11 @@ async def _unless_disconnected(work: Coroutine[Any, Any, T], receive: Receive | 
     return True, task.result()
 
 
-def _with_model(content: bytes, name: str) -> bytes:
-    """``content`` (a JSON object) with its ``model`` set to ``name``; anything else unchanged."""
-    data = _parsed_if(content, b'"model"')
+def _with_model(content: bytes, data: dict[str, Any] | None, name: str) -> bytes:
+    """``content`` (a JSON object, ``data`` when already parsed) with its ``model`` set to ``name``; anything
+    else unchanged. Parsed once: an embeddings answer can be megabytes of vectors."""
+    if data is None:
+        data = _parsed_if(content, b'"model"')
     if data is None or "model" not in data:
         return content
     data["model"] = name
