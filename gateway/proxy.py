@@ -519,7 +519,7 @@ class SSEProxyResponse(Response):
         whole = pending[: pending.rfind(b"\n") + 1]
         if not whole.strip():
             return b""
-        return self._inspect(whole) + (b"\n" if whole.endswith(b"\n") and not whole.endswith(b"\n\n") else b"")
+        return self._inspect(whole) + b"\n"  # ``whole`` ends with one newline (pending follows the last blank line)
 
     def _complete_events(self, chunk: bytes) -> bytes:
         """The complete events received so far (held back: a partial event at the end)."""
