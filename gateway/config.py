@@ -13,6 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
+from gateway.fields import EXTENSIONS
 from launch.config import ConfigError, DeploymentConfig, format_validation_error
 
 OpenPath = Literal["/health", "/ready", "/metrics"]
@@ -28,6 +29,12 @@ class LimitSettings(_Strict):
 
     max_concurrent: int | None = Field(None, ge=1, description="Concurrent requests per model (unset: no limit).")
     max_queue: int = Field(0, ge=0, description="Requests that may wait for a slot; 0 answers 429 at once.")
+    max_concurrent_grammars: int | None = Field(
+        4, ge=1, description="Requests with a heavy grammar being compiled by the engine at once; beyond, they wait up to queue_timeout_s (unset: no limit)."
+    )
+    heavy_grammar_bytes: int = Field(
+        2048, ge=0, description="A request whose grammars (regex, ebnf, JSON schemas, forced tools) total this many bytes takes a grammar slot."
+    )
     queue_timeout_s: float = Field(30.0, gt=0, description="How long a queued request waits before 429.")
     retry_after_s: int = Field(1, ge=0, description="Retry-After header sent with 429 and 503.")
 
@@ -57,6 +64,24 @@ class BalancingSettings(_Strict):
         4, ge=0, description="prefix_affinity yields to the least busy replica when its own has this many more requests in flight."
     )
     min_ready: int = Field(1, ge=1, description="/ready is 200 while at least this many replicas of the model are healthy.")
+
+
+class RequestBounds(_Strict):
+    """What one request may ask of an engine: each list that fans out into engine work, and each grammar input.
+
+    Every prompt, item and choice becomes engine work behind one gateway slot; every grammar is compiled on
+    the engine's few grammar threads. The defaults fit OpenAI's own limits where it has them."""
+
+    max_prompts: int = Field(64, ge=1, description="Prompts in one completions request (each is one engine request).")
+    max_generations: int = Field(128, ge=1, description="Generations per request: prompts x n (x best_of).")
+    max_inputs: int = Field(2048, ge=1, description="Inputs of embeddings/classify/tokenize, score items, rerank documents.")
+    max_messages: int = Field(2048, ge=1, description="Messages (or Responses input items) in one request.")
+    max_tools: int = Field(128, ge=0, description="Tools in one request.")
+    max_stop: int = Field(16, ge=0, description="Stop strings (stop, stop_sequences) and stop_regex patterns.")
+    max_token_list: int = Field(1024, ge=1, description="stop_token_ids, logit_bias and label_token_ids entries.")
+    max_grammar_bytes: int = Field(32768, ge=256, description="Bytes of each grammar input: regex, ebnf, JSON schema, structural tag.")
+    max_schema_depth: int = Field(32, ge=1, description="Nesting of a JSON schema.")
+    max_enum_values: int = Field(1024, ge=1, description="Values of one enum in a JSON schema.")
 
 
 class HttpSettings(_Strict):
@@ -106,6 +131,10 @@ class GatewaySettings(_Strict):
     http: HttpSettings = Field(default_factory=HttpSettings, description="Connection and header limits, timeouts.")
     balancing: BalancingSettings = Field(default_factory=BalancingSettings, description="Spreading requests over replicas.")
     model_balancing: dict[str, BalancingSettings] = Field(default_factory=dict, description="Per-model overrides of balancing.")
+    request_bounds: RequestBounds = Field(default_factory=RequestBounds, description="Fan-out and grammar bounds of one request.")
+    extension_fields: dict[str, list[str]] = Field(
+        default_factory=dict, description="Per model, the SGLang extension fields clients may send (off by default; see the README)."
+    )
 
     @field_validator("api_keys", "admin_keys")
     @classmethod
@@ -119,6 +148,9 @@ class GatewaySettings(_Strict):
 
     def balancing_for(self, model: str) -> BalancingSettings:
         return self.model_balancing.get(model, self.balancing)
+
+    def extensions_for(self, model: str) -> frozenset[str]:
+        return frozenset(self.extension_fields.get(model, ()))
 
     def swap_policy_for(self, model: str) -> SwapPolicy:
         return self.swap_policy.get(model, self.swap_default)
@@ -171,10 +203,14 @@ def gateway_settings(deployment: DeploymentConfig, **overrides: object) -> Gatew
             f"{source}: models.{followers[0]}.engine.node_rank: a machine with node_rank > 0 serves no HTTP; "
             "start it with `sglang-gateway launch` and serve the engine from the machine with node_rank 0"
         )
-    for key in ("model_limits", "swap_policy", "model_balancing"):
+    for key in ("model_limits", "swap_policy", "model_balancing", "extension_fields"):
         unknown = sorted(set(getattr(settings, key)) - set(deployment.models))
         if unknown:
             raise ConfigError(f"{source}: gateway.{key}.{unknown[0]}: no model with this name")
+    for model, names in settings.extension_fields.items():
+        for name in names:
+            if name not in EXTENSIONS:
+                raise ConfigError(f"{source}: gateway.extension_fields.{model}: {name!r} is not an SGLang extension field the gateway knows")
     settings.resolved_keys(source)
     admin = settings.resolved_admin_keys(source)
     if set(admin) & set(settings.resolved_keys(source)):

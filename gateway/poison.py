@@ -27,6 +27,11 @@ def token_id_problem(fields: tuple[str, ...], body: dict[str, Any], vocab_size: 
     """
     for field in fields:
         value = body.get(field)
+        if isinstance(value, dict):  # logit_bias: {"<token id>": bias}
+            keys = [int(key) if key.lstrip("-").isdigit() else None for key in value]
+            if None in keys:
+                return f"{field}: keys must be token ids (integers as strings)"
+            value = keys
         if not isinstance(value, list):
             continue
         for row in value if value and isinstance(value[0], list) else [value]:

@@ -26,6 +26,7 @@ from starlette.types import Message, Receive, Scope, Send
 from yarl import URL
 
 from gateway.balancer import pick
+from gateway.bounds import grammar_bytes
 from gateway.config import BalancingSettings
 from gateway.context import RequestInfo
 from gateway.endpoints import ProxiedRoute
@@ -194,6 +195,8 @@ class Proxy:
         lease = _Lease(limiter)
         handed_over = False
         try:
+            if limiter.settings.max_concurrent_grammars and grammar_bytes(body) >= limiter.settings.heavy_grammar_bytes:
+                lease.grammar = await limiter.acquire_grammar(route.name)
             if route.drained:
                 raise GatewayError(
                     503, f"model {route.name!r} is drained by an operator; retry later", code="model_drained",
@@ -314,10 +317,11 @@ class _Lease:
     is what tells the engine that nobody listens any more (it aborts the request).
     """
 
-    __slots__ = ("limiter", "backend", "gauge", "upstream", "request")
+    __slots__ = ("limiter", "backend", "gauge", "upstream", "request", "grammar")
 
     def __init__(self, limiter: ConcurrencyLimiter) -> None:
         self.limiter: ConcurrencyLimiter | None = limiter
+        self.grammar = False  # holds one of the limiter's grammar slots
         self.backend: Backend | None = None
         self.gauge: Any = None
         self.upstream: aiohttp.ClientResponse | None = None
@@ -349,7 +353,14 @@ class _Lease:
             return
         self.backend.lost.append(request_fingerprint(*self.request))
 
+    def release_grammar(self) -> None:
+        """Give back the grammar slot: the engine has compiled the grammar (a stream's first bytes came)."""
+        if self.grammar and self.limiter is not None:
+            self.grammar = False
+            self.limiter.release_grammar()
+
     def close(self) -> None:
+        self.release_grammar()
         upstream, self.upstream = self.upstream, None
         if upstream is not None:
             if upstream.content.at_eof():
@@ -475,6 +486,7 @@ class SSEProxyResponse(Response):
             async for chunk in content.iter_any():
                 if self.info.ttft_s is None:
                     self.info.ttft_s = time.perf_counter() - self.info.started
+                    self.lease.release_grammar()
                 events = self._complete_events(chunk)
                 if events and self.kind is StreamKind.RESPONSES:
                     self._events += events.count(b"\n\n")

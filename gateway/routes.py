@@ -16,11 +16,12 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from gateway.bounds import check_bounds
 from gateway.context import RequestInfo, request_info
 from gateway.endpoints import PROXIED, RESPONSE_BY_ID, RESPONSE_CANCEL, ModelChoice, ProxiedRoute
 from gateway.errors import Dialect, GatewayError, error_body, error_response
 from gateway.health import HealthProbes
-from gateway.protocol import parse_body
+from gateway.protocol import check_extensions, parse_body
 from gateway.proxy import call_backend
 from gateway.registry import Backend, ModelRoute
 from gateway.responses_index import StoredResponse
@@ -45,9 +46,12 @@ def _json(data: Any, status: int = 200) -> Response:
 async def _proxied(request: Request, endpoint: ProxiedRoute) -> Response:
     state = _state(request)
     info: RequestInfo = request_info(request.scope) or RequestInfo("-", request.method, endpoint.path)
-    body = parse_body(await request.body(), endpoint.schema)
+    path = endpoint.upstream_path
+    body = parse_body(await request.body(), endpoint.schema, path)
+    check_bounds(path, body, state.settings.request_bounds)
     route = _model_route(state, body, endpoint)
     info.model = route.name
+    check_extensions(body, path, state.settings.extensions_for(route.name), route.name)
     pinned = _continued_response(state, body, route) if endpoint.response_ids else None
     assert state.proxy is not None, "the app's lifespan did not run"
     balancing = state.settings.balancing_for(route.name)
