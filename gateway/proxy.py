@@ -33,7 +33,7 @@ from gateway.endpoints import ProxiedRoute
 from gateway.errors import GatewayError, StreamKind, sanitize_message, sse_error_event, upstream_error
 from gateway.limits import ConcurrencyLimiter
 from gateway.metrics import Metrics
-from gateway.poison import Quarantine, request_fingerprint, token_id_problem
+from gateway.poison import Quarantine, payload_shape, request_shape, token_id_problem
 from gateway.registry import Backend, ModelRoute
 from gateway.responses_index import ResponseIndex
 
@@ -213,7 +213,7 @@ class Proxy:
                 payload = orjson.dumps(body)
                 lease.request = (path, payload)
                 if self.quarantine:
-                    self.quarantine.check(route.name, request_fingerprint(path, payload))
+                    self.quarantine.check(route.name, request_shape(path, body))
                 headers = {"Content-Type": "application/json", "X-Request-Id": info.request_id, **backend.upstream_headers()}
                 try:
                     finished, result = await _unless_disconnected(
@@ -330,6 +330,7 @@ class _Lease:
     def take(self, backend: Backend, gauge: Any) -> None:
         """Count this request on ``backend`` (and in the model's in-flight gauge)."""
         backend.in_flight += 1
+        backend.active.add(self)
         self.backend = backend
         if self.gauge is None:
             self.gauge = gauge
@@ -343,6 +344,7 @@ class _Lease:
         backend, self.backend = self.backend, None
         if backend is not None:
             backend.in_flight -= 1
+            backend.active.discard(self)
 
     def note_if_lost(self, error: BaseException) -> None:
         """Remember this request on its backend when ``error`` means the connection broke under it
@@ -351,7 +353,11 @@ class _Lease:
             return
         if isinstance(error, (aiohttp.ClientConnectorError, TimeoutError)):
             return
-        self.backend.lost.append(request_fingerprint(*self.request))
+        self.backend.lost.append(payload_shape(*self.request))
+
+    def suspect(self) -> str | None:
+        """This request's shape, when it is upstream (a suspect if its engine freezes)."""
+        return payload_shape(*self.request) if self.request is not None else None
 
     def release_grammar(self) -> None:
         """Give back the grammar slot: the engine has compiled the grammar (a stream's first bytes came)."""
@@ -373,6 +379,7 @@ class _Lease:
         backend, self.backend = self.backend, None
         if backend is not None:
             backend.in_flight -= 1
+            backend.active.discard(self)
         limiter, self.limiter = self.limiter, None
         if limiter is not None:
             limiter.release()

@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
+from typing import Any
 
 from gateway.config import GatewaySettings, LimitSettings
 from gateway.limits import ConcurrencyLimiter
@@ -55,9 +56,11 @@ class Backend:
         self.retry_after_s: int | None = None  # Retry-After for 503s caused by ``failure``
         self.created_at = time.time()
         self._vocab_size = vocab_size
-        # Fingerprints of requests whose upstream connection broke (the engine died under them, most
+        # Shapes of requests whose upstream connection broke (the engine died under them, most
         # likely): the watchdog turns them into suspects when it finds the engine dead.
-        self.lost: collections.deque[bytes] = collections.deque(maxlen=64)
+        self.lost: collections.deque[str] = collections.deque(maxlen=64)
+        # The requests upstream now (their leases): the suspects if the engine freezes.
+        self.active: set[Any] = set()
 
     @property
     def vocab_size(self) -> int | None:

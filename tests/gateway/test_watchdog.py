@@ -11,12 +11,13 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import orjson
 import pytest
 
 from gateway.config import GatewaySettings, WatchdogSettings
 from gateway.errors import GatewayError
 from gateway.metrics import Metrics
-from gateway.poison import Quarantine, request_fingerprint
+from gateway.poison import Quarantine, fields_of, payload_shape, request_shape
 from gateway.registry import Backend, ModelRoute, Registry
 from gateway.state import GatewayState
 from gateway.swap import SwapExecutor
@@ -104,17 +105,50 @@ def test_by_default_the_watchdog_never_gives_up(tmp_path: Path) -> None:
 
 
 def test_quarantine_refuses_the_sole_suspect_at_once_and_others_after_two_crashes() -> None:
-    quarantine = Quarantine(ttl_s=60)
-    poison, bystander, other = (request_fingerprint("/v1/completions", body) for body in (b"p", b"b", b"o"))
-    assert quarantine.engine_crashed("m", [poison, bystander]) == 0  # two suspects: nobody is blamed yet
+    quarantine = Quarantine()
+    hello = [{"role": "user", "content": "hello"}]
+    poison, bystander, other = (
+        request_shape("/v1/chat/completions", body)
+        for body in ({"messages": hello, "input_ids": [-1]}, {"messages": hello}, {"messages": hello, "max_tokens": 4})
+    )
+    assert quarantine.engine_failed("m", [poison, bystander], "crashed") == []  # two suspects: nobody is blamed yet
     quarantine.check("m", poison)
-    assert quarantine.engine_crashed("m", [poison, other]) == 1  # the poison was there both times
+    assert quarantine.engine_failed("m", [poison, other], "crashed") == [poison]  # the poison was there both times
     with pytest.raises(GatewayError) as refused:
         quarantine.check("m", poison)
     assert refused.value.status == 400 and refused.value.code == "request_quarantined"
+    assert "input_ids" in refused.value.message
     quarantine.check("m", bystander)
     quarantine.check("m", other)
     quarantine.check("other-model", poison)  # per model
-    assert quarantine.engine_crashed("m", [other]) == 1  # alone in flight: refused at once
+    assert quarantine.engine_failed("m", [other], "froze") == [other]  # alone in flight: refused at once
     with pytest.raises(GatewayError):
         quarantine.check("m", other)
+    assert {entry["shape"] for entry in quarantine.report()} == {poison, other}
+    assert quarantine.clear("other-model") == 0 and quarantine.clear("m") == 2
+    quarantine.check("m", poison)  # cleared by the operator (or a swap)
+
+
+def test_a_request_shape_survives_edits_of_its_text_and_ids_but_not_other_fields() -> None:
+    """The quarantine keys on what a request is made of: an edited word, a retry or a nearby id keep the
+    shape; another field, another type or another size class make another one."""
+    base = {"model": "a", "messages": [{"role": "user", "content": "hello"}], "input_ids": [-1], "max_tokens": 5}
+    shape = request_shape("/v1/chat/completions", base)
+    same = [
+        {**base, "model": "b"},  # the model's name is not part of it (an alias, another replica's served name)
+        {**base, "messages": [{"role": "user", "content": "world"}]},
+        {**base, "input_ids": [-7]},
+        {**base, "max_tokens": 6},
+    ]
+    assert all(request_shape("/v1/chat/completions", body) == shape for body in same)
+    different = [
+        {key: value for key, value in base.items() if key != "input_ids"},
+        {**base, "input_ids": [1]},  # not negative
+        {**base, "input_ids": [-1, -2, -3, -4]},  # another size class
+        {**base, "temperature": 0.5},
+        {**base, "max_tokens": "5"},
+    ]
+    assert all(request_shape("/v1/chat/completions", body) != shape for body in different)
+    assert request_shape("/v1/completions", base) != shape
+    assert payload_shape("/v1/chat/completions", orjson.dumps(base)) == shape
+    assert fields_of(shape) == ("input_ids", "max_tokens", "messages")
