@@ -109,6 +109,25 @@ def test_oversized_header_is_431_without_buffering_it(edge: GatewayServer) -> No
         assert_json_error(status, headers, body, 431, "headers_too_large")
 
 
+def test_oversized_head_arriving_in_one_read_is_431(edge: GatewayServer) -> None:
+    """A head over the limit sent in one write (one read on loopback) is parsed whole before data_received
+    could count it: it must be counted anyway, whether one big field or many small ones."""
+    limit = LIMITS["max_header_bytes"]
+    one_big = b"X-Big: " + b"a" * (2 * limit) + b"\r\n"
+    many = b"".join(b"X-F%d: %s\r\n" % (i, b"b" * (limit // 8)) for i in range(12))  # 12 fields: under max_headers
+    for path, fields in (("/health", one_big), ("/health", many), ("/v1/messages", one_big)):
+        with raw_connection(edge) as sock:
+            sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n".encode() + fields + b"\r\n")
+            status, headers, body = read_response(sock)
+        if path == "/v1/messages":  # answered in the route's dialect
+            assert status == 431 and json.loads(body)["error"]["type"] == "invalid_request_error", (status, body)
+        else:
+            assert_json_error(status, headers, body, 431, "headers_too_large")
+    with raw_connection(edge) as sock:  # just under the limit, in one read: served
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\nX-Big: " + b"a" * (limit - 200) + b"\r\n\r\n")
+        assert read_response(sock)[0] == 200
+
+
 def test_too_many_headers_and_long_urls(edge: GatewayServer) -> None:
     with raw_connection(edge) as sock:
         fields = b"".join(b"X-H%d: v\r\n" % i for i in range(25))
