@@ -118,7 +118,10 @@ def create_app(
     _install_error_handlers(app)
     # Outermost last: request id/log -> CORS -> auth -> body limit -> routes.
     layers: list[tuple[type[Any], dict[str, Any]]] = [
-        (BodyLimitMiddleware, {"max_bytes": settings.max_body_bytes, "timeout_s": settings.http.body_timeout_s}),
+        (
+            BodyLimitMiddleware,
+            {"max_bytes": settings.max_body_bytes, "timeout_s": settings.http.body_timeout_s, "deadline_s": settings.http.body_deadline_s},
+        ),
         (AuthMiddleware, {"holder": keys}),
     ]
     if settings.cors_allow_origins:
