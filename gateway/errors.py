@@ -10,11 +10,14 @@ bodies can carry tracebacks, server file paths and source lines, which must neve
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from enum import StrEnum
 from typing import Any
 
 import orjson
 from starlette.responses import Response
+
+from gateway.client_mistakes import client_mistake
 
 MAX_MESSAGE_CHARS = 2000
 
@@ -149,7 +152,14 @@ def sanitize_message(message: Any) -> str:
 
 
 # A validation dump as SGLang's FastAPI layer writes it: "[{'type': 'missing', 'loc': ('body', 'messages'), 'msg': ...}]".
-_VALIDATION_ITEM = re.compile(r"""['"]loc['"]:\s*[(\[]([^)\]]*)[)\]],\s*['"]msg['"]:\s*(?:'([^']*)'|"([^"]*)")""")
+# A location is a tuple of repr'd names and indexes, and a name may hold any character, ")" and "]" included
+# (pydantic's "function-after[validate(), Model]", a client's dict key): each part is matched whole.
+_QUOTED = r"'(?:[^'\\]|\\.)*'" + r'|"(?:[^"\\]|\\.)*"'  # a repr'd string, either quote
+_LOC_PART = re.compile(rf"{_QUOTED}|-?\d+")
+_VALIDATION_ITEM = re.compile(rf"""['"]loc['"]:\s*[(\[]((?:\s*(?:{_QUOTED}|-?\d+)\s*,?)*)[)\]],\s*['"]msg['"]:\s*({_QUOTED})""")
+# Where xgrammar's C++ code raised a grammar error: "[10:33:32] <path>:83: " (after sanitizing), noise to a client.
+_VALIDATOR_TAG = re.compile(r"^[\w-]+\[.*\]$")  # pydantic's "function-after[...]", "list[union[...]]": not a field
+_CPP_LOCATION = re.compile(r"\[\d{2}:\d{2}:\d{2}\] <path>:\d+: ")
 
 
 def readable_validation_dump(text: str) -> str | None:
@@ -158,19 +168,20 @@ def readable_validation_dump(text: str) -> str | None:
     if not items:
         return None
     parts = []
-    for location, single, double in items:
-        names = [part.strip().strip("'\"") for part in location.split(",")]
-        where = ".".join(name for name in names if name and name != "body")
-        message = single or double
+    for location, quoted in items:
+        names = [part[1:-1] if part[0] in "'\"" else part for part in _LOC_PART.findall(location)]
+        where = ".".join(name for name in names if name and name != "body" and not _VALIDATOR_TAG.match(name))
+        message = quoted[1:-1]
         parts.append(f"{where}: {message}" if where else message)
     return "; ".join(dict.fromkeys(parts))
 
 
-def upstream_error(status: int, body: bytes) -> GatewayError:
-    """Turn an engine's error response into a sanitized OpenAI error.
+def upstream_error(status: int, body: bytes, request: Mapping[str, Any] | None = None) -> GatewayError:
+    """Turn an engine's error response to ``request`` (the body sent) into a sanitized OpenAI error.
 
-    4xx keep their status and a sanitized message (validation dumps rewritten as ``field: problem``);
-    5xx become 502 with a fixed message: what a failing engine says is about its own internals
+    4xx keep their status and a sanitized one-line message (validation dumps rewritten as ``field: problem``);
+    a 5xx that :func:`~gateway.client_mistakes.client_mistake` blames on the request's input becomes a 400;
+    other 5xx become 502 with a fixed message: what a failing engine says is about its own internals
     (Python exception texts...), so it goes to the gateway's log, not to the client.
     """
     message: Any = None
@@ -190,5 +201,9 @@ def upstream_error(status: int, body: bytes) -> GatewayError:
     text = sanitize_message(message)
     if status >= 500:
         detail = f"engine answered HTTP {status}: {text}"
+        mistake = client_mistake(text, request)
+        if mistake is not None:  # the client's input, not the engine: 400, not an engine failure
+            return GatewayError(400, mistake[0], param=mistake[1], code="invalid_request", log_detail=f"client mistake; {detail}")
         return GatewayError(502, f"the engine failed to process the request (HTTP {status})", code="upstream_error", log_detail=detail)
-    return GatewayError(status, readable_validation_dump(text) or text, param=param, code=code)
+    readable = readable_validation_dump(text) or _CPP_LOCATION.sub("", text)
+    return GatewayError(status, readable, param=param, code=code)
