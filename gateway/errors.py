@@ -27,6 +27,18 @@ class Dialect(StrEnum):
 
     OPENAI = "openai"  # {"error": {"message", "type", "param", "code"}}; Authorization: Bearer
     ANTHROPIC = "anthropic"  # {"type": "error", "error": {"type", "message"}}; x-api-key or Bearer
+    SGLANG = "sglang"  # SGLang's own routes: its {"object": "error", "message", "type", "param", "code": 400}, plus OpenAI's "error"
+
+
+# SGLang's own routes whose clients read SGLang's flat error body (its tests read body["type"] == "BadRequestError").
+# This belongs in the route table (``dialect=Dialect.SGLANG`` on the route in gateway.endpoints); kept here until
+# that module's rework lands.
+SGLANG_SHAPED_PATHS = frozenset({"/v1/score"})
+
+
+def shaped_for(path: str, dialect: Dialect) -> Dialect:
+    """The dialect errors of ``path`` are answered in (``dialect`` unless the route answers SGLang's shape)."""
+    return Dialect.SGLANG if path in SGLANG_SHAPED_PATHS else dialect
 
 
 class StreamKind(StrEnum):
@@ -48,6 +60,18 @@ _ANTHROPIC_TYPES: dict[int, str] = {
     429: "rate_limit_error",
     503: "overloaded_error",
     504: "timeout_error",
+}
+
+# status -> the "type" of SGLang's ErrorResponse (its create_error_response: "BadRequestError" for 400)
+_SGLANG_TYPES: dict[int, str] = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
+    404: "NotFoundError",
+    408: "RequestTimeoutError",
+    413: "RequestTooLargeError",
+    429: "RateLimitError",
+    503: "ServiceUnavailableError",
 }
 
 # status -> (OpenAI error type, default code)
@@ -97,7 +121,11 @@ class GatewayError(Exception):
         if dialect is Dialect.ANTHROPIC:
             kind = _ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
             return {"type": "error", "error": {"type": kind, "message": self.message}}
-        return error_body(self.message, self.type, self.code, self.param)
+        body = error_body(self.message, self.type, self.code, self.param)
+        if dialect is Dialect.SGLANG:  # SGLang's flat ErrorResponse; OpenAI's "error" kept for the gateway's clients
+            kind = _SGLANG_TYPES.get(self.status, "InternalServerError" if self.status >= 500 else "BadRequestError")
+            return {"object": "error", "message": self.message, "type": kind, "param": self.param, "code": self.status, **body}
+        return body
 
 
 def error_body(message: str, type: str, code: str | int | None, param: str | None = None) -> dict[str, Any]:

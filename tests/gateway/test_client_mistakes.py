@@ -3,7 +3,8 @@
 SGLang 0.5.23 answers each of these with a 500 (see :mod:`gateway.client_mistakes`); none of them harms the
 engine, so they run on the session's ``tiny_engine``. What the gateway must do: answer 400 with a one-line
 message naming the field, count a 400 (not a 502) in its metrics, and keep the engine's words for its log.
-Also here: a validation dump whose location holds ")" or "]".
+Also here: a validation dump whose location holds ")" or "]", and /v1/score's error body, which has the shape
+of the engine's own (SGLang's clients read ``body["type"] == "BadRequestError"``).
 """
 
 from __future__ import annotations
@@ -74,3 +75,20 @@ def test_validation_dump_with_brackets_in_its_location_is_rewritten(gateway: Gat
     assert message.startswith("logit_bias.a)b]c: Input should be a valid number"), message
     assert "'input'" not in message and "{'type'" not in message, message
 
+
+def test_score_errors_have_the_engines_shape(gateway: GatewayServer, tiny_engine: EngineProcess) -> None:
+    """What SGLang's own test of /v1/score reads (status 400, body["type"], body["message"]) reads the same through
+    the gateway; the gateway's OpenAI-shaped "error" is there as well."""
+    bad = {"model": "tiny", "query": "The capital of France is", "items": ["Paris"], "label_token_ids": [999999], "apply_softmax": True}
+    straight = httpx.post(tiny_engine.url + "/v1/score", json=bad, timeout=60)
+    through = httpx.post(gateway.url + "/v1/score", json=bad, headers=auth(), timeout=60)
+    assert straight.status_code == through.status_code == 400
+    engine, ours = straight.json(), through.json()
+    assert {key: ours[key] for key in engine} == engine, (engine, ours)  # object, message, type, param, code
+    assert ours["type"] == "BadRequestError" and "Token ID 999999 is out of vocabulary" in ours["message"]
+    assert ours["error"]["type"] == "invalid_request_error" and ours["error"]["message"] == ours["message"]
+    # The gateway's own refusals on that route have the same shape.
+    refused = httpx.post(gateway.url + "/v1/score", json={**bad, "label_token_ids": "x"}, headers=auth(), timeout=60)
+    assert refused.status_code == 400 and refused.json()["type"] == "BadRequestError" and refused.json()["object"] == "error"
+    unknown = httpx.post(gateway.url + "/v1/score", json={**bad, "model": "nope"}, headers=auth(), timeout=60)
+    assert unknown.status_code == 404 and unknown.json()["type"] == "NotFoundError" and unknown.json()["code"] == 404
