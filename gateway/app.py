@@ -22,7 +22,7 @@ from gateway.auth import AuthMiddleware, KeyHolder, key_policy
 from gateway.config import GatewaySettings, gateway_settings
 from gateway.control import Controller
 from gateway.endpoints import INVOCATIONS, PROXIED_BY_PATH, ProxiedRoute, dialect_for_path
-from gateway.errors import GatewayError, error_response
+from gateway.errors import GatewayError, error_response, shaped_for
 from gateway.health import HealthProbes
 from gateway.metrics import Metrics
 from gateway.middleware import BodyLimitMiddleware, JSONCORSMiddleware, RequestContextMiddleware
@@ -118,7 +118,10 @@ def create_app(
     _install_error_handlers(app)
     # Outermost last: request id/log -> CORS -> auth -> body limit -> routes.
     layers: list[tuple[type[Any], dict[str, Any]]] = [
-        (BodyLimitMiddleware, {"max_bytes": settings.max_body_bytes, "timeout_s": settings.http.body_timeout_s}),
+        (
+            BodyLimitMiddleware,
+            {"max_bytes": settings.max_body_bytes, "timeout_s": settings.http.body_timeout_s, "deadline_s": settings.http.body_deadline_s},
+        ),
         (AuthMiddleware, {"holder": keys}),
     ]
     if settings.cors_allow_origins:
@@ -165,7 +168,8 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(GatewayError)
     async def _gateway_error(request: Request, error: GatewayError) -> Response:
         note_error(request.scope, error)
-        return error_response(error, dialect_for_path(request.url.path))
+        path = request.url.path
+        return error_response(error, shaped_for(path, dialect_for_path(path)))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, error: StarletteHTTPException) -> Response:
@@ -179,4 +183,5 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, error: Exception) -> Response:
-        return unexpected_error_response(request.scope, error, dialect_for_path(request.url.path))
+        path = request.url.path
+        return unexpected_error_response(request.scope, error, shaped_for(path, dialect_for_path(path)))

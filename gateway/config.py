@@ -94,6 +94,9 @@ class HttpSettings(_Strict):
     header_timeout_s: float = Field(10.0, gt=0, description="From a request's first byte to its last header; beyond: 408.")
     keepalive_timeout_s: float = Field(30.0, gt=0, description="An idle connection (new or between requests) is closed after this.")
     body_timeout_s: float = Field(30.0, gt=0, description="Longest silence while a request body arrives; beyond: 408.")
+    body_deadline_s: float = Field(
+        60.0, gt=0, description="From a request's last header to the last byte of its body, however steadily it trickles; beyond: 408."
+    )
     write_timeout_s: float = Field(30.0, gt=0, description="A client that accepts no response bytes this long is disconnected.")
 
 

@@ -237,7 +237,7 @@ class Proxy:
             assert result is not None
             upstream, content = result
             if upstream.status != 200:
-                raise upstream_error(upstream.status, content or b"")
+                raise upstream_error(upstream.status, content or b"", body)
             if not streamed:
                 info.ttft_s = time.perf_counter() - info.started
                 data = _parsed_if(content or b"", b'"usage"' if not endpoint.response_ids else b'"id"')
@@ -251,7 +251,7 @@ class Proxy:
                 return Response(content or b"", status_code=200, media_type=media)
             handed_over = True
             on_created = (lambda response_id: self.responses.record(response_id, route.name, backend)) if endpoint.response_ids else None
-            return SSEProxyResponse(lease, info, self.metrics, route.name, endpoint.stream or StreamKind.DATA, on_created)
+            return SSEProxyResponse(lease, info, self.metrics, route.name, endpoint.stream or StreamKind.DATA, on_created, body)
         finally:
             if not handed_over:
                 lease.close()
@@ -440,6 +440,7 @@ class SSEProxyResponse(Response):
         model: str,
         kind: StreamKind = StreamKind.DATA,
         on_created: Callable[[str], None] | None = None,
+        request: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(status_code=200, media_type="text/event-stream")
         assert lease.upstream is not None
@@ -450,6 +451,7 @@ class SSEProxyResponse(Response):
         self.model = model
         self.kind = kind
         self.on_created = on_created  # told the id of a Responses API response when its creation event passes
+        self.request = request  # the body sent: an engine error event may be about its input (gateway.client_mistakes)
         self._markers = _MARKERS[kind]
         self._endings = _ENDINGS[kind]
         self._ended = False  # the stream's own last event went through
@@ -586,7 +588,7 @@ class SSEProxyResponse(Response):
         if error is not None and "choices" not in data:
             detail = error if isinstance(error, dict) else {"message": error}
             status = detail.get("code") if isinstance(detail.get("code"), int) else 500
-            sanitized = upstream_error(status, orjson.dumps({"error": {**detail, "message": sanitize_message(detail.get("message"))}}))
+            sanitized = upstream_error(status, orjson.dumps({"error": {**detail, "message": sanitize_message(detail.get("message"))}}), self.request)
             self.info.error = sanitized.log_detail or sanitized.message
             return sse_error_event(sanitized).rstrip(b"\n")
         return line

@@ -19,7 +19,7 @@ from starlette.types import Receive, Scope, Send
 from gateway.bounds import check_bounds
 from gateway.context import RequestInfo, request_info
 from gateway.endpoints import PROXIED, RESPONSE_BY_ID, RESPONSE_CANCEL, ModelChoice, ProxiedRoute
-from gateway.errors import Dialect, GatewayError, error_body, error_response
+from gateway.errors import Dialect, GatewayError, error_body, error_response, shaped_for
 from gateway.health import HealthProbes
 from gateway.protocol import check_extensions, parse_body
 from gateway.proxy import call_backend
@@ -113,11 +113,11 @@ async def proxied_endpoint(scope: Scope, receive: Receive, send: Send) -> None:
         response = await _proxied(request, endpoint)
     except GatewayError as error:
         note_error(scope, error)
-        response = error_response(error, endpoint.dialect)
+        response = error_response(error, shaped_for(endpoint.path, endpoint.dialect))
     except ClientDisconnect:
         raise  # left while sending its body: the request-context middleware records it (499)
     except Exception as error:  # noqa: BLE001 - every failure leaves as JSON in the route's dialect
-        response = unexpected_error_response(scope, error, endpoint.dialect)
+        response = unexpected_error_response(scope, error, shaped_for(endpoint.path, endpoint.dialect))
     await response(scope, receive, send)
 
 

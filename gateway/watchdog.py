@@ -130,8 +130,10 @@ class Watchdog:
         if health.down_since is None:
             health.down_since = time.monotonic()
             tail = "\n".join(f"    {line}" for line in backend.engine.log_tail(20))
-            logger.error("model {}: {} (pid {}); last lines of its log:\n{}", name, reason, backend.engine.pid, tail)
-            if backend.engine.running and backend.engine.crash_exception() is not None:
+            cause = backend.engine.crash_exception()  # the tail may hold only the frames, or what failed on shutdown
+            crashed = f"; it crashed: {cause}" if cause is not None else ""
+            logger.error("model {}: {} (pid {}){}; last lines of its log:\n{}", name, reason, backend.engine.pid, crashed, tail)
+            if backend.engine.running and cause is not None:
                 await self.executor.end_crashed(backend)  # unhealthy because it crashed: end it now
             if backend.engine.running:
                 self._note_freeze_suspects(name, backend, reason)
