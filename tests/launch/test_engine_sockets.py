@@ -6,9 +6,12 @@ TCPStore (which binds every interface unless the gateway's SGLang plugin binds i
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
-from launch.engine_net import SOCKET_IFNAME_ENVS
+import pytest
+
+from launch.engine_net import SOCKET_IFNAME_ENVS, interface_addresses
 from launch.proc_sockets import group_listening_sockets
 from launch.process import EngineProcess
 
@@ -34,3 +37,25 @@ def test_the_engine_gets_loopback_interfaces_for_gloo_and_nccl(tiny_engine: Engi
     environ = Path(f"/proc/{tiny_engine.pid}/environ").read_bytes().decode(errors="replace").split("\0")
     chosen = dict(entry.split("=", 1) for entry in environ if entry.split("=", 1)[0] in SOCKET_IFNAME_ENVS)
     assert chosen == dict.fromkeys(SOCKET_IFNAME_ENVS, "lo")  # only these: the rest may hold secrets
+
+
+def test_the_engines_ports_refuse_connections_to_this_machines_other_addresses(tiny_engine: EngineProcess) -> None:
+    """What another machine would see: nothing answers on the LAN address (the old TCPStore did)."""
+    assert tiny_engine.pid is not None
+    outside = [
+        address
+        for addresses in interface_addresses().values()
+        for address in addresses
+        if not address.is_loopback and not address.is_link_local
+    ]
+    if not outside:
+        pytest.skip("this machine has no address but loopback")
+    answered = []
+    for sock in group_listening_sockets(tiny_engine.pid):
+        for address in outside:
+            family = socket.AF_INET6 if address.version == 6 else socket.AF_INET
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                probe.settimeout(2.0)
+                if probe.connect_ex((str(address), sock.port)) == 0:
+                    answered.append(f"{address} port {sock.port} ({sock})")
+    assert not answered, answered
