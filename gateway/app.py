@@ -6,6 +6,7 @@ an engine they already run; ``app_from_config`` builds all of it (engines includ
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -28,6 +29,7 @@ from gateway.metrics import Metrics
 from gateway.middleware import BodyLimitMiddleware, JSONCORSMiddleware, RequestContextMiddleware
 from gateway.proxy import Proxy, upstream_session
 from gateway.registry import Registry
+from gateway.responses_index import open_response_index
 from gateway.routes import add_proxied_route, note_error, proxied_endpoint, router, unexpected_error_response
 from gateway.state import GatewayState
 from gateway.swap import SwapExecutor
@@ -84,6 +86,11 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        try:
+            state.responses = open_response_index(settings.state_dir)  # who owns which stored response, on disk
+        except RuntimeError as error:
+            app.state.startup_error = error
+            raise
         # Requests go upstream over aiohttp (the hot path); health and model-card probes over httpx.
         session = upstream_session(
             settings.upstream_connect_timeout_s, settings.upstream_read_timeout_s, settings.upstream_max_connections
@@ -104,6 +111,7 @@ def create_app(
                     await controller.close()  # stops every engine the gateway owns
         finally:
             await state.probes.aclose()
+            await asyncio.to_thread(state.responses.close)  # writes what is pending
 
     # No trailing-slash redirects: a 307 built from the client's Host header is not an API answer.
     app = GatewayAPI(title="sglang-gateway", lifespan=lifespan, docs_url=None, redoc_url=None, redirect_slashes=False)

@@ -7,7 +7,9 @@ time, so a missing variable or file fails the start, not the first request.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -138,6 +140,11 @@ class GatewaySettings(_Strict):
     extension_fields: dict[str, list[str]] = Field(
         default_factory=dict, description="Per model, the SGLang extension fields clients may send (off by default; see the README)."
     )
+    state_dir: Path | None = Field(
+        None,
+        description="Where state that outlives the gateway process is kept (which key owns which stored response, on "
+        "which engine). Default: $XDG_STATE_HOME (~/.local/state)/sglang-gateway/<config name>-<hash of its path>.",
+    )
 
     @field_validator("api_keys", "admin_keys")
     @classmethod
@@ -187,14 +194,31 @@ def _resolve_keys(
     return tuple(dict.fromkeys(key.encode() for key in keys))
 
 
+def default_state_dir(source: Path | str) -> Path:
+    """The state directory of the deployment read from ``source`` (a file, or a model URI), when none is configured.
+
+    Under the user's XDG state directory (state that should survive restarts, unlike a cache), one per
+    deployment: named by the config file's name and a hash of its absolute path, so two deployments never
+    share an index and the same file finds its index again after a restart. A deployment built in memory
+    (no file: tests, embedders of ``create_app``) has none unless ``state_dir`` is set: its index is memory only.
+    """
+    path = Path(source)
+    where = str(path.resolve()) if path.exists() else str(source)
+    base = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state")
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", path.stem)[:40] or "deployment"
+    return base / "sglang-gateway" / f"{name}-{hashlib.blake2b(where.encode(), digest_size=6).hexdigest()}"
+
+
 def gateway_settings(deployment: DeploymentConfig, **overrides: object) -> GatewaySettings:
     """Validate ``deployment.gateway`` (plus CLI overrides such as host/port that are not None)."""
     source = str(deployment.source or "config")
     data = dict(deployment.gateway)
     data.update({key: value for key, value in overrides.items() if value is not None})
-    for key in ("api_keys_file", "admin_keys_file"):
+    for key in ("api_keys_file", "admin_keys_file", "state_dir"):
         if isinstance(data.get(key), str) and deployment.source and not Path(data[key]).is_absolute():
             data[key] = str(Path(deployment.source).parent / data[key])
+    if data.get("state_dir") is None and deployment.source is not None:
+        data["state_dir"] = str(default_state_dir(deployment.source))
     try:
         settings = GatewaySettings.model_validate(data)
     except ValidationError as error:

@@ -43,7 +43,6 @@ EXTENSIONS: dict[str, Extension] = {
     # Raw ids and engine-side identities: a client could crash the scheduler, or see other keys' requests.
     "input_ids": Extension("the prompt as raw token ids instead of messages (checked against the vocabulary when on)", _on(_CHAT)),
     "rid": Extension("the engine's own request id: ids are shared by every key, a duplicate reveals another key's request", _on(_CHAT, _COMPLETIONS, "/v1/embeddings", "/v1/classify")),
-    "request_id": Extension("the id of the stored response, chosen by the client (an id already stored is refused)", _on("/v1/responses")),
     "session_id": Extension("an engine session the request continues (sessions are not owned by keys)", _on(_CHAT, _COMPLETIONS, "/v1/responses")),
     "session_params": Extension("engine session control (sessions are not owned by keys)", _GENERATE),
     "extra_key": Extension("a prefix-cache namespace key", _on(_CHAT, _COMPLETIONS, "/v1/responses")),
@@ -89,6 +88,13 @@ EXTENSIONS: dict[str, Extension] = {
     "return_pooled_hidden_states": Extension("pooled hidden states in the answer (large)", _on("/v1/score")),
     "score_extraction_token": Extension("which token position is scored", _on("/v1/score")),
 }  # fmt: skip
+
+# path -> fields never sent, whatever the deployment says, with the reason the client is told.
+REFUSED: dict[str, dict[str, str]] = {
+    "/v1/responses": {
+        "request_id": "response ids are chosen by the engine (a client choosing one could overwrite another key's stored response)",
+    },
+}
 
 # path -> fields removed before the request goes upstream: OpenAI's (or Anthropic's) service options that
 # clients and SDK wrappers send, which an engine has no use for. Refusing them would break those clients.

@@ -32,7 +32,7 @@ from pydantic import (
 )
 
 from gateway.errors import GatewayError
-from gateway.fields import DROPPED, extensions_for
+from gateway.fields import DROPPED, REFUSED, extensions_for
 
 _Number = Annotated[float, Field(allow_inf_nan=False)]
 _Bool = Annotated[bool, Field(strict=False)]  # lax, like SGLang's: "true", 1...
@@ -304,7 +304,6 @@ _EngineId = Annotated[StrictStr, Field(min_length=1, max_length=128, pattern=r"^
 EXTENSION_TYPES: dict[str, TypeAdapter[Any]] = {
     "input_ids": TypeAdapter(Annotated[_TokenIds, Field(min_length=1)] | list[Annotated[_TokenIds, Field(min_length=1)]]),
     "rid": TypeAdapter(_EngineId),
-    "request_id": TypeAdapter(Annotated[StrictStr, Field(min_length=5, max_length=128, pattern=r"^resp_[A-Za-z0-9_-]+$")]),
     "session_id": TypeAdapter(_EngineId),
     "lora_path": TypeAdapter(Annotated[StrictStr, Field(min_length=1, max_length=256)]),
     "custom_logit_processor": TypeAdapter(Annotated[StrictStr, Field(max_length=1 << 20)]),
@@ -333,6 +332,9 @@ def parse_body(raw: bytes, schema: type[Loose], path: str) -> dict[str, Any]:
     for name in DROPPED.get(path, ()):
         data.pop(name, None)
     extensions = extensions_for(path)
+    for name, why in REFUSED.get(path, {}).items():
+        if name in data:
+            raise GatewayError(400, f"Unsupported parameter: {name!r}: {why}", code="unsupported_parameter", param=name)
     for name in data:
         if name not in schema.model_fields and name not in extensions:
             raise GatewayError(

@@ -25,6 +25,7 @@ from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 from yarl import URL
 
+from gateway.auth import OPEN_OWNER
 from gateway.balancer import pick
 from gateway.bounds import grammar_bytes
 from gateway.config import BalancingSettings
@@ -175,6 +176,7 @@ class Proxy:
         *,
         balancing: BalancingSettings | None = None,
         pinned: Backend | None = None,
+        owner: str = OPEN_OWNER,
     ) -> Response:
         """Admit the request (limits, backend state), send it, and answer plain JSON or an SSE stream.
 
@@ -184,7 +186,8 @@ class Proxy:
         client that gave up, and close the upstream request instead of letting the engine finish it.
         A stream needs no such watch before its response starts: engines send a stream's headers at
         once, and :class:`SSEProxyResponse` watches the client from then on. ``pinned``: the backend
-        that must answer (it holds the state the request continues).
+        that must answer (it holds the state the request continues). ``owner``: the client key's identity
+        (:func:`gateway.auth.request_owner`), recorded as the owner of a Responses API response it creates.
         """
         path = endpoint.upstream_path
         problem = token_id_problem(endpoint.token_ids, body, route.backend.vocab_size)
@@ -244,13 +247,13 @@ class Proxy:
                 if data is not None:
                     info.set_usage(data.get("usage"))
                     if endpoint.response_ids and isinstance(data.get("id"), str):
-                        self.responses.record(data["id"], route.name, backend)
+                        self.responses.record(data["id"], route.name, backend.identity, owner)
                 if endpoint.renames_model:  # SGLang names an embedding model by its path (a file path on this host)
                     content = _with_model(content or b"", data, backend.served_name)
                 media = upstream.headers.get("Content-Type", "application/json")
                 return Response(content or b"", status_code=200, media_type=media)
             handed_over = True
-            on_created = (lambda response_id: self.responses.record(response_id, route.name, backend)) if endpoint.response_ids else None
+            on_created = (lambda response_id: self.responses.record(response_id, route.name, backend.identity, owner)) if endpoint.response_ids else None
             return SSEProxyResponse(lease, info, self.metrics, route.name, endpoint.stream or StreamKind.DATA, on_created, body)
         finally:
             if not handed_over:
