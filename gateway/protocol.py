@@ -302,7 +302,7 @@ def _pickle_problem(value: str) -> str | None:
 _EngineId = Annotated[StrictStr, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")]
 # Types of the extension fields when a deployment enables them (the rest take any JSON: the body size bounds them).
 EXTENSION_TYPES: dict[str, TypeAdapter[Any]] = {
-    "input_ids": TypeAdapter(Annotated[_TokenIds, Field(min_length=1)] | list[Annotated[_TokenIds, Field(min_length=1)]]),
+    "input_ids": TypeAdapter(_NonEmptyIds | Annotated[list[_NonEmptyIds], Field(min_length=1)]),
     "rid": TypeAdapter(_EngineId),
     "session_id": TypeAdapter(_EngineId),
     "lora_path": TypeAdapter(Annotated[StrictStr, Field(min_length=1, max_length=256)]),

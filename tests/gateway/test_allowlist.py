@@ -1,0 +1,137 @@
+"""The allowlist without an engine: every field SGLang reads is classified, unknown ones are refused, extension
+fields need the deployment's consent, bounds and grammar checks refuse what would hurt the engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from gateway.bounds import check_bounds, grammar_bytes
+from gateway.config import RequestBounds
+from gateway.endpoints import PROXIED_BY_PATH
+from gateway.errors import GatewayError
+from gateway.fields import DROPPED, EXTENSIONS, REFUSED, extension_table, extensions_for
+from gateway.grammar_checks import GrammarProblem, check_json_schema, check_stop_regex
+from gateway.protocol import check_extensions, parse_body
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+HELLO = [{"role": "user", "content": "hi"}]
+CHAT = "/v1/chat/completions"
+
+
+def _parse(path: str, body: dict[str, Any]) -> dict[str, Any]:
+    return parse_body(orjson.dumps(body), PROXIED_BY_PATH[path].schema, path)
+
+
+def _sglang_models() -> dict[str, Any]:
+    protocol = pytest.importorskip("sglang.srt.entrypoints.openai.protocol")
+    anthropic = pytest.importorskip("sglang.srt.entrypoints.anthropic.protocol")
+    return {
+        CHAT: protocol.ChatCompletionRequest,
+        "/v1/completions": protocol.CompletionRequest,
+        "/v1/responses": protocol.ResponsesRequest,
+        "/v1/embeddings": protocol.EmbeddingRequest,
+        "/v1/score": protocol.ScoringRequest,
+        "/v1/classify": protocol.ClassifyRequest,
+        "/v1/detokenize": protocol.DetokenizeRequest,
+        "/v1/tokenize": protocol.TokenizeRequest,
+        "/v1/messages": anthropic.AnthropicMessagesRequest,
+        "/v1/messages/count_tokens": anthropic.AnthropicCountTokensRequest,
+    }
+
+
+def test_every_field_sglang_reads_is_classified() -> None:
+    """A new SGLang version's new field is refused as unknown until it is classified here: allowed (in the
+    route's schema), an extension, dropped or refused."""
+    unclassified = {}
+    for path, model in _sglang_models().items():
+        known = set(PROXIED_BY_PATH[path].schema.model_fields) | extensions_for(path) | DROPPED.get(path, set()) | set(REFUSED.get(path, {}))
+        missing = sorted(set(model.model_fields) - known)
+        if missing:
+            unclassified[path] = missing
+    assert not unclassified, unclassified
+
+
+def test_readme_lists_the_extension_fields() -> None:
+    assert extension_table() in README.read_text(), "README's extension table differs from gateway.fields: paste extension_table()"
+
+
+def test_unknown_fields_are_refused_by_name_and_service_options_dropped() -> None:
+    with pytest.raises(GatewayError) as refused:
+        _parse(CHAT, {"model": "m", "messages": HELLO, "max_tokenz": 5})
+    assert refused.value.status == 400 and refused.value.param == "max_tokenz" and refused.value.code == "unknown_field"
+    body = _parse(CHAT, {"model": "m", "messages": HELLO, "store": True, "service_tier": "auto", "logprobs": "true"})
+    assert "store" not in body and "service_tier" not in body and body["logprobs"] == "true"  # lax like SGLang's
+    with pytest.raises(GatewayError) as chosen:
+        _parse("/v1/responses", {"model": "m", "input": "hi", "request_id": "resp_x"})
+    assert chosen.value.param == "request_id" and chosen.value.code == "unsupported_parameter"
+
+
+def test_extension_fields_need_the_deployment_and_are_typed_when_on() -> None:
+    body = _parse(CHAT, {"model": "m", "messages": HELLO, "input_ids": [1, 2]})
+    with pytest.raises(GatewayError) as off:
+        check_extensions(body, CHAT, frozenset(), "m")
+    assert off.value.param == "input_ids" and off.value.code == "extension_field_disabled" and "extension_fields.m" in off.value.message
+    check_extensions(body, CHAT, frozenset({"input_ids"}), "m")
+    for bad in ({"input_ids": []}, {"input_ids": ["x"]}, {"rid": "../../flush_cache"}, {"custom_logit_processor": '{"callable": "AAAA"}'}):
+        with pytest.raises(GatewayError) as typed:
+            _parse(CHAT, {"model": "m", "messages": HELLO, **bad})
+        assert typed.value.param == next(iter(bad)), bad
+    assert set(EXTENSIONS) >= {"input_ids", "rid", "lora_path", "custom_logit_processor", "return_hidden_states"}
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    ["(x+x+)+y", "x+y", "a*", "(a{1,3}){1,3}", r"(a)\1", "x{1,}", "(", "[a-" , "a{1,300}"],
+)
+def test_stop_regexes_that_backtrack_or_do_not_parse_are_refused(pattern: str) -> None:
+    with pytest.raises(GrammarProblem):
+        check_stop_regex(pattern)
+
+
+@pytest.mark.parametrize("pattern", ["END", r"\n\n", r"\d{1,3}\.", "(foo|bar)", "[A-Z]{2,4}!", "^Answer:"])
+def test_bounded_stop_regexes_pass(pattern: str) -> None:
+    check_stop_regex(pattern)
+
+
+def test_json_schema_refs_and_patterns() -> None:
+    check_json_schema({"type": "object", "properties": {"child": {"$ref": "#"}}}, max_depth=32, max_enum=10)  # a tree
+    for bad in (
+        {"$ref": "#"},
+        {"$ref": "#/$defs/x", "$defs": {"x": {"$ref": "#/$defs/x"}}},
+        {"$ref": "#/$defs/missing"},
+        {"$ref": "https://example.invalid/schema.json"},
+        {"type": "string", "pattern": "(["},
+        {"enum": list(range(11))},
+    ):
+        with pytest.raises(GrammarProblem):
+            check_json_schema(bad, max_depth=32, max_enum=10)
+
+
+def test_fan_out_and_grammar_bounds() -> None:
+    bounds = RequestBounds(max_prompts=4, max_generations=8, max_inputs=3, max_grammar_bytes=256)
+    cases = [
+        ("/v1/completions", {"prompt": ["a"] * 5}, "prompt"),
+        ("/v1/completions", {"prompt": ["a"] * 4, "n": 3}, "prompt"),
+        (CHAT, {"messages": HELLO, "n": 9}, "n"),
+        ("/v1/score", {"query": "q", "items": ["a"] * 4}, "items"),
+        ("/v1/embeddings", {"input": ["a"] * 4}, "input"),
+        (CHAT, {"messages": HELLO, "regex": "a" * 300}, "regex"),
+        (CHAT, {"messages": HELLO, "stop_regex": "(x+x+)+y"}, "stop_regex"),
+        (CHAT, {"messages": HELLO, "response_format": {"type": "json_schema", "json_schema": {"schema": {"$ref": "#"}}}}, "response_format"),
+    ]
+    for path, body, field in cases:
+        with pytest.raises(GatewayError) as refused:
+            check_bounds(path, body, bounds)
+        assert refused.value.status == 400 and refused.value.param == field, (path, body, refused.value.message)
+    check_bounds("/v1/completions", {"prompt": ["a"] * 4, "n": 2}, bounds)
+    check_bounds("/v1/score", {"query": "q", "items": ["a"] * 3}, bounds)
+
+
+def test_a_forced_tool_call_counts_its_schema_as_a_grammar() -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}}}]
+    assert grammar_bytes({"tools": tools, "tool_choice": "auto"}) == 0
+    assert grammar_bytes({"tools": tools, "tool_choice": "required"}) > 0
