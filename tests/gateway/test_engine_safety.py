@@ -34,7 +34,8 @@ def guarded(tiny_engine: EngineProcess) -> Iterator[GatewayServer]:
         "remote": {"url": tiny_engine.url, "served_model_name": "tiny", "vocab_size": vocab_size(tiny_engine.config.model_path)},
         "unknown-vocab": {"url": tiny_engine.url, "served_model_name": "tiny"},
     }
-    with serve(models, {"api_keys": [KEY]}, engines={"tiny": tiny_engine}) as gw:
+    # "remote" lets clients send raw chat input_ids (an SGLang extension): validated, not refused.
+    with serve(models, {"api_keys": [KEY], "extension_fields": {"remote": ["input_ids"]}}, engines={"tiny": tiny_engine}) as gw:
         yield gw
 
 
@@ -121,3 +122,37 @@ def test_a_client_that_stops_reading_gives_its_slot_back(tiny_engine: EngineProc
             assert received.startswith(b"HTTP/1.1 200") and b"data: [DONE]" not in received
         finally:
             stalled.close()
+
+
+def test_requests_that_crashed_or_froze_the_engine_are_refused_and_the_model_keeps_serving(
+    guarded: GatewayServer, tiny_engine: EngineProcess
+) -> None:
+    """Each of these took SGLang 0.5.23's CPU engine down (crash or frozen scheduler) through the gateway before
+    its allowlist: now each is a 400 naming the field, and the shared engine answers throughout."""
+    pid = tiny_engine.pid
+    vocab = vocab_size(tiny_engine.config.model_path)
+    score = {"model": "tiny", "label_token_ids": [1]}
+    refused: list[tuple[str, dict[str, Any], str]] = [
+        ("/v1/chat/completions", {"model": "tiny", "messages": HELLO, "input_ids": [-1]}, "input_ids"),  # extension off
+        ("/v1/chat/completions", {"model": "remote", "messages": HELLO, "input_ids": [-1]}, "input_ids"),  # on: checked
+        ("/v1/chat/completions", {"model": "remote", "messages": HELLO, "input_ids": [1, 2, vocab + 99_487]}, "input_ids"),
+        ("/v1/chat/completions", {"model": "tiny", "messages": HELLO, "logit_bias": {str(vocab + 5): 1.0}}, "logit_bias"),
+        ("/v1/score", {**score, "query": [], "items": [[]]}, "query"),
+        ("/v1/score", {**score, "query": [1], "items": [[], []]}, "items"),
+        ("/v1/score", {**score, "query": "q", "items": ["a"] * 20_000}, "items"),
+        ("/v1/completions", {"model": "tiny", "prompt": ["a"] * 20_000, "max_tokens": 1}, "prompt"),
+        ("/v1/chat/completions", {"model": "tiny", "messages": HELLO, "regex": "x+", "stop_regex": "(x+x+)+y", "max_tokens": 64}, "stop_regex"),
+        ("/v1/completions", {"model": "tiny", "prompt": "a", "regex": "|".join(f"w{i:06d}" for i in range(40_000))}, "regex"),
+        ("/v1/chat/completions", {"model": "tiny", "messages": HELLO, "rid": "x"}, "rid"),
+    ]
+    with httpx.Client(base_url=guarded.url, headers=auth(), timeout=60) as http:
+        for path, body, field in refused:
+            response = http.post(path, json=body)
+            assert response.status_code == 400 and response.json()["error"]["param"] == field, (path, field, response.text[:300])
+        enabled = http.post("/v1/chat/completions", json={"model": "remote", "messages": HELLO, "input_ids": [1, 2, 3], "max_tokens": 2})
+        assert enabled.status_code == 200, enabled.text  # enabled and in the vocabulary: served
+        bounded = http.post("/v1/chat/completions", json={"model": "tiny", "messages": HELLO, "stop_regex": r"\d{1,3}\.", "max_tokens": 4})
+        assert bounded.status_code == 200, bounded.text
+        ok = http.post("/v1/score", json={**score, "query": "q", "items": ["a", "b"]})
+        assert ok.status_code == 200, ok.text
+    assert tiny_engine.running and tiny_engine.pid == pid, "the shared engine died"
