@@ -44,6 +44,11 @@ _Penalty = Annotated[_Number, Field(ge=-2, le=2)]
 _JSONObject = dict[str, Any]
 _Name = Annotated[StrictStr, Field(max_length=256)]
 _Strings = StrictStr | list[StrictStr]
+_NonEmptyIds = Annotated[_TokenIds, Field(min_length=1)]
+_NonEmptyStr = Annotated[StrictStr, Field(min_length=1)]
+# A prompt (or an input to embed or classify): text, texts, token ids or lists of them. An empty one has no
+# token (the tokenizers of Qwen and others add none), and SGLang 0.5.23's forward pass crashes on it.
+_Prompt = _NonEmptyStr | list[_NonEmptyStr] | _NonEmptyIds | list[_NonEmptyIds]
 
 
 class Loose(BaseModel):
@@ -151,7 +156,7 @@ class InvocationsRequest(ChatCompletionRequest):
 
 
 class CompletionRequest(_Common):
-    prompt: StrictStr | list[StrictStr] | _TokenIds | list[_TokenIds] = Field(min_length=1)
+    prompt: _Prompt = Field(min_length=1)
     logprobs: StrictInt | None = Field(None, ge=0, le=20)
     echo: _Bool | None = None
     suffix: StrictStr | None = None
@@ -166,7 +171,7 @@ class CompletionRequest(_Common):
 
 class EmbeddingRequest(Loose):
     model: _ModelName
-    input: StrictStr | list[StrictStr] | _TokenIds | list[_TokenIds] = Field(min_length=1)
+    input: _Prompt = Field(min_length=1)
     encoding_format: StrictStr | None = None
     dimensions: _Int32 | None = Field(None, ge=1)
     user: _Name | None = None
@@ -196,9 +201,21 @@ class ResponsesRequest(_Penalties):
     chat_template_kwargs: _JSONObject | None = None
 
 
+class _AnthropicBlock(Loose):
+    """A content block: SGLang dispatches on its ``type`` (a type that is not a string is a 500 there)."""
+
+    type: StrictStr
+
+
+class _AnthropicTool(Loose):
+    type: StrictStr | None = None
+    name: StrictStr | None = None
+    input_schema: _JSONObject | None = None
+
+
 class _AnthropicMessage(Loose):
     role: StrictStr
-    content: StrictStr | list[dict[str, Any]]
+    content: StrictStr | list[_AnthropicBlock]
 
 
 class MessagesRequest(_Sampling):
@@ -206,10 +223,10 @@ class MessagesRequest(_Sampling):
 
     messages: list[_AnthropicMessage] = Field(min_length=1)
     max_tokens: _Int32 = Field(ge=1)
-    system: StrictStr | list[dict[str, Any]] | None = None
+    system: StrictStr | list[_AnthropicBlock] | None = None
     stop_sequences: list[StrictStr] | None = None
     metadata: _JSONObject | None = None
-    tools: list[_JSONObject] | None = None
+    tools: list[_AnthropicTool] | None = None
     tool_choice: _JSONObject | None = None
     thinking: _JSONObject | None = None
     output_config: _JSONObject | None = None
@@ -219,8 +236,8 @@ class MessagesRequest(_Sampling):
 class CountTokensRequest(Loose):
     model: _ModelName
     messages: list[_AnthropicMessage] = Field(min_length=1)
-    system: StrictStr | list[dict[str, Any]] | None = None
-    tools: list[_JSONObject] | None = None
+    system: StrictStr | list[_AnthropicBlock] | None = None
+    tools: list[_AnthropicTool] | None = None
     tool_choice: _JSONObject | None = None
     thinking: _JSONObject | None = None
     output_config: _JSONObject | None = None
@@ -252,7 +269,6 @@ class DetokenizeRequest(Loose):
     skip_special_tokens: _Bool | None = None
 
 
-_NonEmptyIds = Annotated[_TokenIds, Field(min_length=1)]
 
 
 class ScoreRequest(Loose):
@@ -279,7 +295,7 @@ class RerankRequest(Loose):
 
 class ClassifyRequest(Loose):
     model: _ModelName | None = None
-    input: StrictStr | list[StrictStr] | _TokenIds | list[_TokenIds] = Field(min_length=1)
+    input: _Prompt = Field(min_length=1)
     user: _Name | None = None
     priority: _Int32 | None = None
 
