@@ -13,7 +13,13 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
-from launch.config import ConfigError, DeploymentConfig, format_validation_error
+from launch.config import (
+    GATEWAY_KEY_FILE_SETTINGS,
+    GATEWAY_PER_MODEL_SETTINGS,
+    ConfigError,
+    DeploymentConfig,
+    format_validation_error,
+)
 
 OpenPath = Literal["/health", "/ready", "/metrics"]
 SwapPolicy = Literal["auto", "blue-green", "stop-first", "rolling"]
@@ -157,7 +163,7 @@ def gateway_settings(deployment: DeploymentConfig, **overrides: object) -> Gatew
     source = str(deployment.source or "config")
     data = dict(deployment.gateway)
     data.update({key: value for key, value in overrides.items() if value is not None})
-    for key in ("api_keys_file", "admin_keys_file"):
+    for key in GATEWAY_KEY_FILE_SETTINGS:
         if isinstance(data.get(key), str) and deployment.source and not Path(data[key]).is_absolute():
             data[key] = str(Path(deployment.source).parent / data[key])
     try:
@@ -171,7 +177,7 @@ def gateway_settings(deployment: DeploymentConfig, **overrides: object) -> Gatew
             f"{source}: models.{followers[0]}.engine.node_rank: a machine with node_rank > 0 serves no HTTP; "
             "start it with `sglang-gateway launch` and serve the engine from the machine with node_rank 0"
         )
-    for key in ("model_limits", "swap_policy", "model_balancing"):
+    for key in GATEWAY_PER_MODEL_SETTINGS:
         unknown = sorted(set(getattr(settings, key)) - set(deployment.models))
         if unknown:
             raise ConfigError(f"{source}: gateway.{key}.{unknown[0]}: no model with this name")
