@@ -58,6 +58,18 @@ async def swap(name: str, request: Request, policy: SwapPolicy | None = None) ->
     return _json({**body, "swap": result.as_dict()}, 502)
 
 
+@router.get("/quarantine")
+async def quarantine(request: Request) -> Response:
+    """The request shapes refused because they crashed or froze an engine (see ``gateway.poison``)."""
+    return _json({"refused": _controller(request).state.quarantine.report()})
+
+
+@router.delete("/quarantine")
+async def clear_quarantine(request: Request, model: str | None = None) -> Response:
+    """Let the quarantined request shapes (of ``model``, or of every model) through again."""
+    return _json({"model": model, "cleared": _controller(request).state.quarantine.clear(model)})
+
+
 @router.post("/models/{name}/drain")
 async def drain(name: str, request: Request, wait: bool = False) -> Response:
     """Stop admitting requests for the model (503 + Retry-After); ``wait=true`` waits for in-flight ones."""

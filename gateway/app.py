@@ -6,6 +6,7 @@ an engine they already run; ``app_from_config`` builds all of it (engines includ
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -22,12 +23,13 @@ from gateway.auth import AuthMiddleware, KeyHolder, key_policy
 from gateway.config import GatewaySettings, gateway_settings
 from gateway.control import Controller
 from gateway.endpoints import INVOCATIONS, PROXIED_BY_PATH, ProxiedRoute, dialect_for_path
-from gateway.errors import GatewayError, error_response
+from gateway.errors import GatewayError, error_response, shaped_for
 from gateway.health import HealthProbes
 from gateway.metrics import Metrics
 from gateway.middleware import BodyLimitMiddleware, JSONCORSMiddleware, RequestContextMiddleware
 from gateway.proxy import Proxy, upstream_session
 from gateway.registry import Registry
+from gateway.responses_index import open_response_index
 from gateway.routes import add_proxied_route, note_error, proxied_endpoint, router, unexpected_error_response
 from gateway.state import GatewayState
 from gateway.swap import SwapExecutor
@@ -84,6 +86,11 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        try:
+            state.responses = open_response_index(settings.state_dir)  # who owns which stored response, on disk
+        except RuntimeError as error:
+            app.state.startup_error = error
+            raise
         # Requests go upstream over aiohttp (the hot path); health and model-card probes over httpx.
         session = upstream_session(
             settings.upstream_connect_timeout_s, settings.upstream_read_timeout_s, settings.upstream_max_connections
@@ -104,6 +111,7 @@ def create_app(
                     await controller.close()  # stops every engine the gateway owns
         finally:
             await state.probes.aclose()
+            await asyncio.to_thread(state.responses.close)  # writes what is pending
 
     # No trailing-slash redirects: a 307 built from the client's Host header is not an API answer.
     app = GatewayAPI(title="sglang-gateway", lifespan=lifespan, docs_url=None, redoc_url=None, redirect_slashes=False)
@@ -118,7 +126,10 @@ def create_app(
     _install_error_handlers(app)
     # Outermost last: request id/log -> CORS -> auth -> body limit -> routes.
     layers: list[tuple[type[Any], dict[str, Any]]] = [
-        (BodyLimitMiddleware, {"max_bytes": settings.max_body_bytes, "timeout_s": settings.http.body_timeout_s}),
+        (
+            BodyLimitMiddleware,
+            {"max_bytes": settings.max_body_bytes, "timeout_s": settings.http.body_timeout_s, "deadline_s": settings.http.body_deadline_s},
+        ),
         (AuthMiddleware, {"holder": keys}),
     ]
     if settings.cors_allow_origins:
@@ -165,7 +176,8 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(GatewayError)
     async def _gateway_error(request: Request, error: GatewayError) -> Response:
         note_error(request.scope, error)
-        return error_response(error, dialect_for_path(request.url.path))
+        path = request.url.path
+        return error_response(error, shaped_for(path, dialect_for_path(path)))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, error: StarletteHTTPException) -> Response:
@@ -179,4 +191,5 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, error: Exception) -> Response:
-        return unexpected_error_response(request.scope, error, dialect_for_path(request.url.path))
+        path = request.url.path
+        return unexpected_error_response(request.scope, error, shaped_for(path, dialect_for_path(path)))

@@ -8,13 +8,19 @@ leaked client key cannot swap models), and is off (403) when no admin key is con
 compared with ``hmac.compare_digest`` against every configured key (no early exit), and never
 logged. With no client keys the client routes are open. The keys live in a :class:`KeyPolicy` that
 a config reload replaces in one assignment.
+
+A client route learns *which* key matched, never the key: ``scope[OWNER_SCOPE_KEY]`` is the key's
+:func:`key_owner` identity (computed once per policy, not per request), which owns the stored responses
+the request creates (:mod:`gateway.responses_index`). An open gateway has one shared owner, :data:`OPEN_OWNER`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -22,6 +28,24 @@ from gateway.endpoints import dialect_for_path
 from gateway.errors import Dialect, GatewayError, error_response
 
 ADMIN_PREFIX = "/admin/"
+OWNER_SCOPE_KEY = "gateway.owner"
+OPEN_OWNER = "open"  # every client of a gateway without client keys is the same principal
+
+
+def key_owner(key: bytes) -> str:
+    """The stable identity of a client key: what the response index stores as a response's owner.
+
+    A keyed hash (BLAKE2b, personalised for this use), not the key: the state directory must not hold
+    usable keys. Stable across restarts and reloads (a key kept in the config keeps its responses; a
+    rotated key starts afresh), with no secret of its own to persist: API keys are long random strings,
+    so their hashes cannot be reversed by guessing (an HMAC secret would sit in the same directory anyway).
+    """
+    return "key:" + hashlib.blake2b(key, digest_size=16, person=b"gw-resp-owner").hexdigest()
+
+
+def request_owner(scope: dict[str, Any]) -> str:
+    """Who is calling, as :func:`key_owner` names it (set by :class:`AuthMiddleware`; open: :data:`OPEN_OWNER`)."""
+    return scope.get(OWNER_SCOPE_KEY, OPEN_OWNER)
 
 
 @dataclass(frozen=True)
@@ -31,6 +55,10 @@ class KeyPolicy:
     client: tuple[bytes, ...] = ()
     admin: tuple[bytes, ...] = ()
     open_paths: frozenset[str] = frozenset()
+    owners: tuple[str, ...] = field(init=False, repr=False, compare=False)  # key_owner of each client key, in order
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "owners", tuple(key_owner(key) for key in self.client))
 
 
 class KeyHolder:
@@ -65,6 +93,8 @@ class AuthMiddleware:
             return
         keys = policy.admin if admin else policy.client
         if not admin and (not keys or path in policy.open_paths):
+            if not keys:
+                scope[OWNER_SCOPE_KEY] = OPEN_OWNER
             await self.app(scope, receive, send)
             return
         dialect = dialect_for_path(path)
@@ -74,20 +104,24 @@ class AuthMiddleware:
         if presented is None:
             how = "'x-api-key: <key>' or 'Authorization: Bearer <key>'" if dialect is Dialect.ANTHROPIC else "'Authorization: Bearer <key>'"
             error = GatewayError(401, f"missing API key: send {how}", code="missing_api_key")
-        elif not _valid(presented, keys):
+        elif (matched := _matching(presented, keys)) < 0:
             error = GatewayError(401, "invalid admin key" if admin else "invalid API key", code="invalid_api_key")
         else:
+            if not admin:
+                scope[OWNER_SCOPE_KEY] = policy.owners[matched]
             await self.app(scope, receive, send)
             return
         error.headers["WWW-Authenticate"] = "Bearer"
         await error_response(error, dialect)(scope, receive, send)
 
 
-def _valid(presented: bytes, keys: tuple[bytes, ...]) -> bool:
-    ok = False
-    for key in keys:
-        ok |= hmac.compare_digest(presented, key)
-    return ok
+def _matching(presented: bytes, keys: tuple[bytes, ...]) -> int:
+    """The index of the key equal to ``presented`` (-1: none), comparing with every key (no early exit)."""
+    found = -1
+    for index, key in enumerate(keys):
+        if hmac.compare_digest(presented, key):
+            found = index
+    return found
 
 
 def _bearer(scope: Scope) -> bytes | None:

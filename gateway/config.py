@@ -7,12 +7,15 @@ time, so a missing variable or file fails the start, not the first request.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
+from gateway.fields import EXTENSIONS
 from launch.config import (
     GATEWAY_KEY_FILE_SETTINGS,
     GATEWAY_PER_MODEL_SETTINGS,
@@ -34,6 +37,12 @@ class LimitSettings(_Strict):
 
     max_concurrent: int | None = Field(None, ge=1, description="Concurrent requests per model (unset: no limit).")
     max_queue: int = Field(0, ge=0, description="Requests that may wait for a slot; 0 answers 429 at once.")
+    max_concurrent_grammars: int | None = Field(
+        4, ge=1, description="Requests with a heavy grammar being compiled by the engine at once; beyond, they wait up to queue_timeout_s (unset: no limit)."
+    )
+    heavy_grammar_bytes: int = Field(
+        2048, ge=0, description="A request whose grammars (regex, ebnf, JSON schemas, forced tools) total this many bytes takes a grammar slot."
+    )
     queue_timeout_s: float = Field(30.0, gt=0, description="How long a queued request waits before 429.")
     retry_after_s: int = Field(1, ge=0, description="Retry-After header sent with 429 and 503.")
 
@@ -65,6 +74,24 @@ class BalancingSettings(_Strict):
     min_ready: int = Field(1, ge=1, description="/ready is 200 while at least this many replicas of the model are healthy.")
 
 
+class RequestBounds(_Strict):
+    """What one request may ask of an engine: each list that fans out into engine work, and each grammar input.
+
+    Every prompt, item and choice becomes engine work behind one gateway slot; every grammar is compiled on
+    the engine's few grammar threads. The defaults fit OpenAI's own limits where it has them."""
+
+    max_prompts: int = Field(64, ge=1, description="Prompts in one completions request (each is one engine request).")
+    max_generations: int = Field(128, ge=1, description="Generations per request: prompts x n (x best_of).")
+    max_inputs: int = Field(2048, ge=1, description="Inputs of embeddings/classify/tokenize, score items, rerank documents.")
+    max_messages: int = Field(2048, ge=1, description="Messages (or Responses input items) in one request.")
+    max_tools: int = Field(128, ge=0, description="Tools in one request.")
+    max_stop: int = Field(16, ge=0, description="Stop strings (stop, stop_sequences) and stop_regex patterns.")
+    max_token_list: int = Field(1024, ge=1, description="stop_token_ids, logit_bias and label_token_ids entries.")
+    max_grammar_bytes: int = Field(32768, ge=256, description="Bytes of each grammar input: regex, ebnf, JSON schema, structural tag.")
+    max_schema_depth: int = Field(32, ge=1, description="Nesting of a JSON schema.")
+    max_enum_values: int = Field(1024, ge=1, description="Values of one enum in a JSON schema.")
+
+
 class HttpSettings(_Strict):
     """Limits of the HTTP layer, enforced before any route runs (safe for a gateway bound to 0.0.0.0)."""
 
@@ -75,6 +102,9 @@ class HttpSettings(_Strict):
     header_timeout_s: float = Field(10.0, gt=0, description="From a request's first byte to its last header; beyond: 408.")
     keepalive_timeout_s: float = Field(30.0, gt=0, description="An idle connection (new or between requests) is closed after this.")
     body_timeout_s: float = Field(30.0, gt=0, description="Longest silence while a request body arrives; beyond: 408.")
+    body_deadline_s: float = Field(
+        60.0, gt=0, description="From a request's last header to the last byte of its body, however steadily it trickles; beyond: 408."
+    )
     write_timeout_s: float = Field(30.0, gt=0, description="A client that accepts no response bytes this long is disconnected.")
 
 
@@ -112,6 +142,15 @@ class GatewaySettings(_Strict):
     http: HttpSettings = Field(default_factory=HttpSettings, description="Connection and header limits, timeouts.")
     balancing: BalancingSettings = Field(default_factory=BalancingSettings, description="Spreading requests over replicas.")
     model_balancing: dict[str, BalancingSettings] = Field(default_factory=dict, description="Per-model overrides of balancing.")
+    request_bounds: RequestBounds = Field(default_factory=RequestBounds, description="Fan-out and grammar bounds of one request.")
+    extension_fields: dict[str, list[str]] = Field(
+        default_factory=dict, description="Per model, the SGLang extension fields clients may send (off by default; see the README)."
+    )
+    state_dir: Path | None = Field(
+        None,
+        description="Where state that outlives the gateway process is kept (which key owns which stored response, on "
+        "which engine). Default: $XDG_STATE_HOME (~/.local/state)/sglang-gateway/<config name>-<hash of its path>.",
+    )
 
     @field_validator("api_keys", "admin_keys")
     @classmethod
@@ -125,6 +164,9 @@ class GatewaySettings(_Strict):
 
     def balancing_for(self, model: str) -> BalancingSettings:
         return self.model_balancing.get(model, self.balancing)
+
+    def extensions_for(self, model: str) -> frozenset[str]:
+        return frozenset(self.extension_fields.get(model, ()))
 
     def swap_policy_for(self, model: str) -> SwapPolicy:
         return self.swap_policy.get(model, self.swap_default)
@@ -158,14 +200,31 @@ def _resolve_keys(
     return tuple(dict.fromkeys(key.encode() for key in keys))
 
 
+def default_state_dir(source: Path | str) -> Path:
+    """The state directory of the deployment read from ``source`` (a file, or a model URI), when none is configured.
+
+    Under the user's XDG state directory (state that should survive restarts, unlike a cache), one per
+    deployment: named by the config file's name and a hash of its absolute path, so two deployments never
+    share an index and the same file finds its index again after a restart. A deployment built in memory
+    (no file: tests, embedders of ``create_app``) has none unless ``state_dir`` is set: its index is memory only.
+    """
+    path = Path(source)
+    where = str(path.resolve()) if path.exists() else str(source)
+    base = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state")
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", path.stem)[:40] or "deployment"
+    return base / "sglang-gateway" / f"{name}-{hashlib.blake2b(where.encode(), digest_size=6).hexdigest()}"
+
+
 def gateway_settings(deployment: DeploymentConfig, **overrides: object) -> GatewaySettings:
     """Validate ``deployment.gateway`` (plus CLI overrides such as host/port that are not None)."""
     source = str(deployment.source or "config")
     data = dict(deployment.gateway)
     data.update({key: value for key, value in overrides.items() if value is not None})
-    for key in GATEWAY_KEY_FILE_SETTINGS:
+    for key in (*GATEWAY_KEY_FILE_SETTINGS, "state_dir"):
         if isinstance(data.get(key), str) and deployment.source and not Path(data[key]).is_absolute():
             data[key] = str(Path(deployment.source).parent / data[key])
+    if data.get("state_dir") is None and deployment.source is not None:
+        data["state_dir"] = str(default_state_dir(deployment.source))
     try:
         settings = GatewaySettings.model_validate(data)
     except ValidationError as error:
@@ -181,6 +240,10 @@ def gateway_settings(deployment: DeploymentConfig, **overrides: object) -> Gatew
         unknown = sorted(set(getattr(settings, key)) - set(deployment.models))
         if unknown:
             raise ConfigError(f"{source}: gateway.{key}.{unknown[0]}: no model with this name")
+    for model, names in settings.extension_fields.items():
+        for name in names:
+            if name not in EXTENSIONS:
+                raise ConfigError(f"{source}: gateway.extension_fields.{model}: {name!r} is not an SGLang extension field the gateway knows")
     settings.resolved_keys(source)
     admin = settings.resolved_admin_keys(source)
     if set(admin) & set(settings.resolved_keys(source)):

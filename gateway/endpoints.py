@@ -34,7 +34,7 @@ class ProxiedRoute:
     serves: str  # which kind of model answers it, for the README
     dialect: Dialect = Dialect.OPENAI
     stream: StreamKind | None = StreamKind.DATA  # None: never streams
-    token_ids: tuple[str, ...] = ()  # body fields that may carry prompt token ids (checked against the vocabulary)
+    token_ids: tuple[str, ...] = ()  # body fields that carry token ids: lists, lists of lists, or a dict keyed by ids (checked against the vocabulary)
     model: ModelChoice = ModelChoice.BODY
     response_ids: bool = False  # records the ids of the responses it creates (GET /v1/responses/{id}...)
     upstream: str | None = None  # the engine's path, when not ``path``
@@ -46,8 +46,10 @@ class ProxiedRoute:
 
 
 PROXIED: tuple[ProxiedRoute, ...] = (
-    ProxiedRoute("/v1/chat/completions", protocol.ChatCompletionRequest, "Chat completions (OpenAI)", "generation"),
-    ProxiedRoute("/v1/completions", protocol.CompletionRequest, "Text completions (OpenAI)", "generation", token_ids=("prompt",)),
+    ProxiedRoute(
+        "/v1/chat/completions", protocol.ChatCompletionRequest, "Chat completions (OpenAI)", "generation", token_ids=("input_ids", "logit_bias"),
+    ),
+    ProxiedRoute("/v1/completions", protocol.CompletionRequest, "Text completions (OpenAI)", "generation", token_ids=("prompt", "logit_bias")),
     ProxiedRoute(
         "/v1/responses", protocol.ResponsesRequest, "Responses API (OpenAI), stateful with the engine's response store",
         "generation", stream=StreamKind.RESPONSES, response_ids=True,
@@ -71,7 +73,7 @@ PROXIED: tuple[ProxiedRoute, ...] = (
     ),
     ProxiedRoute(
         "/v1/score", protocol.ScoreRequest, "Label-token probabilities of query + items", "generation or classifier",
-        stream=None, token_ids=("query", "items"), model=ModelChoice.BODY_OR_DEFAULT,
+        stream=None, token_ids=("query", "items", "label_token_ids"), model=ModelChoice.BODY_OR_DEFAULT,
     ),
     ProxiedRoute("/v1/rerank", protocol.RerankRequest, "Rank documents against a query", "reranker / embedding", stream=None, model=ModelChoice.BODY_OR_DEFAULT),
     ProxiedRoute(
@@ -87,7 +89,7 @@ PROXIED_BY_PATH: dict[str, ProxiedRoute] = {route.path: route for route in PROXI
 # (absent, or the endpoint's name) does not choose the model.
 INVOCATIONS = ProxiedRoute(
     "/invocations", protocol.InvocationsRequest, "Chat completions of the default model (a serving platform's route)",
-    "generation", model=ModelChoice.DEFAULT, upstream="/v1/chat/completions",
+    "generation", model=ModelChoice.DEFAULT, upstream="/v1/chat/completions", token_ids=("input_ids", "logit_bias"),
 )  # fmt: skip
 
 # Responses stored by the engine, reached through the engine that created them (see gateway.responses_index).

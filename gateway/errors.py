@@ -10,11 +10,14 @@ bodies can carry tracebacks, server file paths and source lines, which must neve
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from enum import StrEnum
 from typing import Any
 
 import orjson
 from starlette.responses import Response
+
+from gateway.client_mistakes import client_mistake
 
 MAX_MESSAGE_CHARS = 2000
 
@@ -24,6 +27,18 @@ class Dialect(StrEnum):
 
     OPENAI = "openai"  # {"error": {"message", "type", "param", "code"}}; Authorization: Bearer
     ANTHROPIC = "anthropic"  # {"type": "error", "error": {"type", "message"}}; x-api-key or Bearer
+    SGLANG = "sglang"  # SGLang's own routes: its {"object": "error", "message", "type", "param", "code": 400}, plus OpenAI's "error"
+
+
+# SGLang's own routes whose clients read SGLang's flat error body (its tests read body["type"] == "BadRequestError").
+# This belongs in the route table (``dialect=Dialect.SGLANG`` on the route in gateway.endpoints); kept here until
+# that module's rework lands.
+SGLANG_SHAPED_PATHS = frozenset({"/v1/score"})
+
+
+def shaped_for(path: str, dialect: Dialect) -> Dialect:
+    """The dialect errors of ``path`` are answered in (``dialect`` unless the route answers SGLang's shape)."""
+    return Dialect.SGLANG if path in SGLANG_SHAPED_PATHS else dialect
 
 
 class StreamKind(StrEnum):
@@ -45,6 +60,18 @@ _ANTHROPIC_TYPES: dict[int, str] = {
     429: "rate_limit_error",
     503: "overloaded_error",
     504: "timeout_error",
+}
+
+# status -> the "type" of SGLang's ErrorResponse (its create_error_response: "BadRequestError" for 400)
+_SGLANG_TYPES: dict[int, str] = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
+    404: "NotFoundError",
+    408: "RequestTimeoutError",
+    413: "RequestTooLargeError",
+    429: "RateLimitError",
+    503: "ServiceUnavailableError",
 }
 
 # status -> (OpenAI error type, default code)
@@ -94,7 +121,11 @@ class GatewayError(Exception):
         if dialect is Dialect.ANTHROPIC:
             kind = _ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
             return {"type": "error", "error": {"type": kind, "message": self.message}}
-        return error_body(self.message, self.type, self.code, self.param)
+        body = error_body(self.message, self.type, self.code, self.param)
+        if dialect is Dialect.SGLANG:  # SGLang's flat ErrorResponse; OpenAI's "error" kept for the gateway's clients
+            kind = _SGLANG_TYPES.get(self.status, "InternalServerError" if self.status >= 500 else "BadRequestError")
+            return {"object": "error", "message": self.message, "type": kind, "param": self.param, "code": self.status, **body}
+        return body
 
 
 def error_body(message: str, type: str, code: str | int | None, param: str | None = None) -> dict[str, Any]:
@@ -149,7 +180,14 @@ def sanitize_message(message: Any) -> str:
 
 
 # A validation dump as SGLang's FastAPI layer writes it: "[{'type': 'missing', 'loc': ('body', 'messages'), 'msg': ...}]".
-_VALIDATION_ITEM = re.compile(r"""['"]loc['"]:\s*[(\[]([^)\]]*)[)\]],\s*['"]msg['"]:\s*(?:'([^']*)'|"([^"]*)")""")
+# A location is a tuple of repr'd names and indexes, and a name may hold any character, ")" and "]" included
+# (pydantic's "function-after[validate(), Model]", a client's dict key): each part is matched whole.
+_QUOTED = r"'(?:[^'\\]|\\.)*'" + r'|"(?:[^"\\]|\\.)*"'  # a repr'd string, either quote
+_LOC_PART = re.compile(rf"{_QUOTED}|-?\d+")
+_VALIDATION_ITEM = re.compile(rf"""['"]loc['"]:\s*[(\[]((?:\s*(?:{_QUOTED}|-?\d+)\s*,?)*)[)\]],\s*['"]msg['"]:\s*({_QUOTED})""")
+# Where xgrammar's C++ code raised a grammar error: "[10:33:32] <path>:83: " (after sanitizing), noise to a client.
+_VALIDATOR_TAG = re.compile(r"^[\w-]+\[.*\]$")  # pydantic's "function-after[...]", "list[union[...]]": not a field
+_CPP_LOCATION = re.compile(r"\[\d{2}:\d{2}:\d{2}\] <path>:\d+: ")
 
 
 def readable_validation_dump(text: str) -> str | None:
@@ -158,19 +196,20 @@ def readable_validation_dump(text: str) -> str | None:
     if not items:
         return None
     parts = []
-    for location, single, double in items:
-        names = [part.strip().strip("'\"") for part in location.split(",")]
-        where = ".".join(name for name in names if name and name != "body")
-        message = single or double
+    for location, quoted in items:
+        names = [part[1:-1] if part[0] in "'\"" else part for part in _LOC_PART.findall(location)]
+        where = ".".join(name for name in names if name and name != "body" and not _VALIDATOR_TAG.match(name))
+        message = quoted[1:-1]
         parts.append(f"{where}: {message}" if where else message)
     return "; ".join(dict.fromkeys(parts))
 
 
-def upstream_error(status: int, body: bytes) -> GatewayError:
-    """Turn an engine's error response into a sanitized OpenAI error.
+def upstream_error(status: int, body: bytes, request: Mapping[str, Any] | None = None) -> GatewayError:
+    """Turn an engine's error response to ``request`` (the body sent) into a sanitized OpenAI error.
 
-    4xx keep their status and a sanitized message (validation dumps rewritten as ``field: problem``);
-    5xx become 502 with a fixed message: what a failing engine says is about its own internals
+    4xx keep their status and a sanitized one-line message (validation dumps rewritten as ``field: problem``);
+    a 5xx that :func:`~gateway.client_mistakes.client_mistake` blames on the request's input becomes a 400;
+    other 5xx become 502 with a fixed message: what a failing engine says is about its own internals
     (Python exception texts...), so it goes to the gateway's log, not to the client.
     """
     message: Any = None
@@ -190,5 +229,9 @@ def upstream_error(status: int, body: bytes) -> GatewayError:
     text = sanitize_message(message)
     if status >= 500:
         detail = f"engine answered HTTP {status}: {text}"
+        mistake = client_mistake(text, request)
+        if mistake is not None:  # the client's input, not the engine: 400, not an engine failure
+            return GatewayError(400, mistake[0], param=mistake[1], code="invalid_request", log_detail=f"client mistake; {detail}")
         return GatewayError(502, f"the engine failed to process the request (HTTP {status})", code="upstream_error", log_detail=detail)
-    return GatewayError(status, readable_validation_dump(text) or text, param=param, code=code)
+    readable = readable_validation_dump(text) or _CPP_LOCATION.sub("", text)
+    return GatewayError(status, readable, param=param, code=code)

@@ -7,8 +7,9 @@ memory, sockets or (through a stalled stream) a model's concurrency slot. :func:
 makes a subclass of uvicorn's ``HttpToolsProtocol`` that enforces :class:`HttpSettings`:
 
 - more than ``max_connections`` open connections: the new one gets 503 and is closed at once;
-- request line over ``max_url_bytes`` (414), head over ``max_header_bytes`` or ``max_headers`` (431),
-  counted as bytes arrive, so a never-ending header cannot grow memory;
+- request line over ``max_url_bytes`` (414), head over ``max_header_bytes`` or ``max_headers`` (431):
+  counted as bytes arrive while the head is incomplete, so a never-ending header cannot grow memory, and
+  field by field as the parser hands them over, so a head that arrives whole in one read is counted too;
 - a connection idle for ``keepalive_timeout_s`` (new or between requests) is closed; a request whose
   headers are not complete ``header_timeout_s`` after its first byte gets 408;
 - a client that accepts no bytes for ``write_timeout_s`` while a response waits is disconnected (the
@@ -59,7 +60,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._awaiting_head = True  # between requests, or inside a request line / headers
-        self._head_bytes = 0
+        self._head_bytes = 0  # bytes received while the head is incomplete
+        self._parsed_head_bytes = 0  # request target plus header fields, as the parser hands them over
         self._header_count = 0
         self._rejection: GatewayError | None = None
         self._head_timer: asyncio.TimerHandle | None = None
@@ -95,9 +97,11 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         super().on_message_begin()
         self._awaiting_head = True
         self._header_count = 0
+        self._parsed_head_bytes = 0
 
     def on_url(self, url: bytes) -> None:
         super().on_url(url)
+        self._parsed_head_bytes += len(url)
         if len(self.url) > self.limits.max_url_bytes:
             self._rejection = GatewayError(414, f"request target is longer than {self.limits.max_url_bytes} bytes", code="uri_too_long")
             raise _Rejected
@@ -106,6 +110,11 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._header_count += 1
         if self._header_count > self.limits.max_headers:
             self._rejection = GatewayError(431, f"more than {self.limits.max_headers} header fields", code="headers_too_large")
+            raise _Rejected
+        # A head that arrived in one read was parsed whole before data_received could count it: count here.
+        self._parsed_head_bytes += len(name) + len(value) + 4  # ": " and CRLF
+        if self._parsed_head_bytes > self.limits.max_header_bytes:
+            self._rejection = self._head_too_large()
             raise _Rejected
         super().on_header(name, value)
 

@@ -1,7 +1,10 @@
 """Per-model admission control: a concurrency cap with an optional bounded, timed queue.
 
 Over the cap (and with the queue full, or after waiting ``queue_timeout_s``) a request is refused
-with 429 and ``Retry-After``. A limiter is replaced, not mutated, when limits change: requests
+with 429 and ``Retry-After``. Requests with a heavy grammar also take one of ``max_concurrent_grammars``
+grammar slots: the engine compiles grammars on a few threads (SGLang: min(32, cores + 4)), and a client
+sending many large ones at once would leave none for anyone else's small JSON schema. They wait for a slot
+up to ``queue_timeout_s`` whatever ``max_queue`` says (a grammar wait is short: a compile, not a generation). A limiter is replaced, not mutated, when limits change: requests
 already admitted release the limiter they acquired.
 """
 
@@ -21,6 +24,9 @@ class ConcurrencyLimiter:
         self.in_flight = 0
         self.waiting = 0
         self._slots = asyncio.Semaphore(settings.max_concurrent) if settings.max_concurrent else None
+        grammars = settings.max_concurrent_grammars
+        self._grammar_slots = asyncio.Semaphore(grammars) if grammars else None
+        self.grammars_in_flight = 0
 
     async def acquire(self, model: str) -> None:
         """Admit one request, wait in the queue, or raise GatewayError(429)."""
@@ -38,6 +44,28 @@ class ConcurrencyLimiter:
             else:
                 await self._slots.acquire()
         self.in_flight += 1
+
+    async def acquire_grammar(self, model: str) -> bool:
+        """Take a grammar slot (waiting up to ``queue_timeout_s``, else GatewayError(429)); False when unlimited."""
+        if self._grammar_slots is None:
+            return False
+        try:
+            await asyncio.wait_for(self._grammar_slots.acquire(), self.settings.queue_timeout_s)
+        except TimeoutError:
+            raise GatewayError(
+                429,
+                f"model {model!r} is compiling {self.settings.max_concurrent_grammars} large grammars already, and none "
+                f"finished within {self.settings.queue_timeout_s:g}s; retry later",
+                code="grammar_limit_exceeded",
+                headers={"Retry-After": str(self.settings.retry_after_s)},
+            ) from None
+        self.grammars_in_flight += 1
+        return True
+
+    def release_grammar(self) -> None:
+        self.grammars_in_flight -= 1
+        if self._grammar_slots is not None:
+            self._grammar_slots.release()
 
     def release(self) -> None:
         self.in_flight -= 1

@@ -118,12 +118,15 @@ def _escape_char(match: re.Match[str]) -> str:
 
 class BodyLimitMiddleware:
     """413 for bodies over ``max_bytes`` (by ``Content-Length`` first, then by counting streamed bytes);
-    408 when the body stops arriving for ``timeout_s`` (a slow sender must not hold a connection forever)."""
+    408 when the body stops arriving for ``timeout_s``, or is not complete ``deadline_s`` after the headers
+    (a sender trickling one byte every few seconds is never silent for long, and must not hold a connection
+    forever either)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float = 30.0) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float = 30.0, deadline_s: float = 60.0) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
+        self.deadline_s = deadline_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -140,16 +143,21 @@ class BodyLimitMiddleware:
                 return
         seen = 0
         complete = False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.deadline_s  # the app is called once the headers are complete
 
         async def counting_receive() -> Message:
             nonlocal seen, complete
             if complete:  # after the body, receive() waits for a disconnect: no deadline then
                 return await receive()
+            left = deadline - loop.time()
             try:
-                async with asyncio.timeout(self.timeout_s):
+                async with asyncio.timeout(min(self.timeout_s, max(left, 0.0))):
                     message = await receive()
             except TimeoutError:
-                raise GatewayError(408, f"request body not received within {self.timeout_s:g}s", code="request_timeout") from None
+                # The rest of the body may still come: close the connection rather than parse it as a request.
+                message = f"not complete within {self.deadline_s:g}s" if left < self.timeout_s else f"not received within {self.timeout_s:g}s"
+                raise GatewayError(408, f"request body {message}", code="request_timeout", headers={"Connection": "close"}) from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:

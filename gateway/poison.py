@@ -5,18 +5,21 @@ embeddings input) crashes its scheduler, and with it the model, for every client
 refuses such requests before they leave the gateway.
 
 For crash classes nobody has found yet there is :class:`Quarantine`: when an engine dies, the requests
-whose connections broke with it are suspects. A request that was the only suspect of a crash, or a
-suspect of two, is refused (400) for a while. It stops the common loop where an SDK retries the very
-request that crashed the engine (the ``openai`` client retries twice by default), and does not rely on
-knowing what made the engine fail. Requests are identified by a hash of route and body.
+whose connections broke with it are suspects; when it freezes (the watchdog restarts it for failed health
+probes), every request in flight on it is. A request shape that was the only suspect of a failure, or a
+suspect of two, is refused (400). Requests are identified by their *shape* (:func:`request_shape`: route,
+fields, types and size classes), not their bytes: an SDK retrying, a client editing a word, the same
+request an hour later or on another replica are all refused, while requests made of other fields pass.
 """
 
 from __future__ import annotations
 
-import hashlib
 import time
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from typing import Any
+
+import orjson
 
 from gateway.errors import GatewayError
 
@@ -27,6 +30,11 @@ def token_id_problem(fields: tuple[str, ...], body: dict[str, Any], vocab_size: 
     """
     for field in fields:
         value = body.get(field)
+        if isinstance(value, dict):  # logit_bias: {"<token id>": bias}
+            keys = [int(key) if key.lstrip("-").isdigit() else None for key in value]
+            if None in keys:
+                return f"{field}: keys must be token ids (integers as strings)"
+            value = keys
         if not isinstance(value, list):
             continue
         for row in value if value and isinstance(value[0], list) else [value]:
@@ -42,63 +50,135 @@ def token_id_problem(fields: tuple[str, ...], body: dict[str, Any], vocab_size: 
     return None
 
 
-def request_fingerprint(path: str, payload: bytes) -> bytes:
-    """Identifies a request by route and body (a client retrying sends the same bytes)."""
-    return hashlib.blake2b(path.encode() + b"\0" + payload, digest_size=16).digest()
+def _size_class(length: int) -> int:
+    """0 for empty, then one class per power of two (1, 2-3, 4-7...)."""
+    return length.bit_length()
+
+
+def _describe(value: Any, depth: int) -> str:
+    """A value's shape: its type and size class, containers to ``depth`` levels (elements deduplicated)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return "int-" if value < 0 else f"int{_size_class(value)}"  # every negative id is as wrong as another
+    if isinstance(value, float):
+        return "float-" if value < 0 else "float0" if value == 0 else "float<1" if value < 1 else f"float{_size_class(int(value))}"
+    if isinstance(value, str):
+        return f"str{_size_class(len(value))}"
+    if value is None:
+        return "null"
+    if isinstance(value, list):
+        if depth <= 0:
+            return f"list{_size_class(len(value))}"
+        items = sorted({_describe(item, depth - 1) for item in value[:256]})
+        return f"list{_size_class(len(value))}[{','.join(items)}]"
+    if isinstance(value, dict):
+        if depth <= 0:
+            return f"obj{_size_class(len(value))}"
+        return "{" + ",".join(f"{key}:{_describe(value[key], depth - 1)}" for key in sorted(value)[:64]) + "}"
+    return type(value).__name__
+
+
+def request_shape(path: str, body: dict[str, Any]) -> str:
+    """What a request is made of, for the quarantine: its route (the engine's path) and, for each field but
+    ``model``, its type and size class, three levels deep. Editing a word of a prompt keeps the shape; so
+    does sending it again later or to another replica; adding, removing or retyping a field changes it."""
+    fields = ",".join(f"{key}:{_describe(body[key], 3)}" for key in sorted(body) if key != "model")
+    return f"{path} {{{fields}}}"
+
+
+def payload_shape(path: str, payload: bytes) -> str:
+    """:func:`request_shape` of a body as sent upstream (parsed again: only when an engine failed)."""
+    try:
+        body = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        body = {"unparsed": payload.decode(errors="replace")}
+    return request_shape(path, body if isinstance(body, dict) else {"body": body})
 
 
 @dataclass
-class _Record:
-    strikes: int
-    blocked: bool
-    expires: float
+class Suspect:
+    """A request shape suspected of crashing or freezing an engine of a model."""
+
+    strikes: int = 0
+    blocked: bool = False
+    fields: tuple[str, ...] = ()
+    last_cause: str = ""
+    since: float = dataclass_field(default_factory=time.time)
 
 
 class Quarantine:
-    """Per model: fingerprints of requests suspected of crashing its engine, refused for ``ttl_s``."""
+    """Per model: request shapes suspected of crashing (or freezing) its engine.
 
-    def __init__(self, ttl_s: float = 600.0, max_entries: int = 4096) -> None:
-        self.ttl_s = ttl_s
+    A shape is refused (400, on every route and replica of the model) once it was the only request in flight
+    when an engine failed, or in flight at two failures. It stays refused until the model's engine is
+    swapped (:meth:`clear` from the swap) or an operator clears it (``DELETE /admin/quarantine``): a
+    request that took a model down once will do it again, whenever it comes.
+    """
+
+    def __init__(self, max_entries: int = 4096) -> None:
         self.max_entries = max_entries
-        self._records: dict[tuple[str, bytes], _Record] = {}
+        self._records: dict[tuple[str, str], Suspect] = {}
 
     def __bool__(self) -> bool:
-        return bool(self._records)
+        return any(record.blocked for record in self._records.values())
 
-    def engine_crashed(self, model: str, suspects: list[bytes]) -> int:
-        """Note the requests in flight when ``model``'s engine died; returns how many are now refused."""
-        now = time.monotonic()
-        self._expire(now)
+    def engine_failed(self, model: str, suspects: list[str], cause: str) -> list[str]:
+        """Note the request shapes in flight when ``model``'s engine crashed or froze; returns the newly refused ones."""
         unique = list(dict.fromkeys(suspects))
-        newly = 0
-        for fingerprint in unique:
-            record = self._records.get((model, fingerprint))
+        newly = []
+        for shape in unique:
+            record = self._records.get((model, shape))
             if record is None:
-                record = self._records[(model, fingerprint)] = _Record(0, False, 0.0)
+                record = self._records[(model, shape)] = Suspect(fields=fields_of(shape))
             record.strikes += 1
-            record.expires = now + self.ttl_s
+            record.last_cause = cause
             if not record.blocked and (len(unique) == 1 or record.strikes >= 2):
                 record.blocked = True
-                newly += 1
-        while len(self._records) > self.max_entries:
-            self._records.pop(next(iter(self._records)))
+                newly.append(shape)
+        while len(self._records) > self.max_entries:  # forget the oldest suspects that are not refused first
+            oldest = next((key for key, record in self._records.items() if not record.blocked), next(iter(self._records)))
+            del self._records[oldest]
         return newly
 
-    def check(self, model: str, fingerprint: bytes) -> None:
-        """Raise GatewayError(400) when this request is quarantined for ``model``."""
-        record = self._records.get((model, fingerprint))
+    def check(self, model: str, shape: str) -> None:
+        """Raise GatewayError(400) when requests of this shape are quarantined for ``model``."""
+        record = self._records.get((model, shape))
         if record is None or not record.blocked:
-            return
-        if record.expires <= time.monotonic():
-            del self._records[(model, fingerprint)]
             return
         raise GatewayError(
             400,
-            f"this exact request was in flight when the engine of model {model!r} crashed, and is refused for "
-            f"{self.ttl_s:g}s after that; change the request, or ask the operator to look at the engine's log",
+            f"requests of this shape (fields {', '.join(record.fields) or 'none'}) took the engine of model {model!r} "
+            "down and are refused until an operator clears them; change the request, or ask the operator",
             code="request_quarantined",
         )
 
-    def _expire(self, now: float) -> None:
-        for key in [key for key, record in self._records.items() if record.expires <= now]:
+    def clear(self, model: str | None = None) -> int:
+        """Forget the suspects of ``model`` (every model when None); returns how many shapes were refused."""
+        keys = [key for key in self._records if model is None or key[0] == model]
+        refused = sum(self._records[key].blocked for key in keys)
+        for key in keys:
             del self._records[key]
+        return refused
+
+    def report(self) -> list[dict[str, Any]]:
+        """The refused shapes, for the admin API."""
+        return [
+            {"model": model, "shape": shape, "fields": list(record.fields), "strikes": record.strikes, "cause": record.last_cause, "since": record.since}
+            for (model, shape), record in self._records.items() if record.blocked
+        ]  # fmt: skip
+
+
+def fields_of(shape: str) -> tuple[str, ...]:
+    """The top-level field names of a shape (for messages and the log: "which fields made it dangerous")."""
+    inner = shape.split(" ", 1)[1][1:-1] if " " in shape else ""
+    names, depth, start = [], 0, 0
+    for at, char in enumerate(inner + ","):
+        if char in "[{":
+            depth += 1
+        elif char in "]}":
+            depth -= 1
+        elif char == "," and depth == 0:
+            names.append(inner[start:at].split(":", 1)[0])
+            start = at + 1
+    return tuple(name for name in names if name)

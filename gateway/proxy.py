@@ -25,14 +25,16 @@ from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 from yarl import URL
 
+from gateway.auth import OPEN_OWNER
 from gateway.balancer import pick
+from gateway.bounds import grammar_bytes
 from gateway.config import BalancingSettings
 from gateway.context import RequestInfo
 from gateway.endpoints import ProxiedRoute
 from gateway.errors import GatewayError, StreamKind, sanitize_message, sse_error_event, upstream_error
 from gateway.limits import ConcurrencyLimiter
 from gateway.metrics import Metrics
-from gateway.poison import Quarantine, request_fingerprint, token_id_problem
+from gateway.poison import Quarantine, payload_shape, request_shape, token_id_problem
 from gateway.registry import Backend, ModelRoute
 from gateway.responses_index import ResponseIndex
 
@@ -174,6 +176,7 @@ class Proxy:
         *,
         balancing: BalancingSettings | None = None,
         pinned: Backend | None = None,
+        owner: str = OPEN_OWNER,
     ) -> Response:
         """Admit the request (limits, backend state), send it, and answer plain JSON or an SSE stream.
 
@@ -183,7 +186,8 @@ class Proxy:
         client that gave up, and close the upstream request instead of letting the engine finish it.
         A stream needs no such watch before its response starts: engines send a stream's headers at
         once, and :class:`SSEProxyResponse` watches the client from then on. ``pinned``: the backend
-        that must answer (it holds the state the request continues).
+        that must answer (it holds the state the request continues). ``owner``: the client key's identity
+        (:func:`gateway.auth.request_owner`), recorded as the owner of a Responses API response it creates.
         """
         path = endpoint.upstream_path
         problem = token_id_problem(endpoint.token_ids, body, route.backend.vocab_size)
@@ -194,6 +198,8 @@ class Proxy:
         lease = _Lease(limiter)
         handed_over = False
         try:
+            if limiter.settings.max_concurrent_grammars and grammar_bytes(body) >= limiter.settings.heavy_grammar_bytes:
+                lease.grammar = await limiter.acquire_grammar(route.name)
             if route.drained:
                 raise GatewayError(
                     503, f"model {route.name!r} is drained by an operator; retry later", code="model_drained",
@@ -210,7 +216,7 @@ class Proxy:
                 payload = orjson.dumps(body)
                 lease.request = (path, payload)
                 if self.quarantine:
-                    self.quarantine.check(route.name, request_fingerprint(path, payload))
+                    self.quarantine.check(route.name, request_shape(path, body))
                 headers = {"Content-Type": "application/json", "X-Request-Id": info.request_id, **backend.upstream_headers()}
                 try:
                     finished, result = await _unless_disconnected(
@@ -234,21 +240,21 @@ class Proxy:
             assert result is not None
             upstream, content = result
             if upstream.status != 200:
-                raise upstream_error(upstream.status, content or b"")
+                raise upstream_error(upstream.status, content or b"", body)
             if not streamed:
                 info.ttft_s = time.perf_counter() - info.started
                 data = _parsed_if(content or b"", b'"usage"' if not endpoint.response_ids else b'"id"')
                 if data is not None:
                     info.set_usage(data.get("usage"))
                     if endpoint.response_ids and isinstance(data.get("id"), str):
-                        self.responses.record(data["id"], route.name, backend)
+                        self.responses.record(data["id"], route.name, backend.identity, owner)
                 if endpoint.renames_model:  # SGLang names an embedding model by its path (a file path on this host)
                     content = _with_model(content or b"", data, backend.served_name)
                 media = upstream.headers.get("Content-Type", "application/json")
                 return Response(content or b"", status_code=200, media_type=media)
             handed_over = True
-            on_created = (lambda response_id: self.responses.record(response_id, route.name, backend)) if endpoint.response_ids else None
-            return SSEProxyResponse(lease, info, self.metrics, route.name, endpoint.stream or StreamKind.DATA, on_created)
+            on_created = (lambda response_id: self.responses.record(response_id, route.name, backend.identity, owner)) if endpoint.response_ids else None
+            return SSEProxyResponse(lease, info, self.metrics, route.name, endpoint.stream or StreamKind.DATA, on_created, body)
         finally:
             if not handed_over:
                 lease.close()
@@ -314,10 +320,11 @@ class _Lease:
     is what tells the engine that nobody listens any more (it aborts the request).
     """
 
-    __slots__ = ("limiter", "backend", "gauge", "upstream", "request")
+    __slots__ = ("limiter", "backend", "gauge", "upstream", "request", "grammar")
 
     def __init__(self, limiter: ConcurrencyLimiter) -> None:
         self.limiter: ConcurrencyLimiter | None = limiter
+        self.grammar = False  # holds one of the limiter's grammar slots
         self.backend: Backend | None = None
         self.gauge: Any = None
         self.upstream: aiohttp.ClientResponse | None = None
@@ -326,6 +333,7 @@ class _Lease:
     def take(self, backend: Backend, gauge: Any) -> None:
         """Count this request on ``backend`` (and in the model's in-flight gauge)."""
         backend.in_flight += 1
+        backend.active.add(self)
         self.backend = backend
         if self.gauge is None:
             self.gauge = gauge
@@ -339,6 +347,7 @@ class _Lease:
         backend, self.backend = self.backend, None
         if backend is not None:
             backend.in_flight -= 1
+            backend.active.discard(self)
 
     def note_if_lost(self, error: BaseException) -> None:
         """Remember this request on its backend when ``error`` means the connection broke under it
@@ -347,9 +356,20 @@ class _Lease:
             return
         if isinstance(error, (aiohttp.ClientConnectorError, TimeoutError)):
             return
-        self.backend.lost.append(request_fingerprint(*self.request))
+        self.backend.lost.append(payload_shape(*self.request))
+
+    def suspect(self) -> str | None:
+        """This request's shape, when it is upstream (a suspect if its engine freezes)."""
+        return payload_shape(*self.request) if self.request is not None else None
+
+    def release_grammar(self) -> None:
+        """Give back the grammar slot: the engine has compiled the grammar (a stream's first bytes came)."""
+        if self.grammar and self.limiter is not None:
+            self.grammar = False
+            self.limiter.release_grammar()
 
     def close(self) -> None:
+        self.release_grammar()
         upstream, self.upstream = self.upstream, None
         if upstream is not None:
             if upstream.content.at_eof():
@@ -362,6 +382,7 @@ class _Lease:
         backend, self.backend = self.backend, None
         if backend is not None:
             backend.in_flight -= 1
+            backend.active.discard(self)
         limiter, self.limiter = self.limiter, None
         if limiter is not None:
             limiter.release()
@@ -422,6 +443,7 @@ class SSEProxyResponse(Response):
         model: str,
         kind: StreamKind = StreamKind.DATA,
         on_created: Callable[[str], None] | None = None,
+        request: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(status_code=200, media_type="text/event-stream")
         assert lease.upstream is not None
@@ -432,6 +454,7 @@ class SSEProxyResponse(Response):
         self.model = model
         self.kind = kind
         self.on_created = on_created  # told the id of a Responses API response when its creation event passes
+        self.request = request  # the body sent: an engine error event may be about its input (gateway.client_mistakes)
         self._markers = _MARKERS[kind]
         self._endings = _ENDINGS[kind]
         self._ended = False  # the stream's own last event went through
@@ -475,6 +498,7 @@ class SSEProxyResponse(Response):
             async for chunk in content.iter_any():
                 if self.info.ttft_s is None:
                     self.info.ttft_s = time.perf_counter() - self.info.started
+                    self.lease.release_grammar()
                 events = self._complete_events(chunk)
                 if events and self.kind is StreamKind.RESPONSES:
                     self._events += events.count(b"\n\n")
@@ -567,7 +591,7 @@ class SSEProxyResponse(Response):
         if error is not None and "choices" not in data:
             detail = error if isinstance(error, dict) else {"message": error}
             status = detail.get("code") if isinstance(detail.get("code"), int) else 500
-            sanitized = upstream_error(status, orjson.dumps({"error": {**detail, "message": sanitize_message(detail.get("message"))}}))
+            sanitized = upstream_error(status, orjson.dumps({"error": {**detail, "message": sanitize_message(detail.get("message"))}}), self.request)
             self.info.error = sanitized.log_detail or sanitized.message
             return sse_error_event(sanitized).rstrip(b"\n")
         return line

@@ -11,10 +11,12 @@ replaced in one assignment (atomic for the event loop): readers never see a half
 from __future__ import annotations
 
 import collections
+import secrets
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
+from typing import Any
 
 from gateway.config import GatewaySettings, LimitSettings
 from gateway.limits import ConcurrencyLimiter
@@ -55,9 +57,25 @@ class Backend:
         self.retry_after_s: int | None = None  # Retry-After for 503s caused by ``failure``
         self.created_at = time.time()
         self._vocab_size = vocab_size
-        # Fingerprints of requests whose upstream connection broke (the engine died under them, most
+        # Shapes of requests whose upstream connection broke (the engine died under them, most
         # likely): the watchdog turns them into suspects when it finds the engine dead.
-        self.lost: collections.deque[bytes] = collections.deque(maxlen=64)
+        self.lost: collections.deque[str] = collections.deque(maxlen=64)
+        # The requests upstream now (their leases): the suspects if the engine freezes.
+        self.active: set[Any] = set()
+        self._token = secrets.token_hex(8)
+
+    @property
+    def identity(self) -> str:
+        """Which upstream this is, as the persistent response index records it (see :mod:`gateway.responses_index`).
+
+        An external engine (a ``url:`` model) is named by its URL: it outlives the gateway, and so do the
+        responses it stores, which a restarted gateway must still reach. An engine or router the gateway runs
+        is named by a random token of this object: a restarted or replaced one has lost its memory (and may
+        come back on the same port), so what it stored is gone.
+        """
+        if self.engine is None and self.router is None:
+            return f"url:{self._url}"
+        return f"{'router' if self.router is not None else 'engine'}:{self._token}"
 
     @property
     def vocab_size(self) -> int | None:
@@ -132,6 +150,13 @@ class ModelRoute:
     @property
     def names(self) -> tuple[str, ...]:
         return (self.name, *self.aliases)
+
+    def backend_named(self, identity: str) -> Backend | None:
+        """The replica (or the router in front) whose :attr:`Backend.identity` is ``identity``, if still there."""
+        for backend in (*self.replicas, self.front):
+            if backend is not None and backend.identity == identity:
+                return backend
+        return None
 
     @property
     def in_flight(self) -> int:

@@ -16,17 +16,20 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from gateway.auth import request_owner
+from gateway.bounds import check_bounds
 from gateway.context import RequestInfo, request_info
 from gateway.endpoints import PROXIED, RESPONSE_BY_ID, RESPONSE_CANCEL, ModelChoice, ProxiedRoute
-from gateway.errors import Dialect, GatewayError, error_body, error_response
+from gateway.errors import Dialect, GatewayError, error_body, error_response, shaped_for
 from gateway.health import HealthProbes
-from gateway.protocol import parse_body
+from gateway.protocol import check_extensions, parse_body
 from gateway.proxy import call_backend
 from gateway.registry import Backend, ModelRoute
 from gateway.responses_index import StoredResponse
 from gateway.state import GatewayState
 
 router = APIRouter()
+RESPONSE_ID_PREFIX = "resp_"  # SGLang refuses (400) a stored-response id without it
 
 
 def _state(request: Request) -> GatewayState:
@@ -45,13 +48,17 @@ def _json(data: Any, status: int = 200) -> Response:
 async def _proxied(request: Request, endpoint: ProxiedRoute) -> Response:
     state = _state(request)
     info: RequestInfo = request_info(request.scope) or RequestInfo("-", request.method, endpoint.path)
-    body = parse_body(await request.body(), endpoint.schema)
+    path = endpoint.upstream_path
+    body = parse_body(await request.body(), endpoint.schema, path)
+    check_bounds(path, body, state.settings.request_bounds)
     route = _model_route(state, body, endpoint)
     info.model = route.name
-    pinned = _continued_response(state, body, route) if endpoint.response_ids else None
+    check_extensions(body, path, state.settings.extensions_for(route.name), route.name)
+    owner = request_owner(request.scope)
+    pinned = _continued_response(state, body, route, owner) if endpoint.response_ids else None
     assert state.proxy is not None, "the app's lifespan did not run"
     balancing = state.settings.balancing_for(route.name)
-    return await state.proxy.forward(route, endpoint, body, info, request.receive, balancing=balancing, pinned=pinned)
+    return await state.proxy.forward(route, endpoint, body, info, request.receive, balancing=balancing, pinned=pinned, owner=owner)
 
 
 def _model_route(state: GatewayState, body: dict[str, Any], endpoint: ProxiedRoute) -> ModelRoute:
@@ -72,27 +79,35 @@ def _model_route(state: GatewayState, body: dict[str, Any], endpoint: ProxiedRou
     return route
 
 
-def _continued_response(state: GatewayState, body: dict[str, Any], route: ModelRoute) -> Backend | None:
+def _continued_response(state: GatewayState, body: dict[str, Any], route: ModelRoute, owner: str) -> Backend | None:
     """The backend holding ``previous_response_id``'s state: the request must go there."""
     previous = body.get("previous_response_id")
     if previous is None:
         return None
-    stored = _stored(state, previous, "previous_response_id")
+    stored, backend = _stored(state, previous, owner, "previous_response_id")
     if stored.model != route.name:
         raise GatewayError(400, f"previous_response_id {previous!r} belongs to model {stored.model!r}", param="previous_response_id")
-    return stored.backend
+    return backend
 
 
-def _stored(state: GatewayState, response_id: str, param: str | None = None) -> StoredResponse:
-    stored = state.responses.find(response_id)
+def _stored(state: GatewayState, response_id: str, owner: str, param: str | None = None) -> tuple[StoredResponse, Backend]:
+    """``owner``'s stored response ``response_id`` and the backend holding it.
+
+    A malformed id gets the engine's own 400 (what SGLang answers it, word for word); an id nobody created
+    and one another key created get the same 404, so that ids of other keys are never confirmed.
+    """
+    if not response_id.startswith(RESPONSE_ID_PREFIX):
+        raise GatewayError(400, f"Invalid 'response_id': '{response_id}'. Expected an ID that begins with 'resp'.", param="response_id")
+    stored = state.responses.find(response_id, owner)
     if stored is None:
         raise GatewayError(404, f"No response found with id {response_id!r}", code="response_not_found", param=param)
     route = state.registry.route(stored.model)
-    if route is None or stored.backend not in route.replicas:
+    backend = route.backend_named(stored.backend) if route is not None else None
+    if backend is None:
         raise GatewayError(
             404, f"Response {response_id!r} is gone: the engine that stored it was replaced", code="response_not_found", param=param
         )
-    return stored
+    return stored, backend
 
 
 async def proxied_endpoint(scope: Scope, receive: Receive, send: Send) -> None:
@@ -109,11 +124,11 @@ async def proxied_endpoint(scope: Scope, receive: Receive, send: Send) -> None:
         response = await _proxied(request, endpoint)
     except GatewayError as error:
         note_error(scope, error)
-        response = error_response(error, endpoint.dialect)
+        response = error_response(error, shaped_for(endpoint.path, endpoint.dialect))
     except ClientDisconnect:
         raise  # left while sending its body: the request-context middleware records it (499)
     except Exception as error:  # noqa: BLE001 - every failure leaves as JSON in the route's dialect
-        response = unexpected_error_response(scope, error, endpoint.dialect)
+        response = unexpected_error_response(scope, error, shaped_for(endpoint.path, endpoint.dialect))
     await response(scope, receive, send)
 
 
@@ -142,12 +157,12 @@ async def cancel_response(response_id: str, request: Request) -> Response:
 
 async def _stored_response_call(request: Request, response_id: str, method: str, path: str) -> Response:
     state = _state(request)
-    stored = _stored(state, response_id)
+    stored, backend = _stored(state, response_id, request_owner(request.scope))
     info = request_info(request.scope)
     if info is not None:
         info.model = stored.model
     assert state.proxy is not None, "the app's lifespan did not run"
-    return await call_backend(state.proxy, stored.model, stored.backend, method, quote(path), info or RequestInfo("-", method, path))
+    return await call_backend(state.proxy, stored.model, backend, method, quote(path), info or RequestInfo("-", method, path))
 
 
 def note_error(scope: Scope, error: GatewayError | str) -> None:

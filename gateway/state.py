@@ -25,4 +25,5 @@ class GatewayState:
     proxy: Proxy | None = None  # set by the lifespan (it owns the upstream session)
     probes: HealthProbes | None = None  # set by the lifespan (it owns the probes' client)
     quarantine: Quarantine = field(default_factory=Quarantine)  # requests suspected of crashing an engine
-    responses: ResponseIndex = field(default_factory=ResponseIndex)  # stored responses -> the engine holding them
+    # stored responses -> the engine holding them and their owner; the lifespan opens the one in gateway.state_dir
+    responses: ResponseIndex = field(default_factory=ResponseIndex)

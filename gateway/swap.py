@@ -185,6 +185,9 @@ class SwapExecutor:
         if policy == "stop-first" and not any(self.owns(b.engine) for b in old):
             policy = "blue-green"  # nothing of ours to stop first
         result = SwapResult(model, policy, old=describe_backend(old[0]), replicas=len(builds))
+        refused = self.state.quarantine.clear(model)  # a new engine: what crashed the old one may not crash it
+        if refused:
+            logger.info("model {}: {} quarantined request shape(s) cleared by the swap", model, refused)
         if policy == "stop-first":
             await self._swap_stop_first(model, old, builds, result)
         elif policy == "rolling":

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from loguru import logger
 
 from gateway.config import GatewaySettings, WatchdogSettings
+from gateway.poison import fields_of as _fields
 from gateway.registry import Backend
 from gateway.state import GatewayState
 from gateway.swap import SwapError, SwapExecutor
@@ -129,10 +130,14 @@ class Watchdog:
         if health.down_since is None:
             health.down_since = time.monotonic()
             tail = "\n".join(f"    {line}" for line in backend.engine.log_tail(20))
-            logger.error("model {}: {} (pid {}); last lines of its log:\n{}", name, reason, backend.engine.pid, tail)
-            if backend.engine.running and backend.engine.crash_exception() is not None:
+            cause = backend.engine.crash_exception()  # the tail may hold only the frames, or what failed on shutdown
+            crashed = f"; it crashed: {cause}" if cause is not None else ""
+            logger.error("model {}: {} (pid {}){}; last lines of its log:\n{}", name, reason, backend.engine.pid, crashed, tail)
+            if backend.engine.running and cause is not None:
                 await self.executor.end_crashed(backend)  # unhealthy because it crashed: end it now
-            if not backend.engine.running and await self._note_crash_suspects(name, backend):
+            if backend.engine.running:
+                self._note_freeze_suspects(name, backend, reason)
+            elif await self._note_crash_suspects(name, backend):
                 health.attempts = 0  # a request crashed a working engine: restart at once, no backoff
         if health.gave_up:
             return
@@ -165,12 +170,34 @@ class Watchdog:
             if suspects:
                 logger.warning("model {}: the engine was killed with {} request(s) in flight (no crash in its log)", name, len(suspects))
             return False
-        refused = self.quarantine.engine_crashed(name, suspects)
+        refused = self.quarantine.engine_failed(name, suspects, f"crashed: {cause}")
         logger.warning(
-            "model {}: the engine crashed ({}) with {} request(s) in flight; {} of them are refused if they come again",
-            name, cause, len(set(suspects)), refused,
+            "model {}: the engine crashed ({}) with {} request(s) in flight; {} request shape(s) are now refused",
+            name, cause, len(set(suspects)), len(refused),
         )  # fmt: skip
+        self._log_gaps(name, refused, f"crashed ({cause})")
         return True
+
+    def _note_freeze_suspects(self, name: str, backend: Backend, reason: str) -> None:
+        """An engine that stopped answering /health while running froze on something (a pattern that
+        backtracks forever, a fan-out it cannot get through): every request upstream on it is a suspect,
+        streams that already produced tokens included (a freeze can come at any decode step)."""
+        suspects = [shape for lease in list(backend.active) if (shape := lease.suspect()) is not None]
+        if not suspects:
+            return
+        refused = self.quarantine.engine_failed(name, suspects, f"froze: {reason}")
+        logger.warning(
+            "model {}: the engine froze ({}) with {} request(s) in flight; {} request shape(s) are now refused",
+            name, reason, len(suspects), len(refused),
+        )  # fmt: skip
+        self._log_gaps(name, refused, f"froze ({reason})")
+
+    @staticmethod
+    def _log_gaps(name: str, shapes: list[str], what: str) -> None:
+        """A request that took an engine down got past the allowlist and its bounds: a gap to close there."""
+        for shape in shapes:
+            fields = ", ".join(_fields(shape)) or "none"
+            logger.error("allowlist gap: a request with fields [{}] {} the engine of model {}; its shape is quarantined: {}", fields, what, name, shape[:500])
 
     async def _healthy(self, backend: Backend, timeout_s: float) -> bool:
         probes = self.state.probes

@@ -19,6 +19,7 @@ import yaml
 from pydantic.fields import FieldInfo
 
 from launch.config import CPU_DEFAULT_MAX_TOTAL_TOKENS, EngineConfig, RouterConfig
+from launch.engine_net import socket_env
 
 SGLANG_MODULE = "sglang.launch_server"
 CPU_SHIM_DIR = Path(__file__).resolve().parent / "cpu_shim"
@@ -233,7 +234,8 @@ class EngineEnv:
 
 
 def build_env(engine: EngineConfig, base: dict[str, str] | None = None) -> EngineEnv:
-    """Environment for the engine: the caller's, plus CPU-mode settings, plus ``engine.env``."""
+    """Environment for the engine: the caller's, plus CPU-mode settings, plus ``engine.env``, plus where its
+    sockets listen (:func:`launch.engine_net.socket_env`: loopback on one machine)."""
     env = dict(os.environ if base is None else base)
     uses_shim = False
     if engine.device == "cpu":
@@ -242,6 +244,7 @@ def build_env(engine: EngineConfig, base: dict[str, str] | None = None) -> Engin
             env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CPU_SHIM_DIR), env.get("PYTHONPATH", "")) if p)
             uses_shim = True
     env.update(engine.env)
+    env.update(socket_env(engine, env))
     return EngineEnv(env, uses_shim)
 
 

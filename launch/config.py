@@ -43,7 +43,7 @@ GATEWAY_KEY_FILE_SETTINGS = tuple(f"{keys}_file" for keys in GATEWAY_KEY_LISTS)
 """The key-file settings: paths relative to the deployment file."""
 GATEWAY_KEY_SETTINGS = tuple(f"{keys}{source}" for keys in GATEWAY_KEY_LISTS for source in ("", "_env", "_file"))
 """Every setting that gives the gateway keys: the lists, their variables and their files."""
-GATEWAY_PER_MODEL_SETTINGS = ("model_limits", "swap_policy", "model_balancing")
+GATEWAY_PER_MODEL_SETTINGS = ("model_limits", "swap_policy", "model_balancing", "extension_fields")
 """The settings that map model names to per-model overrides (each name must be a model of the file)."""
 
 

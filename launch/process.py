@@ -52,6 +52,29 @@ CRASH_MARKER = re.compile(r"hit an exception|SIGQUIT received")
 _EXCEPTION_LINE = re.compile(r"^(?:\[[^\]]*\] )?([A-Za-z_][\w.]*(?:Error|Exception|Interrupt)\b:?.*)$")
 
 
+def crash_cause(lines: list[str]) -> str | None:
+    """The exception that crashed an engine, from its log ``lines``: the last line of the first traceback from
+    the first crash marker on (``Scheduler hit an exception: Traceback ...`` ... ``IndexError: ...``).
+
+    Not the last exception of the log: SGLang takes itself down after a crash, and what fails on the way (a
+    ``FileNotFoundError`` of its shutdown) says nothing about why it crashed. None when no crash is logged.
+    """
+    marked = next((index for index, line in enumerate(lines) if CRASH_MARKER.search(line)), None)
+    if marked is None:
+        return None
+    in_traceback = False
+    for line in lines[marked:]:
+        if "Traceback (most recent call last)" in line:
+            in_traceback = True
+        elif in_traceback and line[:1] not in ("", " ", "\t") and (match := _EXCEPTION_LINE.match(line.rstrip())):
+            return match.group(1)[:300]  # frames and source lines are indented; the exception line is not
+    for line in lines[marked:]:  # no traceback: an exception named on a line of its own
+        match = _EXCEPTION_LINE.match(line.strip())
+        if match:
+            return match.group(1)[:300]
+    return "an exception (see the engine log)"
+
+
 class EngineError(RuntimeError):
     """The engine could not be started or answered wrongly; carries its exit code and log tail."""
 
@@ -173,16 +196,7 @@ class EngineProcess:
         None when its log shows no crash: an engine killed from outside (OOM killer, an operator's
         SIGKILL) dies without a word, which is how the two are told apart.
         """
-        lines = self.log_tail(LOG_TAIL_LINES)
-        marked = [index for index, line in enumerate(lines) if CRASH_MARKER.search(line)]
-        if not marked:
-            return None
-        # The traceback follows "... hit an exception:" and precedes "SIGQUIT received": its last line names it.
-        for line in reversed(lines[marked[0] :]):
-            match = _EXCEPTION_LINE.match(line.strip())
-            if match:
-                return match.group(1)[:300]
-        return "an exception (see the engine log)"
+        return crash_cause(self.log_tail(LOG_TAIL_LINES))
 
     def log_tail(self, lines: int = 40) -> list[str]:
         with self._lock:

@@ -34,6 +34,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.engine)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _state_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Gateways started from a config file keep their state under $XDG_STATE_HOME (see
+    ``gateway.config.default_state_dir``): a temporary one for the session, never the user's."""
+    before = os.environ.get("XDG_STATE_HOME")
+    home = os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("state-home"))
+    yield Path(home)
+    if before is None:
+        os.environ.pop("XDG_STATE_HOME", None)
+    else:
+        os.environ["XDG_STATE_HOME"] = before
+
+
 @pytest.fixture(scope="session")
 def starts_engine() -> None:
     """Request this (directly or through a fixture) in anything that starts a real SGLang engine."""

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 import httpx
 import openai
 
-from gateway.errors import sanitize_message, upstream_error
+from gateway.errors import readable_validation_dump, sanitize_message, upstream_error
 from launch.process import EngineProcess
 from tests.gateway.helpers import (
     KEY,
@@ -66,6 +66,53 @@ def test_upstream_error_mapping() -> None:
     dump = "[{'type': 'missing', 'loc': ('body', 'messages'), 'msg': 'Field required', 'input': {'model': 'tiny'}}]"
     invalid = upstream_error(400, json.dumps({"object": "error", "message": dump, "code": 400}).encode())
     assert invalid.message == "messages: Field required"
+
+
+# What SGLang 0.5.23 answered, recorded from the real engine (tests/gateway/test_client_mistakes.py sends the same).
+STOP_REGEX_500 = {"object": "error", "message": "Internal server error: missing ), unterminated subpattern at position 0", "type": "InternalServerError", "param": None, "code": 500}
+GRAMMAR_500 = {"object": "error", "message": "Grammar accept_token failed: Tokens not accepted: 0\nAccepted tokens: []\nKey string: root ::= root", "type": "500", "param": None, "code": 500}
+TEMPLATE_KWARG_500 = {"object": "error", "message": "Internal server error: 'tools'", "type": "InternalServerError", "param": None, "code": 500}
+REGEX_400 = {"object": "error", "message": "Failed to compile regex grammar: [10:33:32] /project/cpp/regex_converter.cc:83: Regex parsing error at position 2: The parenthesis is not closed.\n", "type": "BadRequestError", "param": None, "code": 400}  # fmt: skip
+
+
+def test_engine_500s_caused_by_the_clients_input_are_400s() -> None:
+    cases = [
+        (STOP_REGEX_500, {"stop_regex": "("}, "stop_regex", "stop_regex: invalid regular expression: missing ), unterminated subpattern at position 0"),
+        (GRAMMAR_500, {"ebnf": "root ::= root"}, "ebnf", "ebnf: the grammar accepts no token"),
+        (GRAMMAR_500, {"response_format": {"type": "json_schema"}}, "response_format", "response_format: the grammar accepts no token"),
+        (TEMPLATE_KWARG_500, {"chat_template_kwargs": {"tools": 5}}, "chat_template_kwargs.tools", "chat_template_kwargs.tools: "),
+    ]
+    for answer, request, param, message in cases:
+        error = upstream_error(500, json.dumps(answer).encode(), {"model": "tiny", "messages": HELLO, **request})
+        assert (error.status, error.type, error.param) == (400, "invalid_request_error", param), error.message
+        assert error.message.startswith(message) and "\n" not in error.message, error.message
+        assert error.log_detail is not None and "engine answered HTTP 500" in error.log_detail  # the log still says what the engine said
+        # The same answer to a request without the field it blames is the engine's own failure.
+        assert upstream_error(500, json.dumps(answer).encode(), {"model": "tiny", "messages": HELLO}).status == 502
+        assert upstream_error(500, json.dumps(answer).encode()).status == 502
+    # An engine 400 about a grammar: one line, without xgrammar's time stamp and source location.
+    regex = upstream_error(400, json.dumps(REGEX_400).encode(), {"regex": "("})
+    assert regex.message == "Failed to compile regex grammar: Regex parsing error at position 2: The parenthesis is not closed."
+
+
+def test_validation_dump_whose_location_holds_brackets_is_rewritten() -> None:
+    """A location part may hold ")" or "]": pydantic's validator tags, or a client's dict key (recorded from SGLang)."""
+    client_key = (
+        "1 validation error:\n  {'type': 'float_parsing', 'loc': ('body', 'logit_bias', 'a)b]c'), 'msg': 'Input should be a valid "
+        "number, unable to parse string as a number', 'input': 'x'}"
+    )
+    assert readable_validation_dump(client_key) == "logit_bias.a)b]c: Input should be a valid number, unable to parse string as a number"
+    tagged = (
+        "2 validation errors:\n  {'type': 'value_error', 'loc': ('body', 'messages', 0, 'function-after[validate_thinking_parts_role(), "
+        "ChatCompletionMessageGenericParam]', 'role'), 'msg': \"Value error, 'role' must be one of 'system', 'assistant'\", 'input': 'u'}\n"
+        "  {'type': 'string_type', 'loc': ('body', 'messages', 0, 'function-after[validate_thinking_parts_role(), "
+        "ChatCompletionMessageGenericParam]', 'content', 'str'), 'msg': 'Input should be a valid string', 'input': [{'type': 'te)xt]'}]}"
+    )
+    assert readable_validation_dump(tagged) == (
+        "messages.0.role: Value error, 'role' must be one of 'system', 'assistant'; messages.0.content.str: Input should be a valid string"
+    )
+    error = upstream_error(400, json.dumps({"object": "error", "message": tagged, "code": 400}).encode())
+    assert "'input'" not in error.message and "{'type'" not in error.message, error.message
 
 
 def test_400_invalid_json_and_types(gateway: GatewayServer) -> None:

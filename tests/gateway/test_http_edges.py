@@ -36,6 +36,7 @@ LIMITS = {
     "header_timeout_s": 1.0,
     "keepalive_timeout_s": 1.5,
     "body_timeout_s": 1.0,
+    "body_deadline_s": 2.5,
 }
 
 
@@ -109,6 +110,25 @@ def test_oversized_header_is_431_without_buffering_it(edge: GatewayServer) -> No
         assert_json_error(status, headers, body, 431, "headers_too_large")
 
 
+def test_oversized_head_arriving_in_one_read_is_431(edge: GatewayServer) -> None:
+    """A head over the limit sent in one write (one read on loopback) is parsed whole before data_received
+    could count it: it must be counted anyway, whether one big field or many small ones."""
+    limit = LIMITS["max_header_bytes"]
+    one_big = b"X-Big: " + b"a" * (2 * limit) + b"\r\n"
+    many = b"".join(b"X-F%d: %s\r\n" % (i, b"b" * (limit // 8)) for i in range(12))  # 12 fields: under max_headers
+    for path, fields in (("/health", one_big), ("/health", many), ("/v1/messages", one_big)):
+        with raw_connection(edge) as sock:
+            sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n".encode() + fields + b"\r\n")
+            status, headers, body = read_response(sock)
+        if path == "/v1/messages":  # answered in the route's dialect
+            assert status == 431 and json.loads(body)["error"]["type"] == "invalid_request_error", (status, body)
+        else:
+            assert_json_error(status, headers, body, 431, "headers_too_large")
+    with raw_connection(edge) as sock:  # just under the limit, in one read: served
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\nX-Big: " + b"a" * (limit - 200) + b"\r\n\r\n")
+        assert read_response(sock)[0] == 200
+
+
 def test_too_many_headers_and_long_urls(edge: GatewayServer) -> None:
     with raw_connection(edge) as sock:
         fields = b"".join(b"X-H%d: v\r\n" % i for i in range(25))
@@ -141,6 +161,41 @@ def test_slow_body_is_408(edge: GatewayServer) -> None:
             + b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\":"
         )  # fmt: skip
         assert_json_error(*read_response(sock), 408, "request_timeout")
+
+
+def test_body_trickled_past_the_deadline_is_408(edge: GatewayServer) -> None:
+    """One byte every 0.3 s is never silent for body_timeout_s (1 s), yet the whole body must arrive within
+    body_deadline_s (2.5 s): 408 in the route's dialect, while the client is still trickling."""
+    for path, dialect in (("/v1/chat/completions", "openai"), ("/v1/messages", "anthropic")):
+        with raw_connection(edge) as sock:
+            sock.sendall(
+                f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{".encode()
+            )
+            started = time.monotonic()
+            answered = False
+            while not answered and time.monotonic() - started < 8:
+                time.sleep(0.3)
+                try:
+                    sock.sendall(b" ")
+                except (BrokenPipeError, ConnectionResetError):
+                    break
+                sock.settimeout(0)
+                try:
+                    answered = bool(sock.recv(1, socket.MSG_PEEK))
+                except BlockingIOError:
+                    pass
+                except ConnectionResetError:
+                    break
+            elapsed = time.monotonic() - started
+            sock.settimeout(10)
+            status, headers, body = read_response(sock)
+        assert status == 408 and elapsed < 6, (status, elapsed, body)  # cut off by the deadline, not by a silence
+        if dialect == "openai":
+            error = assert_json_error(status, headers, body, 408, "request_timeout")
+            assert "not complete within 2.5s" in error["message"], error
+        else:
+            assert json.loads(body) == {"type": "error", "error": {"type": "timeout_error", "message": "request body not complete within 2.5s"}}
 
 
 def test_connection_cap(edge: GatewayServer) -> None:

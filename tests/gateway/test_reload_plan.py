@@ -12,8 +12,9 @@ ENGINE = {"model_path": "/models/tiny", "device": "cpu", "max_total_tokens": 409
 
 
 def _plan(old_models: dict[str, Any], new_models: dict[str, Any], old_gw: dict | None = None, new_gw: dict | None = None):
-    old = parse_config({"models": old_models, "gateway": old_gw or {}}, "old.yaml")
-    new = parse_config({"models": new_models, "gateway": new_gw or {}}, "new.yaml")
+    # a reload re-reads the same file (whose path also names the default gateway.state_dir)
+    old = parse_config({"models": old_models, "gateway": old_gw or {}}, "deploy.yaml")
+    new = parse_config({"models": new_models, "gateway": new_gw or {}}, "deploy.yaml")
     return plan_reload(old, gateway_settings(old), new, gateway_settings(new))
 
 

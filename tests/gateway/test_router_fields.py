@@ -123,9 +123,11 @@ def test_chat_fields_kept_renamed_and_dropped(chain: Chain) -> None:
         "repetition_penalty": 1.1, "min_tokens": 1, "ignore_eos": True, "skip_special_tokens": False,
         "stop_token_ids": [1], "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
         "tool_choice": "auto", "chat_template_kwargs": {"enable_thinking": False},
-        "separate_reasoning": False, "metadata": {"k": "v"},
+        "separate_reasoning": False,
     }  # fmt: skip
-    dropped = {"user": "u", "rid": "r1", "return_text_in_logprobs": True, "x_custom": 1}
+    # user: dropped by the router; metadata: by the gateway (OpenAI's stored-completion tag). Unknown fields and
+    # SGLang's engine-control fields (rid...) never get that far: the gateway's allowlist refuses them.
+    dropped = {"user": "u", "metadata": {"k": "v"}}
     response, got = chain.send(
         "/v1/chat/completions", {"model": "tiny", "messages": HELLO, "max_tokens": 5, **kept, **dropped}
     )
@@ -173,7 +175,7 @@ def test_requests_the_router_refuses_that_sglang_accepts(chain: Chain) -> None:
 def test_other_routes(chain: Chain) -> None:
     body = {
         "model": "tiny", "prompt": "hi", "max_tokens": 5, "echo": True, "suffix": "s", "logprobs": 2, "best_of": 2,
-        "regex": "[a-z]+", "user": "u", "x_custom": 1,
+        "regex": "[a-z]+", "user": "u",
     }  # fmt: skip
     response, got = chain.send("/v1/completions", body)
     assert response.status_code == 200 and got is not None and {k: got[k] for k in body} == body  # passed through
@@ -184,19 +186,17 @@ def test_other_routes(chain: Chain) -> None:
         "instructions": "be short",
         "max_output_tokens": 5,
         "store": True,
-        "x_custom": 1,
     }
     response, got = chain.send("/v1/responses", body)
     assert (
         got is not None
-        and "x_custom" not in got
-        and {k: got[k] for k in body if k != "x_custom"} == {k: v for k, v in body.items() if k != "x_custom"}
+        and {k: got[k] for k in body} == body
     )
     assert got["temperature"] == 1.0  # a default the router adds (SGLang would take the model's generation config)
 
-    body = {"model": "tiny", "input": "hi", "dimensions": 8, "encoding_format": "float", "x_custom": 1}
+    body = {"model": "tiny", "input": "hi", "dimensions": 8, "encoding_format": "float"}
     response, got = chain.send("/v1/embeddings", body)
-    assert got is not None and "x_custom" not in got and got["dimensions"] == 8
+    assert got is not None and got["dimensions"] == 8
 
     for path, body in (
         ("/v1/tokenize", {"model": "tiny", "prompt": "hello world"}),

@@ -11,18 +11,20 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import orjson
 import pytest
+from loguru import logger
 
 from gateway.config import GatewaySettings, WatchdogSettings
 from gateway.errors import GatewayError
 from gateway.metrics import Metrics
-from gateway.poison import Quarantine, request_fingerprint
+from gateway.poison import Quarantine, fields_of, payload_shape, request_shape
 from gateway.registry import Backend, ModelRoute, Registry
 from gateway.state import GatewayState
 from gateway.swap import SwapExecutor
 from gateway.watchdog import Watchdog, backoff_delay
 from launch.config import EngineConfig
-from launch.process import EngineProcess
+from launch.process import EngineProcess, crash_cause
 
 
 def test_backoff_doubles_and_is_capped() -> None:
@@ -104,17 +106,101 @@ def test_by_default_the_watchdog_never_gives_up(tmp_path: Path) -> None:
 
 
 def test_quarantine_refuses_the_sole_suspect_at_once_and_others_after_two_crashes() -> None:
-    quarantine = Quarantine(ttl_s=60)
-    poison, bystander, other = (request_fingerprint("/v1/completions", body) for body in (b"p", b"b", b"o"))
-    assert quarantine.engine_crashed("m", [poison, bystander]) == 0  # two suspects: nobody is blamed yet
+    quarantine = Quarantine()
+    hello = [{"role": "user", "content": "hello"}]
+    poison, bystander, other = (
+        request_shape("/v1/chat/completions", body)
+        for body in ({"messages": hello, "input_ids": [-1]}, {"messages": hello}, {"messages": hello, "max_tokens": 4})
+    )
+    assert quarantine.engine_failed("m", [poison, bystander], "crashed") == []  # two suspects: nobody is blamed yet
     quarantine.check("m", poison)
-    assert quarantine.engine_crashed("m", [poison, other]) == 1  # the poison was there both times
+    assert quarantine.engine_failed("m", [poison, other], "crashed") == [poison]  # the poison was there both times
     with pytest.raises(GatewayError) as refused:
         quarantine.check("m", poison)
     assert refused.value.status == 400 and refused.value.code == "request_quarantined"
+    assert "input_ids" in refused.value.message
     quarantine.check("m", bystander)
     quarantine.check("m", other)
     quarantine.check("other-model", poison)  # per model
-    assert quarantine.engine_crashed("m", [other]) == 1  # alone in flight: refused at once
+    assert quarantine.engine_failed("m", [other], "froze") == [other]  # alone in flight: refused at once
     with pytest.raises(GatewayError):
         quarantine.check("m", other)
+    assert {entry["shape"] for entry in quarantine.report()} == {poison, other}
+    assert quarantine.clear("other-model") == 0 and quarantine.clear("m") == 2
+    quarantine.check("m", poison)  # cleared by the operator (or a swap)
+
+
+def test_a_request_shape_survives_edits_of_its_text_and_ids_but_not_other_fields() -> None:
+    """The quarantine keys on what a request is made of: an edited word, a retry or a nearby id keep the
+    shape; another field, another type or another size class make another one."""
+    base = {"model": "a", "messages": [{"role": "user", "content": "hello"}], "input_ids": [-1], "max_tokens": 5}
+    shape = request_shape("/v1/chat/completions", base)
+    same = [
+        {**base, "model": "b"},  # the model's name is not part of it (an alias, another replica's served name)
+        {**base, "messages": [{"role": "user", "content": "world"}]},
+        {**base, "input_ids": [-7]},
+        {**base, "max_tokens": 6},
+    ]
+    assert all(request_shape("/v1/chat/completions", body) == shape for body in same)
+    different = [
+        {key: value for key, value in base.items() if key != "input_ids"},
+        {**base, "input_ids": [1]},  # not negative
+        {**base, "input_ids": [-1, -2, -3, -4]},  # another size class
+        {**base, "temperature": 0.5},
+        {**base, "max_tokens": "5"},
+    ]
+    assert all(request_shape("/v1/chat/completions", body) != shape for body in different)
+    assert request_shape("/v1/completions", base) != shape
+    assert payload_shape("/v1/chat/completions", orjson.dumps(base)) == shape
+    assert fields_of(shape) == ("input_ids", "max_tokens", "messages")
+
+
+# An engine's log after a request crashed its scheduler: SGLang 0.5.23's traceback and take-down, as recorded
+# (frames shortened), then a shutdown that fails in its turn (the error the gateway used to name as the cause).
+SITE = "/venv/lib/python3.11/site-packages"
+CRASH_LOG = f"""[2026-12-01 10:34:03] INFO:     127.0.0.1:37198 - "POST /v1/chat/completions HTTP/1.1" 200 OK
+[2026-12-01 10:34:04] Scheduler hit an exception: Traceback (most recent call last):
+  File "{SITE}/sglang/srt/managers/scheduler.py", line 6368, in run_scheduler_process
+    scheduler.run_event_loop()
+  File "{SITE}/sglang/srt/managers/scheduler.py", line 2109, in event_loop_overlap
+    batch_result = self.run_batch(batch)
+                   ^^^^^^^^^^^^^^^^^^^^^
+  File "{SITE}/torch/nn/functional.py", line 2621, in embedding
+    return torch.embedding(weight, input, padding_idx, scale_grad_by_freq, sparse)
+           ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
+IndexError: index out of range in self
+
+[2026-12-01 10:34:04] SIGQUIT received. signum=None, frame=None. It usually means one child failed.
+[2026-12-01 10:34:04] Sleeping 5 seconds before crash diagnostics to let GPU activity settle.
+[2026-12-01 10:34:09] No live scheduler processes found; skipping py-spy and CUDA coredump.
+[2026-12-01 10:34:09] kill_process_tree called: parent_pid=5108, include_parent=True, pid=5108
+Traceback (most recent call last):
+  File "/usr/lib/python3.11/multiprocessing/resource_tracker.py", line 239, in main
+    _CLEANUP_FUNCS[rtype](name)
+  File "/usr/lib/python3.11/multiprocessing/shared_memory.py", line 241, in _posixshmem.shm_unlink
+FileNotFoundError: [Errno 2] No such file or directory: '/psm_4a1f'
+""".splitlines()
+
+
+def test_crash_cause_is_the_first_traceback_not_the_shutdown_error() -> None:
+    assert crash_cause(CRASH_LOG) == "IndexError: index out of range in self"
+    assert crash_cause(CRASH_LOG[:1]) is None  # no crash logged: killed from outside
+    named = ["[x] DetokenizerManager hit an exception", "RuntimeError: boom"]  # no traceback: the exception line
+    assert crash_cause(named) == "RuntimeError: boom"
+
+
+def test_the_watchdog_log_names_the_crash_not_the_shutdown_error(tmp_path: Path) -> None:
+    engine = EngineProcess("m", EngineConfig(model_path=str(tmp_path), device="cpu", python="/bin/false"), log_dir=tmp_path)
+    engine._tail.extend(CRASH_LOG)  # what its log reader collected before the process ended
+    backend = Backend("m", engine=engine)
+    registry = Registry([ModelRoute("m", backend)])
+    settings = GatewaySettings(watchdog=WatchdogSettings(max_restarts=0))
+    state = GatewayState(settings, registry, Metrics(registry))
+    lines: list[str] = []
+    sink = logger.add(lambda message: lines.append(str(message)), level="ERROR", format="{message}")
+    try:
+        asyncio.run(Watchdog(state, SwapExecutor(state, owned=[engine])).check_all(settings))
+    finally:
+        logger.remove(sink)
+    first = lines[0].splitlines()[0]
+    assert first.startswith("model m: engine exited") and first.endswith("; it crashed: IndexError: index out of range in self; last lines of its log:"), first

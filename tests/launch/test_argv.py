@@ -29,6 +29,7 @@ from launch.argv import (
     server_args,
 )
 from launch.config import CPU_DEFAULT_MAX_TOTAL_TOKENS, EngineConfig, load_config
+from launch.engine_net import ENGINE_PLUGIN_DIR
 from launch.preflight import preflight, require
 from launch.process import new_engine_key
 
@@ -97,10 +98,11 @@ def test_cpu_env_adds_engine_flag_and_shim_only_for_the_engine() -> None:
     )
     assert env.variables[CPU_ENGINE_ENV] == "1"
     assert env.uses_cpu_shim  # this environment has no real sgl_kernel
-    assert env.variables["PYTHONPATH"].split(":") == [str(CPU_SHIM_DIR), "/x"]
+    assert env.variables["PYTHONPATH"].split(":") == [str(ENGINE_PLUGIN_DIR), str(CPU_SHIM_DIR), "/x"]
     assert env.variables["OMP_NUM_THREADS"] == "2"
     gpu = build_env(EngineConfig(model_path="org/m"), base={})
-    assert CPU_ENGINE_ENV not in gpu.variables and "PYTHONPATH" not in gpu.variables and not gpu.uses_cpu_shim
+    assert CPU_ENGINE_ENV not in gpu.variables and not gpu.uses_cpu_shim
+    assert gpu.variables["PYTHONPATH"] == str(ENGINE_PLUGIN_DIR)  # the SGLang plugin only (see test_engine_net.py)
 
 
 def test_cpu_shim_stays_off_when_a_real_sgl_kernel_imports(tmp_path: Path) -> None:
@@ -111,7 +113,7 @@ def test_cpu_shim_stays_off_when_a_real_sgl_kernel_imports(tmp_path: Path) -> No
     fake_python.write_text(f'#!/bin/sh\nPYTHONPATH={real.parent} exec {sys.executable} "$@"\n')
     fake_python.chmod(0o755)
     env = build_env(EngineConfig(model_path="org/m", device="cpu", python=str(fake_python)), base={})
-    assert not env.uses_cpu_shim and "PYTHONPATH" not in env.variables
+    assert not env.uses_cpu_shim and env.variables["PYTHONPATH"] == str(ENGINE_PLUGIN_DIR)
 
 
 # An engine with every key set away from its default (a new key of ENGINE_FLAGS gets its value here).

@@ -1,0 +1,142 @@
+"""The configurable bounds of one request (``gateway.request_bounds``): fan-out and grammar inputs.
+
+A request holds one gateway slot, but a completions request with 20,000 prompts, or a score request with
+20,000 items, is 20,000 requests for the engine; a 300 KB regex occupies one of its few grammar threads for
+minutes. :func:`check_bounds` refuses such requests (400 naming the field and the bound) after the schema
+has checked types, so it can trust them. :func:`grammar_inputs` names a request's grammars, which also
+decides whether it takes a grammar slot (``limits.max_concurrent_grammars``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import orjson
+
+from gateway.config import RequestBounds
+from gateway.errors import GatewayError
+from gateway.grammar_checks import GrammarProblem, check_ebnf, check_json_schema, check_regex, check_stop_regex
+
+# path -> the fields whose list items each become engine work
+_INPUT_LISTS: dict[str, tuple[str, ...]] = {
+    "/v1/embeddings": ("input",),
+    "/v1/classify": ("input",),
+    "/v1/tokenize": ("prompt",),
+    "/v1/detokenize": ("tokens",),
+    "/v1/score": ("items", "label_token_ids"),
+    "/v1/rerank": ("documents",),
+}
+
+
+def _refuse(field: str, message: str) -> GatewayError:
+    return GatewayError(400, f"{field}: {message}", code="request_too_large" if "at most" in message else "invalid_grammar", param=field)
+
+
+def _count(field: str, value: Any, bound: int, what: str) -> None:
+    if isinstance(value, (list, dict)) and len(value) > bound:
+        raise _refuse(field, f"{len(value)} {what}; at most {bound} (gateway.request_bounds)")
+
+
+def _prompt_count(prompt: Any) -> int:
+    """How many engine requests a completions prompt makes (a list of strings or of token lists: one each)."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        return len(prompt)
+    return 1
+
+
+def check_bounds(path: str, body: dict[str, Any], bounds: RequestBounds) -> None:
+    """Raise GatewayError(400) when ``body`` (valid for route ``path``, the engine's path) exceeds a bound."""
+    if path == "/v1/completions":
+        prompts = _prompt_count(body.get("prompt"))
+        if prompts > bounds.max_prompts:
+            raise _refuse("prompt", f"{prompts} prompts; at most {bounds.max_prompts} (gateway.request_bounds.max_prompts)")
+    else:
+        prompts = 1
+    choices = max(body.get("n") or 1, body.get("best_of") or 1)
+    if prompts * choices > bounds.max_generations:
+        field = "n" if prompts == 1 else "prompt"
+        raise _refuse(field, f"{prompts} prompt(s) x {choices} choices; at most {bounds.max_generations} generations (gateway.request_bounds.max_generations)")
+    for field in _INPUT_LISTS.get(path, ()):
+        _count(field, body.get(field), bounds.max_inputs, "entries")
+    for field in ("messages", "input"):
+        if path not in _INPUT_LISTS:
+            _count(field, body.get(field), bounds.max_messages, "messages or input items")
+    input_ids = body.get("input_ids")
+    if isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list):
+        _count("input_ids", input_ids, bounds.max_prompts, "prompts")
+    _count("tools", body.get("tools"), bounds.max_tools, "tools")
+    for field in ("stop", "stop_sequences", "stop_regex"):
+        _count(field, body.get(field), bounds.max_stop, "entries")
+    for field in ("stop_token_ids", "logit_bias"):
+        _count(field, body.get(field), bounds.max_token_list, "entries")
+    _check_grammars(body, bounds)
+
+
+def grammar_inputs(body: dict[str, Any]) -> Iterator[tuple[str, str, Any]]:
+    """(field, kind, value) of every grammar the engine would compile for ``body``: kind is ``regex``,
+    ``ebnf``, ``json_schema``, ``structural_tag`` or ``stop_regex`` (matched by Python's re, not compiled)."""
+    for field in ("regex", "ebnf"):
+        if isinstance(body.get(field), str):
+            yield field, field, body[field]
+    if isinstance(body.get("json_schema"), str):
+        yield "json_schema", "json_schema", body["json_schema"]
+    stop_regex = body.get("stop_regex")
+    for pattern in [stop_regex] if isinstance(stop_regex, str) else stop_regex if isinstance(stop_regex, list) else []:
+        yield "stop_regex", "stop_regex", pattern
+    formats = (
+        ("response_format", body.get("response_format")),
+        ("text.format", (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None),
+        ("output_config.format", (body.get("output_config") or {}).get("format") if isinstance(body.get("output_config"), dict) else None),
+    )
+    for field, spec in formats:
+        if not isinstance(spec, dict):
+            continue
+        kind = spec.get("type")
+        if kind == "json_schema":
+            inner = spec.get("json_schema") if isinstance(spec.get("json_schema"), dict) else spec
+            yield field, "json_schema", inner.get("schema", {})
+        elif kind == "json_object":
+            yield field, "json_object", {}
+        elif kind == "structural_tag":
+            yield field, "structural_tag", spec
+    tools = body.get("tools")
+    if isinstance(tools, list) and body.get("tool_choice") not in (None, "auto", "none"):
+        for tool in tools:  # a forced tool call is constrained by the tools' parameter schemas
+            function = tool.get("function") if isinstance(tool.get("function"), dict) else tool
+            schema = function.get("parameters", function.get("input_schema"))
+            if isinstance(schema, dict):
+                yield "tools", "json_schema", schema
+
+
+def grammar_bytes(body: dict[str, Any]) -> int:
+    """Bytes of the grammars the engine compiles for ``body`` (what decides if it takes a grammar slot)."""
+    return sum(_size(value) for _, kind, value in grammar_inputs(body) if kind != "stop_regex")
+
+
+def _size(value: Any) -> int:
+    return len(value.encode()) if isinstance(value, str) else len(orjson.dumps(value))
+
+
+def _check_grammars(body: dict[str, Any], bounds: RequestBounds) -> None:
+    for field, kind, value in grammar_inputs(body):
+        size = _size(value)
+        if size > bounds.max_grammar_bytes:
+            raise _refuse(field, f"a {kind} of {size} bytes; at most {bounds.max_grammar_bytes} (gateway.request_bounds.max_grammar_bytes)")
+        try:
+            if kind == "stop_regex":
+                check_stop_regex(value)
+            elif kind == "regex":
+                check_regex(value)
+            elif kind == "ebnf":
+                check_ebnf(value)
+            elif kind == "json_schema":
+                schema = value
+                if isinstance(value, str):
+                    try:
+                        schema = orjson.loads(value)
+                    except orjson.JSONDecodeError as error:
+                        raise GrammarProblem(f"not valid JSON: {error}") from None
+                check_json_schema(schema, max_depth=bounds.max_schema_depth, max_enum=bounds.max_enum_values)
+        except GrammarProblem as problem:
+            raise _refuse(field, str(problem)) from None

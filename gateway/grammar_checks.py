@@ -1,0 +1,207 @@
+"""Grammar inputs checked before they reach an engine: client mistakes are a 400 here, and inputs that
+would freeze the engine's scheduler are refused.
+
+Two engines run a request's patterns, with different failure modes:
+
+- ``stop_regex`` runs in Python's backtracking ``re`` on the scheduler thread, at every decode step, over
+  the output's tail (the whole output when the pattern's match length is unbounded). A pattern such as
+  ``(x+x+)+y`` takes exponential time there, and even ``x+y`` is quadratic in the output length at every
+  step: the scheduler stops answering and every request on the engine fails. The policy is therefore
+  **bounded patterns only**: every quantifier has an upper bound (no ``*``, ``+``, ``{n,}``), no
+  quantifier inside another quantifier, no backreferences or conditionals, a bounded longest match and a
+  bounded backtracking product. Everything SGLang's stop strings do, a bounded pattern can do.
+- ``regex``, ``ebnf``, JSON schemas and structural tags are compiled by the grammar backend (xgrammar)
+  into an automaton, which does not backtrack; their cost is compile time and memory, bounded by size
+  (:mod:`gateway.bounds`) and by the per-model grammar concurrency limit. Here the gateway refuses what
+  would fail to compile (a regex or a JSON-schema ``pattern`` that does not parse, a ``$ref`` that does
+  not resolve or that refers to itself without consuming input, an EBNF that does not parse), so it is
+  the client's 400 rather than an engine failure.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+try:  # re's parser (stable since 3.11 as re._parser; sre_parse before)
+    from re import _constants as _sre  # type: ignore[attr-defined]
+    from re import _parser as _sre_parse  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover - Python < 3.11
+    import sre_constants as _sre  # type: ignore[no-redef]
+    import sre_parse as _sre_parse  # type: ignore[no-redef]
+
+STOP_REGEX_MAX_MATCH = 256  # longest text a stop_regex may match (the engine searches a tail this long)
+STOP_REGEX_MAX_WORK = 4096  # product of the quantifier bounds along the pattern (a backtracking budget)
+_REPEATS = (_sre.MAX_REPEAT, _sre.MIN_REPEAT, getattr(_sre, "POSSESSIVE_REPEAT", _sre.MAX_REPEAT))
+_REFUSED_OPS = {_sre.GROUPREF: "a backreference", _sre.GROUPREF_EXISTS: "a conditional group"}
+
+
+class GrammarProblem(ValueError):
+    """Why a grammar input cannot go to the engine (the message names what to change)."""
+
+
+def check_stop_regex(pattern: str) -> None:
+    """Raise GrammarProblem unless ``pattern`` is safe for Python's backtracking engine (see the module doc)."""
+    try:
+        parsed = _sre_parse.parse(pattern)
+    except (re.error, RecursionError, OverflowError) as error:
+        raise GrammarProblem(f"invalid regular expression: {error}") from None
+    longest, work = _bounded_cost(parsed, inside_repeat=False)
+    if longest > STOP_REGEX_MAX_MATCH:
+        raise GrammarProblem(
+            f"matches up to {longest} characters; a stop_regex must match at most {STOP_REGEX_MAX_MATCH} "
+            "(it is searched at every decode step by a backtracking engine)"
+        )
+    if work > STOP_REGEX_MAX_WORK:
+        raise GrammarProblem(f"its quantifiers allow {work} ways to match; at most {STOP_REGEX_MAX_WORK} (use smaller bounds)")
+
+
+def _bounded_cost(pattern: Any, *, inside_repeat: bool) -> tuple[int, int]:
+    """(longest match, product of quantifier choices) of a parsed pattern; GrammarProblem for what is refused."""
+    longest, work = 0, 1
+    for op, value in pattern:
+        if op in _REFUSED_OPS:
+            raise GrammarProblem(f"{_REFUSED_OPS[op]} is not allowed in a stop_regex (it makes matching backtrack)")
+        if op in _REPEATS:
+            low, high, body = value
+            if high == _sre.MAXREPEAT:
+                raise GrammarProblem(
+                    "unbounded quantifiers (*, +, {n,}) are not allowed in a stop_regex: use a bounded one such as {1,20}"
+                )
+            if inside_repeat and high > 1:
+                raise GrammarProblem("a quantifier inside another quantifier is not allowed in a stop_regex (exponential backtracking)")
+            body_longest, body_work = _bounded_cost(body, inside_repeat=True)
+            longest += high * body_longest
+            work *= (high - low + 1) * body_work
+        elif op == _sre.SUBPATTERN:
+            inner_longest, inner_work = _bounded_cost(value[-1], inside_repeat=inside_repeat)
+            longest += inner_longest
+            work *= inner_work
+        elif op == _sre.BRANCH:
+            costs = [_bounded_cost(branch, inside_repeat=inside_repeat) for branch in value[1]]
+            longest += max(cost[0] for cost in costs)
+            work *= sum(cost[1] for cost in costs)
+        elif op in (_sre.ASSERT, _sre.ASSERT_NOT):
+            inner_longest, inner_work = _bounded_cost(value[1], inside_repeat=True)
+            work *= inner_work
+        elif op == _sre.AT:
+            continue
+        else:  # one character: LITERAL, NOT_LITERAL, IN, ANY, CATEGORY
+            longest += 1
+        work = min(work, STOP_REGEX_MAX_WORK + 1)  # enough to refuse; no huge integers
+    return longest, work
+
+
+def check_regex(pattern: str) -> None:
+    """A constrained-decoding regex (compiled by the grammar backend): it must at least parse."""
+    try:
+        re.compile(pattern)
+    except (re.error, RecursionError, OverflowError) as error:
+        raise GrammarProblem(f"invalid regular expression: {error}") from None
+
+
+def check_json_schema(schema: Any, *, max_depth: int, max_enum: int) -> None:
+    """A JSON schema the grammar backend can compile: an object (or boolean), nested at most ``max_depth``
+    deep, enums of at most ``max_enum`` values, ``pattern`` regexes that parse, local ``$ref``s that
+    resolve and never refer back to themselves without going through a property or an item."""
+    if isinstance(schema, bool):
+        return
+    if not isinstance(schema, dict):
+        raise GrammarProblem("a JSON schema must be an object")
+    for node, depth in _schema_nodes(schema):
+        if depth > max_depth:
+            raise GrammarProblem(f"nested deeper than {max_depth} levels")
+        enum = node.get("enum")
+        if isinstance(enum, list) and len(enum) > max_enum:
+            raise GrammarProblem(f"an enum of {len(enum)} values; at most {max_enum}")
+        pattern = node.get("pattern")
+        if isinstance(pattern, str):
+            try:
+                check_regex(pattern)
+            except GrammarProblem as problem:
+                raise GrammarProblem(f"pattern {pattern[:40]!r}: {problem}") from None
+        ref = node.get("$ref")
+        if ref is not None:
+            _check_ref(schema, node, ref)
+
+
+# Keywords whose subschemas describe a *part* of the value (a property, an item): a $ref cycle through
+# one of them consumes input at each turn (a tree), one without them never does (the schema is its own
+# definition, which a grammar cannot compile into anything that ends).
+_CONSUMING = ("properties", "patternProperties", "additionalProperties", "items", "prefixItems", "contains", "additionalItems")
+_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames", "additionalItems")
+
+
+def _children(node: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+    """(keyword, subschema) of every subschema directly inside ``node``."""
+    for key in _SCHEMA_LISTS:
+        if isinstance(node.get(key), list):
+            yield from ((key, child) for child in node[key])
+    for key in _SCHEMA_MAPS:
+        if isinstance(node.get(key), dict):
+            yield from ((key, child) for child in node[key].values())
+    for key in _SCHEMA_ONE:
+        if key in node:
+            yield key, node[key]
+
+
+def _schema_nodes(schema: dict[str, Any]) -> Iterator[tuple[dict[str, Any], int]]:
+    stack = [(schema, 1)]
+    while stack:
+        node, depth = stack.pop()
+        yield node, depth
+        stack.extend((child, depth + 1) for _, child in _children(node) if isinstance(child, dict))
+
+
+def _resolve(root: dict[str, Any], ref: Any) -> dict[str, Any] | bool:
+    if not isinstance(ref, str) or not ref.startswith("#"):
+        raise GrammarProblem(f"$ref {str(ref)[:60]!r}: only local references ('#/...') can be resolved")
+    node: Any = root
+    for part in ref[1:].lstrip("/").split("/") if ref not in ("#", "#/") else []:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            raise GrammarProblem(f"$ref {ref[:60]!r} does not resolve")
+    if not isinstance(node, (dict, bool)):
+        raise GrammarProblem(f"$ref {ref[:60]!r} does not point to a schema")
+    return node
+
+
+def _check_ref(root: dict[str, Any], start: dict[str, Any], ref: Any) -> None:
+    """Follow ``start``'s reference through combinators only; arriving back at ``start`` is a cycle that
+    consumes nothing."""
+    seen: set[int] = set()
+    pending: list[Any] = [ref]
+    while pending:
+        target = _resolve(root, pending.pop())
+        if isinstance(target, bool) or id(target) in seen:
+            continue
+        if target is start:
+            raise GrammarProblem(f"$ref {str(ref)[:60]!r} refers back to itself without a property or item in between")
+        seen.add(id(target))
+        if "$ref" in target:
+            pending.append(target["$ref"])
+        pending.extend(
+            child["$ref"]
+            for key, child in _children(target)
+            if key not in _CONSUMING and key not in ("$defs", "definitions") and isinstance(child, dict) and "$ref" in child
+        )
+
+
+def check_ebnf(grammar: str) -> None:
+    """An EBNF grammar that parses (with the grammar backend's own parser, where it is installed)."""
+    try:
+        import xgrammar
+    except ImportError:  # a gateway installed without SGLang's stack: the engine reports it
+        return
+    try:
+        xgrammar.Grammar.from_ebnf(grammar)
+    except (RuntimeError, ValueError) as error:
+        text = str(error)
+        raise GrammarProblem("invalid EBNF: " + (text.split("error at ", 1)[-1] if "error at " in text else text)[:300]) from None

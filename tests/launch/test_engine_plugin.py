@@ -1,0 +1,100 @@
+"""The SGLang plugin that keeps the engine's torch TCPStore off the network (``launch/engine_plugin``), without an
+engine: torch's store factory with and without it, and SGLang finding it on the engine's path."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import socket
+import subprocess
+import sys
+from datetime import timedelta
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from launch.engine_net import ENGINE_PLUGIN_DIR
+from launch.ports import pick_free_port
+from launch.proc_sockets import listening_sockets
+
+REPO = ENGINE_PLUGIN_DIR.parent.parent
+
+
+@pytest.fixture
+def plugin(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    monkeypatch.syspath_prepend(str(ENGINE_PLUGIN_DIR))
+    import sglang_gateway_engine_plugin
+
+    return sglang_gateway_engine_plugin
+
+
+def _store_binds(port: int) -> list[str]:
+    return [sock.address for sock in listening_sockets({os.getpid()}) if sock.port == port]
+
+
+def test_listen_address_is_the_hosts_own_and_a_wildcard_becomes_loopback(plugin: ModuleType) -> None:
+    assert plugin.listen_address("127.0.0.1", 5)[1] == ("127.0.0.1", 5)
+    assert plugin.listen_address("0.0.0.0", 5) == (socket.AF_INET, ("127.0.0.1", 5))
+    assert plugin.listen_address("::", 5)[1][:2] == ("::1", 5)
+    assert plugin.listen_address("::1", 5)[0] == socket.AF_INET6
+
+
+def test_torchs_store_binds_every_interface_and_the_plugins_only_its_host(plugin: ModuleType) -> None:
+    original = importlib.import_module("torch.distributed.rendezvous")._create_c10d_store
+    timeout = timedelta(seconds=10)
+    port = pick_free_port("127.0.0.1")
+    store = original("127.0.0.1", port, 0, 1, timeout)
+    assert _store_binds(port) in (["::"], ["0.0.0.0"])  # torch's own: the reason for the plugin
+    del store
+    for host in ("127.0.0.1", "0.0.0.0"):
+        port = pick_free_port("127.0.0.1")
+        store = plugin.serve_store_on_its_address(original, host, port, 0, 1, timeout)
+        assert _store_binds(port) == ["127.0.0.1"]
+        client = original(host, port, 1, 2, timeout)  # another rank reaches it at the same address
+        client.set("key", "value")
+        assert store.get("key") == b"value"
+        del client, store
+
+
+def test_other_ranks_and_a_taken_port_are_left_to_torch(plugin: ModuleType) -> None:
+    calls: list[tuple[Any, ...]] = []
+
+    def original(*args: Any) -> str:
+        calls.append(args)
+        return "torch's"
+
+    timeout = timedelta(seconds=1)
+    assert plugin.serve_store_on_its_address(original, "127.0.0.1", 1234, 1, 2, timeout) == "torch's"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert plugin.serve_store_on_its_address(original, "127.0.0.1", port, 0, 2, timeout, False) == "torch's"
+    assert calls == [("127.0.0.1", 1234, 1, 2, timeout, True), ("127.0.0.1", port, 0, 2, timeout, False)]
+
+
+PROBE = """
+import os, sys
+from sglang.srt.plugins import load_plugins
+load_plugins()
+import torch.distributed as dist
+from launch.proc_sockets import listening_sockets
+port = int(sys.argv[1])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+print(sorted({(s.address, s.port == port) for s in listening_sockets({os.getpid()})}))
+dist.destroy_process_group()
+"""
+
+
+def test_sglang_loads_the_plugin_from_the_engine_path_and_rendezvous_stays_on_loopback() -> None:
+    """What SGLang's scheduler does at start (load_plugins, then torch's tcp:// rendezvous and gloo)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ENGINE_PLUGIN_DIR), str(REPO)]), "GLOO_SOCKET_IFNAME": "lo"}
+    port = pick_free_port("127.0.0.1")
+    probe = subprocess.run(
+        [sys.executable, "-c", PROBE, str(port)], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert probe.returncode == 0, probe.stderr[-3000:]
+    found = probe.stdout.strip().splitlines()[-1]
+    print("listening:", found)
+    assert found == "[('127.0.0.1', False), ('127.0.0.1', True)]", (found, probe.stderr[-3000:])
