@@ -7,7 +7,7 @@ CONFIG ?= configs/tiny-cpu.yaml
 TINY_MODEL := .cache/tiny-model
 PYTEST_ARGS ?=
 
-.PHONY: env tiny-model serve launch check test lint bench clean
+.PHONY: env tiny-model serve launch check test test-random lint bench clean
 
 env:
 	@scripts/bootstrap.sh
@@ -24,8 +24,14 @@ launch: tiny-model
 check: tiny-model
 	$(VENV)/bin/sglang-gateway check $(CONFIG)
 
+# The 25 slowest tests are listed at the end of every run.
 test: tiny-model
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest --durations=25 $(PYTEST_ARGS)
+
+# The same tests in a random order (pytest-randomly): no test may depend on another having run first.
+# The seed is printed at the top; PYTEST_ARGS='--randomly-seed=N' replays an order.
+test-random: tiny-model
+	$(PY) -m pytest --durations=25 -p randomly $(PYTEST_ARGS)
 
 # The gateway's own overhead against a fake instant upstream, direct vs through the gateway, same run.
 bench: env

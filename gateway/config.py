@@ -16,7 +16,13 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
 from gateway.fields import EXTENSIONS
-from launch.config import ConfigError, DeploymentConfig, format_validation_error
+from launch.config import (
+    GATEWAY_KEY_FILE_SETTINGS,
+    GATEWAY_PER_MODEL_SETTINGS,
+    ConfigError,
+    DeploymentConfig,
+    format_validation_error,
+)
 
 OpenPath = Literal["/health", "/ready", "/metrics"]
 SwapPolicy = Literal["auto", "blue-green", "stop-first", "rolling"]
@@ -214,7 +220,7 @@ def gateway_settings(deployment: DeploymentConfig, **overrides: object) -> Gatew
     source = str(deployment.source or "config")
     data = dict(deployment.gateway)
     data.update({key: value for key, value in overrides.items() if value is not None})
-    for key in ("api_keys_file", "admin_keys_file", "state_dir"):
+    for key in (*GATEWAY_KEY_FILE_SETTINGS, "state_dir"):
         if isinstance(data.get(key), str) and deployment.source and not Path(data[key]).is_absolute():
             data[key] = str(Path(deployment.source).parent / data[key])
     if data.get("state_dir") is None and deployment.source is not None:
@@ -230,7 +236,7 @@ def gateway_settings(deployment: DeploymentConfig, **overrides: object) -> Gatew
             f"{source}: models.{followers[0]}.engine.node_rank: a machine with node_rank > 0 serves no HTTP; "
             "start it with `sglang-gateway launch` and serve the engine from the machine with node_rank 0"
         )
-    for key in ("model_limits", "swap_policy", "model_balancing", "extension_fields"):
+    for key in GATEWAY_PER_MODEL_SETTINGS:
         unknown = sorted(set(getattr(settings, key)) - set(deployment.models))
         if unknown:
             raise ConfigError(f"{source}: gateway.{key}.{unknown[0]}: no model with this name")

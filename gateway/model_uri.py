@@ -26,10 +26,9 @@ from gateway.app import create_app
 from gateway.config import GatewaySettings, gateway_settings
 from gateway.invocations import invocations_router
 from gateway.registry import build_registry, with_url_replicas
-from launch.config import ConfigError, format_validation_error, parse_config, read_yaml
+from launch.config import GATEWAY_KEY_FILE_SETTINGS, ConfigError, format_validation_error, parse_config, read_yaml
 
 GATEWAY_SECTION = "gateway"
-_KEY_FILES = ("api_keys_file", "admin_keys_file")
 
 
 def read_gateway_section(path: Path) -> dict[str, Any]:
@@ -54,7 +53,7 @@ def read_gateway_section(path: Path) -> dict[str, Any]:
 def _absolute_key_files(section: Mapping[str, Any], base: Path) -> dict[str, Any]:
     """Key files named relative to ``base`` (the YAML file's directory; the working directory for a logged config)."""
     out = dict(section)
-    for key in _KEY_FILES:
+    for key in GATEWAY_KEY_FILE_SETTINGS:
         value = out.get(key)
         if isinstance(value, str) and not Path(value).is_absolute():
             out[key] = str((base / value).resolve())

@@ -12,14 +12,13 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from gateway.config import GatewaySettings, SwapPolicy
-from launch.config import DeploymentConfig, ModelEntry
+from launch.config import GATEWAY_KEY_SETTINGS, GATEWAY_PER_MODEL_SETTINGS, DeploymentConfig, ModelEntry
 
 # Gateway keys a running gateway applies on reload; any other changed key needs a restart.
 LIVE_SETTINGS = frozenset(
     {
-        "api_keys", "api_keys_env", "api_keys_file", "admin_keys", "admin_keys_env", "admin_keys_file",
-        "open_paths", "limits", "model_limits", "drain_timeout_s", "swap_default", "swap_policy",
-        "swap_retry_after_s", "watchdog", "health_timeout_s", "balancing", "model_balancing",
+        *GATEWAY_KEY_SETTINGS, *GATEWAY_PER_MODEL_SETTINGS,
+        "open_paths", "limits", "drain_timeout_s", "swap_default", "swap_retry_after_s", "watchdog", "health_timeout_s", "balancing",
     }
 )  # fmt: skip
 

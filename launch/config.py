@@ -35,6 +35,17 @@ CPU_DEFAULT_MAX_TOTAL_TOKENS = 8192
 _HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:]+\]|[^\s:/\[\]]+):\d{1,5}$")  # host:port, [IPv6]:port
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 
+# The names of the ``gateway:`` settings that code outside the gateway package reads too (the section
+# stays opaque here: ``gateway.config.GatewaySettings`` defines and checks them). Written only here.
+GATEWAY_KEY_LISTS = ("api_keys", "admin_keys")
+"""The gateway's two lists of bearer keys; each can also come from an ``_env`` variable and a ``_file``."""
+GATEWAY_KEY_FILE_SETTINGS = tuple(f"{keys}_file" for keys in GATEWAY_KEY_LISTS)
+"""The key-file settings: paths relative to the deployment file."""
+GATEWAY_KEY_SETTINGS = tuple(f"{keys}{source}" for keys in GATEWAY_KEY_LISTS for source in ("", "_env", "_file"))
+"""Every setting that gives the gateway keys: the lists, their variables and their files."""
+GATEWAY_PER_MODEL_SETTINGS = ("model_limits", "swap_policy", "model_balancing", "extension_fields")
+"""The settings that map model names to per-model overrides (each name must be a model of the file)."""
+
 
 class ConfigError(ValueError):
     """A config file that cannot be used; the message is one line: ``file: key: reason``."""

@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from launch.config import ConfigError
+from launch.config import GATEWAY_KEY_SETTINGS, GATEWAY_PER_MODEL_SETTINGS, ConfigError
 from model_code.log import CHAT_TASK, PACKAGE_DIR, REPO_DIR
 from model_code.target import SETTINGS_KEY, WEIGHTS_ARTIFACT, Target
 
@@ -40,10 +40,6 @@ COMMAND = f"python -u -m gateway.cli serve {DEPLOYMENT_FILE}"
 """Run from the artifacts folder; ``-u`` so the log reaches the endpoint's log as it is written."""
 REGISTER_HINT = "mlflow.register_model(info.model_uri, name, env_pack='databricks_model_serving')"
 
-# The platform authenticates callers itself and (as far as is known) sends no key of theirs to the
-# model's server: a gateway that asked for one would refuse every request.
-_KEY_SETTINGS = ("api_keys", "api_keys_env", "api_keys_file", "admin_keys", "admin_keys_env", "admin_keys_file")
-_PER_MODEL_SETTINGS = ("model_limits", "swap_policy")
 
 
 def check_options(
@@ -77,13 +73,15 @@ def serving_deployment(model_config: Mapping[str, Any], target: Target, weights_
             f"model {target.name!r} is reached at a url: the entrypoint flavour serves an engine on the endpoint's GPU"
         )
     gateway = dict(model_config.get("gateway") or {})
-    keys = [key for key in _KEY_SETTINGS if gateway.get(key)]
+    # The platform authenticates callers itself and (as far as is known) sends no key of theirs to the
+    # model's server: a gateway that asked for one would refuse every request.
+    keys = [key for key in GATEWAY_KEY_SETTINGS if gateway.get(key)]
     if keys:
         raise ConfigError(
             f"gateway.{keys[0]}: the serving platform authenticates callers itself and sends the model's server "
             "no key; remove the gateway keys from a deployment logged as an entrypoint"
         )
-    for key in _PER_MODEL_SETTINGS:
+    for key in GATEWAY_PER_MODEL_SETTINGS:  # the served model's entries only: the others name no model here
         if key in gateway:
             gateway[key] = {name: value for name, value in gateway[key].items() if name == target.name}
     gateway.update(host="0.0.0.0", port=f"${{{PORT_ENV}:-{DEFAULT_PORT}}}")

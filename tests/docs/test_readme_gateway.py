@@ -43,9 +43,43 @@ def test_readme_curl_example(open_gateway: GatewayServer) -> None:
     assert body["choices"][0]["message"]["role"] == "assistant"
 
 
+# Run before the README's code (which is left as it is): records what each chat completion the example makes
+# answered, so the test can tell what it should have printed. Written to stderr's last line as JSON.
+RECORDER = """
+import atexit, json, sys
+from openai.resources.chat.completions import Completions
+
+_create, _answers = Completions.create, []
+
+def _recorded(self, *args, **kwargs):
+    answer = _create(self, *args, **kwargs)
+    if not kwargs.get("stream"):
+        _answers.append({"content": answer.choices[0].message.content, "model": answer.model,
+                         "completion_tokens": answer.usage.completion_tokens})
+        return answer
+    chunks = list(answer)  # read whole here, then handed to the example as they came
+    _answers.append({"chunks": [chunk.model_dump() for chunk in chunks]})
+    return iter(chunks)
+
+Completions.create = _recorded
+atexit.register(lambda: print(json.dumps(_answers), file=sys.stderr))
+"""
+
+
 def test_readme_python_sdk_example(open_gateway: GatewayServer) -> None:
+    """The example prints the plain answer's text, then the stream's text; the stream ends with the usage it asks for."""
     (block,) = [b for b in marked_blocks("gateway") if b.lang == "python"]
-    code = block.code.replace(README_BASE, open_gateway.url)
+    code = RECORDER + block.code.replace(README_BASE, open_gateway.url)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, check=False)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.strip(), "the example printed nothing"
+    plain, streamed = json.loads(result.stderr.strip().splitlines()[-1])
+    assert plain["model"] == "tiny" and 0 < plain["completion_tokens"] <= 16, plain
+    chunks = streamed["chunks"]
+    text = "".join(c["choices"][0]["delta"]["content"] or "" for c in chunks if c["choices"])
+    assert result.stdout == f"{plain['content']}\n{text}", (result.stdout, plain, text)  # as print() writes them
+    assert result.stdout.strip(), "the example printed nothing"  # (either answer may be one end-of-text token)
+    assert {c["model"] for c in chunks} == {"tiny"}
+    finished = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert finished in (["stop"], ["length"]), finished
+    usage = chunks[-1]["usage"]  # stream_options.include_usage: the last chunk has the usage and no choices
+    assert not chunks[-1]["choices"] and usage and 0 < usage["completion_tokens"] <= 16, chunks[-1]

@@ -11,6 +11,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,18 @@ def claude(gateway: GatewayServer) -> anthropic.Anthropic:
 
 
 # ------------------------------------------------------------------ OpenAI Responses API
+RESPONSES_OK = ("gateway_requests_total", {"model": "tiny", "route": "/v1/responses", "status": "200"})
+COMPLETION_TOKENS = ("gateway_tokens_total", {"model": "tiny", "kind": "completion"})
+
+
+def counters(gateway: GatewayServer) -> tuple[float, float]:
+    """(answered /v1/responses requests of ``tiny``, completion tokens of ``tiny``) in the gateway's /metrics."""
+    text = httpx.get(gateway.url + "/metrics", headers=auth(), timeout=10).text
+    return prometheus_value(text, *RESPONSES_OK) or 0.0, prometheus_value(text, *COMPLETION_TOKENS) or 0.0
+
+
 def test_responses_create_plain_and_streamed(client: openai.OpenAI, gateway: GatewayServer) -> None:
+    answered, tokens = counters(gateway)  # the session's gateway: other tests count on it too
     reply = client.responses.create(model="default", input="Hello!", max_output_tokens=8, temperature=0)
     assert reply.id.startswith("resp_") and reply.model == "tiny" and reply.status in ("completed", "incomplete")
     assert reply.usage is not None and reply.usage.input_tokens > 0 and 0 < reply.usage.output_tokens <= 8
@@ -49,9 +61,12 @@ def test_responses_create_plain_and_streamed(client: openai.OpenAI, gateway: Gat
     text = "".join(event.delta for event in events if event.type == "response.output_text.delta")
     assert text == final.output_text
 
-    metrics = httpx.get(gateway.url + "/metrics", headers=auth()).text
-    assert prometheus_value(metrics, "gateway_requests_total", {"route": "/v1/responses", "status": "200"}) >= 2
-    assert (prometheus_value(metrics, "gateway_tokens_total", {"model": "tiny", "kind": "completion"}) or 0) >= final.usage.output_tokens
+    # Both answers counted once each, with the tokens each reported (recorded once the last byte went out).
+    expected = (answered + 2, tokens + reply.usage.output_tokens + final.usage.output_tokens)
+    deadline = time.monotonic() + 10
+    while (now := counters(gateway)) != expected and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert now == expected, f"(requests, completion tokens) moved from {(answered, tokens)} to {now}, not to {expected}"
 
 
 def test_stored_responses_by_id(client: openai.OpenAI) -> None:

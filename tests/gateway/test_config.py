@@ -2,14 +2,31 @@
 
 from __future__ import annotations
 
+from typing import get_origin
+
 import pytest
 
-from gateway.config import gateway_settings
-from launch.config import ConfigError, parse_config
+from gateway.config import GatewaySettings, gateway_settings
+from launch.config import (
+    GATEWAY_KEY_FILE_SETTINGS,
+    GATEWAY_KEY_SETTINGS,
+    GATEWAY_PER_MODEL_SETTINGS,
+    ConfigError,
+    parse_config,
+)
 
 
 def _deployment(gateway: dict) -> object:
     return parse_config({"models": {"a": {"url": "http://127.0.0.1:1"}}, "gateway": gateway}, "deploy.yaml")
+
+
+def test_the_setting_names_read_outside_the_gateway_package_are_its_own() -> None:
+    """``launch.config`` names the key and per-model settings for model_code and the gateway alike: the names
+    must be exactly the settings' fields (a new key source or per-model setting left out would go unnoticed)."""
+    fields = GatewaySettings.model_fields
+    assert set(GATEWAY_KEY_SETTINGS) == {name for name in fields if name.startswith(("api_keys", "admin_keys"))}
+    assert set(GATEWAY_KEY_FILE_SETTINGS) == {name for name in GATEWAY_KEY_SETTINGS if name.endswith("_file")}
+    assert set(GATEWAY_PER_MODEL_SETTINGS) == {name for name, field in fields.items() if get_origin(field.annotation) is dict}
 
 
 def test_defaults_and_cli_overrides() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -95,10 +96,10 @@ class Chain:
         return response, (received[-1][1] if received else None)
 
 
-@pytest.fixture(scope="module")
-def chain(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chain]:
-    worker = RecordingWorker(str(tiny_model_dir))
-    logs = tmp_path_factory.mktemp("router-fields")
+@contextmanager
+def running_chain(model_dir: Path, logs: Path) -> Iterator[Chain]:
+    """A recording worker, a router in front of it and a gateway in front of the router, all stopped after."""
+    worker = RecordingWorker(str(model_dir))
     try:
         with processes.router([worker.url], logs) as (router_url, _):
             with serve({"tiny": {"url": router_url}}, {"api_keys": [KEY]}) as gateway:
@@ -106,6 +107,13 @@ def chain(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     finally:
         if not worker.stopped:
             worker.stop()
+
+
+@pytest.fixture(scope="module")
+def chain(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chain]:
+    """The module's chain; no test may stop its worker (one that does builds its own: ``running_chain``)."""
+    with running_chain(tiny_model_dir, tmp_path_factory.mktemp("router-fields")) as built:
+        yield built
 
 
 def test_chat_fields_kept_renamed_and_dropped(chain: Chain) -> None:
@@ -206,8 +214,14 @@ def test_other_routes(chain: Chain) -> None:
         assert response.status_code == 404 and got is None, (path, response.text)  # not a route of the router
 
 
-def test_a_dead_worker_is_answered_without_its_address(chain: Chain) -> None:
-    """With its only worker gone, the router answers 500 naming the worker's URL; the client sees neither."""
+def test_a_dead_worker_is_answered_without_its_address(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """With its only worker gone, the router answers 500 naming the worker's URL; the client sees neither.
+    (A chain of its own: the module's worker must stay up for the other tests, whatever their order.)"""
+    with running_chain(tiny_model_dir, tmp_path) as chain:
+        _dead_worker_is_answered_without_its_address(chain)
+
+
+def _dead_worker_is_answered_without_its_address(chain: Chain) -> None:
     chain.worker.stop()
     for _ in range(2):
         response = httpx.post(

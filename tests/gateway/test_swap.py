@@ -1,15 +1,18 @@
 """Model swaps and engine crashes under real load, with the real SGLang CPU engine.
 
 One gateway (started from a YAML file, owning its engine) serves the whole module while a bounded
-loop of concurrent streaming and plain requests runs through the ``openai`` SDK. In order:
+loop of concurrent streaming and plain requests runs through the ``openai`` SDK. The tests run in any
+order, each alone too: before each one, ``settled`` waits for the model to be ready, on one of the two
+engine configs of ``ENGINES``, and rewrites and reloads the YAML to say so with the module's settings
+(a reload that changes no engine: no test start costs an engine start). The scenarios:
 
 (b) a broken YAML is reloaded: nothing changes;
 (c) the YAML points the model at a directory with a broken config.json: the new engine fails,
     the old one keeps serving, the reload reports the error with the engine's log tail;
-(a) the engine section changes (max_total_tokens 4096 -> 2048, served_model_name tiny -> tiny-v2):
+(a) the engine section changes (to the other config of ``ENGINES``: max_total_tokens and served_model_name):
     zero failed requests, new requests reach the new engine, the old process is gone after the drain;
     a second reload sent at the same time finds nothing left to do;
-    then two concurrent stop-first swaps share one swap: only 503 + Retry-After while the model is down;
+(-) two concurrent stop-first swaps share one swap: only 503 + Retry-After while the model is down;
 (d) the engine is SIGKILLed mid-stream: that stream ends with an error event naming the engine,
     ``/ready`` names the model, requests get 503 (never a hang, never a 500) while the other model
     (``other``: the session's engine, by URL) keeps serving, until the watchdog's restart;
@@ -24,7 +27,7 @@ loop of concurrent streaming and plain requests runs through the ``openai`` SDK.
 
 Both engines keep Responses API state, so the module also shows that stored responses are read,
 cancelled and continued on the engine that created them, and are gone (404) once that engine was
-replaced.
+replaced (by the stop-first swap).
 
 Every scenario checks the swap, reload and restart counters of ``/metrics`` by value, and the module
 leaves no engine process and no ``/dev/shm`` file behind. The numbers (failed requests, swap time,
@@ -138,6 +141,12 @@ def report(title: str, **numbers: Any) -> None:
 # ----------------------------------------------------------------------------- the gateway
 
 
+ENGINES: dict[str, dict[str, Any]] = {
+    "tiny": {"max_total_tokens": 4096},
+    "tiny-v2": {"max_total_tokens": 2048, "served": "tiny-v2"},
+}
+"""The model's two engine configs, by the name the engine serves: the module starts on ``tiny``; (a) swaps
+to the other one, whichever runs; every other test keeps the one it finds."""
 WATCHDOG = {"interval_s": 0.5, "unhealthy_after": 2, "backoff_initial_s": 0.5, "max_restarts": 3, "stable_after_s": 5}
 
 
@@ -185,7 +194,6 @@ class SwapRig:
     tmp: Path
     other_url: str  # the session's engine, served as model "other": what must keep working meanwhile
     leaks: LeakCheck = field(default_factory=LeakCheck)
-    stored_response: tuple[str, int] | None = None  # (id, engine pid): created on the first engine, checked once it is replaced
 
     def write(self, text: str) -> None:
         self.config.write_text(text)
@@ -193,6 +201,16 @@ class SwapRig:
     def deploy(self, model_dir: Path | str, **options: Any) -> None:
         """Write the deployment YAML (see ``_deployment``) for the next reload."""
         self.write(yaml.safe_dump(_deployment(model_dir, other_url=self.other_url, **options), sort_keys=False))
+
+    def running(self) -> str:
+        """The config of ``ENGINES`` the model's engine runs (its served name)."""
+        name = self.model()["served_model_name"]
+        assert name in ENGINES, name
+        return name
+
+    def deploy_running(self, **options: Any) -> None:
+        """Write the YAML of the running engine config (a reload of it changes no engine), with ``options``."""
+        self.deploy(self.model_dir, **ENGINES[self.running()], **options)
 
     def admin(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         return httpx.request(method, self.server.url + path, headers=auth(ADMIN), timeout=600, **kwargs)
@@ -251,10 +269,27 @@ def rig(
     report("gateway up", start_s=round(time.monotonic() - started, 1), engine=rig.model()["engine"])
     try:
         yield rig
+        rig.model()  # the engine running now is watched too
+        counters = rig.metrics()
     finally:
         server.stop()
-    assert len(leaks.groups) >= 2, "the module saw fewer engines than it swapped in"
+    engines = 1 + counters["swaps_ok"] + counters["restarts"]  # each swap or restart brought a new engine
+    assert len(leaks.groups) >= engines, f"the module watched {len(leaks.groups)} engines of the {engines} it ran"
     leaks.assert_nothing_left()  # every engine of the module stopped, no /dev/shm file left
+
+
+@pytest.fixture(autouse=True)
+def settled(rig: SwapRig) -> SwapRig:
+    """Whatever ran before: the model ready, the YAML of its running config with the module's settings, applied."""
+    deadline = time.monotonic() + 300
+    while (model := rig.model())["state"] != "ready":
+        assert time.monotonic() < deadline, f"the model is not ready after the previous test: {model}"
+        time.sleep(0.25)
+    rig.deploy_running()
+    response = rig.admin("POST", "/admin/reload")
+    assert response.status_code == 200, response.text
+    assert response.json()["models"]["tiny"]["action"] == "unchanged", response.text  # no engine started here
+    return rig
 
 
 # ----------------------------------------------------------------------------- scenarios
@@ -276,7 +311,6 @@ def test_0_stored_responses_reach_the_engine_that_created_them(rig: SwapRig) -> 
         assert cancelled.id == background.id
     except openai.BadRequestError as error:  # it may have finished already; the engine says so, in OpenAI's shape
         assert "cancel" in error.message.lower()
-    rig.stored_response = (mine.id, rig.model()["engine"]["pid"])
 
 
 def test_b_broken_yaml_changes_nothing(rig: SwapRig) -> None:
@@ -335,7 +369,9 @@ def test_a_engine_change_swaps_blue_green_without_failed_requests(rig: SwapRig) 
     before = rig.model()
     counters = rig.metrics()
     old_pid, old_port = before["engine"]["pid"], before["engine"]["port"]
-    rig.deploy(rig.model_dir, max_total_tokens=2048, served="tiny-v2")
+    old_name = before["served_model_name"]
+    new_name = next(name for name in ENGINES if name != old_name)
+    rig.deploy(rig.model_dir, **ENGINES[new_name])
     with Load(rig.server.url) as load:
         load.wait_for_requests(6, 0)
         t0 = time.monotonic()
@@ -356,24 +392,29 @@ def test_a_engine_change_swaps_blue_green_without_failed_requests(rig: SwapRig) 
     assert changes(counters, rig.metrics()) == {"reloads_ok": 2, "swaps_ok": 1}
     after = rig.model()
     assert (after["engine"]["pid"], after["engine"]["port"]) != (old_pid, old_port)
-    assert after["served_model_name"] == "tiny-v2" and after["retiring"] == [] and after["state"] == "ready"
+    assert after["served_model_name"] == new_name and after["retiring"] == [] and after["state"] == "ready"
 
     failed = [o for o in load.outcomes if o.kind != "ok"]
     assert not failed, failed[:3]
-    old_answers = [o for o in load.since(0, swapped_at) if o.model == "tiny"]
+    old_answers = [o for o in load.since(0, swapped_at) if o.model == old_name]
     new_answers = [o for o in load.since(swapped_at, ended)]
-    assert old_answers and new_answers and all(o.model == "tiny-v2" for o in new_answers), {o.model for o in new_answers}
+    assert old_answers and new_answers and all(o.model == new_name for o in new_answers), {o.model for o in new_answers}
     during = load.since(t0, swapped_at)
     report(
         "(a) blue-green swap under load",
         requests=len(load.outcomes), failed=len(failed), requests_during_swap=len(during),
-        served_by_old=sum(o.model == "tiny" for o in load.outcomes), served_by_new=sum(o.model == "tiny-v2" for o in load.outcomes),
+        served_by_old=sum(o.model == old_name for o in load.outcomes), served_by_new=sum(o.model == new_name for o in load.outcomes),
         reload_s=round(swapped_at - t0, 1), new_engine_start_s=round(item["start_s"], 1), drain_s=round(item["drain_s"], 2),
         old={"pid": old_pid, "port": old_port}, new={"pid": after["engine"]["pid"], "port": after["engine"]["port"]},
     )  # fmt: skip
 
 
 def test_stop_first_swap_answers_503_with_retry_after_meanwhile(rig: SwapRig) -> None:
+    """Two concurrent stop-first swaps share one; meanwhile only 503 + Retry-After. The responses stored on
+    the replaced engine are gone afterwards (404, saying so)."""
+    sdk = openai.OpenAI(base_url=rig.server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    stored = sdk.responses.create(model="tiny", input="Remember this.", max_output_tokens=4, temperature=0)
+    assert sdk.responses.retrieve(stored.id).id == stored.id
     before = rig.model()
     counters = rig.metrics()
     with Load(rig.server.url, workers=2) as load:
@@ -398,6 +439,9 @@ def test_stop_first_swap_answers_503_with_retry_after_meanwhile(rig: SwapRig) ->
     assert refused and all(o.retry_after == "2" for o in refused), refused[:3]
     # Answered at once, not held until the new engine was up (which took start_s).
     assert max(o.ended - o.started for o in refused) < results[0]["start_s"] / 2, refused
+    gone = httpx.get(f"{rig.server.url}/v1/responses/{stored.id}", headers=auth(KEY), timeout=30)
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "response_not_found", gone.text
+    assert "replaced" in gone.json()["error"]["message"], gone.text
     report(
         "stop-first swap (two concurrent calls)",
         requests=len(load.outcomes), outcomes=kinds, requests_during_swap=len(during),
@@ -519,14 +563,14 @@ def test_f_stop_first_swap_to_an_engine_that_fails(rig: SwapRig) -> None:
     assert after["served_model_name"] == before["served_model_name"]
     assert rig.chat().status_code == 200
     assert changes(counters, rig.metrics()) == {"reloads_partial": 1, "swaps_failed": 1, "restarts": 1, "stream_errors": 1}
-    rig.deploy(rig.model_dir, max_total_tokens=2048, served="tiny-v2")  # what is running again
+    rig.deploy(rig.model_dir, **ENGINES[before["served_model_name"]])  # what is running again
     assert rig.admin("POST", "/admin/reload").json()["models"]["tiny"]["action"] == "unchanged"
 
 
 def test_g_watchdog_gives_up_then_a_swap_revives(rig: SwapRig) -> None:
     """With ``max_restarts: 0`` the watchdog does not restart a dead engine: the model stays down
     (503 naming what to do) until an operator swaps it."""
-    rig.deploy(rig.model_dir, max_total_tokens=2048, served="tiny-v2", watchdog={**WATCHDOG, "max_restarts": 0})
+    rig.deploy_running(watchdog={**WATCHDOG, "max_restarts": 0})
     assert rig.admin("POST", "/admin/reload").json()["settings_changed"] == ["watchdog"]
     before = rig.model()
     counters = rig.metrics()
@@ -547,7 +591,7 @@ def test_g_watchdog_gives_up_then_a_swap_revives(rig: SwapRig) -> None:
         rig.wait_ready_after(pid, timeout_s=10)  # the listing says "failed" until the watchdog's next look
         assert changes(counters, rig.metrics()) == {"swaps_ok": 1}
     finally:
-        rig.deploy(rig.model_dir, max_total_tokens=2048, served="tiny-v2")
+        rig.deploy_running()
         rig.admin("POST", "/admin/reload")
 
 
@@ -587,11 +631,3 @@ def test_i_managed_engine_refuses_requests_without_its_key(rig: SwapRig) -> None
     through = httpx.post(rig.server.url + "/v1/chat/completions", json={"model": "tiny", "messages": PROMPT, "max_tokens": 2}, headers=auth(KEY), timeout=60)
     assert through.status_code == 200
     assert httpx.get(rig.server.url + "/get_model_info", headers=auth(KEY), timeout=30).status_code == 404
-
-
-def test_j_responses_of_a_replaced_engine_are_gone(rig: SwapRig) -> None:
-    if rig.stored_response is None or rig.model()["engine"]["pid"] == rig.stored_response[1]:
-        pytest.skip("needs test_0 and a swap or restart after it (the whole module)")
-    gone = httpx.get(f"{rig.server.url}/v1/responses/{rig.stored_response[0]}", headers=auth(KEY), timeout=30)
-    assert gone.status_code == 404 and gone.json()["error"]["code"] == "response_not_found"
-    assert "replaced" in gone.json()["error"]["message"]

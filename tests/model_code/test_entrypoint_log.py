@@ -106,20 +106,29 @@ def test_a_7b_gpu_config_logs_on_a_machine_without_gpu(mlflow_store: Path) -> No
     assert all(line in lines for line in DEFAULT_PROFILE.requirements()) and "fastapi>=0.110" in lines
 
 
-def test_one_model_of_several_is_served_with_its_own_limits(mlflow_store: Path, tiny_model_dir: Path) -> None:
+def test_one_model_of_several_is_served_with_its_own_per_model_settings(mlflow_store: Path, tiny_model_dir: Path) -> None:
+    """Every per-model setting keeps the served model's entry only: one naming a model left out of the
+    logged deployment would make the entrypoint's gateway refuse its own config."""
     config = {
         "models": {
             "chat": {"engine": {"model_path": str(tiny_model_dir), "device": "cpu"}},
             "other": {"url": "http://127.0.0.1:9"},
         },
-        "gateway": {"model_limits": {"chat": {"max_concurrent": 4}, "other": {"max_concurrent": 1}}, "port": 9000},
+        "gateway": {
+            "model_limits": {"chat": {"max_concurrent": 4}, "other": {"max_concurrent": 1}},
+            "swap_policy": {"chat": "stop-first", "other": "blue-green"},
+            "model_balancing": {"chat": {"min_ready": 2}, "other": {"policy": "prefix_affinity"}},
+            "port": 9000,
+        },
     }
     _, files = _logged(config, model="chat")
     path = files / "artifacts" / DEPLOYMENT_FILE
     deployment = load_config(path)
     assert list(deployment.models) == ["chat"]
-    settings = gateway_settings(deployment)
+    settings = gateway_settings(deployment)  # as the entrypoint's `serve` reads it
     assert settings.limits_for("chat").max_concurrent == 4 and set(settings.model_limits) == {"chat"}
+    assert settings.swap_policy == {"chat": "stop-first"}
+    assert settings.balancing_for("chat").min_ready == 2 and set(settings.model_balancing) == {"chat"}
 
 
 def _engine_config(tiny_model_dir: Path, **gateway: Any) -> dict[str, Any]:

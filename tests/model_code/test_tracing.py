@@ -67,7 +67,9 @@ def test_a_stream_is_traced_after_its_last_chunk_and_not_before_its_first(experi
     monkeypatch.setattr(mlflow, "start_span_no_context", lambda *a, **k: started.append("span") or real(*a, **k))
 
     def chunks():
+        time.sleep(0.05)  # the first chunk takes 50 ms, the second 200 ms more
         yield {"text": "a"}
+        time.sleep(0.2)
         yield {"text": "b", "usage": USAGE}
 
     stream = traced_stream(
@@ -78,7 +80,8 @@ def test_a_stream_is_traced_after_its_last_chunk_and_not_before_its_first(experi
     trace = _last_trace()
     [span] = trace.data.spans
     assert span.outputs == 2 and trace.info.token_usage["total_tokens"] == 5
-    assert span.attributes[tracing.FIRST_CHUNK_ATTRIBUTE] >= 0
+    first_ms, span_ms = span.attributes[tracing.FIRST_CHUNK_ATTRIBUTE], (span.end_time_ns - span.start_time_ns) / 1e6
+    assert 50 <= first_ms <= span_ms - 200, (first_ms, span_ms)  # the first chunk's time, not the last one's
 
 
 def test_a_stream_closed_early_keeps_what_the_caller_got(experiment):
