@@ -29,8 +29,9 @@ _INPUT_LISTS: dict[str, tuple[str, ...]] = {
 }
 
 
-def _refuse(field: str, message: str) -> GatewayError:
-    return GatewayError(400, f"{field}: {message}", code="request_too_large" if "at most" in message else "invalid_grammar", param=field)
+def _refuse(field: str, message: str, code: str = "request_too_large") -> GatewayError:
+    """400 naming ``field``: a bound it exceeds (``request_too_large``) or a grammar the engine must not get (``invalid_grammar``)."""
+    return GatewayError(400, f"{field}: {message}", code=code, param=field)
 
 
 def _count(field: str, value: Any, bound: int, what: str) -> None:
@@ -45,8 +46,10 @@ def _prompt_count(prompt: Any) -> int:
     return 1
 
 
-def check_bounds(path: str, body: dict[str, Any], bounds: RequestBounds) -> None:
-    """Raise GatewayError(400) when ``body`` (valid for route ``path``, the engine's path) exceeds a bound."""
+def check_bounds(path: str, body: dict[str, Any], bounds: RequestBounds) -> int:
+    """Raise GatewayError(400) when ``body`` (valid for route ``path``, the engine's path) exceeds a bound.
+
+    Returns :func:`grammar_bytes` of ``body``, measured on the way (it decides the grammar slot)."""
     if path == "/v1/completions":
         prompts = _prompt_count(body.get("prompt"))
         if prompts > bounds.max_prompts:
@@ -70,7 +73,7 @@ def check_bounds(path: str, body: dict[str, Any], bounds: RequestBounds) -> None
         _count(field, body.get(field), bounds.max_stop, "entries")
     for field in ("stop_token_ids", "logit_bias"):
         _count(field, body.get(field), bounds.max_token_list, "entries")
-    _check_grammars(body, bounds)
+    return _check_grammars(body, bounds)
 
 
 def grammar_inputs(body: dict[str, Any]) -> Iterator[tuple[str, str, Any]]:
@@ -118,9 +121,13 @@ def _size(value: Any) -> int:
     return len(value.encode()) if isinstance(value, str) else len(orjson.dumps(value))
 
 
-def _check_grammars(body: dict[str, Any], bounds: RequestBounds) -> None:
+def _check_grammars(body: dict[str, Any], bounds: RequestBounds) -> int:
+    """Check every grammar of ``body``; returns the bytes of those the engine compiles (as :func:`grammar_bytes`)."""
+    compiled = 0
     for field, kind, value in grammar_inputs(body):
         size = _size(value)
+        if kind != "stop_regex":
+            compiled += size
         if size > bounds.max_grammar_bytes:
             raise _refuse(field, f"a {kind} of {size} bytes; at most {bounds.max_grammar_bytes} (gateway.request_bounds.max_grammar_bytes)")
         try:
@@ -139,4 +146,5 @@ def _check_grammars(body: dict[str, Any], bounds: RequestBounds) -> None:
                         raise GrammarProblem(f"not valid JSON: {error}") from None
                 check_json_schema(schema, max_depth=bounds.max_schema_depth, max_enum=bounds.max_enum_values)
         except GrammarProblem as problem:
-            raise _refuse(field, str(problem)) from None
+            raise _refuse(field, str(problem), code="invalid_grammar") from None
+    return compiled

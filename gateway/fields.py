@@ -17,6 +17,7 @@ version adds is refused until it is classified here.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 
@@ -108,8 +109,9 @@ DROPPED: dict[str, frozenset[str]] = {
 }
 
 
+@functools.cache
 def extensions_for(path: str) -> frozenset[str]:
-    """The extension fields the engine route behind ``path`` reads."""
+    """The extension fields the engine route behind ``path`` reads (computed once per path: it runs per request)."""
     return frozenset(name for name, extension in EXTENSIONS.items() if path in extension.routes)
 
 

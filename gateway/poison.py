@@ -119,9 +119,10 @@ class Quarantine:
     def __init__(self, max_entries: int = 4096) -> None:
         self.max_entries = max_entries
         self._records: dict[tuple[str, str], Suspect] = {}
+        self._blocked = 0  # records refused: asked on every request, so counted, not scanned
 
     def __bool__(self) -> bool:
-        return any(record.blocked for record in self._records.values())
+        return self._blocked > 0
 
     def engine_failed(self, model: str, suspects: list[str], cause: str) -> list[str]:
         """Note the request shapes in flight when ``model``'s engine crashed or froze; returns the newly refused ones."""
@@ -135,10 +136,11 @@ class Quarantine:
             record.last_cause = cause
             if not record.blocked and (len(unique) == 1 or record.strikes >= 2):
                 record.blocked = True
+                self._blocked += 1
                 newly.append(shape)
         while len(self._records) > self.max_entries:  # forget the oldest suspects that are not refused first
             oldest = next((key for key, record in self._records.items() if not record.blocked), next(iter(self._records)))
-            del self._records[oldest]
+            self._blocked -= self._records.pop(oldest).blocked
         return newly
 
     def check(self, model: str, shape: str) -> None:
@@ -159,6 +161,7 @@ class Quarantine:
         refused = sum(self._records[key].blocked for key in keys)
         for key in keys:
             del self._records[key]
+        self._blocked -= refused
         return refused
 
     def report(self) -> list[dict[str, Any]]:

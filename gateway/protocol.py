@@ -269,8 +269,6 @@ class DetokenizeRequest(Loose):
     skip_special_tokens: _Bool | None = None
 
 
-
-
 class ScoreRequest(Loose):
     """SGLang's scoring. Empty token lists crash its scheduler (a tensor of 0 elements): refused."""
 

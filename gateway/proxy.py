@@ -177,6 +177,7 @@ class Proxy:
         balancing: BalancingSettings | None = None,
         pinned: Backend | None = None,
         owner: str = OPEN_OWNER,
+        grammar_size: int | None = None,
     ) -> Response:
         """Admit the request (limits, backend state), send it, and answer plain JSON or an SSE stream.
 
@@ -188,6 +189,7 @@ class Proxy:
         once, and :class:`SSEProxyResponse` watches the client from then on. ``pinned``: the backend
         that must answer (it holds the state the request continues). ``owner``: the client key's identity
         (:func:`gateway.auth.request_owner`), recorded as the owner of a Responses API response it creates.
+        ``grammar_size``: :func:`gateway.bounds.grammar_bytes` of ``body`` when the caller measured it already.
         """
         path = endpoint.upstream_path
         problem = token_id_problem(endpoint.token_ids, body, route.backend.vocab_size)
@@ -198,8 +200,10 @@ class Proxy:
         lease = _Lease(limiter)
         handed_over = False
         try:
-            if limiter.settings.max_concurrent_grammars and grammar_bytes(body) >= limiter.settings.heavy_grammar_bytes:
-                lease.grammar = await limiter.acquire_grammar(route.name)
+            if limiter.settings.max_concurrent_grammars:
+                size = grammar_bytes(body) if grammar_size is None else grammar_size
+                if size >= limiter.settings.heavy_grammar_bytes:
+                    lease.grammar = await limiter.acquire_grammar(route.name)
             if route.drained:
                 raise GatewayError(
                     503, f"model {route.name!r} is drained by an operator; retry later", code="model_drained",

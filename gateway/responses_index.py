@@ -11,8 +11,8 @@ The index lives in ``<gateway.state_dir>/responses.sqlite3`` (WAL), so that a re
 (and refuses) the responses of the external engines it serves; it is bounded, oldest forgotten first. The
 event loop never waits on a disk write: :meth:`ResponseIndex.record` puts the entry in a small in-memory map
 (which answers at once) and hands it to one writer thread. A lookup that misses the map is one primary-key
-read of the local file (WAL readers never wait on the writer): microseconds, and only on the rare stored-
-response calls, never on plain generation requests. Without a state directory the index is memory only.
+read of the local file (WAL readers never wait on the writer): microseconds. It happens on the stored-
+response calls and once per response created (the first record of an id wins), never on other requests. Without a state directory the index is memory only.
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ async def _proxied(request: Request, endpoint: ProxiedRoute) -> Response:
     info: RequestInfo = request_info(request.scope) or RequestInfo("-", request.method, endpoint.path)
     path = endpoint.upstream_path
     body = parse_body(await request.body(), endpoint.schema, path)
-    check_bounds(path, body, state.settings.request_bounds)
+    grammar_size = check_bounds(path, body, state.settings.request_bounds)
     route = _model_route(state, body, endpoint)
     info.model = route.name
     check_extensions(body, path, state.settings.extensions_for(route.name), route.name)
@@ -58,7 +58,9 @@ async def _proxied(request: Request, endpoint: ProxiedRoute) -> Response:
     pinned = _continued_response(state, body, route, owner) if endpoint.response_ids else None
     assert state.proxy is not None, "the app's lifespan did not run"
     balancing = state.settings.balancing_for(route.name)
-    return await state.proxy.forward(route, endpoint, body, info, request.receive, balancing=balancing, pinned=pinned, owner=owner)
+    return await state.proxy.forward(
+        route, endpoint, body, info, request.receive, balancing=balancing, pinned=pinned, owner=owner, grammar_size=grammar_size
+    )
 
 
 def _model_route(state: GatewayState, body: dict[str, Any], endpoint: ProxiedRoute) -> ModelRoute:

@@ -126,8 +126,25 @@ def test_quarantine_refuses_the_sole_suspect_at_once_and_others_after_two_crashe
     with pytest.raises(GatewayError):
         quarantine.check("m", other)
     assert {entry["shape"] for entry in quarantine.report()} == {poison, other}
+    assert quarantine  # something is refused: the proxy checks each request's shape
     assert quarantine.clear("other-model") == 0 and quarantine.clear("m") == 2
     quarantine.check("m", poison)  # cleared by the operator (or a swap)
+    assert not quarantine  # nothing refused: the proxy skips the check
+
+
+def test_quarantine_forgets_beyond_its_bound_and_knows_when_nothing_is_refused() -> None:
+    quarantine = Quarantine(max_entries=2)
+    shapes = [request_shape("/v1/completions", {"prompt": "p", field: 1}) for field in ("max_tokens", "n", "seed", "top_k", "top_p")]
+    assert len(set(shapes)) == 5
+    assert quarantine.engine_failed("m", shapes[:1], "crashed") == shapes[:1]
+    assert quarantine
+    quarantine.engine_failed("m", shapes[1:3], "crashed")  # two suspects, not refused: the bound evicts one of them
+    assert len(quarantine.report()) == 1 and quarantine
+    quarantine.engine_failed("m", shapes[3:4], "crashed")  # refused; the suspect that was not is forgotten
+    assert [entry["shape"] for entry in quarantine.report()] == [shapes[0], shapes[3]]
+    quarantine.engine_failed("m", shapes[4:], "crashed")  # only refused records left to evict: the oldest goes
+    assert [entry["shape"] for entry in quarantine.report()] == shapes[3:]
+    assert quarantine.clear() == 2 and not quarantine
 
 
 def test_a_request_shape_survives_edits_of_its_text_and_ids_but_not_other_fields() -> None:
