@@ -291,6 +291,43 @@ def compare_command(
     report.save(result, out_dir, plot)
 
 
+@app.command("paced")
+def paced_command(
+    streams: Annotated[str, typer.Option("--streams", "-s", help="Comma-separated counts of concurrent streams.")] = "256,1024,2048",
+    tokens: Annotated[int, typer.Option(help="Tokens (events) per stream.")] = 100,
+    step_ms: Annotated[float, typer.Option(help="Decode step of the fake: one event to each running stream per step.")] = 20.0,
+    ramp_s: Annotated[float, typer.Option(help="The streams start evenly over this many seconds.")] = 1.0,
+    api: Annotated[str, typer.Option(help="chat | responses | messages.")] = "chat",
+    targets: Annotated[str, typer.Option(help="Comma-separated: direct, gateway, router (sglang_router).")] = "direct,gateway,router",
+    gateway_env: Annotated[list[str] | None, typer.Option("--gateway-env", help="KEY=VALUE for the gateway process.")] = None,
+    gateway_setting: Annotated[
+        list[str] | None, typer.Option("--gateway-setting", help="NAME=VALUE gateway setting (dotted, e.g. http.max_connections=8192).")
+    ] = None,
+    timeout_s: Annotated[float, typer.Option(help="Wall-clock cap of one run.")] = 120.0,
+    profile: Annotated[int | None, typer.Option(help="py-spy on the gateway during one more run of this many streams.")] = None,
+    out: Out = None,
+) -> None:
+    """Long streams fed one event per decode step, as a GPU engine at high batch sends them: direct vs gateway vs router."""
+    from benchmarks import paced_cli
+
+    names = [name.strip() for name in targets.split(",") if name.strip()]
+    unknown = sorted(set(names) - {"direct", "gateway", "router"})
+    if unknown or not names:
+        raise typer.BadParameter(f"unknown target {', '.join(unknown) or repr(targets)} (choose from direct, gateway, router)")
+    try:
+        settings = paced_cli.parse_settings(gateway_setting)
+    except ValueError as error:
+        raise typer.BadParameter(str(error)) from None
+    _apis(api)
+    out_dir = _out_dir(out, "paced")
+    env = dict(item.split("=", 1) for item in gateway_env or [])
+    result = paced_cli.paced_run(
+        _levels(streams), api=api, tokens=tokens, step_ms=step_ms, ramp_s=ramp_s, targets=names, gateway_env=env,
+        gateway_settings=settings, timeout_s=timeout_s, out_dir=out_dir, profile_streams=profile,
+    )  # fmt: skip
+    paced_cli.save({"kind": "paced", "api": api, "tokens": tokens, "step_ms": step_ms, "ramp_s": ramp_s, "gateway_settings": settings, **result}, out_dir)
+
+
 @app.command("mlflow")
 def mlflow_command(
     upstream: Annotated[

@@ -13,8 +13,10 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
+import yaml
 
 from launch.ports import pick_free_port
 from launch.procgroup import group_pids, popen_group, stat_fields, stop_group
@@ -77,13 +79,13 @@ def wait_http(url: str, child: Child | None = None, timeout_s: float = 60.0) -> 
 
 
 @contextmanager
-def fake_upstream(kind: str, logs: Path) -> Iterator[tuple[str, Child]]:
+def fake_upstream(kind: str, logs: Path, step_ms: float = 20.0) -> Iterator[tuple[str, Child]]:
+    """The fake upstream of ``kind`` (``starlette``, ``raw``, or ``paced``: a decode loop of ``step_ms``)."""
     port = pick_free_port()
-    child = Child(
-        f"fake upstream ({kind})",
-        [sys.executable, "-m", "benchmarks.fake_upstream", "--port", str(port), "--kind", kind],
-        logs / "fake-upstream.log",
-    )
+    argv = [sys.executable, "-m", "benchmarks.fake_upstream", "--port", str(port), "--kind", kind]
+    if kind == "paced":
+        argv = [sys.executable, "-m", "benchmarks.paced_upstream", "--port", str(port), "--step-ms", str(step_ms)]
+    child = Child(f"fake upstream ({kind})", argv, logs / "fake-upstream.log")
     try:
         url = f"http://127.0.0.1:{port}"
         wait_http(url + "/health", child, 60)
@@ -92,14 +94,20 @@ def fake_upstream(kind: str, logs: Path) -> Iterator[tuple[str, Child]]:
         child.stop()
 
 
-def gateway_config(upstream_url: str, port: int, path: Path, model: str = "bench") -> Path:
-    """The gateway YAML for one external model at ``upstream_url``: no auth, no request log lines."""
+def gateway_config(upstream_url: str, port: int, path: Path, model: str = "bench", settings: dict[str, Any] | None = None) -> Path:
+    """The gateway YAML for one external model at ``upstream_url``: no auth, no request log lines.
+
+    ``settings``: more ``gateway:`` settings, by dotted name (``http.max_connections: 8192``)."""
+    gateway: dict[str, Any] = {"host": "127.0.0.1", "port": port, "log_requests": False}
+    for dotted, value in (settings or {}).items():
+        *parents, leaf = dotted.split(".")
+        node = gateway
+        for name in parents:
+            node = node.setdefault(name, {})
+        node[leaf] = value
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(
-        "# written by benchmarks: one model by URL, auth off (no keys), per-request log off\n"
-        f"models:\n  {model}:\n    url: {upstream_url}\n"
-        f"gateway:\n  host: 127.0.0.1\n  port: {port}\n  log_requests: false\n"
-    )
+    text = yaml.safe_dump({"models": {model: {"url": upstream_url}}, "gateway": gateway}, sort_keys=False)
+    path.write_text("# written by benchmarks: one model by URL, auth off (no keys), per-request log off\n" + text)
     return path
 
 
@@ -112,10 +120,12 @@ def gateway_argv(config: Path) -> list[str]:
 
 
 @contextmanager
-def gateway(upstream_url: str, logs: Path, env: dict[str, str] | None = None) -> Iterator[tuple[str, Child]]:
+def gateway(
+    upstream_url: str, logs: Path, env: dict[str, str] | None = None, settings: dict[str, Any] | None = None
+) -> Iterator[tuple[str, Child]]:
     """``sglang-gateway serve`` in front of ``upstream_url`` (its own process), until the block ends."""
     port = pick_free_port()
-    config = gateway_config(upstream_url, port, logs / "gateway.yaml")
+    config = gateway_config(upstream_url, port, logs / "gateway.yaml", settings=settings)
     with serving(config, port, logs, env) as served:
         yield served
 

@@ -24,7 +24,7 @@ FIGURES: list[tuple[str, str, bool]] = [
 ]
 
 
-def _pct(values: list[float], q: float) -> float | None:
+def percentile_ms(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) * 1000 if values else None
 
 
@@ -56,14 +56,14 @@ def summarize(batches: Iterable[BatchResult]) -> dict[str, Any]:
         "req_s": len(ok) / wall if wall else 0.0,
         "out_tok_s": tokens / wall if wall else 0.0,
         "mean_out_tokens": tokens / len(ok) if ok else 0.0,
-        "latency_p50_ms": _pct(latency, 50),
-        "latency_p90_ms": _pct(latency, 90),
-        "latency_p99_ms": _pct(latency, 99),
-        "ttft_p50_ms": _pct(ttft, 50),
-        "ttft_p90_ms": _pct(ttft, 90),
-        "ttft_p99_ms": _pct(ttft, 99),
-        "itl_p50_ms": _pct(itl, 50),
-        "itl_p99_ms": _pct(itl, 99),
+        "latency_p50_ms": percentile_ms(latency, 50),
+        "latency_p90_ms": percentile_ms(latency, 90),
+        "latency_p99_ms": percentile_ms(latency, 99),
+        "ttft_p50_ms": percentile_ms(ttft, 50),
+        "ttft_p90_ms": percentile_ms(ttft, 90),
+        "ttft_p99_ms": percentile_ms(ttft, 99),
+        "itl_p50_ms": percentile_ms(itl, 50),
+        "itl_p99_ms": percentile_ms(itl, 99),
         # CPU milliseconds per completed request, per process (noise-robust: CPU time, not wall time)
         "cpu_ms_per_req": {name: 1000 * seconds / len(ok) for name, seconds in cpu.items()} if ok else {},
     }

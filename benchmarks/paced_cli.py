@@ -1,0 +1,146 @@
+"""``python -m benchmarks paced``: direct, the gateway and SGLang's router on the same decode-loop fake, one run.
+
+For each stream count, each target gets the same paced load (:mod:`benchmarks.paced`) in turn: direct to
+the fake (:mod:`benchmarks.paced_upstream`), through the gateway, through ``sglang_router``. CPU is read from
+``/proc`` for every process before and after each run, and divided by the events the client received: the
+µs per relayed event of a proxy is the figure that decides how many streams one process can carry.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from benchmarks import processes
+from benchmarks.apis import APIS
+from benchmarks.loadgen import new_event_loop
+from benchmarks.paced import run_paced
+from benchmarks.report import console, machine_info
+
+
+def _cpu(pids: dict[str, int]) -> dict[str, float]:
+    own = os.times()
+    return {"client": own.user + own.system, **{name: processes.group_cpu_s(pid) for name, pid in pids.items()}}
+
+
+def paced_run(
+    streams: list[int],
+    *,
+    api: str,
+    tokens: int,
+    step_ms: float,
+    ramp_s: float,
+    targets: list[str],
+    gateway_env: dict[str, str],
+    gateway_settings: dict[str, Any],
+    timeout_s: float,
+    out_dir: Path,
+    profile_streams: int | None = None,
+) -> dict[str, Any]:
+    """Every stream count against every target; prints the table and returns what ``result.json`` holds."""
+    dialect = APIS[api]
+    rows: list[dict[str, Any]] = []
+    profile: dict[str, Any] | None = None
+    with ExitStack() as stack:
+        upstream_url, upstream = stack.enter_context(processes.fake_upstream("paced", out_dir, step_ms))
+        urls = {"direct": upstream_url}
+        pids = {"direct": {"upstream": upstream.pid}}
+        if "gateway" in targets:
+            url, child = stack.enter_context(processes.gateway(upstream_url, out_dir, gateway_env, gateway_settings))
+            urls["gateway"], pids["gateway"] = url, {"upstream": upstream.pid, "proxy": child.pid}
+        if "router" in targets:
+            url, child = stack.enter_context(processes.router([upstream_url], out_dir))
+            urls["router"], pids["router"] = url, {"upstream": upstream.pid, "proxy": child.pid}
+        console.print(f"paced fake at {upstream_url} ({step_ms:g} ms steps, {tokens} tokens a stream); " + ", ".join(f"{k}: {v}" for k, v in urls.items()))
+        loop = new_event_loop()
+        try:
+            for count in streams:
+                for target in targets:
+                    before = _cpu(pids[target])
+                    result = loop.run_until_complete(run_paced(urls[target], dialect, count, tokens, ramp_s, timeout_s))
+                    after = _cpu(pids[target])
+                    row = {"target": target, **result.summary()}
+                    for name, seconds in after.items():
+                        spent = seconds - before[name]
+                        row[f"cpu_s_{name}"] = spent
+                        row[f"cpu_us_per_event_{name}"] = spent / result.events * 1e6 if result.events else None
+                    rows.append(row)
+                    console.print(_line(row))
+                    time.sleep(0.5)  # closed connections settle before the next run
+            if profile_streams and "gateway" in urls:
+                profile = _profile(loop, urls["gateway"], pids["gateway"]["proxy"], dialect, profile_streams, tokens, ramp_s, timeout_s, out_dir)
+        finally:
+            loop.close()
+    _print_table(rows, targets)
+    return {"rows": rows, "profile": profile}
+
+
+def _profile(loop: Any, url: str, pid: int, dialect: Any, streams: int, tokens: int, ramp_s: float, timeout_s: float, out_dir: Path) -> dict[str, Any]:
+    from benchmarks.profile import analyse
+
+    console.print(f"profiling the gateway (pid {pid}) with py-spy at {streams} streams")
+    profiler = processes.Profiler(pid, out_dir / "profile")
+    try:
+        loop.run_until_complete(run_paced(url, dialect, streams, tokens, ramp_s, timeout_s))
+    finally:
+        profiler.stop()
+    report: dict[str, Any] = {"svg": str(profiler.svg), "raw": str(profiler.raw)}
+    if profiler.raw.exists():
+        report.update(analyse(profiler.raw))
+    return report
+
+
+def _fmt(value: Any, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def _line(row: dict[str, Any]) -> str:
+    return (
+        f"{row['streams']:>5} {row['target']:<8} {row['events_per_s']:>9,.0f} ev/s  TTFT p50 {_fmt(row['ttft_p50_ms'])} ms  "
+        f"gap p99 {_fmt(row['gap_p99_ms'])} ms  errors {row['errors']}  proxy {_fmt(row.get('cpu_us_per_event_proxy'))} µs/event"
+    )
+
+
+def _print_table(rows: list[dict[str, Any]], targets: list[str]) -> None:
+    table = Table(title="paced streams: per target (CPU µs per event received by the client)")
+    for column in ("streams", "target", "events/s", "TTFT p50/p99 ms", "gap p50/p99 ms", "errors", "proxy µs/ev", "upstream µs/ev", "client µs/ev"):
+        table.add_column(column, justify="right")
+    for row in rows:
+        table.add_row(
+            str(row["streams"]), row["target"], f"{row['events_per_s']:,.0f}",
+            f"{_fmt(row['ttft_p50_ms'])} / {_fmt(row['ttft_p99_ms'])}", f"{_fmt(row['gap_p50_ms'])} / {_fmt(row['gap_p99_ms'])}",
+            str(row["errors"]), _fmt(row.get("cpu_us_per_event_proxy")), _fmt(row.get("cpu_us_per_event_upstream")),
+            _fmt(row.get("cpu_us_per_event_client")),
+        )  # fmt: skip
+    Console(width=150).print(table)
+    by = {(row["streams"], row["target"]): row for row in rows}
+    for count in sorted({row["streams"] for row in rows}):
+        gateway, router = by.get((count, "gateway")), by.get((count, "router"))
+        if gateway and router and gateway.get("cpu_us_per_event_proxy") and router.get("cpu_us_per_event_proxy"):
+            ratio = gateway["cpu_us_per_event_proxy"] / router["cpu_us_per_event_proxy"]
+            console.print(f"{count:>5} streams: gateway/router CPU per event {ratio:.2f}x, events/s {gateway['events_per_s'] / router['events_per_s']:.2f}x")
+
+
+def parse_settings(items: list[str] | None) -> dict[str, Any]:
+    """``http.max_connections=8192`` -> {"http.max_connections": 8192} (values read as YAML)."""
+    settings: dict[str, Any] = {}
+    for item in items or []:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise ValueError(f"not NAME=VALUE: {item!r}")
+        settings[name] = yaml.safe_load(value)
+    return settings
+
+
+def save(result: dict[str, Any], out_dir: Path) -> None:
+    result = {**result, "machine": machine_info()}
+    (out_dir / "result.json").write_text(json.dumps(result, indent=2, default=str))
+    console.print(f"results: {out_dir / 'result.json'}")
