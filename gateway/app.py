@@ -33,6 +33,7 @@ from gateway.responses_index import open_response_index
 from gateway.routes import add_proxied_route, note_error, proxied_endpoint, router, unexpected_error_response
 from gateway.state import GatewayState
 from gateway.swap import SwapExecutor
+from gateway.upstream_stream import StreamPool
 from launch.config import DeploymentConfig
 from launch.preflight import preflight_all
 
@@ -91,14 +92,15 @@ def create_app(
         except RuntimeError as error:
             app.state.startup_error = error
             raise
-        # Requests go upstream over aiohttp (the hot path); health and model-card probes over httpx.
+        # Plain requests go upstream over aiohttp, streams over the relay's own pool; health and model-card probes over httpx.
         session = upstream_session(
             settings.upstream_connect_timeout_s, settings.upstream_read_timeout_s, settings.upstream_max_connections
         )
+        streams = StreamPool(settings.upstream_connect_timeout_s, settings.upstream_read_timeout_s, settings.upstream_max_connections)
         state.probes = HealthProbes(settings.health_timeout_s, settings.upstream_connect_timeout_s)
         try:
             async with session:
-                state.proxy = Proxy(session, state.metrics, state.quarantine, state.responses)
+                state.proxy = Proxy(session, state.metrics, state.quarantine, state.responses, streams)
                 try:
                     try:
                         await controller.boot()
@@ -109,6 +111,7 @@ def create_app(
                     yield
                 finally:
                     await controller.close()  # stops every engine the gateway owns
+                    await streams.close()
         finally:
             await state.probes.aclose()
             await asyncio.to_thread(state.responses.close)  # writes what is pending

@@ -95,7 +95,10 @@ class RequestBounds(_Strict):
 class HttpSettings(_Strict):
     """Limits of the HTTP layer, enforced before any route runs (safe for a gateway bound to 0.0.0.0)."""
 
-    max_connections: int = Field(2048, ge=1, description="Open client connections; beyond, new ones get 503 and are closed.")
+    max_connections: int = Field(
+        8192, ge=1,
+        description="Open client connections; beyond, new ones get 503 and are closed. Each stream holds about three file descriptors: the gateway raises its open-file limit to the hard limit at start and warns when that is too low for this.",
+    )
     max_header_bytes: int = Field(32768, ge=1024, description="Request line plus headers; beyond: 431.")
     max_headers: int = Field(100, ge=1, description="Header fields per request; beyond: 431.")
     max_url_bytes: int = Field(8192, ge=256, description="Request target (path and query); beyond: 414.")
@@ -124,7 +127,10 @@ class GatewaySettings(_Strict):
     max_body_bytes: int = Field(10 * 1024 * 1024, ge=1024, description="Largest request body (413 beyond).")
     upstream_connect_timeout_s: float = Field(5.0, gt=0, description="Connect timeout to an engine (504).")
     upstream_read_timeout_s: float = Field(600.0, gt=0, description="Longest wait for the next upstream bytes (504).")
-    upstream_max_connections: int = Field(256, ge=1, description="Connection pool size to all engines.")
+    upstream_max_connections: int | None = Field(
+        None, ge=1,
+        description="Connections to the engines at once, per pool (plain requests, streams); beyond, a request waits up to upstream_connect_timeout_s, then 503 upstream_pool_full (unset: no cap, the engines' own limits apply).",
+    )
     health_timeout_s: float = Field(5.0, gt=0, description="Timeout of each /health probe made by /ready.")
     cors_allow_origins: list[str] = Field(default_factory=list, description="CORS origins (empty: CORS off).")
     shutdown_grace_s: float = Field(30.0, ge=0, description="In-flight requests may finish this long on SIGTERM.")

@@ -33,6 +33,10 @@ from gateway.config import HttpSettings
 from gateway.endpoints import dialect_for_path
 from gateway.errors import Dialect, GatewayError
 
+HTTP_CYCLE = "gateway.http_cycle"
+"""``scope["extensions"]`` key of uvicorn's request-response cycle: a stream relay writes its events to the
+client's transport through it (:class:`gateway.proxy.SSEProxyResponse`) instead of one ASGI message each."""
+
 
 class _Rejected(Exception):
     """Raised from a parser callback to stop parsing; the answer is in ``protocol._rejection``."""
@@ -123,6 +127,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._head_bytes = 0
         self._cancel_head_timer()
         super().on_headers_complete()
+        cycle = getattr(self, "cycle", None)
+        if cycle is not None and cycle.scope is self.scope:
+            self.scope.setdefault("extensions", {})[HTTP_CYCLE] = cycle
 
     def on_response_complete(self) -> None:
         super().on_response_complete()

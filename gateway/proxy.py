@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import re
 import socket
 import time
 from collections.abc import Callable, Coroutine
@@ -21,6 +22,7 @@ from typing import Any, TypeVar
 import aiohttp
 import orjson
 from aiohttp.client_proto import ResponseHandler
+from loguru import logger
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 from yarl import URL
@@ -32,11 +34,19 @@ from gateway.config import BalancingSettings
 from gateway.context import RequestInfo
 from gateway.endpoints import ProxiedRoute
 from gateway.errors import GatewayError, StreamKind, sanitize_message, sse_error_event, upstream_error
+from gateway.http_protocol import HTTP_CYCLE
 from gateway.limits import ConcurrencyLimiter
 from gateway.metrics import Metrics
 from gateway.poison import Quarantine, payload_shape, request_shape, token_id_problem
 from gateway.registry import Backend, ModelRoute
 from gateway.responses_index import ResponseIndex
+from gateway.upstream_stream import (
+    StreamExchange,
+    StreamPool,
+    UpstreamConnectTimeout,
+    UpstreamPoolFull,
+    UpstreamUnreachable,
+)
 
 T = TypeVar("T")
 _MAX_PENDING = 4 * 1024 * 1024  # an SSE event larger than this is forwarded unsplit, unscanned
@@ -60,6 +70,15 @@ _MARKERS: dict[StreamKind, tuple[bytes, ...]] = {
     StreamKind.RESPONSES: (*_USAGE, b'"error":{', b'"error": {', b'"type":"error"', b'"response.created"'),
     StreamKind.ANTHROPIC: (*_USAGE, b'"type":"error"'),
 }
+
+
+def _any_of(needles: tuple[bytes, ...]) -> re.Pattern[bytes]:
+    """One compiled scan for several byte strings (one pass over an event instead of one per string)."""
+    return re.compile(b"|".join(re.escape(needle) for needle in needles))
+
+
+_ENDING_SCAN = {kind: _any_of(endings) for kind, endings in _ENDINGS.items()}
+_MARKER_SCAN = {kind: _any_of(markers) for kind, markers in _MARKERS.items()}
 # Idle upstream connections are kept this long: under the 5 s keep-alive of uvicorn (SGLang's server),
 # so the gateway never reuses a connection the engine is closing (aiohttp does not retry a POST on one).
 UPSTREAM_KEEPALIVE_S = 4.0
@@ -100,11 +119,12 @@ class QuickAckConnector(aiohttp.TCPConnector):
         self._factory = functools.partial(QuickAckResponseHandler, loop=self._loop)
 
 
-def upstream_session(connect_timeout_s: float, read_timeout_s: float, max_connections: int) -> aiohttp.ClientSession:
-    """The one pooled ``aiohttp.ClientSession`` that forwards every request (create it inside the event loop).
+def upstream_session(connect_timeout_s: float, read_timeout_s: float, max_connections: int | None) -> aiohttp.ClientSession:
+    """The one pooled ``aiohttp.ClientSession`` that forwards plain requests (create it inside the event loop;
+    streams go over :class:`gateway.upstream_stream.StreamPool`).
 
-    Connections are kept alive and reused up to ``max_connections`` in all (no per-host cap and no
-    smaller keep-alive cap: every concurrency level reuses its connections). ``connect_timeout_s``
+    Connections are kept alive and reused, up to ``max_connections`` at once when set, else without a cap
+    (no per-host cap and no smaller keep-alive cap: every concurrency level reuses its connections). ``connect_timeout_s``
     bounds the wait for a pooled connection plus the TCP connect; ``read_timeout_s`` is the longest
     silence between upstream bytes (response headers included); there is no total timeout, a
     stream lasts as long as the engine keeps sending. Reads are acknowledged at once where the OS
@@ -112,7 +132,7 @@ def upstream_session(connect_timeout_s: float, read_timeout_s: float, max_connec
     """
     connector_class = QuickAckConnector if hasattr(socket, "TCP_QUICKACK") else aiohttp.TCPConnector
     connector = connector_class(
-        limit=max_connections, limit_per_host=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S, ttl_dns_cache=300
+        limit=max_connections or 0, limit_per_host=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S, ttl_dns_cache=300
     )
     timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_connect=connect_timeout_s, sock_read=read_timeout_s)
     return aiohttp.ClientSession(
@@ -127,13 +147,16 @@ def upstream_session(connect_timeout_s: float, read_timeout_s: float, max_connec
 
 
 def transport_error(error: BaseException, backend: str, retry_after_s: int = 1) -> GatewayError:
-    """Map a failure talking to ``backend`` to 503 (unreachable / connection lost) or 504 (timeout)."""
+    """Map a failure talking to ``backend`` to 503 (unreachable / connection lost / the gateway's own
+    connection cap reached) or 504 (the engine timed out)."""
     retry = {"Retry-After": str(retry_after_s)}
-    if isinstance(error, aiohttp.ConnectionTimeoutError):
+    if isinstance(error, UpstreamPoolFull):
+        return GatewayError(503, f"the gateway is at its cap of connections to the engines: {error}; retry later", code="upstream_pool_full", headers=retry)
+    if isinstance(error, (aiohttp.ConnectionTimeoutError, UpstreamConnectTimeout)):
         return GatewayError(504, f"timed out connecting to the engine of {backend}", code="upstream_timeout")
     if isinstance(error, TimeoutError):  # aiohttp's ServerTimeoutError (sock_read) is one too
         return GatewayError(504, f"timed out waiting for the engine of {backend}", code="upstream_timeout")
-    if isinstance(error, aiohttp.ClientConnectorError):
+    if isinstance(error, (aiohttp.ClientConnectorError, UpstreamUnreachable)):
         return GatewayError(503, f"the engine of {backend} is unreachable", code="engine_unavailable", headers=retry)
     return GatewayError(503, f"lost the connection to the engine of {backend}", code="engine_unavailable", headers=retry)
 
@@ -143,7 +166,8 @@ UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
 
 
 class Proxy:
-    """Forwards requests upstream over one shared, pooled ``aiohttp.ClientSession`` (``session``)."""
+    """Forwards requests upstream: plain ones over one shared, pooled ``aiohttp.ClientSession`` (``session``),
+    streams over ``streams`` (relayed from the socket's callbacks, :mod:`gateway.upstream_stream`)."""
 
     def __init__(
         self,
@@ -151,8 +175,12 @@ class Proxy:
         metrics: Metrics,
         quarantine: Quarantine | None = None,
         responses: ResponseIndex | None = None,
+        streams: StreamPool | None = None,
     ) -> None:
         self.session = session
+        self.streams = streams if streams is not None else StreamPool(5.0, 600.0)
+        self.max_connections: int | None = getattr(session.connector, "limit", 0) or None
+        self._plain_busy = 0  # plain requests upstream now (the session's connections they hold)
         self.metrics = metrics
         self.quarantine = quarantine if quarantine is not None else Quarantine()
         self.responses = responses if responses is not None else ResponseIndex()
@@ -224,7 +252,7 @@ class Proxy:
                 headers = {"Content-Type": "application/json", "X-Request-Id": info.request_id, **backend.upstream_headers()}
                 try:
                     finished, result = await _unless_disconnected(
-                        self._exchange(lease, self._url(backend.url + path), payload, headers, streamed), None if streamed else receive
+                        self._exchange(lease, backend.url, path, payload, headers, streamed), None if streamed else receive
                     )
                 except UPSTREAM_ERRORS as error:
                     lease.note_if_lost(error)
@@ -277,12 +305,22 @@ class Proxy:
         raise GatewayError(503, f"model {route.name!r} is unavailable: {reason}", code="engine_unavailable", headers={"Retry-After": str(retry)})
 
     async def _exchange(
-        self, lease: _Lease, url: URL, payload: bytes, headers: dict[str, str], streamed: bool
-    ) -> tuple[aiohttp.ClientResponse, bytes | None]:
-        upstream = lease.upstream = await self.session.post(url, data=payload, headers=headers)
-        # Plain answers (and errors) are read whole; a 200 stream is relayed by SSEProxyResponse.
-        content = await upstream.read() if upstream.status != 200 or not streamed else None
-        return upstream, content
+        self, lease: _Lease, base_url: str, path: str, payload: bytes, headers: dict[str, str], streamed: bool
+    ) -> tuple[aiohttp.ClientResponse | StreamExchange, bytes | None]:
+        if streamed:  # a 200 stream is relayed by SSEProxyResponse; an error answer is read whole
+            exchange = lease.upstream = await self.streams.request(base_url, path, payload, headers)
+            return exchange, await exchange.read() if exchange.status != 200 else None
+        self._plain_busy += 1
+        try:
+            upstream = lease.upstream = await self.session.post(self._url(base_url + path), data=payload, headers=headers)
+            return upstream, await upstream.read()
+        except aiohttp.ConnectionTimeoutError:
+            if self.max_connections is not None and self._plain_busy > self.max_connections:
+                # the wait was for one of the session's connections, not for the engine
+                raise UpstreamPoolFull(f"all {self.max_connections} upstream connections (upstream_max_connections) were busy") from None
+            raise
+        finally:
+            self._plain_busy -= 1
 
 
 # What SGLang's router (0.3.x) answers, with a 5xx, when the worker it chose did not take or answer the request.
@@ -331,7 +369,7 @@ class _Lease:
         self.grammar = False  # holds one of the limiter's grammar slots
         self.backend: Backend | None = None
         self.gauge: Any = None
-        self.upstream: aiohttp.ClientResponse | None = None
+        self.upstream: aiohttp.ClientResponse | StreamExchange | None = None
         self.request: tuple[str, bytes] | None = None  # (path, body) as sent upstream
 
     def take(self, backend: Backend, gauge: Any) -> None:
@@ -358,7 +396,7 @@ class _Lease:
         (not a refused connect, not a timeout): if the engine died, the request is a suspect."""
         if self.backend is None or self.request is None:
             return
-        if isinstance(error, (aiohttp.ClientConnectorError, TimeoutError)):
+        if isinstance(error, (aiohttp.ClientConnectorError, TimeoutError, UpstreamUnreachable, UpstreamPoolFull)):
             return
         self.backend.lost.append(payload_shape(*self.request))
 
@@ -376,8 +414,8 @@ class _Lease:
         self.release_grammar()
         upstream, self.upstream = self.upstream, None
         if upstream is not None:
-            if upstream.content.at_eof():
-                upstream.release()
+            if isinstance(upstream, StreamExchange) or upstream.content.at_eof():
+                upstream.release()  # a stream cut short is closed by it (the engine aborts the request)
             else:
                 upstream.close()
         gauge, self.gauge = self.gauge, None
@@ -437,7 +475,14 @@ def _parsed_if(content: bytes, marker: bytes) -> dict[str, Any] | None:
 
 
 class SSEProxyResponse(Response):
-    """An ASGI response relaying an upstream SSE stream; owns the upstream response and admission slot."""
+    """An ASGI response relaying an upstream SSE stream; owns the upstream exchange and admission slot.
+
+    The relay runs in the upstream socket's callbacks (:meth:`StreamExchange.relay`): each body piece is cut
+    at event boundaries, scanned, and written to the client at once. Under the gateway's own uvicorn protocol
+    the events go straight to the client's transport (:class:`_TransportWriter`, honouring its flow control);
+    under any other ASGI server they go out as ASGI messages (:class:`_MessageWriter`). Either way the
+    response's start and its last message pass through the middlewares as ASGI messages.
+    """
 
     def __init__(
         self,
@@ -450,8 +495,8 @@ class SSEProxyResponse(Response):
         request: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(status_code=200, media_type="text/event-stream")
-        assert lease.upstream is not None
-        self.upstream = lease.upstream
+        assert isinstance(lease.upstream, StreamExchange)
+        self.upstream: StreamExchange = lease.upstream
         self.lease = lease
         self.info = info
         self.metrics = metrics
@@ -459,15 +504,15 @@ class SSEProxyResponse(Response):
         self.kind = kind
         self.on_created = on_created  # told the id of a Responses API response when its creation event passes
         self.request = request  # the body sent: an engine error event may be about its input (gateway.client_mistakes)
-        self._markers = _MARKERS[kind]
-        self._endings = _ENDINGS[kind]
+        self._markers = _MARKER_SCAN[kind]
+        self._endings = _ENDING_SCAN[kind]
         self._ended = False  # the stream's own last event went through
         self._events = 0  # events relayed (Responses: the next sequence number)
         self._pending = b""
+        self._held = b""  # the stream's last events ([DONE]): they go out with our end, in one write
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:  # type: ignore[override]
-        # The relay runs in this task; a watcher task cancels it if the client disconnects meanwhile
-        # (one extra task per stream, not two plus an asyncio.wait).
+        # The response's task waits for the end; a watcher task cancels it if the client disconnects meanwhile.
         task = asyncio.current_task()
         assert task is not None
         relaying = True
@@ -483,7 +528,9 @@ class SSEProxyResponse(Response):
         watch.add_done_callback(on_watch_done)
         try:
             await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
-            await self._pump(send)
+            cycle = scope.get("extensions", {}).get(HTTP_CYCLE)
+            writer = _TransportWriter(cycle, self.upstream) if cycle is not None else _MessageWriter(send, self.upstream)
+            await self._pump(writer, send)
         except asyncio.CancelledError:
             if not gone or task.uncancel() > 0:
                 raise
@@ -492,41 +539,52 @@ class SSEProxyResponse(Response):
             relaying = False
             watch.remove_done_callback(on_watch_done)
             watch.cancel()
-            self.lease.close()  # a stream cut short closes the upstream response: the engine aborts the request
+            self.lease.close()  # a stream cut short closes the upstream connection: the engine aborts the request
 
-    async def _pump(self, send: Send) -> None:
+    def _on_data(self, writer: _TransportWriter | _MessageWriter, chunk: bytes) -> None:
+        """One upstream body piece (in the socket's callback): whole events go to the client at once."""
+        if self.info.ttft_s is None:
+            self.info.ttft_s = time.perf_counter() - self.info.started
+            self.lease.release_grammar()
+        events = self._complete_events(chunk)
+        if not events:
+            return
+        if self.kind is StreamKind.RESPONSES:
+            self._events += events.count(b"\n\n")
+        if not self._ended:
+            self._ended = self._endings.search(events) is not None
+        if self._held:  # (cannot happen: nothing follows the end of a stream)
+            events, self._held = self._held + events, b""
+        if events.endswith(_DONE):
+            self._held = events
+        else:
+            writer.write(events)
+
+    async def _pump(self, writer: _TransportWriter | _MessageWriter, send: Send) -> None:
+        def on_data(chunk: bytes) -> None:
+            try:
+                self._on_data(writer, chunk)
+            except Exception as error:  # a bug here must end this stream, not the upstream socket's callback
+                logger.exception("relay: the stream of {} failed", self.model)
+                writer.finish(_RelayFailed(error))
+
+        self.upstream.relay(on_data, writer.finish)
+        error = await writer.wait()
         failure: GatewayError | None = None
-        last = b""  # the last events, when the upstream body ended with them: they go out with our end
-        content = self.upstream.content
-        try:
-            async for chunk in content.iter_any():
-                if self.info.ttft_s is None:
-                    self.info.ttft_s = time.perf_counter() - self.info.started
-                    self.lease.release_grammar()
-                events = self._complete_events(chunk)
-                if events and self.kind is StreamKind.RESPONSES:
-                    self._events += events.count(b"\n\n")
-                if events and not self._ended:
-                    self._ended = any(ending in events for ending in self._endings)
-                if events:
-                    if last:  # (cannot happen: nothing follows the end of the body)
-                        events, last = last + events, b""
-                    if content.is_eof() and events.endswith(_DONE):
-                        last = events  # one message (one write) fewer per stream; nothing is held back
-                    else:
-                        await send({"type": "http.response.body", "body": events, "more_body": True})
-        except UPSTREAM_ERRORS as error:
+        if isinstance(error, _RelayFailed):
+            failure = GatewayError(500, "the gateway failed relaying the stream", code="internal_error")
+        elif error is not None:
             if self.info.ttft_s is None:  # a stream that already produced tokens got past the prefill: not a suspect
                 self.lease.note_if_lost(error)
             failure = transport_error(error, self.model)
         # The engine is done with this request: give back its slot now, not once a slow client has read
         # the rest (a client that stops reading is cut off by the HTTP layer's write timeout).
         self.lease.close()
-        tail = last
+        tail, self._held = self._held, b""
         if self._pending:
             tail += self._last_partial_event(self._pending)
             self._pending = b""
-            self._ended = self._ended or any(ending in tail for ending in self._endings)
+            self._ended = self._ended or self._endings.search(tail) is not None
         if failure is None and not self._ended:
             failure = GatewayError(
                 502, f"the stream from the engine of {self.model} stopped before its end", code="upstream_stream_incomplete"
@@ -542,7 +600,7 @@ class SSEProxyResponse(Response):
         is; otherwise whole lines go out (an event whose closing blank line never came), closed with one, and a
         line cut short is dropped, so that the error event after it starts on an event boundary instead of
         inside a broken JSON line."""
-        if any(ending in pending for ending in self._endings):
+        if self._endings.search(pending) is not None:
             return self._inspect(pending)  # the stream's own last event, without its closing blank line
         whole = pending[: pending.rfind(b"\n") + 1]
         if not whole.strip():
@@ -616,13 +674,13 @@ class SSEProxyResponse(Response):
         return b"data: " + orjson.dumps(data)
 
 
-def _next_marker(events: bytes, start: int, markers: tuple[bytes, ...]) -> int:
+def _next_marker(events: bytes, start: int, markers: re.Pattern[bytes]) -> int:
     """Where the next of ``markers`` is mentioned in ``events`` from ``start`` (-1: nowhere).
 
     Engines put ``"usage":null`` in every chunk: only an object is worth parsing.
     """
-    found = [at for marker in markers if (at := events.find(marker, start)) >= 0]
-    return min(found) if found else -1
+    found = markers.search(events, start)
+    return found.start() if found is not None else -1
 
 
 def _usage_of(data: dict[str, Any]) -> Any:
@@ -642,3 +700,98 @@ async def _wait_disconnect(receive: Receive) -> None:
         message: Message = await receive()
         if message["type"] == "http.disconnect":
             return
+
+
+class _RelayFailed(Exception):
+    """The relay itself raised (a bug): the stream ends with a 500 error event."""
+
+
+class _TransportWriter:
+    """Events straight to the client's transport, framed as uvicorn frames the body (one write per piece).
+
+    ``cycle`` is uvicorn's request-response cycle, handed over by :class:`gateway.http_protocol.GuardedHttpProtocol`.
+    When the client's socket buffer is full (its flow control paused writing), reading from the engine pauses
+    until it drains: a slow client slows its own stream, never the gateway's memory.
+    """
+
+    __slots__ = ("cycle", "upstream", "draining", "done")
+
+    def __init__(self, cycle: Any, upstream: StreamExchange) -> None:
+        self.cycle = cycle
+        self.upstream = upstream
+        self.draining: asyncio.Future[None] | None = None
+        self.done: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+
+    def write(self, events: bytes) -> None:
+        cycle = self.cycle
+        if cycle.disconnected:  # the watcher task ends the stream
+            return
+        cycle.transport.write(b"%x\r\n%b\r\n" % (len(events), events) if cycle.chunked_encoding else events)
+        if cycle.flow.write_paused and self.draining is None:
+            self.upstream.pause_reading()
+            self.draining = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        try:
+            await self.cycle.flow.drain()
+        finally:
+            self.draining = None
+            self.upstream.resume_reading()
+
+    def finish(self, error: BaseException | None) -> None:
+        if not self.done.done():
+            self.done.set_result(error)
+
+    async def wait(self) -> BaseException | None:
+        try:
+            return await self.done
+        finally:
+            if self.draining is not None:
+                self.draining.cancel()
+
+
+class _MessageWriter:
+    """Events as ASGI messages, sent from the response's task (a server other than the gateway's uvicorn)."""
+
+    __slots__ = ("send", "upstream", "pending", "size", "wake", "ended", "error")
+    _PAUSE_AT = 256 * 1024  # bytes waiting to be sent: beyond, reading from the engine pauses
+
+    def __init__(self, send: Send, upstream: StreamExchange) -> None:
+        self.send = send
+        self.upstream = upstream
+        self.pending: list[bytes] = []
+        self.size = 0
+        self.wake: asyncio.Future[None] | None = None
+        self.ended = False
+        self.error: BaseException | None = None
+
+    def write(self, events: bytes) -> None:
+        self.pending.append(events)
+        self.size += len(events)
+        if self.size > self._PAUSE_AT:
+            self.upstream.pause_reading()
+        self._wake()
+
+    def finish(self, error: BaseException | None) -> None:
+        if not self.ended:
+            self.ended, self.error = True, error
+            self._wake()
+
+    def _wake(self) -> None:
+        if self.wake is not None and not self.wake.done():
+            self.wake.set_result(None)
+
+    async def wait(self) -> BaseException | None:
+        while True:
+            if self.pending:
+                body, paused = b"".join(self.pending), self.size > self._PAUSE_AT
+                self.pending.clear()
+                self.size = 0
+                await self.send({"type": "http.response.body", "body": body, "more_body": True})
+                if paused:
+                    self.upstream.resume_reading()
+                continue
+            if self.ended:
+                return self.error
+            self.wake = asyncio.get_running_loop().create_future()
+            await self.wake

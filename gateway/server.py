@@ -41,6 +41,34 @@ def uvicorn_config(app: FastAPI, settings: GatewaySettings, *, log_level: str = 
     )
 
 
+FDS_PER_CONNECTION = 3  # a client connection, its upstream connection, the duplicate used for TCP_QUICKACK
+_FDS_SPARE = 256  # log files, engines' pipes, the listening socket, health probes
+
+
+def raise_open_file_limit(max_connections: int) -> int:
+    """Raise this process's soft open-file limit to its hard limit; warn when ``max_connections`` streams would
+    not fit. Returns the soft limit now in force (0 where the platform has none)."""
+    try:
+        import resource
+    except ImportError:  # not on this platform
+        return 0
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as error:
+            logger.warning("gateway: cannot raise the open-file limit from {} to {}: {}", soft, target, error)
+    needed = max_connections * FDS_PER_CONNECTION + _FDS_SPARE
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        logger.warning(
+            "gateway: open-file limit {} is below the {} that http.max_connections={} streams need; raise it (ulimit -n) or lower the setting",
+            soft, needed, max_connections,
+        )  # fmt: skip
+    return soft
+
+
 def _note_signal(signum: int, frame: object) -> None:
     logger.info("gateway: stopped by {}", signal.Signals(signum).name)
 
@@ -83,6 +111,7 @@ def serve_app(app: FastAPI, settings: GatewaySettings, *, verbose: bool = False,
     """Run ``app`` under uvicorn until SIGTERM / Ctrl-C (graceful, exit 0); SIGHUP asks for a reload."""
     if settings.port and not port_is_free(settings.host, settings.port):
         raise ConfigError(f"{source}: gateway.port: port {settings.port} on {settings.host} is already in use (or use --port)")
+    raise_open_file_limit(settings.http.max_connections)
     server = _Server(uvicorn_config(app, settings, log_level="debug" if verbose else "info"))
     hide = _HideStartupTraceback(app)
     logging.getLogger("uvicorn.error").addFilter(hide)

@@ -1,0 +1,427 @@
+"""Streamed requests to the engines over pooled HTTP/1.1 connections whose body bytes arrive by callback.
+
+A GPU engine at high batch sends one SSE event per running request per decode step: hundreds of streams,
+each a small write every 10-30 ms. Relaying that through a client library's stream reader costs a task
+wake-up, a future and a few coroutine frames per event. Here the response is parsed by ``httptools`` (the
+C parser uvicorn uses) inside the socket's ``data_received``, and each decoded body piece goes straight to
+the exchange's sink, which relays it in the same callback (:mod:`gateway.relay`): no task runs per event.
+
+Everything else about the exchange keeps the guarantees of the pooled client: connections are kept alive and
+reused (idle ones for :data:`KEEPALIVE_S`, under the engines' own keep-alive), a connection that breaks is
+never reused, a stream cut short closes its connection (the engine aborts the request), the read timeout is
+the longest silence between upstream bytes, and every read is acknowledged at once where the OS allows it
+(``TCP_QUICKACK``: an upstream without ``TCP_NODELAY``, such as SGLang's router, otherwise holds each small
+write for the gateway's delayed ACK). There is no cap on concurrent connections unless one is configured;
+waiting for a slot under a configured cap is :class:`UpstreamPoolFull`, never an engine timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import ssl
+import time
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import urlsplit
+
+import httptools
+
+KEEPALIVE_S = 4.0  # idle connections kept this long: under uvicorn's (SGLang's server) 5 s keep-alive
+_MAX_IDLE_PER_HOST = 1024
+_DNS_TTL_S = 300.0
+
+
+class UpstreamUnreachable(ConnectionError):
+    """The engine's address refused or could not be resolved: nothing was sent."""
+
+
+class UpstreamConnectTimeout(TimeoutError):
+    """No TCP connection to the engine within the connect timeout: nothing was sent."""
+
+
+class UpstreamReadTimeout(TimeoutError):
+    """The engine sent nothing for the read timeout."""
+
+
+class UpstreamConnectionLost(ConnectionError):
+    """The connection broke (or the engine closed it) before the response was complete."""
+
+
+class UpstreamPoolFull(ConnectionError):
+    """Every connection the configured cap (``upstream_max_connections``) allows is busy, for the connect timeout."""
+
+
+Sink = Callable[[bytes], None]
+EndSink = Callable[[BaseException | None], None]
+
+
+class _Connection(asyncio.Protocol):
+    """One HTTP/1.1 connection to an engine; one request at a time, its response parsed as bytes arrive."""
+
+    def __init__(self, pool: StreamPool, key: tuple[str, str, int]) -> None:
+        self.pool = pool
+        self.key = key
+        self.transport: asyncio.Transport | None = None
+        self._ack: socket.socket | None = None  # a duplicate of the socket, for cheap TCP_QUICKACK calls
+        self.exchange: StreamExchange | None = None
+        self.parser: Any = None
+        self.idle_since = 0.0
+        self.used = False  # has carried a request before (a broken reuse may be retried once)
+        self.lost = False
+
+    # -------------------------------------------------------------- asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        if _QUICKACK and sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            try:
+                self._ack = socket.socket(sock.family, sock.type, sock.proto, fileno=os.dup(sock.fileno()))
+            except OSError:
+                self._ack = None
+
+    def data_received(self, data: bytes) -> None:
+        if self._ack is not None:
+            try:
+                self._ack.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
+            except OSError:
+                self._ack = None
+        exchange = self.exchange
+        if exchange is None or self.parser is None:  # bytes nobody asked for: the connection cannot be trusted
+            self.abort()
+            return
+        exchange.last_read = time.monotonic()
+        exchange.received = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as error:
+            exchange.failed(UpstreamConnectionLost(f"malformed response from the engine: {error}"))
+            self.abort()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        if self._ack is not None:
+            self._ack.close()
+            self._ack = None
+        self.pool.forget(self)
+        exchange, self.exchange = self.exchange, None
+        if exchange is not None:
+            exchange.failed(UpstreamConnectionLost("the engine closed the connection" + (f": {exc}" if exc else "")))
+
+    # -------------------------------------------------------------- httptools callbacks
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self.exchange is not None and name.lower() == b"content-type":
+            self.exchange.content_type = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        if self.exchange is not None:
+            self.exchange.headers_done(self.parser.get_status_code(), self.parser.should_keep_alive())
+
+    def on_body(self, body: bytes) -> None:
+        if self.exchange is not None:
+            self.exchange.body(body)
+
+    def on_message_complete(self) -> None:
+        exchange = self.exchange
+        if exchange is not None:
+            exchange.complete()
+
+    # -------------------------------------------------------------- used by the exchange and the pool
+    def send(self, exchange: StreamExchange, request: bytes) -> None:
+        assert self.transport is not None
+        self.exchange = exchange
+        self.parser = httptools.HttpResponseParser(self)
+        self.transport.write(request)
+
+    def abort(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.abort()
+
+    def reusable(self) -> bool:
+        return not self.lost and self.transport is not None and not self.transport.is_closing()
+
+
+class StreamExchange:
+    """One streamed request: await :meth:`head`, then :meth:`read` (an error answer) or :meth:`relay` (a 200)."""
+
+    __slots__ = (
+        "connection", "status", "content_type", "keep_alive", "last_read", "received", "_head", "_buffer", "_sink", "_end",
+        "_complete", "_error", "_done", "_timer", "_read_timeout_s", "_released",
+    )  # fmt: skip
+
+    def __init__(self, connection: _Connection, read_timeout_s: float) -> None:
+        self.connection = connection
+        self.status = 0
+        self.content_type = "application/json"
+        self.keep_alive = False
+        self.last_read = time.monotonic()
+        self.received = False  # any byte of the response came
+        loop = asyncio.get_running_loop()
+        self._head: asyncio.Future[None] = loop.create_future()
+        self._done: asyncio.Future[None] | None = None  # for read()
+        self._buffer: list[bytes] = []
+        self._sink: Sink | None = None
+        self._end: EndSink | None = None
+        self._complete = False
+        self._error: BaseException | None = None
+        self._read_timeout_s = read_timeout_s
+        self._timer: asyncio.TimerHandle | None = loop.call_later(read_timeout_s, self._check_silence)
+        self._released = False
+
+    # -------------------------------------------------------------- what the connection reports
+    def headers_done(self, status: int, keep_alive: bool) -> None:
+        self.status = status
+        self.keep_alive = keep_alive
+        if not self._head.done():
+            self._head.set_result(None)
+
+    def body(self, data: bytes) -> None:
+        if self._sink is not None:
+            self._sink(data)
+        else:
+            self._buffer.append(data)
+
+    def complete(self) -> None:
+        self._complete = True
+        self._stop_timer()
+        self._finish(None)
+
+    def failed(self, error: BaseException) -> None:
+        if self._complete or self._error is not None:
+            return
+        self._error = error
+        self._stop_timer()
+        if not self._head.done():
+            self._head.set_exception(error)
+        self._finish(error)
+
+    def _finish(self, error: BaseException | None) -> None:
+        if self._done is not None and not self._done.done():
+            self._done.set_result(None)
+        end, self._end = self._end, None
+        if end is not None:
+            end(error)
+
+    def _check_silence(self) -> None:
+        silent = time.monotonic() - self.last_read
+        if silent < self._read_timeout_s:
+            self._timer = asyncio.get_running_loop().call_later(self._read_timeout_s - silent, self._check_silence)
+            return
+        self._timer = None
+        self.failed(UpstreamReadTimeout(f"no bytes from the engine for {self._read_timeout_s:g}s"))
+        self.connection.abort()
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    # -------------------------------------------------------------- what the proxy uses
+    async def head(self) -> None:
+        await self._head
+
+    async def read(self) -> bytes:
+        """The whole body (an error answer); raises what broke the exchange."""
+        if not self._complete and self._error is None:
+            self._done = asyncio.get_running_loop().create_future()
+            await self._done
+        if self._error is not None:
+            raise self._error
+        return b"".join(self._buffer)
+
+    def relay(self, on_data: Sink, on_end: EndSink) -> None:
+        """From now on each body piece goes to ``on_data`` as it is parsed; ``on_end(None | error)`` once at the end.
+        Pieces that came with the head are handed over first."""
+        buffered, self._buffer = self._buffer, []
+        for piece in buffered:
+            on_data(piece)
+        if self._complete or self._error is not None:
+            on_end(self._error)
+            return
+        self._sink, self._end = on_data, on_end
+
+    def at_eof(self) -> bool:
+        return self._complete
+
+    def pause_reading(self) -> None:
+        transport = self.connection.transport
+        if transport is not None and not transport.is_closing():
+            transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        transport = self.connection.transport
+        if transport is not None and not transport.is_closing():
+            transport.resume_reading()
+
+    def close(self) -> None:
+        """Cut the exchange: the connection is closed (the engine sees the client go and aborts the request)."""
+        if self._released:
+            return
+        self._released = True
+        self._stop_timer()
+        self._sink = self._end = None
+        self.connection.exchange = None
+        self.connection.abort()
+        self.connection.pool.release(self.connection, reuse=False)
+
+    def release(self) -> None:
+        """Done with it: a complete response gives its connection back to the pool; anything else closes it."""
+        if self._released:
+            return
+        if not (self._complete and self.keep_alive and self.connection.reusable()):
+            self.close()
+            return
+        self._released = True
+        self._sink = self._end = None
+        self.connection.exchange = None
+        self.connection.pool.release(self.connection, reuse=True)
+
+
+_QUICKACK = hasattr(socket, "TCP_QUICKACK")
+
+
+class StreamPool:
+    """Keep-alive connections to the engines, by (scheme, host, port); unbounded unless ``max_connections``."""
+
+    def __init__(self, connect_timeout_s: float, read_timeout_s: float, max_connections: int | None = None) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self.max_connections = max_connections
+        self._idle: dict[tuple[str, str, int], list[_Connection]] = {}
+        self._open: set[_Connection] = set()
+        self._busy = 0
+        self._slot_freed: asyncio.Event | None = None
+        self._dns: dict[tuple[str, int], tuple[float, str]] = {}
+        self._ssl: ssl.SSLContext | None = None
+        self._closed = False
+
+    @property
+    def busy(self) -> int:
+        """Connections carrying a request now."""
+        return self._busy
+
+    async def request(self, base_url: str, path: str, payload: bytes, headers: dict[str, str]) -> StreamExchange:
+        """Send ``POST base_url+path`` and wait for the response head; raises the Upstream* errors above."""
+        parts = urlsplit(base_url)
+        scheme = parts.scheme or "http"
+        host = parts.hostname or "127.0.0.1"
+        port = parts.port or (443 if scheme == "https" else 80)
+        key = (scheme, host, port)
+        target = (parts.path.rstrip("/") + path) or "/"
+        head = [f"POST {target} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Length: {len(payload)}\r\n"]
+        head += [f"{name}: {value}\r\n" for name, value in headers.items()]
+        request = "".join(head).encode("latin-1") + b"\r\n" + payload
+        await self._take_slot()
+        for attempt in (1, 2):
+            try:
+                connection = self._idle_connection(key) or await self._connect(key)
+            except BaseException:
+                self._give_slot()
+                raise
+            exchange = StreamExchange(connection, self.read_timeout_s)  # holds the slot from here on
+            reused, connection.used = connection.used, True
+            connection.send(exchange, request)
+            try:
+                await exchange.head()
+                return exchange
+            except UpstreamConnectionLost:
+                exchange.close()
+                # A kept-alive connection the engine closed just as it was reused: nothing was processed.
+                if not (reused and attempt == 1 and not exchange.received):
+                    raise
+            except BaseException:
+                exchange.close()
+                raise
+            await self._take_slot()
+        raise AssertionError("unreachable: the second attempt returns or raises")
+
+    def release(self, connection: _Connection, reuse: bool) -> None:
+        self._give_slot()
+        if reuse and not self._closed and connection.reusable():
+            idle = self._idle.setdefault(connection.key, [])
+            if len(idle) < _MAX_IDLE_PER_HOST:
+                connection.idle_since = time.monotonic()
+                idle.append(connection)
+                return
+        connection.abort()
+
+    def forget(self, connection: _Connection) -> None:
+        """A connection is gone: never hand it out again."""
+        self._open.discard(connection)
+        idle = self._idle.get(connection.key)
+        if idle and connection in idle:
+            idle.remove(connection)
+
+    async def close(self) -> None:
+        self._closed = True
+        for connection in list(self._open):
+            connection.abort()
+        self._idle.clear()
+
+    # -------------------------------------------------------------- internals
+    def _idle_connection(self, key: tuple[str, str, int]) -> _Connection | None:
+        idle = self._idle.get(key)
+        now = time.monotonic()
+        while idle:
+            connection = idle.pop()  # the most recently used: the least likely to be closing
+            if connection.reusable() and now - connection.idle_since < KEEPALIVE_S:
+                return connection
+            connection.abort()
+        return None
+
+    async def _connect(self, key: tuple[str, str, int]) -> _Connection:
+        scheme, host, port = key
+        loop = asyncio.get_running_loop()
+        connection = _Connection(self, key)
+        try:
+            address = await asyncio.wait_for(self._resolve(host, port), self.connect_timeout_s)
+            tls: dict[str, Any] = {}
+            if scheme == "https":
+                self._ssl = self._ssl or ssl.create_default_context()
+                tls = {"ssl": self._ssl, "server_hostname": host}
+            await asyncio.wait_for(loop.create_connection(lambda: connection, address, port, **tls), self.connect_timeout_s)
+        except TimeoutError:
+            raise UpstreamConnectTimeout(f"no connection to {host}:{port} within {self.connect_timeout_s:g}s") from None
+        except OSError as error:
+            raise UpstreamUnreachable(f"cannot connect to {host}:{port}: {error}") from None
+        self._open.add(connection)
+        return connection
+
+    async def _resolve(self, host: str, port: int) -> str:
+        cached = self._dns.get((host, port))
+        now = time.monotonic()
+        if cached is not None and cached[0] > now:
+            return cached[1]
+        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        if not infos:
+            raise OSError(f"cannot resolve {host}")
+        address = infos[0][4][0]
+        if len(self._dns) > 1024:
+            self._dns.clear()
+        self._dns[(host, port)] = (now + _DNS_TTL_S, address)
+        return address
+
+    async def _take_slot(self) -> None:
+        if self.max_connections is None:
+            self._busy += 1
+            return
+        deadline = time.monotonic() + self.connect_timeout_s
+        while self._busy >= self.max_connections:
+            self._slot_freed = self._slot_freed or asyncio.Event()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise UpstreamPoolFull(
+                    f"all {self.max_connections} upstream connections (upstream_max_connections) were busy for {self.connect_timeout_s:g}s"
+                )
+            try:
+                await asyncio.wait_for(self._slot_freed.wait(), left)
+            except TimeoutError:
+                continue
+        self._busy += 1
+
+    def _give_slot(self) -> None:
+        self._busy -= 1
+        if self._slot_freed is not None:
+            self._slot_freed.set()
+            self._slot_freed = None

@@ -1,0 +1,146 @@
+"""Streams at GPU batch sizes through the gateway, against the FAKE decode-loop upstream (``benchmarks.paced_upstream``).
+
+The real CPU engine runs a handful of requests at once; a GPU engine runs hundreds, each fed one event per
+decode step. The fake does exactly that with no model, so that the gateway's ceilings (connections, pools,
+limits) show up here rather than on a GPU host: a thousand concurrent streams through the default settings
+all complete, and a deliberately small configured pool answers what the README says, never a 504.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI
+
+from benchmarks.apis import CHAT
+from benchmarks.loadgen import new_event_loop
+from benchmarks.paced import run_paced
+from gateway.app import create_app
+from gateway.config import GatewaySettings, gateway_settings
+from gateway.registry import build_registry
+from gateway.server import uvicorn_config
+from launch.config import parse_config
+from tests.gateway.helpers import GatewayServer, assert_openai_error, fake_stalled_upstream, serve
+from tests.servers import REPO, ServerProcess, server_process
+
+TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def paced_fake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    log = tmp_path_factory.mktemp("paced") / "paced-upstream.log"
+    argv = [sys.executable, "-m", "benchmarks.paced_upstream", "--port", "{port}", "--step-ms", "20"]
+    with server_process(argv, log_path=log, ready_path="/health", timeout_s=60) as server:
+        yield server
+
+
+def _chat(stream: bool, tokens: int = TOKENS) -> dict[str, object]:
+    return {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": tokens, "stream": stream}
+
+
+def test_a_thousand_concurrent_long_streams_through_the_default_settings_all_complete(paced_fake: ServerProcess) -> None:
+    with serve({"m": {"url": paced_fake.url}}) as gateway:  # every gateway setting at its default
+        loop = new_event_loop()
+        try:
+            result = loop.run_until_complete(run_paced(gateway.url, CHAT, 1000, TOKENS, ramp_s=1.0, timeout_s=120, model="m"))
+        finally:
+            loop.close()
+    # each stream: its role chunk + TOKENS content chunks + a finish chunk + usage + [DONE]
+    assert (result.completed, result.statuses) == (1000, {}), result.summary()
+    assert result.events == 1000 * (TOKENS + 4)
+    assert len(result.ttft) == 1000
+
+
+def test_a_small_configured_pool_answers_503_upstream_pool_full_never_504(paced_fake: ServerProcess) -> None:
+    gateway_settings = {"upstream_max_connections": 2, "upstream_connect_timeout_s": 0.5}
+    with serve({"m": {"url": paced_fake.url}}, gateway_settings) as gateway, httpx.Client(base_url=gateway.url, timeout=30) as http:
+        with http.stream("POST", "/v1/chat/completions", json=_chat(True, 150)) as first, http.stream(
+            "POST", "/v1/chat/completions", json=_chat(True, 150)
+        ) as second:
+            assert first.status_code == second.status_code == 200
+            refused = http.post("/v1/chat/completions", json=_chat(True))
+            body = assert_openai_error(refused, 503, "upstream_pool_full")
+            assert refused.headers["retry-after"] == "1" and "upstream_max_connections" in body["error"]["message"]
+            first.close()
+        for _ in range(50):  # the closed stream's connection is given back: the next request gets one
+            answer = http.post("/v1/chat/completions", json=_chat(False))
+            if answer.status_code == 200:
+                break
+        assert answer.status_code == 200, answer.text
+        assert gateway.state.proxy.streams.busy == 0
+
+
+def test_plain_requests_waiting_for_a_capped_pool_get_503_upstream_pool_full() -> None:
+    settings = {"upstream_max_connections": 1, "upstream_connect_timeout_s": 0.5, "upstream_read_timeout_s": 3}
+    with fake_stalled_upstream() as stalled, serve({"m": {"url": stalled}}, settings) as gateway:
+
+        async def two() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
+                held = asyncio.ensure_future(http.post("/v1/chat/completions", json=_chat(False)))
+                await asyncio.sleep(0.3)  # the first holds the only connection (the fake never answers)
+                return [await http.post("/v1/chat/completions", json=_chat(False)), await held]
+
+        refused, timed_out = asyncio.run(two())
+    assert_openai_error(refused, 503, "upstream_pool_full")
+    assert_openai_error(timed_out, 504, "upstream_timeout")  # the engine itself never answered: that one is the engine's
+
+
+class _PlainUvicornGateway(GatewayServer):
+    """The gateway under uvicorn's own httptools protocol (not the gateway's): no transport for the relay."""
+
+    def __init__(self, app: FastAPI, settings: GatewaySettings) -> None:
+        super().__init__(app, settings)
+        config = uvicorn_config(app, self.settings, log_level="warning")
+        config.http = "httptools"
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name=f"plain-gateway-{self.port}", daemon=True)
+
+
+def test_streams_relay_alike_through_asgi_messages_under_another_server(paced_fake: ServerProcess) -> None:
+    """Under a server other than the gateway's own uvicorn protocol, events go out as ASGI messages: same stream."""
+    deployment = parse_config({"models": {"m": {"url": paced_fake.url}}})
+    settings = gateway_settings(deployment)
+    plain = _PlainUvicornGateway(create_app(settings, build_registry(deployment, settings, None)), settings).start()
+    try:
+        with serve({"m": {"url": paced_fake.url}}) as guarded, httpx.Client(timeout=30) as http:
+            ours, theirs = _events(http, guarded.url), _events(http, plain.url)
+    finally:
+        plain.stop()
+    assert len(ours) == len(theirs) == TOKENS + 3  # role chunk, tokens, finish chunk, [DONE]
+    assert ours[-1] == theirs[-1] == "data: [DONE]"
+    assert [event.split('"created"')[0] for event in ours] == [event.split('"created"')[0] for event in theirs]
+
+
+def _events(http: httpx.Client, url: str) -> list[str]:
+    with http.stream("POST", url + "/v1/chat/completions", json=_chat(True)) as response:
+        assert response.status_code == 200
+        text = response.read().decode()
+    return [event for event in text.split("\n\n") if event]
+
+
+def test_the_gateway_raises_its_open_file_limit_and_warns_when_streams_would_not_fit() -> None:
+    """Each stream holds about three descriptors; a container's default soft limit (often 1024) would cap
+    the gateway near 300 streams with EMFILE errors, so it raises the soft limit to the hard one at start."""
+    script = (
+        "import resource, sys\n"
+        "from loguru import logger\n"
+        "logger.remove(); logger.add(sys.stdout, format='{message}')\n"
+        "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))\n"
+        "from gateway.server import raise_open_file_limit\n"
+        "now = raise_open_file_limit(10)\n"
+        "print('raised', now == hard or hard == resource.RLIM_INFINITY, resource.getrlimit(resource.RLIMIT_NOFILE)[0] == now)\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))\n"
+        "raise_open_file_limit(10_000)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    assert "raised True True" in result.stdout
+    assert "open-file limit 256 is below the 30256 that http.max_connections=10000 streams need" in result.stdout

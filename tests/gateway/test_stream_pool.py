@@ -1,0 +1,209 @@
+"""The stream relay's upstream pool (``gateway.upstream_stream``), against small asyncio servers in the test.
+
+These servers are FAKES: the real engine cannot be made, on demand, to close a kept-alive connection just as
+it is reused, to go silent after its headers, or to answer on a connection the gateway must count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import pytest
+
+from gateway.upstream_stream import (
+    StreamPool,
+    UpstreamConnectionLost,
+    UpstreamPoolFull,
+    UpstreamReadTimeout,
+    UpstreamUnreachable,
+)
+from tests.gateway.test_upstream_session import _sse_server
+
+HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+class _Server:
+    """A keep-alive HTTP/1.1 server in the test's loop; ``handler(reader, writer, n)`` answers request ``n`` of a connection."""
+
+    def __init__(self, handler) -> None:  # type: ignore[no-untyped-def]
+        self.handler = handler
+        self.connections = 0
+        self.closed_by_client = 0
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        n = 0
+        try:
+            while True:
+                await reader.readuntil(b"\r\n\r\n")
+                n += 1
+                if not await self.handler(reader, writer, n):
+                    break
+            if await reader.read(1) == b"":
+                self.closed_by_client += 1
+        except (asyncio.IncompleteReadError, ConnectionError):
+            self.closed_by_client += 1
+        writer.close()
+
+    async def __aenter__(self) -> str:
+        self.server = await asyncio.start_server(self.serve, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.server.close()
+
+
+async def _two_events(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> bool:
+    writer.write(HEAD + b"9\r\ndata: a\n\n\r\n9\r\ndata: b\n\n\r\n0\r\n\r\n")
+    await writer.drain()
+    return True
+
+
+async def _relayed(pool: StreamPool, url: str) -> tuple[bytes, BaseException | None]:
+    exchange = await pool.request(url, "/v1/chat/completions", b"{}", {"Content-Type": "application/json"})
+    pieces: list[bytes] = []
+    ended: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+    exchange.relay(pieces.append, lambda error: ended.done() or ended.set_result(error))
+    error = await ended
+    exchange.release()
+    return b"".join(pieces), error
+
+
+def test_connections_are_kept_alive_and_reused_and_a_stream_cut_short_closes_its_connection() -> None:
+    async def main() -> None:
+        fake = _Server(_two_events)
+        async with fake as url:
+            pool = StreamPool(5.0, 30.0)
+            for _ in range(3):
+                assert await _relayed(pool, url) == (b"data: a\n\ndata: b\n\n", None)
+            assert fake.connections == 1 and pool.busy == 0  # one connection, reused
+
+            held = _Server(lambda reader, writer, n: _head_then_silence(writer))
+            async with held as slow_url:
+                exchange = await pool.request(slow_url, "/x", b"{}", {})
+                exchange.close()  # the client went away: the engine must see the connection close
+                for _ in range(100):
+                    if held.closed_by_client:
+                        break
+                    await asyncio.sleep(0.02)
+                assert held.closed_by_client == 1 and pool.busy == 0
+            await pool.close()
+
+    asyncio.run(main())
+
+
+async def _head_then_silence(writer: asyncio.StreamWriter) -> bool:
+    writer.write(HEAD)
+    await writer.drain()
+    return True
+
+
+def test_a_kept_alive_connection_the_engine_closes_on_reuse_is_retried_once_on_a_new_one() -> None:
+    async def close_on_second(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> bool:
+        if n == 2:
+            return False  # closes without answering: as an engine closing an idle keep-alive connection
+        return await _two_events(reader, writer, n)
+
+    async def main() -> None:
+        fake = _Server(close_on_second)
+        async with fake as url:
+            pool = StreamPool(5.0, 30.0)
+            assert (await _relayed(pool, url))[1] is None
+            assert await _relayed(pool, url) == (b"data: a\n\ndata: b\n\n", None)
+            assert fake.connections == 2
+            await pool.close()
+
+    asyncio.run(main())
+
+
+def test_silence_after_the_headers_is_a_read_timeout_and_a_refused_connect_is_unreachable() -> None:
+    async def main() -> None:
+        async with _Server(lambda reader, writer, n: _head_then_silence(writer)) as url:
+            pool = StreamPool(5.0, 0.3)
+            started = time.monotonic()
+            body, error = await _relayed(pool, url)
+            assert body == b"" and isinstance(error, UpstreamReadTimeout), error
+            assert 0.25 < time.monotonic() - started < 5
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+        listener.close()  # nothing listens there
+        with pytest.raises(UpstreamUnreachable):
+            await pool.request(f"http://127.0.0.1:{port}", "/x", b"{}", {})
+        assert pool.busy == 0
+
+    asyncio.run(main())
+
+
+def test_a_configured_cap_waits_for_a_free_connection_then_says_the_pool_is_full() -> None:
+    async def main() -> None:
+        async with _Server(lambda reader, writer, n: _head_then_silence(writer)) as url:
+            pool = StreamPool(0.3, 30.0, max_connections=2)
+            first = await pool.request(url, "/x", b"{}", {})
+            second = await pool.request(url, "/x", b"{}", {})
+            with pytest.raises(UpstreamPoolFull, match="2 upstream connections"):
+                await pool.request(url, "/x", b"{}", {})
+            waiting = asyncio.ensure_future(pool.request(url, "/x", b"{}", {}))
+            await asyncio.sleep(0.05)
+            first.close()  # a slot frees up: the waiting request takes it
+            third = await waiting
+            assert pool.busy == 2
+            for exchange in (second, third):
+                exchange.close()
+            assert pool.busy == 0
+            await pool.close()
+
+    asyncio.run(main())
+
+
+def test_a_connection_lost_mid_stream_ends_the_relay_with_the_error() -> None:
+    async def cut(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> bool:
+        writer.write(HEAD + b"9\r\ndata: a\n\n\r\n")
+        await writer.drain()
+        return False
+
+    async def main() -> None:
+        async with _Server(cut) as url:
+            pool = StreamPool(5.0, 30.0)
+            body, error = await _relayed(pool, url)
+            assert body == b"data: a\n\n" and isinstance(error, UpstreamConnectionLost)
+            assert pool.busy == 0
+            await pool.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.skipif(not hasattr(socket, "TCP_QUICKACK"), reason="TCP_QUICKACK is Linux-only")
+def test_reused_stream_connections_acknowledge_reads_at_once() -> None:
+    """Like the plain session's (tests/gateway/test_upstream_session.py): after the first event of each stream on
+    one reused connection, the kernel reports quick-ACK mode."""
+
+    async def main() -> list[int]:
+        server = await asyncio.start_server(_sse_server, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        pool = StreamPool(5.0, 30.0)
+        modes = []
+        try:
+            for _ in range(5):
+                exchange = await pool.request(url, "/", b"", {})
+                first: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+                ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+                exchange.relay(_setter(first), _setter(ended))
+                await first
+                sock = exchange.connection.transport.get_extra_info("socket")
+                modes.append(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK))
+                await ended
+                exchange.release()
+        finally:
+            await pool.close()
+            server.close()
+        return modes
+
+    assert asyncio.run(main()) == [1] * 5
+
+
+def _setter(future: asyncio.Future[None]):  # type: ignore[no-untyped-def]
+    """A callback that completes ``future`` the first time it is called."""
+    return lambda *_: future.done() or future.set_result(None)
