@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway.context import SCOPE_KEY, RequestInfo
 from gateway.endpoints import dialect_for_path, route_label
 from gateway.errors import GatewayError, error_response
+from gateway.http_protocol import HTTP_CYCLE
 from gateway.metrics import Metrics
 
 _GOOD_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
@@ -145,19 +146,16 @@ class BodyLimitMiddleware:
         complete = False
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.deadline_s  # the app is called once the headers are complete
+        cycle = scope.get("extensions", {}).get(HTTP_CYCLE)
 
         async def counting_receive() -> Message:
             nonlocal seen, complete
             if complete:  # after the body, receive() waits for a disconnect: no deadline then
                 return await receive()
-            left = deadline - loop.time()
-            try:
-                async with asyncio.timeout(min(self.timeout_s, max(left, 0.0))):
-                    message = await receive()
-            except TimeoutError:
-                # The rest of the body may still come: close the connection rather than parse it as a request.
-                message = f"not complete within {self.deadline_s:g}s" if left < self.timeout_s else f"not received within {self.timeout_s:g}s"
-                raise GatewayError(408, f"request body {message}", code="request_timeout", headers={"Connection": "close"}) from None
+            if cycle is not None and not cycle.more_body:
+                message = await receive()  # uvicorn holds the whole body already: no timer to arm
+            else:
+                message = await self._within(receive, deadline - loop.time())
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
@@ -166,6 +164,16 @@ class BodyLimitMiddleware:
             return message
 
         await self.app(scope, counting_receive, send)
+
+    async def _within(self, receive: Receive, left: float) -> Message:
+        """The next body message, or 408 once ``timeout_s`` of silence or the whole-body deadline (``left``) passed."""
+        try:
+            async with asyncio.timeout(min(self.timeout_s, max(left, 0.0))):
+                return await receive()
+        except TimeoutError:
+            # The rest of the body may still come: close the connection rather than parse it as a request.
+            message = f"not complete within {self.deadline_s:g}s" if left < self.timeout_s else f"not received within {self.timeout_s:g}s"
+            raise GatewayError(408, f"request body {message}", code="request_timeout", headers={"Connection": "close"}) from None
 
     def _too_large(self) -> GatewayError:
         return GatewayError(413, f"request body is larger than {self.max_bytes} bytes", code="request_too_large")

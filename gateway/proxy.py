@@ -252,7 +252,7 @@ class Proxy:
                 headers = {"Content-Type": "application/json", "X-Request-Id": info.request_id, **backend.upstream_headers()}
                 try:
                     finished, result = await _unless_disconnected(
-                        self._exchange(lease, backend.url, path, payload, headers, streamed), None if streamed else receive
+                        self._exchange(lease, backend, path, payload, headers, streamed), None if streamed else receive
                     )
                 except UPSTREAM_ERRORS as error:
                     lease.note_if_lost(error)
@@ -305,14 +305,15 @@ class Proxy:
         raise GatewayError(503, f"model {route.name!r} is unavailable: {reason}", code="engine_unavailable", headers={"Retry-After": str(retry)})
 
     async def _exchange(
-        self, lease: _Lease, base_url: str, path: str, payload: bytes, headers: dict[str, str], streamed: bool
+        self, lease: _Lease, backend: Backend, path: str, payload: bytes, headers: dict[str, str], streamed: bool
     ) -> tuple[aiohttp.ClientResponse | StreamExchange, bytes | None]:
         if streamed:  # a 200 stream is relayed by SSEProxyResponse; an error answer is read whole
-            exchange = lease.upstream = await self.streams.request(base_url, path, payload, headers)
+            quickack = not backend.sends_at_once
+            exchange = lease.upstream = await self.streams.request(backend.url, path, payload, headers, quickack=quickack)
             return exchange, await exchange.read() if exchange.status != 200 else None
         self._plain_busy += 1
         try:
-            upstream = lease.upstream = await self.session.post(self._url(base_url + path), data=payload, headers=headers)
+            upstream = lease.upstream = await self.session.post(self._url(backend.url + path), data=payload, headers=headers)
             return upstream, await upstream.read()
         except aiohttp.ConnectionTimeoutError:
             if self.max_connections is not None and self._plain_busy > self.max_connections:
@@ -510,6 +511,8 @@ class SSEProxyResponse(Response):
         self._events = 0  # events relayed (Responses: the next sequence number)
         self._pending = b""
         self._held = b""  # the stream's last events ([DONE]): they go out with our end, in one write
+        self._counts_events = kind is StreamKind.RESPONSES  # the error event we may add needs the next sequence number
+        self._writer: _TransportWriter | _MessageWriter | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:  # type: ignore[override]
         # The response's task waits for the end; a watcher task cancels it if the client disconnects meanwhile.
@@ -541,34 +544,34 @@ class SSEProxyResponse(Response):
             watch.cancel()
             self.lease.close()  # a stream cut short closes the upstream connection: the engine aborts the request
 
-    def _on_data(self, writer: _TransportWriter | _MessageWriter, chunk: bytes) -> None:
-        """One upstream body piece (in the socket's callback): whole events go to the client at once."""
-        if self.info.ttft_s is None:
-            self.info.ttft_s = time.perf_counter() - self.info.started
-            self.lease.release_grammar()
-        events = self._complete_events(chunk)
-        if not events:
-            return
-        if self.kind is StreamKind.RESPONSES:
-            self._events += events.count(b"\n\n")
-        if not self._ended:
-            self._ended = self._endings.search(events) is not None
-        if self._held:  # (cannot happen: nothing follows the end of a stream)
-            events, self._held = self._held + events, b""
-        if events.endswith(_DONE):
-            self._held = events
-        else:
-            writer.write(events)
+    def _on_data(self, chunk: bytes) -> None:
+        """One upstream body piece, in the socket's callback: whole events go to the client at once."""
+        writer = self._writer
+        try:
+            info = self.info
+            if info.ttft_s is None:
+                info.ttft_s = time.perf_counter() - info.started
+                self.lease.release_grammar()
+            events = self._complete_events(chunk)
+            if not events:
+                return
+            if self._counts_events:
+                self._events += events.count(b"\n\n")
+            if not self._ended:
+                self._ended = self._endings.search(events) is not None
+            if self._held:  # (cannot happen: nothing follows the end of a stream)
+                events, self._held = self._held + events, b""
+            if events.endswith(_DONE):
+                self._held = events
+            else:
+                writer.write(events)
+        except Exception as error:  # a bug here must end this stream, not the upstream socket's callback
+            logger.exception("relay: the stream of {} failed", self.model)
+            writer.finish(_RelayFailed(error))
 
     async def _pump(self, writer: _TransportWriter | _MessageWriter, send: Send) -> None:
-        def on_data(chunk: bytes) -> None:
-            try:
-                self._on_data(writer, chunk)
-            except Exception as error:  # a bug here must end this stream, not the upstream socket's callback
-                logger.exception("relay: the stream of {} failed", self.model)
-                writer.finish(_RelayFailed(error))
-
-        self.upstream.relay(on_data, writer.finish)
+        self._writer = writer
+        self.upstream.relay(self._on_data, writer.finish)
         error = await writer.wait()
         failure: GatewayError | None = None
         if isinstance(error, _RelayFailed):

@@ -65,6 +65,12 @@ class Backend:
         self._token = secrets.token_hex(8)
 
     @property
+    def sends_at_once(self) -> bool:
+        """True for an engine the gateway launched: SGLang's server sets ``TCP_NODELAY``, so its small writes
+        never wait for the gateway's ACK (SGLang's router and unknown servers behind a URL may not)."""
+        return self.engine is not None and self.router is None
+
+    @property
     def identity(self) -> str:
         """Which upstream this is, as the persistent response index records it (see :mod:`gateway.responses_index`).
 

@@ -60,12 +60,14 @@ EndSink = Callable[[BaseException | None], None]
 class _Connection(asyncio.Protocol):
     """One HTTP/1.1 connection to an engine; one request at a time, its response parsed as bytes arrive."""
 
-    def __init__(self, pool: StreamPool, key: tuple[str, str, int]) -> None:
+    def __init__(self, pool: StreamPool, key: tuple[str, str, int], quickack: bool = True) -> None:
         self.pool = pool
         self.key = key
+        self.quickack = quickack
         self.transport: asyncio.Transport | None = None
         self._ack: socket.socket | None = None  # a duplicate of the socket, for cheap TCP_QUICKACK calls
         self.exchange: StreamExchange | None = None
+        self.sink: Sink | None = None  # the exchange's relay, called straight from the parser's body callback
         self.parser: Any = None
         self.idle_since = 0.0
         self.used = False  # has carried a request before (a broken reuse may be retried once)
@@ -75,7 +77,7 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         sock = transport.get_extra_info("socket")
-        if _QUICKACK and sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        if self.quickack and _QUICKACK and sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             try:
                 self._ack = socket.socket(sock.family, sock.type, sock.proto, fileno=os.dup(sock.fileno()))
             except OSError:
@@ -119,7 +121,10 @@ class _Connection(asyncio.Protocol):
             self.exchange.headers_done(self.parser.get_status_code(), self.parser.should_keep_alive())
 
     def on_body(self, body: bytes) -> None:
-        if self.exchange is not None:
+        sink = self.sink
+        if sink is not None:
+            sink(body)
+        elif self.exchange is not None:
             self.exchange.body(body)
 
     def on_message_complete(self) -> None:
@@ -131,6 +136,7 @@ class _Connection(asyncio.Protocol):
     def send(self, exchange: StreamExchange, request: bytes) -> None:
         assert self.transport is not None
         self.exchange = exchange
+        self.sink = None
         self.parser = httptools.HttpResponseParser(self)
         self.transport.write(request)
 
@@ -146,7 +152,7 @@ class StreamExchange:
     """One streamed request: await :meth:`head`, then :meth:`read` (an error answer) or :meth:`relay` (a 200)."""
 
     __slots__ = (
-        "connection", "status", "content_type", "keep_alive", "last_read", "received", "_head", "_buffer", "_sink", "_end",
+        "connection", "status", "content_type", "keep_alive", "last_read", "received", "_head", "_buffer", "_end",
         "_complete", "_error", "_done", "_timer", "_read_timeout_s", "_released",
     )  # fmt: skip
 
@@ -161,7 +167,6 @@ class StreamExchange:
         self._head: asyncio.Future[None] = loop.create_future()
         self._done: asyncio.Future[None] | None = None  # for read()
         self._buffer: list[bytes] = []
-        self._sink: Sink | None = None
         self._end: EndSink | None = None
         self._complete = False
         self._error: BaseException | None = None
@@ -177,10 +182,8 @@ class StreamExchange:
             self._head.set_result(None)
 
     def body(self, data: bytes) -> None:
-        if self._sink is not None:
-            self._sink(data)
-        else:
-            self._buffer.append(data)
+        """A body piece before :meth:`relay` (an error answer, or what came with a stream's head)."""
+        self._buffer.append(data)
 
     def complete(self) -> None:
         self._complete = True
@@ -239,7 +242,8 @@ class StreamExchange:
         if self._complete or self._error is not None:
             on_end(self._error)
             return
-        self._sink, self._end = on_data, on_end
+        self._end = on_end
+        self.connection.sink = on_data
 
     def at_eof(self) -> bool:
         return self._complete
@@ -260,8 +264,8 @@ class StreamExchange:
             return
         self._released = True
         self._stop_timer()
-        self._sink = self._end = None
-        self.connection.exchange = None
+        self._end = None
+        self.connection.exchange = self.connection.sink = None
         self.connection.abort()
         self.connection.pool.release(self.connection, reuse=False)
 
@@ -273,8 +277,8 @@ class StreamExchange:
             self.close()
             return
         self._released = True
-        self._sink = self._end = None
-        self.connection.exchange = None
+        self._end = None
+        self.connection.exchange = self.connection.sink = None
         self.connection.pool.release(self.connection, reuse=True)
 
 
@@ -301,8 +305,13 @@ class StreamPool:
         """Connections carrying a request now."""
         return self._busy
 
-    async def request(self, base_url: str, path: str, payload: bytes, headers: dict[str, str]) -> StreamExchange:
-        """Send ``POST base_url+path`` and wait for the response head; raises the Upstream* errors above."""
+    async def request(
+        self, base_url: str, path: str, payload: bytes, headers: dict[str, str], *, quickack: bool = True
+    ) -> StreamExchange:
+        """Send ``POST base_url+path`` and wait for the response head; raises the Upstream* errors above.
+
+        ``quickack=False``: the upstream is known to send each write at once (``TCP_NODELAY``, as SGLang's own
+        server does), so acknowledging every read at once (one more system call per event) buys nothing."""
         parts = urlsplit(base_url)
         scheme = parts.scheme or "http"
         host = parts.hostname or "127.0.0.1"
@@ -315,7 +324,7 @@ class StreamPool:
         await self._take_slot()
         for attempt in (1, 2):
             try:
-                connection = self._idle_connection(key) or await self._connect(key)
+                connection = self._idle_connection(key) or await self._connect(key, quickack)
             except BaseException:
                 self._give_slot()
                 raise
@@ -370,10 +379,10 @@ class StreamPool:
             connection.abort()
         return None
 
-    async def _connect(self, key: tuple[str, str, int]) -> _Connection:
+    async def _connect(self, key: tuple[str, str, int], quickack: bool) -> _Connection:
         scheme, host, port = key
         loop = asyncio.get_running_loop()
-        connection = _Connection(self, key)
+        connection = _Connection(self, key, quickack)
         try:
             address = await asyncio.wait_for(self._resolve(host, port), self.connect_timeout_s)
             tls: dict[str, Any] = {}
