@@ -620,6 +620,9 @@ class SSEProxyResponse(Response):
                 return data
             self._pending = data
             return b""
+        if cut + 2 == len(data):  # the usual piece: whole events, nothing to copy or hold back
+            self._pending = b""
+            return self._inspect(data)
         self._pending = data[cut + 2 :]
         return self._inspect(data[: cut + 2])
 
