@@ -198,7 +198,8 @@ def main(argv: list[str]) -> int:
     import uvicorn
 
     app = build_app(args.served_model_name or args.model_path, api_key, args.max_total_tokens)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    # SIGTERM ends it within a second, streams or not (as SGLang's does; uvicorn alone would wait for them).
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False, timeout_graceful_shutdown=1)
     return 0
 
 
