@@ -24,14 +24,21 @@ launch: tiny-model
 check: tiny-model
 	$(VENV)/bin/sglang-gateway check $(CONFIG)
 
+# The tests run on TEST_WORKERS processes (pytest-xdist, a dev dependency), each module whole on one of them
+# (--dist loadscope: a module's engine fixtures start once; the session's shared engine starts once per
+# worker), in collection order (--no-loadscope-reorder: tests/conftest.py collects the slowest modules first);
+# serially when pytest-xdist is not installed, or with TEST_WORKERS=0.
+TEST_WORKERS ?= 2
+XDIST = $$($(PY) -c 'import xdist' 2>/dev/null && [ "$(TEST_WORKERS)" != 0 ] && echo '-n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder')
+
 # The 25 slowest tests are listed at the end of every run.
 test: tiny-model
-	$(PY) -m pytest --durations=25 $(PYTEST_ARGS)
+	$(PY) -m pytest --durations=25 $(XDIST) $(PYTEST_ARGS)
 
 # The same tests in a random order (pytest-randomly): no test may depend on another having run first.
 # The seed is printed at the top; PYTEST_ARGS='--randomly-seed=N' replays an order.
 test-random: tiny-model
-	$(PY) -m pytest --durations=25 -p randomly $(PYTEST_ARGS)
+	$(PY) -m pytest --durations=25 -p randomly $(XDIST) $(PYTEST_ARGS)
 
 # The gateway's own overhead against a fake instant upstream, direct vs through the gateway, same run.
 bench: env

@@ -24,14 +24,35 @@ REPO = Path(__file__).resolve().parent.parent
 TINY_CONFIG = REPO / "configs" / "tiny-cpu.yaml"
 TINY_MODEL = Path(os.environ.get("SGLANG_GATEWAY_TINY_MODEL", REPO / ".cache" / "tiny-model"))
 ENGINE_FIXTURE = "starts_engine"
+SLOWEST_MODULES = (
+    "tests/model_code/test_managed_engine.py",
+    "tests/gateway/test_replicas.py",
+    "tests/gateway/test_swap.py",
+    "tests/gateway/test_router_upstream.py",
+    "tests/benchmarks/test_affinity.py",
+    "tests/model_code/test_replicas.py",
+    "tests/model_code/test_shared_serving.py",
+    "tests/model_code/test_entrypoint_container.py",
+    "tests/docs/test_readme_mlflow.py",
+    "tests/launch/test_shared_engine.py",
+    "tests/model_code/test_gpu_stack_resolves.py",
+)
+"""The modules that take longest (measured with ``--durations``), slowest first. With pytest-xdist (``make
+test``), whole modules go to the workers in collection order, so these are collected first: a long module
+started last would leave the other worker idle meanwhile. A scheduling hint only: tests run in any order
+(``make test-random`` shuffles after this)."""
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark ``engine`` every test whose fixture closure includes ``starts_engine`` (before ``-m`` selects)."""
+    """Mark ``engine`` every test whose fixture closure includes ``starts_engine`` (before ``-m`` selects);
+    under pytest-xdist, collect :data:`SLOWEST_MODULES` first."""
     for item in items:
         if ENGINE_FIXTURE in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.engine)
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker (every worker sorts alike: the order is fixed)
+        rank = {module: index for index, module in enumerate(SLOWEST_MODULES)}
+        items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
 
 
 @pytest.fixture(scope="session", autouse=True)

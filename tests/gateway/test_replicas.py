@@ -5,12 +5,13 @@ One gateway (started from a YAML file, owning its engines) serves the module. In
 - with prefix affinity, requests that share a system prompt stay on one replica;
 - one replica is SIGKILLed under a bounded loop of concurrent streaming and plain SDK requests: no plain
   request fails, the model never answers 503, the replica is restarted and serves again;
-- a rolling swap (a changed engine section) under the same load: no failed request, and never more than
-  replicas + 1 engines alive at once;
 - SGLang's router put in front of the replicas by a reload (engines untouched): requests go through it, one
   engine SIGKILLed under load (no failed plain request, cut streams end with an error event, no internal
   address in any answer, the router's workers follow the restart), the router itself SIGKILLed (requests fall
   back to the replicas until the watchdog has restarted it), then taken away again by a reload.
+
+The rolling swap of the replicas under load (engine starts one after another) runs on fake engines, in
+tests/gateway/test_swap_fake_engine.py (the blue-green swap under load keeps its real-engine test in test_swap).
 
 The numbers are printed (``-s``).
 """
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -35,7 +35,6 @@ from launch.config import load_config
 from launch.procgroup import group_pids
 from tests.gateway.helpers import KEY, GatewayServer, auth, prometheus_value
 from tests.gateway.test_swap import Load, report
-from tests.model_code.helpers import engine_children
 
 pytestmark = pytest.mark.engine
 ADMIN = "replicas-admin-key"
@@ -177,43 +176,6 @@ def test_sigkill_of_one_replica_under_load(rig: Rig) -> None:
     report(
         "SIGKILL of replica 0 under load", requests=len(load.outcomes), outcomes=kinds, streams_cut=len(cut),
         replica_back_after_s=round(back - killed, 1), old_pid=victim, new_pid=after["replicas"][0]["engine"]["pid"],
-    )  # fmt: skip
-
-
-def test_rolling_swap_under_load(rig: Rig) -> None:
-    before = rig.model()
-    old_pids = {r["engine"]["pid"] for r in before["replicas"]}
-    alive: list[int] = []
-    stop = threading.Event()
-    others = set(engine_children()) - old_pids  # engines of other tests in this session (the shared one)
-
-    def count_engines() -> None:
-        while not stop.is_set():
-            alive.append(len(set(engine_children()) - others))
-            time.sleep(0.1)
-
-    counter = threading.Thread(target=count_engines, daemon=True)
-    counter.start()
-    try:
-        with Load(rig.server.url, workers=3) as load:
-            load.wait_for_requests(4, 0)
-            t0 = time.monotonic()
-            outcome = rig.reload(_deployment(rig.model_dir, max_total_tokens=2048))
-            done = time.monotonic()
-            load.wait_for_requests(4, done)
-    finally:
-        stop.set()
-        counter.join(5)
-    tiny = outcome["models"]["tiny"]
-    assert outcome["ok"] and tiny["action"] == "engine_changed" and tiny["policy"] == "rolling", outcome
-    after = rig.model()
-    assert {r["engine"]["pid"] for r in after["replicas"]}.isdisjoint(old_pids) and after["ready_replicas"] == 2
-    kinds = load.counts(load.outcomes)
-    assert set(kinds) == {"ok"}, kinds  # nothing failed, nothing refused, no stream cut
-    assert max(alive) <= 3, f"more than replicas + 1 engines alive: {max(alive)}"
-    report(
-        "rolling swap under load", requests=len(load.outcomes), outcomes=kinds, swap_s=round(done - t0, 1),
-        max_engines_alive=max(alive), engines_before=2,
     )  # fmt: skip
 
 

@@ -8,8 +8,10 @@ session's ``tiny_engine`` and one started here: one engine start for this module
   (they change its answer: ``n``, ``logprobs``, ``stream_options``, a JSON schema, ``max_tokens``);
 - the engine started here is SIGKILLed under a bounded loop of concurrent streaming and plain requests (raw HTTP):
   no plain request fails (the router retries them on the other engine), every stream either completes or ends
-  with the gateway's error event (the router itself just closes a cut stream), and no answer names an internal
-  address (the router's own messages do: the gateway strips them).
+  with the gateway's error event (the router itself just closes a cut stream), a stream the router still sent
+  to the dead engine at the kill is refused in the gateway's OpenAI error shape (502 ``upstream_error``, or 503
+  ``engine_unavailable`` with Retry-After), and no answer names an internal address (the router's own messages
+  do: the gateway strips them).
 
 The numbers are printed (``-s``).
 """
@@ -39,6 +41,9 @@ from tests.load import ThreadedLoad
 
 pytestmark = pytest.mark.engine
 PROMPT = [{"role": "user", "content": "Say something."}]
+ROUTER_NOTICES_S = 10.0
+"""Bound on how long after a SIGKILL the router may still send a new stream to the dead engine (it stops after the
+first failed connections to it; this bound only keeps "in flight at the kill" from meaning "any time")."""
 
 
 @dataclass
@@ -154,16 +159,25 @@ def test_an_engine_killed_under_load(chain: Chain, second_engine: EngineProcess)
         stream.outcome.text[-300:] for stream in long_streams
     ]
     plain_failed = [o for o in outcomes if not o.stream and o.status != 200]
-    cut = [o for o in outcomes if o.stream and o.ending != "done"]
+    # A stream that reached the dead engine through the router before the router noticed the kill is refused by
+    # the router itself (it retries plain requests, not streams): the client gets the gateway's OpenAI error
+    # for an upstream failure, never the router's own answer. Streams the router sent on afterwards complete.
+    refused = [o for o in outcomes if o.stream and o.status != 200]
+    cut = [o for o in outcomes if o.stream and o.status == 200 and o.ending != "done"]
     leaks = [o.text[:300] for o in outcomes if any(address in o.text for address in chain.internal_addresses)]
     report(
         "engine SIGKILL behind the router", requests=len(outcomes), after_kill=len(load.since(killed)),
         plain_failed=len(plain_failed), streams_cut=len(cut), cut_endings=sorted({o.ending for o in cut}),
+        streams_refused_at_the_kill=[(o.status, round(o.started - killed, 2)) for o in refused],
         statuses=sorted({o.status for o in outcomes}),
     )  # fmt: skip
     assert not plain_failed, [(o.status, o.text[:200]) for o in plain_failed[:3]]  # the router retried them
     assert all(o.ending == "error_event" for o in cut), [(o.ending, o.text[-300:]) for o in cut[:3]]
     assert all(o.started < killed for o in cut), "only streams running on the killed engine may be cut"
+    for o in refused:  # in flight at the kill, answered in the gateway's shape for an engine that failed
+        assert o.started < killed + ROUTER_NOTICES_S, f"a stream started {o.started - killed:.1f}s after the kill was refused"
+        assert (o.status, upstream_error_code(o)) in {(502, "upstream_error"), (503, "engine_unavailable")}, o.text[:300]
+        assert o.status != 503 or o.retry_after, "a 503 without Retry-After"
     assert not leaks, leaks[:3]
 
 
@@ -177,10 +191,12 @@ class RawOutcome:
     status: int = 0
     ending: str = ""  # streams: done | error_event | none (the connection closed before either)
     text: str = ""
+    retry_after: str | None = None
 
     def read(self, response: httpx.Response) -> None:
         """Keep the whole answer and, for a 200 stream, how it ended."""
         self.status = response.status_code
+        self.retry_after = response.headers.get("retry-after")
         try:
             for piece in response.iter_text():
                 self.text += piece
@@ -191,6 +207,17 @@ class RawOutcome:
             self.ending = (
                 "done" if last == "data: [DONE]" else "error_event" if last.startswith('data: {"error"') else "none"
             )
+
+
+def upstream_error_code(outcome: RawOutcome) -> str | None:
+    """The ``error.code`` of an OpenAI-shaped error body (None when the body is not one)."""
+    try:
+        error = json.loads(outcome.text)["error"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(error, dict) or not {"message", "type", "code"} <= set(error) or not error["message"]:
+        return None
+    return error["code"]
 
 
 class LongStream:

@@ -12,22 +12,21 @@ engine configs of ``ENGINES``, and rewrites and reloads the YAML to say so with 
 (a) the engine section changes (to the other config of ``ENGINES``: max_total_tokens and served_model_name):
     zero failed requests, new requests reach the new engine, the old process is gone after the drain;
     a second reload sent at the same time finds nothing left to do;
-(-) two concurrent stop-first swaps share one swap: only 503 + Retry-After while the model is down;
 (d) the engine is SIGKILLed mid-stream: that stream ends with an error event naming the engine,
     ``/ready`` names the model, requests get 503 (never a hang, never a 500) while the other model
     (``other``: the session's engine, by URL) keeps serving, until the watchdog's restart;
-(e) the engine hangs (SIGSTOP): after ``unhealthy_after`` failed probes the model answers 503 at once
-    and the watchdog restarts it (a new backoff streak, since it had been stable);
-(f) a stop-first reload to a broken engine: a stream outliving ``drain_timeout_s`` is cut, the new
-    engine fails, the model answers 503 until the watchdog restarts the previous config;
-(g) with ``max_restarts: 0`` the watchdog gives up on a dead engine; an admin swap revives it;
 (h) a request crashes the engine (its vocabulary hidden from the gateway, so the token-id check cannot
     stop it): the engine is restarted without backoff, and the same request is refused afterwards;
 (i) the managed engine refuses requests that do not carry its own key.
 
 Both engines keep Responses API state, so the module also shows that stored responses are read,
-cancelled and continued on the engine that created them, and are gone (404) once that engine was
-replaced (by the stop-first swap).
+cancelled and continued on the engine that created them (that they are gone, 404, once that engine was
+replaced is shown with the stop-first swap in tests/gateway/test_swap_fake_engine.py).
+
+The swap policies and watchdog scenarios that only the control plane decides (two concurrent stop-first
+swaps, a hung engine, a stop-first swap to an engine that fails, a watchdog that gives up) start an engine
+each and run on fake engines in tests/gateway/test_swap_fake_engine.py, with this module's rig and load;
+this module keeps one real-engine end-to-end test per capability.
 
 Every scenario checks the swap, reload and restart counters of ``/metrics`` by value, and the module
 leaves no engine process and no ``/dev/shm`` file behind. The numbers (failed requests, swap time,
@@ -55,10 +54,9 @@ from gateway.app import app_from_config
 from gateway.registry import Backend
 from launch.config import load_config
 from launch.process import EngineProcess
-from launch.procgroup import group_pids, signal_group
+from launch.procgroup import group_pids
 from tests.gateway.helpers import (
     KEY,
-    BackgroundStream,
     GatewayServer,
     assert_openai_error,
     auth,
@@ -409,46 +407,6 @@ def test_a_engine_change_swaps_blue_green_without_failed_requests(rig: SwapRig) 
     )  # fmt: skip
 
 
-def test_stop_first_swap_answers_503_with_retry_after_meanwhile(rig: SwapRig) -> None:
-    """Two concurrent stop-first swaps share one; meanwhile only 503 + Retry-After. The responses stored on
-    the replaced engine are gone afterwards (404, saying so)."""
-    sdk = openai.OpenAI(base_url=rig.server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
-    stored = sdk.responses.create(model="tiny", input="Remember this.", max_output_tokens=4, temperature=0)
-    assert sdk.responses.retrieve(stored.id).id == stored.id
-    before = rig.model()
-    counters = rig.metrics()
-    with Load(rig.server.url, workers=2) as load:
-        load.wait_for_requests(4, 0)
-        t0 = time.monotonic()
-        with ThreadPoolExecutor(2) as pool:
-            calls = [pool.submit(rig.admin, "POST", "/admin/models/tiny/swap", params={"policy": "stop-first"}) for _ in range(2)]
-            responses = [call.result() for call in calls]
-        done = time.monotonic()
-        load.wait_for_requests(4, done)
-    results = [r.json() for r in responses]
-    assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
-    assert results[0] == results[1], "two concurrent swap calls must share one swap"
-    assert changes(counters, rig.metrics()) == {"swaps_ok": 1}
-    assert results[0]["policy"] == "stop-first" and results[0]["new"]["pid"] != before["engine"]["pid"]
-    after = rig.model()
-    assert after["engine"]["pid"] == results[0]["new"]["pid"] and not group_pids(before["engine"]["pid"])
-    during = load.since(t0, done)
-    kinds = load.counts(load.outcomes)
-    assert set(kinds) <= {"ok", "503"}, [o for o in load.outcomes if o.kind not in ("ok", "503")][:3]
-    refused = [o for o in load.outcomes if o.kind == "503"]
-    assert refused and all(o.retry_after == "2" for o in refused), refused[:3]
-    # Answered at once, not held until the new engine was up (which took start_s).
-    assert max(o.ended - o.started for o in refused) < results[0]["start_s"] / 2, refused
-    gone = httpx.get(f"{rig.server.url}/v1/responses/{stored.id}", headers=auth(KEY), timeout=30)
-    assert gone.status_code == 404 and gone.json()["error"]["code"] == "response_not_found", gone.text
-    assert "replaced" in gone.json()["error"]["message"], gone.text
-    report(
-        "stop-first swap (two concurrent calls)",
-        requests=len(load.outcomes), outcomes=kinds, requests_during_swap=len(during),
-        swap_s=round(done - t0, 1), unavailable_s=round(results[0]["unavailable_s"], 1), new_engine_start_s=round(results[0]["start_s"], 1),
-    )  # fmt: skip
-
-
 def test_d_sigkilled_engine_is_restarted_and_requests_get_503_meanwhile(rig: SwapRig) -> None:
     before = rig.model()
     counters = rig.metrics()
@@ -506,93 +464,6 @@ def test_d_sigkilled_engine_is_restarted_and_requests_get_503_meanwhile(rig: Swa
         outage_s=round(first_ok - killed, 1), restart_detected_to_ready_s=round(back - killed, 1),
         old_pid=pid, new_pid=after["engine"]["pid"],
     )  # fmt: skip
-
-
-def test_e_hung_engine_is_restarted_and_requests_get_503_meanwhile(rig: SwapRig) -> None:
-    """An engine that stops answering (SIGSTOP: alive, but silent) is restarted after ``unhealthy_after``
-    failed /health probes; meanwhile its model answers 503 at once instead of hanging requests."""
-    before = rig.model()
-    counters = rig.metrics()
-    pid = before["engine"]["pid"]
-    # Healthy for stable_after_s since the last restart: the next one starts a new backoff streak.
-    deadline = time.monotonic() + 60
-    while rig.model()["engine"]["uptime_s"] < WATCHDOG["stable_after_s"] + 2:
-        assert time.monotonic() < deadline
-        time.sleep(0.5)
-    signal_group(pid, signal.SIGSTOP)
-    try:
-        deadline = time.monotonic() + 120
-        while (model := rig.model())["state"] == "ready":
-            assert time.monotonic() < deadline, f"the hung engine was not noticed: {model}"
-            time.sleep(0.2)
-        refused = rig.chat()
-        message = assert_openai_error(refused, 503, "engine_unavailable")["error"]["message"]
-        assert refused.headers["retry-after"]
-        assert "failed 2 /health probes in a row" in message, message
-        assert "attempt 1 of 3" in message, message  # the streak was reset by the stable stretch before
-        after = rig.wait_ready_after(pid)
-    finally:
-        signal_group(pid, signal.SIGCONT)  # the restart stops it; this only matters if it did not
-    assert not group_pids(pid), "the hung engine is still there after the restart"
-    assert rig.chat().status_code == 200
-    assert after["restarts"] == before["restarts"] + 1
-    assert changes(counters, rig.metrics()) == {"restarts": 1}
-
-
-def test_f_stop_first_swap_to_an_engine_that_fails(rig: SwapRig) -> None:
-    """Stop-first drains the old engine (a stream outlives drain_timeout_s and is cut), stops it, and
-    the new one fails to start: the model answers 503 until the watchdog brings the previous config back."""
-    before = rig.model()
-    counters = rig.metrics()
-    pid = before["engine"]["pid"]
-    rig.deploy(_broken_model_dir(rig.tmp), drain_timeout_s=1, swap_policy={"tiny": "stop-first"})
-    body = {"model": "tiny", "messages": PROMPT, "max_tokens": 1900, "ignore_eos": True, "stream": True}
-    stream = BackgroundStream(rig.server.url + "/v1/chat/completions", body, auth(KEY)).start()
-    response = rig.admin("POST", "/admin/reload")
-    events = stream.finish()
-    assert response.status_code == 502, response.text
-    item = response.json()["reload"]["models"]["tiny"]
-    assert item["action"] == "engine_changed" and item["ok"] is False and item["policy"] == "stop-first"
-    assert item["drain_timed_out"] is True and item["drain_s"] >= 1
-    assert "the watchdog restarts it with the previous config" in item["error"], item["error"]
-    assert events[-1].startswith('data: {"error"'), events[-3:]  # the stream cut by the stop, said so
-    refused = rig.chat()  # the old engine is stopped and the new one failed: down until the watchdog acts
-    assert_openai_error(refused, 503, "engine_unavailable")
-    assert refused.headers["retry-after"]
-    after = rig.wait_ready_after(pid)
-    assert after["served_model_name"] == before["served_model_name"]
-    assert rig.chat().status_code == 200
-    assert changes(counters, rig.metrics()) == {"reloads_partial": 1, "swaps_failed": 1, "restarts": 1, "stream_errors": 1}
-    rig.deploy(rig.model_dir, **ENGINES[before["served_model_name"]])  # what is running again
-    assert rig.admin("POST", "/admin/reload").json()["models"]["tiny"]["action"] == "unchanged"
-
-
-def test_g_watchdog_gives_up_then_a_swap_revives(rig: SwapRig) -> None:
-    """With ``max_restarts: 0`` the watchdog does not restart a dead engine: the model stays down
-    (503 naming what to do) until an operator swaps it."""
-    rig.deploy_running(watchdog={**WATCHDOG, "max_restarts": 0})
-    assert rig.admin("POST", "/admin/reload").json()["settings_changed"] == ["watchdog"]
-    before = rig.model()
-    counters = rig.metrics()
-    pid = before["engine"]["pid"]
-    try:
-        os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 60
-        while (model := rig.model())["state"] != "failed":
-            assert time.monotonic() < deadline, f"the watchdog did not give up: {model}"
-            time.sleep(0.2)
-        refused = rig.chat()
-        assert "an operator must swap or reload model 'tiny'" in assert_openai_error(refused, 503, "engine_unavailable")["error"]["message"]
-        time.sleep(3 * WATCHDOG["interval_s"])
-        assert rig.model()["state"] == "failed" and rig.model()["engine"]["pid"] == pid  # no restart behind our back
-        revived = rig.admin("POST", "/admin/models/tiny/swap")
-        assert revived.status_code == 200, revived.text
-        assert rig.chat().status_code == 200
-        rig.wait_ready_after(pid, timeout_s=10)  # the listing says "failed" until the watchdog's next look
-        assert changes(counters, rig.metrics()) == {"swaps_ok": 1}
-    finally:
-        rig.deploy_running()
-        rig.admin("POST", "/admin/reload")
 
 
 def test_h_request_that_crashed_the_engine_is_refused_afterwards(rig: SwapRig, monkeypatch: pytest.MonkeyPatch) -> None:

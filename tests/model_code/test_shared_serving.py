@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import mlflow
@@ -30,6 +31,7 @@ pytestmark = pytest.mark.engine
 
 BODY = {"messages": [{"role": "user", "content": "What is Databricks?"}], "custom_inputs": {"max_tokens": 4}}
 SETTLE_S = 120  # bound on waiting for processes to appear or go away (never a timing assertion)
+TAG_ENV = "SGLANG_GATEWAY_TEST_SERVER_TAG"  # set for the server only: its processes (engine hosts too) inherit it
 
 
 def _cmdline(proc: psutil.Process) -> str:
@@ -51,8 +53,17 @@ def scoring_workers(server: psutil.Process) -> list[psutil.Process]:
     return [p for p in server.children(recursive=True) if "spawn_main" in _cmdline(p) and _live(p)]
 
 
-def engine_hosts() -> list[psutil.Process]:
-    return [p for p in psutil.process_iter() if "launch.engine_host" in _cmdline(p) and _live(p)]
+def engine_hosts(tag: str | None = None) -> list[psutil.Process]:
+    """Live engine hosts on this machine; with ``tag``, only those whose environment carries it (see ``TAG_ENV``):
+    the ones this test's server started, not those of tests running alongside (pytest-xdist) or of other users."""
+    return [p for p in psutil.process_iter() if "launch.engine_host" in _cmdline(p) and _live(p) and _tagged(p, tag)]
+
+
+def _tagged(proc: psutil.Process, tag: str | None) -> bool:
+    try:
+        return tag is None or proc.environ().get(TAG_ENV) == tag
+    except psutil.Error:
+        return False
 
 
 def engines_of(parents: set[int]) -> list[psutil.Process]:
@@ -112,9 +123,10 @@ def logged_agent(mlflow_store, tiny_deployment, tiny_model_dir):
 
 
 def test_two_workers_one_engine_survives_the_owner_and_leaves_nothing(logged_agent, mlflow_store):
-    hosts_before = {p.pid for p in engine_hosts()}
+    tag = uuid.uuid4().hex
+    hosts_before = {p.pid for p in engine_hosts(tag)}
     path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
-    env = {**os.environ, "PATH": path, "MLFLOW_TRACKING_URI": f"sqlite:///{mlflow_store}/mlflow.db"}
+    env = {**os.environ, "PATH": path, "MLFLOW_TRACKING_URI": f"sqlite:///{mlflow_store}/mlflow.db", TAG_ENV: tag}
     argv = [sys.executable, "-m", "mlflow", "models", "serve", "-m", logged_agent.model_uri]
     argv += ["--env-manager", "local", "-h", "127.0.0.1", "-p", "{port}", "-w", "2"]
     log_path = mlflow_store / "mlflow-serve-w2.log"
@@ -122,8 +134,8 @@ def test_two_workers_one_engine_survives_the_owner_and_leaves_nothing(logged_age
         url, server = served.url, psutil.Process(served.pid)
         _wait_for(lambda: len(scoring_workers(server)) == 2, "two scoring workers")
         workers = {p.pid for p in scoring_workers(server)}
-        _wait_for(lambda: {p.ppid() for p in engine_hosts() if p.pid not in hosts_before} & workers, "the engine host")
-        [host] = [p for p in engine_hosts() if p.pid not in hosts_before and p.ppid() in workers]
+        _wait_for(lambda: {p.ppid() for p in engine_hosts(tag) if p.pid not in hosts_before} & workers, "the engine host")
+        [host] = [p for p in engine_hosts(tag) if p.pid not in hosts_before and p.ppid() in workers]
         owner = host.ppid()  # the worker that started the engine (through its host)
 
         # exactly one engine for the two workers: none of their own, one under the host
@@ -163,13 +175,13 @@ def test_two_workers_one_engine_survives_the_owner_and_leaves_nothing(logged_age
         assert worker == replacement
         everyone = {p.pid for p in scoring_workers(server)} | {host.pid}
         assert [p.pid for p in engines_of(everyone)] == [engine.pid]
-        assert [h.pid for h in engine_hosts() if h.pid not in hosts_before] == [host.pid]
+        assert [h.pid for h in engine_hosts(tag) if h.pid not in hosts_before] == [host.pid]
         assert "server_args=" not in log_path.read_text(errors="replace")  # the engine's log stays in its file
 
     # the server is stopped (process group SIGTERM): the host sees no user left and stops the engine
     _wait_for(lambda: not _live(host) and not _live(engine), "the engine and its host to stop")
     _wait_for(lambda: not key_dir.exists(), "the shared-engine directory to be removed")
-    assert [h.pid for h in engine_hosts() if h.pid not in hosts_before] == []
+    assert [h.pid for h in engine_hosts(tag) if h.pid not in hosts_before] == []
     assert [f for f in shm_files if f.exists()] == []
 
 

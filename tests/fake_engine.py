@@ -1,0 +1,207 @@
+"""A FAKE SGLang engine process, for control-plane tests (swaps, restarts, the watchdog) that need engines
+to start, die, hang and be replaced many times, which the real CPU engine does in ~30-40 s of CPU each.
+
+It is launched by the product exactly like the real one: the engine config's ``python:`` names the
+interpreter wrapper :func:`fake_engine_python` writes, the gateway runs ``<python> -m sglang.launch_server
+<SGLang's flags>`` through :class:`launch.process.EngineProcess` (its own process group, its port, its
+``--config`` key file, its log), and the wrapper runs this file with the same argv instead of SGLang. So a
+SIGKILL, a SIGSTOP, a stop and a restart hit a real process; only the model is missing.
+
+What it does, SGLang's way (what the gateway relies on, nothing more):
+
+- ``GET /health`` 200 (no key); ``GET /metrics`` the two gauges the gateway reads (no key);
+- it listens ``FAKE_ENGINE_START_S`` (default 0) after its start: a start takes time;
+- every other route needs ``Authorization: Bearer <api-key>`` from the ``--config`` file (401 otherwise);
+- ``GET /v1/models``: the served model name with ``max_model_len``;
+- ``POST /v1/chat/completions``: ``max_tokens`` (default 16) pieces ``"tok "``, streamed (role chunk, one chunk
+  per piece every ``FAKE_ENGINE_TOKEN_S``, finish chunk, ``data: [DONE]``) or not; ``model`` is the served name;
+- ``POST /v1/responses`` (not streamed) and ``GET /v1/responses/{id}``: responses stored in memory;
+- a ``--model-path`` whose ``config.json`` is not valid JSON: it logs a traceback and exits 1 after a moment,
+  as SGLang does for a broken model directory.
+
+Its command line keeps ``sglang.launch_server`` (after this file's path), so
+``tests.model_code.helpers.engine_children`` counts it as an engine of this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import stat
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+TOKEN = "tok "
+TOKEN_S = float(os.environ.get("FAKE_ENGINE_TOKEN_S", "0.01"))  # time per generated piece
+START_S = float(os.environ.get("FAKE_ENGINE_START_S", "0"))  # how long it takes to listen
+HERE = Path(__file__).resolve()
+
+
+def fake_engine_python(directory: Path) -> Path:
+    """Write (into ``directory``) the interpreter wrapper to put in an engine config's ``python:``.
+
+    ``<it> -m sglang.launch_server ...`` runs this fake with that argv; anything else (the product's
+    ``-c`` probe of the interpreter) goes to the real interpreter unchanged.
+    """
+    wrapper = directory / "fake-engine-python"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        "# FAKE engine interpreter (tests/fake_engine.py): runs the fake instead of SGLang's server.\n"
+        f'if [ "$1" = "-m" ] && [ "$2" = "sglang.launch_server" ]; then exec {sys.executable} {HERE} "$@"; fi\n'
+        f'exec {sys.executable} "$@"\n'
+    )
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
+    return wrapper
+
+
+def _args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="fake-sglang")
+    parser.add_argument("-m", dest="module")
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--served-model-name")
+    parser.add_argument("--max-total-tokens", type=int, default=4096)
+    parser.add_argument("--config")
+    parsed, _ = parser.parse_known_args(argv)  # SGLang's other flags mean nothing to a fake
+    return parsed
+
+
+def _chunk(model: str, created: int, cid: str, delta: dict[str, Any], finish: str | None = None) -> bytes:
+    body = {
+        "id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+    }  # fmt: skip
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+def build_app(model: str, api_key: str | None, context_length: int) -> Any:
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response, StreamingResponse
+    from starlette.routing import Route
+
+    responses: dict[str, dict[str, Any]] = {}
+    running = [0]
+
+    def refused(request: Request) -> Response | None:
+        if api_key and request.headers.get("authorization") != f"Bearer {api_key}":
+            return JSONResponse({"error": {"message": "Unauthorized", "type": "invalid_request_error", "code": 401}}, 401)
+        return None
+
+    async def health(request: Request) -> Response:
+        return Response(b"", 200)
+
+    async def metrics(request: Request) -> Response:
+        text = f'sglang:num_running_reqs{{model_name="{model}"}} {running[0]}\nsglang:num_queue_reqs{{model_name="{model}"}} 0\n'
+        return Response(text, media_type="text/plain")
+
+    async def models(request: Request) -> Response:
+        if (no := refused(request)) is not None:
+            return no
+        card = {"id": model, "object": "model", "created": int(time.time()), "owned_by": "sglang", "max_model_len": context_length}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def chat(request: Request) -> Response:
+        if (no := refused(request)) is not None:
+            return no
+        body = await request.json()
+        tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
+        created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
+        usage = {"prompt_tokens": 5, "completion_tokens": tokens, "total_tokens": 5 + tokens}
+        if not body.get("stream"):
+            running[0] += 1
+            try:
+                await asyncio.sleep(TOKEN_S * tokens)
+            finally:
+                running[0] -= 1
+            message = {"role": "assistant", "content": TOKEN * tokens}
+            return JSONResponse({
+                "id": cid, "object": "chat.completion", "created": created, "model": model, "usage": usage,
+                "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": "length"}],
+            })  # fmt: skip
+
+        async def events() -> Any:
+            running[0] += 1
+            try:
+                yield _chunk(model, created, cid, {"role": "assistant", "content": ""})
+                for _ in range(tokens):
+                    await asyncio.sleep(TOKEN_S)
+                    yield _chunk(model, created, cid, {"content": TOKEN})
+                yield _chunk(model, created, cid, {}, "length")
+                yield b"data: [DONE]\n\n"
+            finally:
+                running[0] -= 1
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def create_response(request: Request) -> Response:
+        if (no := refused(request)) is not None:
+            return no
+        body = await request.json()
+        tokens = int(body.get("max_output_tokens") or 16)
+        rid = f"resp_{uuid.uuid4().hex}"
+        text = TOKEN * tokens
+        item = {
+            "id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "status": "completed",
+            "content": [{"type": "output_text", "text": text, "annotations": []}],
+        }  # fmt: skip
+        stored = {
+            "id": rid, "object": "response", "created_at": int(time.time()), "model": model, "status": "completed",
+            "output": [item], "previous_response_id": body.get("previous_response_id"), "parallel_tool_calls": True,
+            "tool_choice": "auto", "tools": [], "usage": {"input_tokens": 5, "output_tokens": tokens, "total_tokens": 5 + tokens},
+        }  # fmt: skip
+        responses[rid] = stored
+        return JSONResponse(stored)
+
+    async def get_response(request: Request) -> Response:
+        if (no := refused(request)) is not None:
+            return no
+        stored = responses.get(request.path_params["rid"])
+        if stored is None:
+            return JSONResponse({"error": {"message": "Response not found", "type": "invalid_request_error", "code": 404}}, 404)
+        return JSONResponse(stored)
+
+    return Starlette(
+        routes=[
+            Route("/health", health),
+            Route("/metrics", metrics),
+            Route("/v1/models", models),
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+            Route("/v1/responses", create_response, methods=["POST"]),
+            Route("/v1/responses/{rid}", get_response),
+        ]
+    )
+
+
+def main(argv: list[str]) -> int:
+    args = _args(argv)
+    print(f"fake engine (tests/fake_engine.py) for {args.model_path} on port {args.port}", flush=True)
+    try:
+        json.loads((Path(args.model_path) / "config.json").read_text())
+    except (OSError, ValueError) as error:
+        time.sleep(1.0)  # a real engine fails a moment into its start, not at once
+        print("Traceback (most recent call last):", flush=True)
+        print(f"{type(error).__name__}: {error}", flush=True)
+        return 1
+    time.sleep(START_S)
+    api_key = None
+    if args.config:
+        import yaml
+
+        api_key = (yaml.safe_load(Path(args.config).read_text()) or {}).get("api-key")
+    import uvicorn
+
+    app = build_app(args.served_model_name or args.model_path, api_key, args.max_total_tokens)
+    # SIGTERM ends it within a second, streams or not (as SGLang's does; uvicorn alone would wait for them).
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False, timeout_graceful_shutdown=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,347 @@
+"""Swap policies, the watchdog and rolling swaps, on FAKE engines (tests/fake_engine.py).
+
+These scenarios start, kill, hang and replace engines again and again: on the real SGLang CPU engine each
+start costs ~30-40 s of CPU, and what they check is the gateway's control plane, not the model. So the
+engines here are fakes, launched by the gateway itself exactly as real ones are (the engine config's
+``python:`` is the fake's interpreter wrapper; :class:`launch.process.EngineProcess` gives each its process
+group, port, key file and log): a SIGKILL, a SIGSTOP, a drain, a stop and a restart hit a real process,
+which answers OpenAI-shaped chat and Responses requests with a model-less echo. Each fake takes
+``FAKE_START_S`` to come up, so "meanwhile" windows are there to observe.
+
+Which real-engine end-to-end test each capability keeps (tests/gateway/test_swap.py unless said):
+blue-green swap under load: ``test_a``; an engine that fails to start: ``test_c``; SIGKILL and automatic
+restart under load: ``test_d``; a request that crashes the engine: ``test_h``; replicas and a replica killed
+under load: tests/gateway/test_replicas.py.
+
+The swap module's rig, helpers and load are reused (``SwapRig``, ``Load``): the same gateway started from a
+YAML file, the same assertions on what clients see and on the ``/metrics`` counters, by value:
+
+- two concurrent stop-first swaps share one; meanwhile only 503 + Retry-After (answered at once); stored
+  responses of the replaced engine are gone (404, saying so);
+- (e) a hung engine (SIGSTOP) is restarted after ``unhealthy_after`` failed probes; 503 at once meanwhile;
+- (f) a stop-first reload to an engine that fails: a stream outliving ``drain_timeout_s`` is cut, the model
+  answers 503 until the watchdog restarts the previous config;
+- (g) with ``max_restarts: 0`` the watchdog gives up on a dead engine; an admin swap revives it;
+- a rolling swap of two replicas under load: no failed request, never more than replicas + 1 engines alive.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from gateway.app import app_from_config
+from launch.config import EngineConfig, load_config
+from launch.process import EngineProcess
+from launch.procgroup import group_pids, signal_group
+from tests.fake_engine import fake_engine_python
+from tests.gateway import test_replicas
+from tests.gateway.helpers import KEY, BackgroundStream, GatewayServer, assert_openai_error, auth
+from tests.gateway.test_replicas import Rig
+from tests.gateway.test_swap import (
+    ENGINES,
+    PROMPT,
+    WATCHDOG,
+    Load,
+    SwapRig,
+    _broken_model_dir,
+    changes,
+    report,
+)
+from tests.leaks import LeakCheck
+from tests.model_code.helpers import engine_children
+
+FAKE_START_S = "3"
+"""How long a fake engine takes to listen (a real one: 30-40 s); the fakes' env, so no swap changes it."""
+
+
+def _fake(engine: dict[str, Any], python: Path) -> dict[str, Any]:
+    """An engine section of the swap or replica modules, run by the fake engine."""
+    return {**engine, "python": str(python), "env": {"FAKE_ENGINE_START_S": FAKE_START_S}}
+
+
+@dataclass
+class FakeSwapRig(SwapRig):
+    """``SwapRig`` whose YAML runs the model on the fake engine."""
+
+    python: Path = Path()
+
+    def write(self, text: str) -> None:
+        data = yaml.safe_load(text)
+        engine = data.get("models", {}).get("tiny", {}).get("engine") if isinstance(data, dict) else None
+        if isinstance(engine, dict):
+            data["models"]["tiny"]["engine"] = _fake(engine, self.python)
+            text = yaml.safe_dump(data, sort_keys=False)
+        self.config.write_text(text)
+
+
+@pytest.fixture(scope="module")
+def fake_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return fake_engine_python(tmp_path_factory.mktemp("fake-engine"))
+
+
+@pytest.fixture(scope="module")
+def other_engine(fake_python: Path, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
+    """A fake engine the gateway reaches by URL, as the swap module's ``other`` model."""
+    config = EngineConfig(model_path=str(tiny_model_dir), device="cpu", python=str(fake_python), env={"FAKE_ENGINE_START_S": "0"})
+    with EngineProcess("tiny", config, log_dir=tmp_path_factory.mktemp("other-logs")) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def rig(
+    fake_python: Path, other_engine: EngineProcess, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SwapRig]:
+    tmp = tmp_path_factory.mktemp("swap-fake")
+    leaks = LeakCheck()
+    rig = FakeSwapRig(None, tmp / "deploy.yaml", tiny_model_dir, tmp, other_engine.url, leaks, python=fake_python)  # type: ignore[arg-type]
+    rig.deploy(tiny_model_dir)
+    app, settings = app_from_config(load_config(rig.config), log_dir=tmp / "logs")
+    rig.server = GatewayServer(app, settings).start(timeout_s=120)
+    try:
+        yield rig
+        rig.model()  # the engine running now is watched too
+        counters = rig.metrics()
+    finally:
+        rig.server.stop()
+    engines = 1 + counters["swaps_ok"] + counters["restarts"]  # each swap or restart brought a new engine
+    assert len(leaks.groups) >= engines, f"the module watched {len(leaks.groups)} engines of the {engines} it ran"
+    leaks.assert_nothing_left()  # every engine of the module stopped
+
+
+@pytest.fixture
+def settled(rig: SwapRig) -> SwapRig:
+    """As in test_swap: the model ready, the YAML of its running config with the module's settings, applied."""
+    deadline = time.monotonic() + 120
+    while (model := rig.model())["state"] != "ready":
+        assert time.monotonic() < deadline, f"the model is not ready after the previous test: {model}"
+        time.sleep(0.25)
+    rig.deploy_running()
+    response = rig.admin("POST", "/admin/reload")
+    assert response.status_code == 200, response.text
+    assert response.json()["models"]["tiny"]["action"] == "unchanged", response.text  # no engine started here
+    return rig
+
+
+# ----------------------------------------------------------------------------- swap policies and the watchdog
+
+@pytest.mark.usefixtures("settled")
+def test_stop_first_swap_answers_503_with_retry_after_meanwhile(rig: SwapRig) -> None:
+    """Two concurrent stop-first swaps share one; meanwhile only 503 + Retry-After. The responses stored on
+    the replaced engine are gone afterwards (404, saying so)."""
+    sdk = openai.OpenAI(base_url=rig.server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    stored = sdk.responses.create(model="tiny", input="Remember this.", max_output_tokens=4, temperature=0)
+    assert sdk.responses.retrieve(stored.id).id == stored.id
+    before = rig.model()
+    counters = rig.metrics()
+    with Load(rig.server.url, workers=2) as load:
+        load.wait_for_requests(4, 0)
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(2) as pool:
+            calls = [pool.submit(rig.admin, "POST", "/admin/models/tiny/swap", params={"policy": "stop-first"}) for _ in range(2)]
+            responses = [call.result() for call in calls]
+        done = time.monotonic()
+        load.wait_for_requests(4, done)
+    results = [r.json() for r in responses]
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+    assert results[0] == results[1], "two concurrent swap calls must share one swap"
+    assert changes(counters, rig.metrics()) == {"swaps_ok": 1}
+    assert results[0]["policy"] == "stop-first" and results[0]["new"]["pid"] != before["engine"]["pid"]
+    after = rig.model()
+    assert after["engine"]["pid"] == results[0]["new"]["pid"] and not group_pids(before["engine"]["pid"])
+    during = load.since(t0, done)
+    kinds = load.counts(load.outcomes)
+    assert set(kinds) <= {"ok", "503"}, [o for o in load.outcomes if o.kind not in ("ok", "503")][:3]
+    refused = [o for o in load.outcomes if o.kind == "503"]
+    assert refused and all(o.retry_after == "2" for o in refused), refused[:3]
+    # Answered at once, not held until the new engine was up (which took start_s).
+    assert max(o.ended - o.started for o in refused) < results[0]["start_s"] / 2, refused
+    gone = httpx.get(f"{rig.server.url}/v1/responses/{stored.id}", headers=auth(KEY), timeout=30)
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "response_not_found", gone.text
+    assert "replaced" in gone.json()["error"]["message"], gone.text
+    report(
+        "stop-first swap (two concurrent calls)",
+        requests=len(load.outcomes), outcomes=kinds, requests_during_swap=len(during),
+        swap_s=round(done - t0, 1), unavailable_s=round(results[0]["unavailable_s"], 1), new_engine_start_s=round(results[0]["start_s"], 1),
+    )  # fmt: skip
+
+
+
+@pytest.mark.usefixtures("settled")
+def test_e_hung_engine_is_restarted_and_requests_get_503_meanwhile(rig: SwapRig) -> None:
+    """An engine that stops answering (SIGSTOP: alive, but silent) is restarted after ``unhealthy_after``
+    failed /health probes; meanwhile its model answers 503 at once instead of hanging requests."""
+    before = rig.model()
+    counters = rig.metrics()
+    pid = before["engine"]["pid"]
+    # Healthy for stable_after_s since the last restart: the next one starts a new backoff streak.
+    deadline = time.monotonic() + 60
+    while rig.model()["engine"]["uptime_s"] < WATCHDOG["stable_after_s"] + 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    signal_group(pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 120
+        while (model := rig.model())["state"] == "ready":
+            assert time.monotonic() < deadline, f"the hung engine was not noticed: {model}"
+            time.sleep(0.2)
+        refused = rig.chat()
+        message = assert_openai_error(refused, 503, "engine_unavailable")["error"]["message"]
+        assert refused.headers["retry-after"]
+        assert "failed 2 /health probes in a row" in message, message
+        assert "attempt 1 of 3" in message, message  # the streak was reset by the stable stretch before
+        after = rig.wait_ready_after(pid)
+    finally:
+        signal_group(pid, signal.SIGCONT)  # the restart stops it; this only matters if it did not
+    assert not group_pids(pid), "the hung engine is still there after the restart"
+    assert rig.chat().status_code == 200
+    assert after["restarts"] == before["restarts"] + 1
+    assert changes(counters, rig.metrics()) == {"restarts": 1}
+
+
+
+@pytest.mark.usefixtures("settled")
+def test_f_stop_first_swap_to_an_engine_that_fails(rig: SwapRig) -> None:
+    """Stop-first drains the old engine (a stream outlives drain_timeout_s and is cut), stops it, and
+    the new one fails to start: the model answers 503 until the watchdog brings the previous config back."""
+    before = rig.model()
+    counters = rig.metrics()
+    pid = before["engine"]["pid"]
+    rig.deploy(_broken_model_dir(rig.tmp), drain_timeout_s=1, swap_policy={"tiny": "stop-first"})
+    body = {"model": "tiny", "messages": PROMPT, "max_tokens": 1900, "ignore_eos": True, "stream": True}
+    stream = BackgroundStream(rig.server.url + "/v1/chat/completions", body, auth(KEY)).start()
+    response = rig.admin("POST", "/admin/reload")
+    events = stream.finish()
+    assert response.status_code == 502, response.text
+    item = response.json()["reload"]["models"]["tiny"]
+    assert item["action"] == "engine_changed" and item["ok"] is False and item["policy"] == "stop-first"
+    assert item["drain_timed_out"] is True and item["drain_s"] >= 1
+    assert "the watchdog restarts it with the previous config" in item["error"], item["error"]
+    assert events[-1].startswith('data: {"error"'), events[-3:]  # the stream cut by the stop, said so
+    refused = rig.chat()  # the old engine is stopped and the new one failed: down until the watchdog acts
+    assert_openai_error(refused, 503, "engine_unavailable")
+    assert refused.headers["retry-after"]
+    after = rig.wait_ready_after(pid)
+    assert after["served_model_name"] == before["served_model_name"]
+    assert rig.chat().status_code == 200
+    assert changes(counters, rig.metrics()) == {"reloads_partial": 1, "swaps_failed": 1, "restarts": 1, "stream_errors": 1}
+    rig.deploy(rig.model_dir, **ENGINES[before["served_model_name"]])  # what is running again
+    assert rig.admin("POST", "/admin/reload").json()["models"]["tiny"]["action"] == "unchanged"
+
+
+
+@pytest.mark.usefixtures("settled")
+def test_g_watchdog_gives_up_then_a_swap_revives(rig: SwapRig) -> None:
+    """With ``max_restarts: 0`` the watchdog does not restart a dead engine: the model stays down
+    (503 naming what to do) until an operator swaps it."""
+    rig.deploy_running(watchdog={**WATCHDOG, "max_restarts": 0})
+    assert rig.admin("POST", "/admin/reload").json()["settings_changed"] == ["watchdog"]
+    # The watchdog reads the settings before each interval_s sleep: a check already asleep at the reload runs
+    # with the old max_restarts. Let that one pass before the kill (a real engine's slower probes hid this).
+    time.sleep(2 * WATCHDOG["interval_s"])
+    before = rig.model()
+    counters = rig.metrics()
+    pid = before["engine"]["pid"]
+    try:
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while (model := rig.model())["state"] != "failed":
+            assert time.monotonic() < deadline, f"the watchdog did not give up: {model}"
+            time.sleep(0.2)
+        refused = rig.chat()
+        assert "an operator must swap or reload model 'tiny'" in assert_openai_error(refused, 503, "engine_unavailable")["error"]["message"]
+        time.sleep(3 * WATCHDOG["interval_s"])
+        assert rig.model()["state"] == "failed" and rig.model()["engine"]["pid"] == pid  # no restart behind our back
+        revived = rig.admin("POST", "/admin/models/tiny/swap")
+        assert revived.status_code == 200, revived.text
+        assert rig.chat().status_code == 200
+        rig.wait_ready_after(pid, timeout_s=10)  # the listing says "failed" until the watchdog's next look
+        assert changes(counters, rig.metrics()) == {"swaps_ok": 1}
+    finally:
+        rig.deploy_running()
+        rig.admin("POST", "/admin/reload")
+
+
+# ----------------------------------------------------------------------------- a rolling swap of replicas
+
+
+class FakeReplicaRig(Rig):
+    """tests/gateway/test_replicas.py's ``Rig``, its YAML run on the fake engine."""
+
+    def __init__(self, server: GatewayServer, config: Path, model_dir: Path, python: Path) -> None:
+        super().__init__(server, config, model_dir)
+        self.python = python
+
+    def reload(self, data: dict[str, Any]) -> dict[str, Any]:
+        return super().reload(self.faked(data, self.python))
+
+    @staticmethod
+    def faked(data: dict[str, Any], python: Path) -> dict[str, Any]:
+        tiny = data["models"]["tiny"]
+        return {**data, "models": {"tiny": {**tiny, "engine": _fake(tiny["engine"], python)}}}
+
+
+@pytest.fixture(scope="module")
+def replicas(fake_python: Path, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
+    """Two replicas of the model on fake engines (test_replicas' deployment), one gateway for the module."""
+    tmp = tmp_path_factory.mktemp("replicas-fake")
+    config = tmp / "deploy.yaml"
+    config.write_text(yaml.safe_dump(FakeReplicaRig.faked(test_replicas._deployment(tiny_model_dir), fake_python)))
+    app, settings = app_from_config(load_config(config), log_dir=tmp / "logs")
+    server = GatewayServer(app, settings).start(timeout_s=120)
+    rig = FakeReplicaRig(server, config, tiny_model_dir, fake_python)
+    try:
+        rig.model()
+        yield rig
+    finally:
+        server.stop()
+    assert not [pid for pid in rig.pids if group_pids(pid)], "engine process groups still alive after shutdown"
+
+
+def test_rolling_swap_under_load(replicas: Rig) -> None:
+    before = replicas.model()
+    old_pids = {r["engine"]["pid"] for r in before["replicas"]}
+    alive: list[int] = []
+    stop = threading.Event()
+    others = set(engine_children()) - old_pids  # engines of other tests in this session (the shared one)
+
+    def count_engines() -> None:
+        while not stop.is_set():
+            alive.append(len(set(engine_children()) - others))
+            time.sleep(0.1)
+
+    counter = threading.Thread(target=count_engines, daemon=True)
+    counter.start()
+    try:
+        with Load(replicas.server.url, workers=3) as load:
+            load.wait_for_requests(4, 0)
+            t0 = time.monotonic()
+            outcome = replicas.reload(test_replicas._deployment(replicas.model_dir, max_total_tokens=2048))
+            done = time.monotonic()
+            load.wait_for_requests(4, done)
+    finally:
+        stop.set()
+        counter.join(5)
+    tiny = outcome["models"]["tiny"]
+    assert outcome["ok"] and tiny["action"] == "engine_changed" and tiny["policy"] == "rolling", outcome
+    after = replicas.model()
+    assert {r["engine"]["pid"] for r in after["replicas"]}.isdisjoint(old_pids) and after["ready_replicas"] == 2
+    kinds = load.counts(load.outcomes)
+    assert set(kinds) == {"ok"}, kinds  # nothing failed, nothing refused, no stream cut
+    assert max(alive) <= 3, f"more than replicas + 1 engines alive: {max(alive)}"
+    report(
+        "rolling swap under load", requests=len(load.outcomes), outcomes=kinds, swap_s=round(done - t0, 1),
+        max_engines_alive=max(alive), engines_before=2,
+    )  # fmt: skip
