@@ -62,8 +62,8 @@ class Watchdog:
     async def run(self) -> None:
         """Check forever (cancel to stop)."""
         while True:
-            settings = self.state.settings
-            await asyncio.sleep(settings.watchdog.interval_s)
+            await asyncio.sleep(self.state.settings.watchdog.interval_s)
+            settings = self.state.settings  # read after the sleep: a reload meanwhile applies to this check
             if settings.watchdog.enabled:
                 await self.check_all(settings)
 

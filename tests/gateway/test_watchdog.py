@@ -221,3 +221,33 @@ def test_the_watchdog_log_names_the_crash_not_the_shutdown_error(tmp_path: Path)
         logger.remove(sink)
     first = lines[0].splitlines()[0]
     assert first.startswith("model m: engine exited") and first.endswith("; it crashed: IndexError: index out of range in self; last lines of its log:"), first
+
+
+def test_a_reload_during_the_watchdogs_sleep_applies_to_its_next_check(tmp_path: Path) -> None:
+    """The watchdog sleeps ``interval_s`` between checks; settings reloaded meanwhile (``watchdog.enabled:
+    false``, another ``max_restarts``) must govern the check that follows, not the one after it."""
+    config = EngineConfig(model_path=str(tmp_path), device="cpu", python="/bin/false")
+    engine = EngineProcess("m", config, log_dir=tmp_path)
+    registry = Registry([ModelRoute("m", Backend("m", engine=engine))])
+    state = GatewayState(GatewaySettings(watchdog=WatchdogSettings(interval_s=0.3)), registry, Metrics(registry))
+    watchdog = Watchdog(state, SwapExecutor(state, owned=[engine], log_dir=tmp_path))
+    seen: list[GatewaySettings] = []
+
+    async def note(settings: GatewaySettings) -> None:
+        seen.append(settings)
+
+    watchdog.check_all = note  # type: ignore[method-assign]
+
+    async def scenario() -> None:
+        task = asyncio.ensure_future(watchdog.run())
+        await asyncio.sleep(0.1)  # the watchdog is asleep
+        state.settings = reloaded = GatewaySettings(watchdog=WatchdogSettings(interval_s=0.3, max_restarts=0))
+        for _ in range(100):
+            if seen:
+                break
+            await asyncio.sleep(0.02)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert seen and seen[0] is reloaded
+
+    asyncio.run(scenario())
