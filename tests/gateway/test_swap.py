@@ -206,6 +206,19 @@ class SwapRig:
         assert name in ENGINES, name
         return name
 
+    def settle(self, timeout_s: float) -> SwapRig:
+        """Whatever ran before: the model ready, the YAML of its running config with the module's settings, applied
+        (a reload that starts no engine)."""
+        deadline = time.monotonic() + timeout_s
+        while (model := self.model())["state"] != "ready":
+            assert time.monotonic() < deadline, f"the model is not ready after the previous test: {model}"
+            time.sleep(0.25)
+        self.deploy_running()
+        response = self.admin("POST", "/admin/reload")
+        assert response.status_code == 200, response.text
+        assert response.json()["models"]["tiny"]["action"] == "unchanged", response.text  # no engine started here
+        return self
+
     def deploy_running(self, **options: Any) -> None:
         """Write the YAML of the running engine config (a reload of it changes no engine), with ``options``."""
         self.deploy(self.model_dir, **ENGINES[self.running()], **options)
@@ -279,15 +292,7 @@ def rig(
 @pytest.fixture(autouse=True)
 def settled(rig: SwapRig) -> SwapRig:
     """Whatever ran before: the model ready, the YAML of its running config with the module's settings, applied."""
-    deadline = time.monotonic() + 300
-    while (model := rig.model())["state"] != "ready":
-        assert time.monotonic() < deadline, f"the model is not ready after the previous test: {model}"
-        time.sleep(0.25)
-    rig.deploy_running()
-    response = rig.admin("POST", "/admin/reload")
-    assert response.status_code == 200, response.text
-    assert response.json()["models"]["tiny"]["action"] == "unchanged", response.text  # no engine started here
-    return rig
+    return rig.settle(timeout_s=300)
 
 
 # ----------------------------------------------------------------------------- scenarios

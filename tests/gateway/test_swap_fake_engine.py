@@ -124,15 +124,7 @@ def rig(
 @pytest.fixture
 def settled(rig: SwapRig) -> SwapRig:
     """As in test_swap: the model ready, the YAML of its running config with the module's settings, applied."""
-    deadline = time.monotonic() + 120
-    while (model := rig.model())["state"] != "ready":
-        assert time.monotonic() < deadline, f"the model is not ready after the previous test: {model}"
-        time.sleep(0.25)
-    rig.deploy_running()
-    response = rig.admin("POST", "/admin/reload")
-    assert response.status_code == 200, response.text
-    assert response.json()["models"]["tiny"]["action"] == "unchanged", response.text  # no engine started here
-    return rig
+    return rig.settle(timeout_s=120)
 
 
 # ----------------------------------------------------------------------------- swap policies and the watchdog
