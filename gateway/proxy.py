@@ -41,6 +41,8 @@ from gateway.poison import Quarantine, payload_shape, request_shape, token_id_pr
 from gateway.registry import Backend, ModelRoute
 from gateway.responses_index import ResponseIndex
 from gateway.upstream_stream import (
+    KEEPALIVE_S,
+    QuickAck,
     StreamExchange,
     StreamPool,
     UpstreamConnectTimeout,
@@ -79,35 +81,29 @@ def _any_of(needles: tuple[bytes, ...]) -> re.Pattern[bytes]:
 
 _ENDING_SCAN = {kind: _any_of(endings) for kind, endings in _ENDINGS.items()}
 _MARKER_SCAN = {kind: _any_of(markers) for kind, markers in _MARKERS.items()}
-# Idle upstream connections are kept this long: under the 5 s keep-alive of uvicorn (SGLang's server),
-# so the gateway never reuses a connection the engine is closing (aiohttp does not retry a POST on one).
-UPSTREAM_KEEPALIVE_S = 4.0
+# Idle upstream connections are kept this long (both pools): under the 5 s keep-alive of uvicorn (SGLang's
+# server), so the gateway never reuses a connection the engine is closing (aiohttp does not retry a POST on one).
+UPSTREAM_KEEPALIVE_S = KEEPALIVE_S
 
 
 class QuickAckResponseHandler(ResponseHandler):
-    """aiohttp's connection protocol, acknowledging every upstream read at once (Linux ``TCP_QUICKACK``).
+    """aiohttp's connection protocol, acknowledging every upstream read at once (:class:`gateway.upstream_stream.QuickAck`)."""
 
-    An upstream that does not set ``TCP_NODELAY`` (SGLang's router) holds each small write, such as one
-    SSE event, until its previous one is acknowledged; on a reused connection Linux delays that ACK (up to
-    40 ms), so every stream event would wait for it. The flag is not permanent (the kernel goes back to
-    delayed ACKs by itself), hence re-armed at each read; setting it also sends an ACK still pending.
-    """
-
-    _sock: Any = None
+    _ack: QuickAck | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
-        sock = transport.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            self._sock = sock
+        self._ack = QuickAck(transport)
 
     def data_received(self, data: bytes) -> None:
-        if self._sock is not None:
-            try:
-                self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
-            except OSError:  # a socket closing under us: nothing left to acknowledge
-                self._sock = None
+        if self._ack is not None:
+            self._ack.rearm()
         super().data_received(data)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self._ack is not None:
+            self._ack.close()
+        super().connection_lost(exc)
 
 
 class QuickAckConnector(aiohttp.TCPConnector):
@@ -507,7 +503,6 @@ class SSEProxyResponse(Response):
         self.request = request  # the body sent: an engine error event may be about its input (gateway.client_mistakes)
         self._markers = _MARKER_SCAN[kind]
         self._endings = _ENDING_SCAN[kind]
-        self._ended = False  # the stream's own last event went through (judged once, at the end)
         self._last = (b"", b"")  # the last two pieces written: where a complete stream's own ending is
         self._events = 0  # events relayed (Responses: the next sequence number)
         self._pending = b""
@@ -588,8 +583,8 @@ class SSEProxyResponse(Response):
             tail += self._last_partial_event(self._pending)
             self._pending = b""
         # Scanned here, not per event: a stream's ending is its last event (a scan per event cost ~1-4 µs).
-        self._ended = self._endings.search(b"".join((*self._last, tail))) is not None
-        if failure is None and not self._ended:
+        ended = self._endings.search(b"".join((*self._last, tail))) is not None
+        if failure is None and not ended:
             failure = GatewayError(
                 502, f"the stream from the engine of {self.model} stopped before its end", code="upstream_stream_incomplete"
             )

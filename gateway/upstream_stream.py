@@ -53,6 +53,42 @@ class UpstreamPoolFull(ConnectionError):
     """Every connection the configured cap (``upstream_max_connections``) allows is busy, for the connect timeout."""
 
 
+_QUICKACK = hasattr(socket, "TCP_QUICKACK")
+
+
+class QuickAck:
+    """Acknowledge every read of a TCP connection at once (Linux ``TCP_QUICKACK``), cheaply.
+
+    An upstream that does not set ``TCP_NODELAY`` (SGLang's router) holds each small write, such as one SSE
+    event, until its previous one is acknowledged; Linux delays that ACK (up to 40 ms) on a reused connection.
+    The flag is not permanent (the kernel goes back to delayed ACKs by itself), so it is re-armed at each read,
+    which also sends an ACK still pending. The calls go through a duplicate of the socket made once: uvloop's
+    ``get_extra_info("socket")`` builds and discards a socket object on every call."""
+
+    __slots__ = ("_sock",)
+
+    def __init__(self, transport: asyncio.BaseTransport) -> None:
+        self._sock: socket.socket | None = None
+        sock = transport.get_extra_info("socket")
+        if _QUICKACK and sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            try:
+                self._sock = socket.socket(sock.family, sock.type, sock.proto, fileno=os.dup(sock.fileno()))
+            except OSError:
+                self._sock = None
+
+    def rearm(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
+            except OSError:  # a socket closing under us: nothing left to acknowledge
+                self.close()
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+
 Sink = Callable[[bytes], None]
 EndSink = Callable[[BaseException | None], None]
 
@@ -65,7 +101,7 @@ class _Connection(asyncio.Protocol):
         self.key = key
         self.quickack = quickack
         self.transport: asyncio.Transport | None = None
-        self._ack: socket.socket | None = None  # a duplicate of the socket, for cheap TCP_QUICKACK calls
+        self._ack: QuickAck | None = None
         self.exchange: StreamExchange | None = None
         self.sink: Sink | None = None  # the exchange's relay, called straight from the parser's body callback
         self.parser: Any = None
@@ -76,19 +112,12 @@ class _Connection(asyncio.Protocol):
     # -------------------------------------------------------------- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        sock = transport.get_extra_info("socket")
-        if self.quickack and _QUICKACK and sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            try:
-                self._ack = socket.socket(sock.family, sock.type, sock.proto, fileno=os.dup(sock.fileno()))
-            except OSError:
-                self._ack = None
+        if self.quickack:
+            self._ack = QuickAck(transport)
 
     def data_received(self, data: bytes) -> None:
         if self._ack is not None:
-            try:
-                self._ack.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
-            except OSError:
-                self._ack = None
+            self._ack.rearm()
         exchange = self.exchange
         if exchange is None or self.parser is None:  # bytes nobody asked for: the connection cannot be trusted
             self.abort()
@@ -105,17 +134,12 @@ class _Connection(asyncio.Protocol):
         self.lost = True
         if self._ack is not None:
             self._ack.close()
-            self._ack = None
         self.pool.forget(self)
         exchange, self.exchange = self.exchange, None
         if exchange is not None:
             exchange.failed(UpstreamConnectionLost("the engine closed the connection" + (f": {exc}" if exc else "")))
 
     # -------------------------------------------------------------- httptools callbacks
-    def on_header(self, name: bytes, value: bytes) -> None:
-        if self.exchange is not None and name.lower() == b"content-type":
-            self.exchange.content_type = value.decode("latin-1")
-
     def on_headers_complete(self) -> None:
         if self.exchange is not None:
             self.exchange.headers_done(self.parser.get_status_code(), self.parser.should_keep_alive())
@@ -152,14 +176,13 @@ class StreamExchange:
     """One streamed request: await :meth:`head`, then :meth:`read` (an error answer) or :meth:`relay` (a 200)."""
 
     __slots__ = (
-        "connection", "status", "content_type", "keep_alive", "last_read", "received", "_head", "_buffer", "_end",
+        "connection", "status", "keep_alive", "last_read", "received", "_head", "_buffer", "_end",
         "_complete", "_error", "_done", "_timer", "_read_timeout_s", "_released",
     )  # fmt: skip
 
     def __init__(self, connection: _Connection, read_timeout_s: float) -> None:
         self.connection = connection
         self.status = 0
-        self.content_type = "application/json"
         self.keep_alive = False
         self.last_read = time.monotonic()
         self.received = False  # any byte of the response came
@@ -245,9 +268,6 @@ class StreamExchange:
         self._end = on_end
         self.connection.sink = on_data
 
-    def at_eof(self) -> bool:
-        return self._complete
-
     def pause_reading(self) -> None:
         transport = self.connection.transport
         if transport is not None and not transport.is_closing():
@@ -282,9 +302,6 @@ class StreamExchange:
         self.connection.pool.release(self.connection, reuse=True)
 
 
-_QUICKACK = hasattr(socket, "TCP_QUICKACK")
-
-
 class StreamPool:
     """Keep-alive connections to the engines, by (scheme, host, port); unbounded unless ``max_connections``."""
 
@@ -297,6 +314,7 @@ class StreamPool:
         self._busy = 0
         self._slot_freed: asyncio.Event | None = None
         self._dns: dict[tuple[str, int], tuple[float, str]] = {}
+        self._targets: dict[str, tuple[tuple[str, str, int], str, str]] = {}  # base URL -> (key, path prefix, Host)
         self._ssl: ssl.SSLContext | None = None
         self._closed = False
 
@@ -312,13 +330,8 @@ class StreamPool:
 
         ``quickack=False``: the upstream is known to send each write at once (``TCP_NODELAY``, as SGLang's own
         server does), so acknowledging every read at once (one more system call per event) buys nothing."""
-        parts = urlsplit(base_url)
-        scheme = parts.scheme or "http"
-        host = parts.hostname or "127.0.0.1"
-        port = parts.port or (443 if scheme == "https" else 80)
-        key = (scheme, host, port)
-        target = (parts.path.rstrip("/") + path) or "/"
-        head = [f"POST {target} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Length: {len(payload)}\r\n"]
+        key, prefix, netloc = self._target(base_url)
+        head = [f"POST {(prefix + path) or '/'} HTTP/1.1\r\nHost: {netloc}\r\nContent-Length: {len(payload)}\r\n"]
         head += [f"{name}: {value}\r\n" for name, value in headers.items()]
         request = "".join(head).encode("latin-1") + b"\r\n" + payload
         await self._take_slot()
@@ -369,6 +382,18 @@ class StreamPool:
         self._idle.clear()
 
     # -------------------------------------------------------------- internals
+    def _target(self, base_url: str) -> tuple[tuple[str, str, int], str, str]:
+        """(scheme, host, port), path prefix and Host header of ``base_url``, parsed once per URL."""
+        target = self._targets.get(base_url)
+        if target is None:
+            if len(self._targets) > 1024:  # backends come and go with swaps; never grow without bound
+                self._targets.clear()
+            parts = urlsplit(base_url)
+            scheme = parts.scheme or "http"
+            key = (scheme, parts.hostname or "127.0.0.1", parts.port or (443 if scheme == "https" else 80))
+            target = self._targets[base_url] = (key, parts.path.rstrip("/"), parts.netloc)
+        return target
+
     def _idle_connection(self, key: tuple[str, str, int]) -> _Connection | None:
         idle = self._idle.get(key)
         now = time.monotonic()
