@@ -7,6 +7,7 @@ import os
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,11 +15,15 @@ from pathlib import Path
 import pytest
 import yaml
 
+from launch.procgroup import cmdline
 from launch.secret_file import remove_orphaned_secret_files, write_secret_file
 
 
 @pytest.fixture()
-def key_files() -> Iterator[list[Path]]:
+def key_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Path]]:
+    """Three key files in a temporary directory of this test's own: the clean-up scans the whole temporary
+    directory, and engines started meanwhile by other tests (pytest-xdist workers) clean it up too."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     paths = [write_secret_file({"api-key": f"k{index}"}, "test key/file") for index in range(3)]
     yield paths
     for path in paths:
@@ -38,6 +43,10 @@ def test_only_files_no_live_process_was_started_with_are_removed(key_files: list
         os.utime(path, (time.time() - 120, time.time() - 120))
     holder = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()", "--config", str(in_use)], stdin=subprocess.PIPE)
     try:
+        # /proc/PID/cmdline reads empty for a moment after Popen returns: wait until the holder names the file
+        deadline = time.monotonic() + 10
+        while str(in_use) not in cmdline(holder.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
         removed = remove_orphaned_secret_files()
         assert orphan in removed and not orphan.exists()
         assert in_use.exists() and young.exists() and in_use not in removed and young not in removed
