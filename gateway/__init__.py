@@ -1,32 +1,45 @@
 """The OpenAI-compatible (and Anthropic-compatible) gateway in front of SGLang engines.
 
-A map, by plane:
+A map, by folder; each folder may import those listed after it, never those before (pyproject's
+``[tool.importlinter]``, checked by ``tests/test_layers.py``). The hot path is marked *.
 
-**Data plane** (every request; the hot path is marked *)
-  ``app``            the app factory; ``GatewayAPI`` serves the proxied POST routes as plain ASGI ahead of FastAPI*
-  ``http_protocol``  uvicorn's HTTP protocol with connection/header limits and timeouts*
-  ``middleware``     request id + log line + metrics, body size/time cap, CORS*; ``auth`` the key check (and which key)*
-  ``endpoints``      the route table: one line per proxied route (dialect, streaming, token-id fields)
-  ``routes``         the FastAPI routes made from it, stored responses by id, models, health, ready, metrics
-  ``protocol``       request validation (bodies go upstream as sent, only ``model`` rewritten)*
-  ``proxy``          admission, forwarding, SSE relay event by event, usage and error inspection*
-  ``balancer``       which replica takes a request (least in flight, or prompt-prefix affinity)*
-  ``limits``         per-model concurrency and queue*; ``poison`` requests that crash engines*
-  ``errors``         errors in the route's dialect (OpenAI or Anthropic), sanitized
-  ``responses_index`` which engine stored which Responses API response, and which key owns it (in ``state_dir``)
-  ``context``        what is learnt about one request (for its log line); ``metrics`` the Prometheus series
-  ``invocations``, ``model_uri``  ``POST /invocations`` and ``serve --model-uri`` for a logged MLflow model
+**Composition root**
+  ``cli``            the ``sglang-gateway`` command (serve, launch, check)
+  ``server``         uvicorn, the worker processes and signals; ``app`` the app factory: one state, one middleware
+                     chain, ``GatewayAPI`` serving the proxied POST routes as plain ASGI ahead of FastAPI*
 
-**Shared state**: ``state.GatewayState`` (settings, registry, metrics, proxy, probes, quarantine,
-responses index), read by both planes; ``registry`` maps names and aliases to routes and backends,
-replaced in one assignment.
+``mlflow/``          a logged MLflow model: ``serve --model-uri`` (``model_uri``), ``POST /invocations``
 
-**Control plane** (engines coming and going)
-  ``control``        boot, reload, swap and drain: boot applies the deployment to an empty registry,
+``control/`` (engines coming and going)
+  ``controller``     boot, reload, swap and drain: boot applies the deployment to an empty registry,
                      a reload applies the new file to the current one (``reload.plan_reload``)
   ``swap``           starts, switches, drains and stops backends (blue-green / stop-first); owns the engines
   ``watchdog``       restarts dead or unhealthy engines with backoff
-  ``health``         every probe of a backend, on a client of its own
-  ``admin``          the admin API and its reports; ``config`` the ``gateway:`` section; ``server`` uvicorn;
-                     ``cli`` the ``sglang-gateway`` command (serve, launch, check)
+  ``admin``          the admin API and its reports
+
+``data/`` (every request)
+  ``routes``         the FastAPI routes made from the route table, stored responses by id, models, health, ready
+  ``bounds``         request bounds (``grammar_checks``: grammar inputs the engine would crash on)*
+  ``proxy``          admission, forwarding, SSE relay event by event, usage and error inspection*
+  ``stream_pool``    streams' own keep-alive upstream connections, relayed from the socket's callbacks*
+  ``balancer``       which replica takes a request (least in flight, or prompt-prefix affinity)*
+
+``edge/`` (a client's connection)
+  ``connection``     uvicorn's HTTP protocol with connection/header limits and timeouts*
+  ``middleware``     request id + log line + metrics, body size/time cap, CORS*; ``auth`` the key check (and which key)*
+
+``core/`` (what both planes read)
+  ``state``          ``GatewayState``: settings, registry, metrics, proxy, probes, quarantine, responses index
+  ``registry``       names and aliases -> routes and backends, replaced in one assignment
+  ``endpoints``      the route table: one line per proxied route (dialect, streaming, token-id fields);
+                     ``schemas`` its request validation (bodies go upstream as sent, only ``model`` rewritten)*
+  ``limits``         per-model concurrency and queue*; ``poison`` requests that crash engines*
+  ``errors``         errors in the route's dialect (OpenAI or Anthropic), sanitized (``client_mistakes``: engine
+                     500s that are the request's fault)
+  ``health``         every probe of a backend, on a client of its own; ``metrics`` the Prometheus series
+  ``responses_index`` which engine stored which Responses API response, and which key owns it (in ``state_dir``)
+  ``context``        what is learnt about one request (for its log line)
+
+**Tables everything reads**: ``config`` the ``gateway:`` section; ``fields`` the engine's request fields
+(allowed, dropped, refused).
 """

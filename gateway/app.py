@@ -18,29 +18,29 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from gateway.admin import router as admin_router
-from gateway.auth import AuthMiddleware, KeyHolder, key_policy
 from gateway.config import GatewaySettings, gateway_settings
-from gateway.control import Controller
-from gateway.endpoints import INVOCATIONS, PROXIED_BY_PATH, ProxiedRoute, dialect_for_path
-from gateway.errors import GatewayError, error_response, shaped_for
-from gateway.health import HealthProbes
-from gateway.metrics import Metrics
-from gateway.middleware import BodyLimitMiddleware, JSONCORSMiddleware, RequestContextMiddleware
-from gateway.proxy import Proxy, upstream_session
-from gateway.registry import Registry
-from gateway.responses_index import open_response_index
-from gateway.routes import add_proxied_route, note_error, proxied_endpoint, router, unexpected_error_response
-from gateway.state import GatewayState
-from gateway.swap import SwapExecutor
-from gateway.upstream_stream import StreamPool
+from gateway.control.admin import router as admin_router
+from gateway.control.controller import Controller
+from gateway.control.swap import SwapExecutor
+from gateway.core.endpoints import INVOCATIONS, PROXIED_BY_PATH, ProxiedRoute, dialect_for_path
+from gateway.core.errors import GatewayError, error_response, shaped_for
+from gateway.core.health import HealthProbes
+from gateway.core.metrics import Metrics
+from gateway.core.registry import Registry
+from gateway.core.responses_index import open_response_index
+from gateway.core.state import GatewayState
+from gateway.data.proxy import Proxy, upstream_session
+from gateway.data.routes import add_proxied_route, note_error, proxied_endpoint, router, unexpected_error_response
+from gateway.data.stream_pool import StreamPool
+from gateway.edge.auth import AuthMiddleware, KeyHolder, key_policy
+from gateway.edge.middleware import BodyLimitMiddleware, JSONCORSMiddleware, RequestContextMiddleware
 from launch.config import DeploymentConfig
 from launch.preflight import preflight_all
 
 
 class GatewayAPI(FastAPI):
     """FastAPI, with the proxied POST routes served ahead of it by the same middleware around
-    :func:`gateway.routes.proxied_endpoint` (``proxied``).
+    :func:`gateway.data.routes.proxied_endpoint` (``proxied``).
 
     Those routes carry nearly all the traffic, and a streamed answer sends one message per SSE
     chunk: FastAPI's per-request machinery (telemetry check, exception and exit-stack middleware,
@@ -77,7 +77,7 @@ def create_app(
     it serves ``registry`` as given (backends run by someone else: tests, a model loaded by MLflow).
     ``deployment`` (read from a file) enables reloads; ``overrides`` are the CLI's host/port, kept across
     reloads; ``watch`` reloads on file changes; ``invocations`` adds ``POST /invocations``
-    (:data:`gateway.endpoints.INVOCATIONS`).
+    (:data:`gateway.core.endpoints.INVOCATIONS`).
     """
     registry = registry if registry is not None else Registry()
     state = GatewayState(settings=settings, registry=registry, metrics=Metrics(registry))

@@ -199,7 +199,7 @@ def serve(
     configure_logging(verbose)
     try:
         if model_uri is not None:
-            from gateway.model_uri import run_model_uri
+            from gateway.mlflow.model_uri import run_model_uri
 
             run_model_uri(model_uri, host=host, port=port, verbose=verbose, gateway_config=gateway_config)
         else:

@@ -18,8 +18,8 @@ from loguru import logger
 
 from gateway.app import app_from_config
 from gateway.config import GatewaySettings
-from gateway.control import StartAborted
-from gateway.http_protocol import guarded_protocol
+from gateway.control.controller import StartAborted
+from gateway.edge.connection import guarded_protocol
 from launch.config import ConfigError, load_config
 from launch.ports import port_is_free
 

@@ -17,7 +17,7 @@ from fastapi import FastAPI
 
 from gateway.app import create_app
 from gateway.config import GatewaySettings, gateway_settings
-from gateway.registry import build_registry
+from gateway.core.registry import build_registry
 from gateway.server import uvicorn_config
 from launch.config import parse_config
 from launch.ports import pick_free_port

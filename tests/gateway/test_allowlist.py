@@ -9,13 +9,13 @@ from typing import Any
 import orjson
 import pytest
 
-from gateway.bounds import check_bounds, grammar_bytes
 from gateway.config import RequestBounds
-from gateway.endpoints import PROXIED_BY_PATH
-from gateway.errors import GatewayError
+from gateway.core.endpoints import PROXIED_BY_PATH
+from gateway.core.errors import GatewayError
+from gateway.core.schemas import check_extensions, parse_body
+from gateway.data.bounds import check_bounds, grammar_bytes
+from gateway.data.grammar_checks import GrammarProblem, check_json_schema, check_stop_regex
 from gateway.fields import DROPPED, EXTENSIONS, REFUSED, extension_table, extensions_for
-from gateway.grammar_checks import GrammarProblem, check_json_schema, check_stop_regex
-from gateway.protocol import check_extensions, parse_body
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 HELLO = [{"role": "user", "content": "hi"}]

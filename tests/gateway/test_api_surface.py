@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.endpoints import PROXIED, endpoint_table
+from gateway.core.endpoints import PROXIED, endpoint_table
 from tests.gateway.helpers import KEY, GatewayServer, auth, prometheus_value
 
 pytestmark = pytest.mark.engine
@@ -168,7 +168,7 @@ def test_tokenize_detokenize_round_trip_and_score(gateway: GatewayServer) -> Non
 
 # ------------------------------------------------------------------ one table for all of it
 def test_readme_lists_exactly_the_route_table() -> None:
-    assert endpoint_table() in README.read_text(), "README's endpoint table differs from gateway.endpoints: paste endpoint_table()"
+    assert endpoint_table() in README.read_text(), "README's endpoint table differs from gateway.core.endpoints: paste endpoint_table()"
 
 
 def test_openapi_lists_every_proxied_route(gateway: GatewayServer) -> None:

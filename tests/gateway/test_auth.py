@@ -47,7 +47,7 @@ def _call(http: httpx.Client, path: str, headers: dict[str, str]) -> httpx.Respo
 
 
 def test_every_route_needs_a_key(gateway: GatewayServer) -> None:
-    from gateway.routes import router
+    from gateway.data.routes import router
 
     paths = {route.path for route in router.routes} | {gateway.app.openapi_url}
     assert paths == set(REQUESTS), "a route was added: add it to REQUESTS"

@@ -1,6 +1,6 @@
 """Client mistakes that reach the real SGLang engine: 400 in the route's dialect, not an engine failure.
 
-SGLang 0.5.23 answers each of these with a 500 (see :mod:`gateway.client_mistakes`); none of them harms the
+SGLang 0.5.23 answers each of these with a 500 (see :mod:`gateway.core.client_mistakes`); none of them harms the
 engine, so they run on the session's ``tiny_engine``. What the gateway must do: answer 400 with a one-line
 message naming the field, count a 400 (not a 502) in its metrics, and keep the engine's words for its log.
 Also here: a validation dump whose location holds ")" or "]", and /v1/score's error body, which has the shape

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from gateway.app import app_from_config
-from gateway.control import StartAborted
+from gateway.control.controller import StartAborted
 from launch.config import DeploymentConfig
 from tests.leaks import leaves_nothing
 from tests.model_code.helpers import engine_children

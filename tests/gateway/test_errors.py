@@ -12,7 +12,7 @@ from contextlib import contextmanager
 import httpx
 import openai
 
-from gateway.errors import readable_validation_dump, sanitize_message, upstream_error
+from gateway.core.errors import readable_validation_dump, sanitize_message, upstream_error
 from launch.process import EngineProcess
 from tests.gateway.helpers import (
     KEY,

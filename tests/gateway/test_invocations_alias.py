@@ -18,7 +18,7 @@ from fastapi import APIRouter
 
 from gateway.app import create_app
 from gateway.config import gateway_settings
-from gateway.registry import build_registry
+from gateway.core.registry import build_registry
 from launch.config import parse_config
 from launch.process import EngineProcess
 from tests.gateway.helpers import GatewayServer, assert_openai_error

@@ -24,7 +24,7 @@ from benchmarks.loadgen import new_event_loop
 from benchmarks.paced import run_paced
 from gateway.app import create_app
 from gateway.config import GatewaySettings, gateway_settings
-from gateway.registry import build_registry
+from gateway.core.registry import build_registry
 from gateway.server import uvicorn_config
 from launch.config import parse_config
 from tests.gateway.helpers import GatewayServer, assert_openai_error, fake_stalled_upstream, serve

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.config import gateway_settings
-from gateway.reload import Action, plan_reload
+from gateway.control.reload import Action, plan_reload
 from launch.config import parse_config
 
 ENGINE = {"model_path": "/models/tiny", "device": "cpu", "max_total_tokens": 4096}

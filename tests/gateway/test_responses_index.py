@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from gateway.auth import OPEN_OWNER, OWNER_SCOPE_KEY, AuthMiddleware, KeyHolder, key_owner, key_policy
 from gateway.config import default_state_dir, gateway_settings
-from gateway.registry import Backend, ModelRoute
-from gateway.responses_index import FILE_NAME, ResponseIndex, open_response_index
+from gateway.core.registry import Backend, ModelRoute
+from gateway.core.responses_index import FILE_NAME, ResponseIndex, open_response_index
+from gateway.edge.auth import OPEN_OWNER, OWNER_SCOPE_KEY, AuthMiddleware, KeyHolder, key_owner, key_policy
 from launch.config import EngineConfig, parse_config
 from launch.process import EngineProcess
 

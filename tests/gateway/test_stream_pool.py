@@ -1,4 +1,4 @@
-"""The stream relay's upstream pool (``gateway.upstream_stream``), against small asyncio servers in the test.
+"""The stream relay's upstream pool (``gateway.data.stream_pool``), against small asyncio servers in the test.
 
 These servers are FAKES: the real engine cannot be made, on demand, to close a kept-alive connection just as
 it is reused, to go silent after its headers, or to answer on a connection the gateway must count.
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from gateway.upstream_stream import (
+from gateway.data.stream_pool import (
     StreamPool,
     UpstreamConnectionLost,
     UpstreamPoolFull,

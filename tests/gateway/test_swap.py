@@ -51,7 +51,7 @@ import pytest
 import yaml
 
 from gateway.app import app_from_config
-from gateway.registry import Backend
+from gateway.core.registry import Backend
 from launch.config import load_config
 from launch.process import EngineProcess
 from launch.procgroup import group_pids

@@ -16,13 +16,13 @@ import pytest
 from loguru import logger
 
 from gateway.config import GatewaySettings, WatchdogSettings
-from gateway.errors import GatewayError
-from gateway.metrics import Metrics
-from gateway.poison import Quarantine, fields_of, payload_shape, request_shape
-from gateway.registry import Backend, ModelRoute, Registry
-from gateway.state import GatewayState
-from gateway.swap import SwapExecutor
-from gateway.watchdog import Watchdog, backoff_delay
+from gateway.control.swap import SwapExecutor
+from gateway.control.watchdog import Watchdog, backoff_delay
+from gateway.core.errors import GatewayError
+from gateway.core.metrics import Metrics
+from gateway.core.poison import Quarantine, fields_of, payload_shape, request_shape
+from gateway.core.registry import Backend, ModelRoute, Registry
+from gateway.core.state import GatewayState
 from launch.config import EngineConfig
 from launch.process import EngineProcess, crash_cause
 

@@ -24,8 +24,8 @@ from pydantic import ValidationError
 
 from gateway.app import create_app
 from gateway.config import GatewaySettings, gateway_settings
-from gateway.invocations import invocations_router
-from gateway.registry import build_registry, with_url_replicas
+from gateway.core.registry import build_registry, with_url_replicas
+from gateway.mlflow.invocations import invocations_router
 from launch.config import GATEWAY_KEY_FILE_SETTINGS, ConfigError, format_validation_error, parse_config, read_yaml
 
 GATEWAY_SECTION = "gateway"

@@ -16,7 +16,7 @@ makes a subclass of uvicorn's ``HttpToolsProtocol`` that enforces :class:`HttpSe
   app sees a disconnect: the stream stops, its upstream request and admission slot are released).
 
 Every rejection is OpenAI-shaped JSON with ``Connection: close``. The body timeout lives in the app
-(:class:`gateway.middleware.BodyLimitMiddleware`), which can still answer 408 there.
+(:class:`gateway.edge.middleware.BodyLimitMiddleware`), which can still answer 408 there.
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ from loguru import logger
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from gateway.config import HttpSettings
-from gateway.endpoints import dialect_for_path
-from gateway.errors import Dialect, GatewayError
+from gateway.core.endpoints import dialect_for_path
+from gateway.core.errors import Dialect, GatewayError
 
 HTTP_CYCLE = "gateway.http_cycle"
 """``scope["extensions"]`` key of uvicorn's request-response cycle: a stream relay writes its events to the
-client's transport through it (:class:`gateway.proxy.SSEProxyResponse`) instead of one ASGI message each."""
+client's transport through it (:class:`gateway.data.proxy.SSEProxyResponse`) instead of one ASGI message each."""
 
 
 class _Rejected(Exception):

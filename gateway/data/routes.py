@@ -1,4 +1,4 @@
-"""The HTTP routes: every proxied model route (from :mod:`gateway.endpoints`), stored responses by id,
+"""The HTTP routes: every proxied model route (from :mod:`gateway.core.endpoints`), stored responses by id,
 model listing, health, readiness and metrics."""
 
 from __future__ import annotations
@@ -16,17 +16,17 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from gateway.auth import request_owner
-from gateway.bounds import check_bounds
-from gateway.context import RequestInfo, request_info
-from gateway.endpoints import PROXIED, RESPONSE_BY_ID, RESPONSE_CANCEL, ModelChoice, ProxiedRoute
-from gateway.errors import Dialect, GatewayError, error_body, error_response, shaped_for
-from gateway.health import HealthProbes
-from gateway.protocol import check_extensions, parse_body
-from gateway.proxy import call_backend
-from gateway.registry import Backend, ModelRoute
-from gateway.responses_index import StoredResponse
-from gateway.state import GatewayState
+from gateway.core.context import RequestInfo, request_info
+from gateway.core.endpoints import PROXIED, RESPONSE_BY_ID, RESPONSE_CANCEL, ModelChoice, ProxiedRoute
+from gateway.core.errors import Dialect, GatewayError, error_body, error_response, shaped_for
+from gateway.core.health import HealthProbes
+from gateway.core.registry import Backend, ModelRoute
+from gateway.core.responses_index import StoredResponse
+from gateway.core.schemas import check_extensions, parse_body
+from gateway.core.state import GatewayState
+from gateway.data.bounds import check_bounds
+from gateway.data.proxy import call_backend
+from gateway.edge.auth import request_owner
 
 router = APIRouter()
 RESPONSE_ID_PREFIX = "resp_"  # SGLang refuses (400) a stored-response id without it
@@ -116,7 +116,7 @@ async def proxied_endpoint(scope: Scope, receive: Receive, send: Send) -> None:
     """POST of a proxied path as plain ASGI: the same handler and errors as the FastAPI routes, without
     their router, dependency machinery and per-message ``send`` wrappers (scope["app"] must be set).
 
-    The app serves every route of :data:`gateway.endpoints.PROXIED` this way (see ``gateway.app.GatewayAPI``);
+    The app serves every route of :data:`gateway.core.endpoints.PROXIED` this way (see ``gateway.app.GatewayAPI``);
     the FastAPI routes made from the same table below serve anything that reaches the router (an app
     without the fast path) and list the routes in ``/openapi.json``.
     """

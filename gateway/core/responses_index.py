@@ -38,7 +38,7 @@ _CLOSE = None  # the writer's stop signal
 class StoredResponse:
     model: str  # the route's model name
     backend: str  # the ``Backend.identity`` of the upstream that created it
-    owner: str  # the identity of the client key that created it (``gateway.auth.key_owner``)
+    owner: str  # the identity of the client key that created it (``gateway.edge.auth.key_owner``)
 
 
 class ResponseIndex:

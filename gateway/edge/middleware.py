@@ -19,11 +19,11 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.context import SCOPE_KEY, RequestInfo
-from gateway.endpoints import dialect_for_path, route_label
-from gateway.errors import GatewayError, error_response
-from gateway.http_protocol import HTTP_CYCLE
-from gateway.metrics import Metrics
+from gateway.core.context import SCOPE_KEY, RequestInfo
+from gateway.core.endpoints import dialect_for_path, route_label
+from gateway.core.errors import GatewayError, error_response
+from gateway.core.metrics import Metrics
+from gateway.edge.connection import HTTP_CYCLE
 
 _GOOD_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 

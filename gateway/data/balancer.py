@@ -21,7 +21,7 @@ from typing import Any
 import orjson
 
 from gateway.config import BalancingSettings
-from gateway.registry import Backend, ModelRoute
+from gateway.core.registry import Backend, ModelRoute
 
 # body fields that make up a request's shared prefix, by API: the leading part, then the conversation
 _LEADING = ("system", "instructions")

@@ -22,8 +22,8 @@ from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response, StreamingResponse
 
-from gateway.errors import GatewayError, sanitize_message, sse_error_event
-from gateway.limits import ConcurrencyLimiter
+from gateway.core.errors import GatewayError, sanitize_message, sse_error_event
+from gateway.core.limits import ConcurrencyLimiter
 
 DONE_EVENT = b"data: [DONE]\n\n"
 

@@ -28,8 +28,8 @@ from typing import Any
 from loguru import logger
 
 from gateway.config import SwapPolicy
-from gateway.registry import Backend
-from gateway.state import GatewayState
+from gateway.core.registry import Backend
+from gateway.core.state import GatewayState
 from launch.config import EngineConfig, RouterConfig
 from launch.lifecycle import STARTER, start_ready
 from launch.preflight import PreflightError

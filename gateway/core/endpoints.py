@@ -4,7 +4,7 @@ The hot path (:class:`gateway.app.GatewayAPI`) dispatches proxied POSTs by this 
 (and so ``/openapi.json``) are generated from it; authentication reads each route's dialect (Anthropic
 clients send ``x-api-key``); metrics label requests with the route's path; the README's endpoint table is
 checked against :func:`endpoint_table`. Adding a model-serving route of the engine is one line in
-:data:`PROXIED` (plus a request schema in :mod:`gateway.protocol` and its test).
+:data:`PROXIED` (plus a request schema in :mod:`gateway.core.schemas` and its test).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from gateway import protocol
-from gateway.errors import Dialect, StreamKind
+from gateway.core import schemas
+from gateway.core.errors import Dialect, StreamKind
 
 
 class ModelChoice(StrEnum):
@@ -29,7 +29,7 @@ class ProxiedRoute:
     """A model-serving route of the engine, proxied to the backend of the request's model."""
 
     path: str
-    schema: type[protocol.Loose]
+    schema: type[schemas.Loose]
     summary: str
     serves: str  # which kind of model answers it, for the README
     dialect: Dialect = Dialect.OPENAI
@@ -47,37 +47,37 @@ class ProxiedRoute:
 
 PROXIED: tuple[ProxiedRoute, ...] = (
     ProxiedRoute(
-        "/v1/chat/completions", protocol.ChatCompletionRequest, "Chat completions (OpenAI)", "generation", token_ids=("input_ids", "logit_bias"),
+        "/v1/chat/completions", schemas.ChatCompletionRequest, "Chat completions (OpenAI)", "generation", token_ids=("input_ids", "logit_bias"),
     ),
-    ProxiedRoute("/v1/completions", protocol.CompletionRequest, "Text completions (OpenAI)", "generation", token_ids=("prompt", "logit_bias")),
+    ProxiedRoute("/v1/completions", schemas.CompletionRequest, "Text completions (OpenAI)", "generation", token_ids=("prompt", "logit_bias")),
     ProxiedRoute(
-        "/v1/responses", protocol.ResponsesRequest, "Responses API (OpenAI), stateful with the engine's response store",
+        "/v1/responses", schemas.ResponsesRequest, "Responses API (OpenAI), stateful with the engine's response store",
         "generation", stream=StreamKind.RESPONSES, response_ids=True,
     ),
     ProxiedRoute(
-        "/v1/messages", protocol.MessagesRequest, "Messages (Anthropic)", "generation",
+        "/v1/messages", schemas.MessagesRequest, "Messages (Anthropic)", "generation",
         dialect=Dialect.ANTHROPIC, stream=StreamKind.ANTHROPIC,
     ),
     ProxiedRoute(
-        "/v1/messages/count_tokens", protocol.CountTokensRequest, "Count the tokens of a Messages request (Anthropic)",
+        "/v1/messages/count_tokens", schemas.CountTokensRequest, "Count the tokens of a Messages request (Anthropic)",
         "generation", dialect=Dialect.ANTHROPIC, stream=None,
     ),
     ProxiedRoute(
-        "/v1/embeddings", protocol.EmbeddingRequest, "Embeddings (OpenAI)", "embedding", stream=None, token_ids=("input",),
+        "/v1/embeddings", schemas.EmbeddingRequest, "Embeddings (OpenAI)", "embedding", stream=None, token_ids=("input",),
         renames_model=True,
     ),
-    ProxiedRoute("/v1/tokenize", protocol.TokenizeRequest, "Text or messages to token ids", "any", stream=None, model=ModelChoice.BODY_OR_DEFAULT),
+    ProxiedRoute("/v1/tokenize", schemas.TokenizeRequest, "Text or messages to token ids", "any", stream=None, model=ModelChoice.BODY_OR_DEFAULT),
     ProxiedRoute(
-        "/v1/detokenize", protocol.DetokenizeRequest, "Token ids to text", "any", stream=None, token_ids=("tokens",),
+        "/v1/detokenize", schemas.DetokenizeRequest, "Token ids to text", "any", stream=None, token_ids=("tokens",),
         model=ModelChoice.BODY_OR_DEFAULT,
     ),
     ProxiedRoute(
-        "/v1/score", protocol.ScoreRequest, "Label-token probabilities of query + items", "generation or classifier",
+        "/v1/score", schemas.ScoreRequest, "Label-token probabilities of query + items", "generation or classifier",
         stream=None, token_ids=("query", "items", "label_token_ids"), model=ModelChoice.BODY_OR_DEFAULT,
     ),
-    ProxiedRoute("/v1/rerank", protocol.RerankRequest, "Rank documents against a query", "reranker / embedding", stream=None, model=ModelChoice.BODY_OR_DEFAULT),
+    ProxiedRoute("/v1/rerank", schemas.RerankRequest, "Rank documents against a query", "reranker / embedding", stream=None, model=ModelChoice.BODY_OR_DEFAULT),
     ProxiedRoute(
-        "/v1/classify", protocol.ClassifyRequest, "Classify inputs", "sequence classifier", stream=None, token_ids=("input",),
+        "/v1/classify", schemas.ClassifyRequest, "Classify inputs", "sequence classifier", stream=None, token_ids=("input",),
         model=ModelChoice.BODY_OR_DEFAULT,
     ),
 )  # fmt: skip
@@ -88,11 +88,11 @@ PROXIED_BY_PATH: dict[str, ProxiedRoute] = {route.path: route for route in PROXI
 # where Databricks custom LLM serving forwards each endpoint request, an OpenAI chat body whose "model"
 # (absent, or the endpoint's name) does not choose the model.
 INVOCATIONS = ProxiedRoute(
-    "/invocations", protocol.InvocationsRequest, "Chat completions of the default model (a serving platform's route)",
+    "/invocations", schemas.InvocationsRequest, "Chat completions of the default model (a serving platform's route)",
     "generation", model=ModelChoice.DEFAULT, upstream="/v1/chat/completions", token_ids=("input_ids", "logit_bias"),
 )  # fmt: skip
 
-# Responses stored by the engine, reached through the engine that created them (see gateway.responses_index).
+# Responses stored by the engine, reached through the engine that created them (see gateway.core.responses_index).
 RESPONSE_BY_ID = "/v1/responses/{response_id}"
 RESPONSE_CANCEL = "/v1/responses/{response_id}/cancel"
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 
 from gateway.config import LimitSettings
-from gateway.errors import GatewayError
+from gateway.core.errors import GatewayError
 
 
 class ConcurrencyLimiter:

@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 from starlette.responses import Response
 
-from gateway.client_mistakes import client_mistake
+from gateway.core.client_mistakes import client_mistake
 
 MAX_MESSAGE_CHARS = 2000
 
@@ -31,7 +31,7 @@ class Dialect(StrEnum):
 
 
 # SGLang's own routes whose clients read SGLang's flat error body (its tests read body["type"] == "BadRequestError").
-# This belongs in the route table (``dialect=Dialect.SGLANG`` on the route in gateway.endpoints); kept here until
+# This belongs in the route table (``dialect=Dialect.SGLANG`` on the route in gateway.core.endpoints); kept here until
 # that module's rework lands.
 SGLANG_SHAPED_PATHS = frozenset({"/v1/score"})
 
@@ -208,7 +208,7 @@ def upstream_error(status: int, body: bytes, request: Mapping[str, Any] | None =
     """Turn an engine's error response to ``request`` (the body sent) into a sanitized OpenAI error.
 
     4xx keep their status and a sanitized one-line message (validation dumps rewritten as ``field: problem``);
-    a 5xx that :func:`~gateway.client_mistakes.client_mistake` blames on the request's input becomes a 400;
+    a 5xx that :func:`~gateway.core.client_mistakes.client_mistake` blames on the request's input becomes a 400;
     other 5xx become 502 with a fixed message: what a failing engine says is about its own internals
     (Python exception texts...), so it goes to the gateway's log, not to the client.
     """

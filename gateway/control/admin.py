@@ -14,10 +14,10 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from gateway.config import SwapPolicy
-from gateway.control import Controller, ReloadInvalid, ReloadOutcome
-from gateway.errors import GatewayError, error_body
-from gateway.registry import Backend
-from gateway.swap import describe_backend
+from gateway.control.controller import Controller, ReloadInvalid, ReloadOutcome
+from gateway.control.swap import describe_backend
+from gateway.core.errors import GatewayError, error_body
+from gateway.core.registry import Backend
 
 router = APIRouter(prefix="/admin", include_in_schema=False)  # not listed in /openapi.json to client keys
 
@@ -60,7 +60,7 @@ async def swap(name: str, request: Request, policy: SwapPolicy | None = None) ->
 
 @router.get("/quarantine")
 async def quarantine(request: Request) -> Response:
-    """The request shapes refused because they crashed or froze an engine (see ``gateway.poison``)."""
+    """The request shapes refused because they crashed or froze an engine (see ``gateway.core.poison``)."""
     return _json({"refused": _controller(request).state.quarantine.report()})
 
 

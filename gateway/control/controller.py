@@ -2,7 +2,7 @@
 
 Boot and reload are one path: :meth:`Controller.boot` applies the deployment to an empty registry,
 a reload applies the re-read file to the current one, both through :meth:`Controller._apply` and
-:func:`gateway.reload.plan_reload`. A boot fails fast: the first model that cannot start stops the
+:func:`gateway.control.reload.plan_reload`. A boot fails fast: the first model that cannot start stops the
 others and the gateway does not serve.
 
 A reload is validated whole before anything changes (an invalid file changes nothing and raises
@@ -27,15 +27,15 @@ from typing import Any
 
 from loguru import logger
 
-from gateway.auth import KeyHolder, key_policy
 from gateway.config import GatewaySettings, SwapPolicy, gateway_settings
-from gateway.errors import GatewayError
-from gateway.limits import ConcurrencyLimiter
-from gateway.registry import Backend, ModelRoute, url_backend
-from gateway.reload import Action, ModelChange, ReloadPlan, plan_reload
-from gateway.state import GatewayState
-from gateway.swap import BackendFactory, SwapError, SwapExecutor, SwapResult, describe_backend
-from gateway.watchdog import Watchdog
+from gateway.control.reload import Action, ModelChange, ReloadPlan, plan_reload
+from gateway.control.swap import BackendFactory, SwapError, SwapExecutor, SwapResult, describe_backend
+from gateway.control.watchdog import Watchdog
+from gateway.core.errors import GatewayError
+from gateway.core.limits import ConcurrencyLimiter
+from gateway.core.registry import Backend, ModelRoute, url_backend
+from gateway.core.state import GatewayState
+from gateway.edge.auth import KeyHolder, key_policy
 from launch.config import ConfigError, DeploymentConfig, ModelEntry, load_config
 from launch.preflight import visible_gpu_count
 from launch.process import new_engine_key
@@ -54,7 +54,7 @@ class StartAborted(Exception):
 
 @dataclass
 class ReloadOutcome:
-    """What one reload did (rendered for the admin API by :func:`gateway.admin.reload_report`)."""
+    """What one reload did (rendered for the admin API by :func:`gateway.control.admin.reload_report`)."""
 
     trigger: str
     file: str | None

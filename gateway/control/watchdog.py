@@ -7,7 +7,7 @@ with the same config is started after an exponential backoff, capped at ``backof
 
 Client traffic must never keep a model down: an engine that died with requests in flight (a request
 crashed a working engine) is restarted without growing the backoff, and those requests go to the
-:class:`~gateway.poison.Quarantine`, which refuses them if they come again. The backoff grows only
+:class:`~gateway.core.poison.Quarantine`, which refuses them if they come again. The backoff grows only
 for engines that die again soon after a restart with nothing in flight (a crash loop at start-up).
 By default the watchdog never gives up; with ``max_restarts`` set it stops after that many restarts
 with no ``stable_after_s`` healthy stretch in between, until an operator swaps or reloads the model.
@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from loguru import logger
 
 from gateway.config import GatewaySettings, WatchdogSettings
-from gateway.poison import fields_of as _fields
-from gateway.registry import Backend
-from gateway.state import GatewayState
-from gateway.swap import SwapError, SwapExecutor
+from gateway.control.swap import SwapError, SwapExecutor
+from gateway.core.poison import fields_of as _fields
+from gateway.core.registry import Backend
+from gateway.core.state import GatewayState
 
 
 def backoff_delay(attempt: int, settings: WatchdogSettings) -> float:

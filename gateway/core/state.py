@@ -7,14 +7,17 @@ registry's routes in place. No module globals: tests build many apps side by sid
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from gateway.config import GatewaySettings
-from gateway.health import HealthProbes
-from gateway.metrics import Metrics
-from gateway.poison import Quarantine
-from gateway.proxy import Proxy
-from gateway.registry import Registry
-from gateway.responses_index import ResponseIndex
+from gateway.core.health import HealthProbes
+from gateway.core.metrics import Metrics
+from gateway.core.poison import Quarantine
+from gateway.core.registry import Registry
+from gateway.core.responses_index import ResponseIndex
+
+if TYPE_CHECKING:  # the data plane's forwarder, set by the lifespan; core does not import the data plane
+    from gateway.data.proxy import Proxy
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 ``/ready`` and the ``gateway_engine_up`` metric ask :meth:`HealthProbes.not_ready`; the watchdog asks
 :meth:`HealthProbes.healthy`; ``/v1/models`` asks :meth:`HealthProbes.context_length` once per backend.
-Requests themselves go through :class:`gateway.proxy.Proxy`'s pooled aiohttp session.
+Requests themselves go through :class:`gateway.data.proxy.Proxy`'s pooled aiohttp session.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 import httpx
 
-from gateway.registry import Backend
+from gateway.core.registry import Backend
 
 
 class HealthProbes:

@@ -4,7 +4,7 @@ The body goes upstream as the client sent it, with only ``model`` rewritten to t
 name. Streams are relayed event by event (complete ``\\n\\n``-terminated SSE events, ``event:`` lines
 included, exactly as the engine wrote them) without parsing JSON, except for the rare event that
 carries ``usage`` (for token metrics), an engine ``error`` (which is sanitized) or, on the Responses
-API, the id of the response being created (see :mod:`gateway.responses_index`). A client that goes
+API, the id of the response being created (see :mod:`gateway.core.responses_index`). A client that goes
 away closes the upstream response, so the engine stops generating; an upstream failure after the 200
 ends the stream with an error event framed like the route's own events.
 """
@@ -27,20 +27,18 @@ from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 from yarl import URL
 
-from gateway.auth import OPEN_OWNER
-from gateway.balancer import pick
-from gateway.bounds import grammar_bytes
 from gateway.config import BalancingSettings
-from gateway.context import RequestInfo
-from gateway.endpoints import ProxiedRoute
-from gateway.errors import GatewayError, StreamKind, sanitize_message, sse_error_event, upstream_error
-from gateway.http_protocol import HTTP_CYCLE
-from gateway.limits import ConcurrencyLimiter
-from gateway.metrics import Metrics
-from gateway.poison import Quarantine, payload_shape, request_shape, token_id_problem
-from gateway.registry import Backend, ModelRoute
-from gateway.responses_index import ResponseIndex
-from gateway.upstream_stream import (
+from gateway.core.context import RequestInfo
+from gateway.core.endpoints import ProxiedRoute
+from gateway.core.errors import GatewayError, StreamKind, sanitize_message, sse_error_event, upstream_error
+from gateway.core.limits import ConcurrencyLimiter
+from gateway.core.metrics import Metrics
+from gateway.core.poison import Quarantine, payload_shape, request_shape, token_id_problem
+from gateway.core.registry import Backend, ModelRoute
+from gateway.core.responses_index import ResponseIndex
+from gateway.data.balancer import pick
+from gateway.data.bounds import grammar_bytes
+from gateway.data.stream_pool import (
     KEEPALIVE_S,
     QuickAck,
     StreamExchange,
@@ -49,6 +47,8 @@ from gateway.upstream_stream import (
     UpstreamPoolFull,
     UpstreamUnreachable,
 )
+from gateway.edge.auth import OPEN_OWNER
+from gateway.edge.connection import HTTP_CYCLE
 
 T = TypeVar("T")
 _MAX_PENDING = 4 * 1024 * 1024  # an SSE event larger than this is forwarded unsplit, unscanned
@@ -87,7 +87,7 @@ UPSTREAM_KEEPALIVE_S = KEEPALIVE_S
 
 
 class QuickAckResponseHandler(ResponseHandler):
-    """aiohttp's connection protocol, acknowledging every upstream read at once (:class:`gateway.upstream_stream.QuickAck`)."""
+    """aiohttp's connection protocol, acknowledging every upstream read at once (:class:`gateway.data.stream_pool.QuickAck`)."""
 
     _ack: QuickAck | None = None
 
@@ -117,7 +117,7 @@ class QuickAckConnector(aiohttp.TCPConnector):
 
 def upstream_session(connect_timeout_s: float, read_timeout_s: float, max_connections: int | None) -> aiohttp.ClientSession:
     """The one pooled ``aiohttp.ClientSession`` that forwards plain requests (create it inside the event loop;
-    streams go over :class:`gateway.upstream_stream.StreamPool`).
+    streams go over :class:`gateway.data.stream_pool.StreamPool`).
 
     Connections are kept alive and reused, up to ``max_connections`` at once when set, else without a cap
     (no per-host cap and no smaller keep-alive cap: every concurrency level reuses its connections). ``connect_timeout_s``
@@ -163,7 +163,7 @@ UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
 
 class Proxy:
     """Forwards requests upstream: plain ones over one shared, pooled ``aiohttp.ClientSession`` (``session``),
-    streams over ``streams`` (relayed from the socket's callbacks, :mod:`gateway.upstream_stream`)."""
+    streams over ``streams`` (relayed from the socket's callbacks, :mod:`gateway.data.stream_pool`)."""
 
     def __init__(
         self,
@@ -205,15 +205,15 @@ class Proxy:
     ) -> Response:
         """Admit the request (limits, backend state), send it, and answer plain JSON or an SSE stream.
 
-        The replica is chosen by :func:`gateway.balancer.pick`; when it fails before the client got a byte
+        The replica is chosen by :func:`gateway.data.balancer.pick`; when it fails before the client got a byte
         (unreachable, or it died under a plain request), the request is sent once more, to another replica.
         ``receive`` (the request's ASGI receive, body already read) lets a plain request notice a
         client that gave up, and close the upstream request instead of letting the engine finish it.
         A stream needs no such watch before its response starts: engines send a stream's headers at
         once, and :class:`SSEProxyResponse` watches the client from then on. ``pinned``: the backend
         that must answer (it holds the state the request continues). ``owner``: the client key's identity
-        (:func:`gateway.auth.request_owner`), recorded as the owner of a Responses API response it creates.
-        ``grammar_size``: :func:`gateway.bounds.grammar_bytes` of ``body`` when the caller measured it already.
+        (:func:`gateway.edge.auth.request_owner`), recorded as the owner of a Responses API response it creates.
+        ``grammar_size``: :func:`gateway.data.bounds.grammar_bytes` of ``body`` when the caller measured it already.
         """
         path = endpoint.upstream_path
         problem = token_id_problem(endpoint.token_ids, body, route.backend.vocab_size)
@@ -500,7 +500,7 @@ class SSEProxyResponse(Response):
         self.model = model
         self.kind = kind
         self.on_created = on_created  # told the id of a Responses API response when its creation event passes
-        self.request = request  # the body sent: an engine error event may be about its input (gateway.client_mistakes)
+        self.request = request  # the body sent: an engine error event may be about its input (gateway.core.client_mistakes)
         self._markers = _MARKER_SCAN[kind]
         self._endings = _ENDING_SCAN[kind]
         self._last = (b"", b"")  # the last two pieces written: where a complete stream's own ending is
@@ -711,7 +711,7 @@ class _RelayFailed(Exception):
 class _TransportWriter:
     """Events straight to the client's transport, framed as uvicorn frames the body (one write per piece).
 
-    ``cycle`` is uvicorn's request-response cycle, handed over by :class:`gateway.http_protocol.GuardedHttpProtocol`.
+    ``cycle`` is uvicorn's request-response cycle, handed over by :class:`gateway.edge.connection.GuardedHttpProtocol`.
     When the client's socket buffer is full (its flow control paused writing), reading from the engine pauses
     until it drains: a slow client slows its own stream, never the gateway's memory.
     """

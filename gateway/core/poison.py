@@ -21,7 +21,7 @@ from typing import Any
 
 import orjson
 
-from gateway.errors import GatewayError
+from gateway.core.errors import GatewayError
 
 
 def token_id_problem(fields: tuple[str, ...], body: dict[str, Any], vocab_size: int | None) -> str | None:

@@ -11,7 +11,7 @@ a config reload replaces in one assignment.
 
 A client route learns *which* key matched, never the key: ``scope[OWNER_SCOPE_KEY]`` is the key's
 :func:`key_owner` identity (computed once per policy, not per request), which owns the stored responses
-the request creates (:mod:`gateway.responses_index`). An open gateway has one shared owner, :data:`OPEN_OWNER`.
+the request creates (:mod:`gateway.core.responses_index`). An open gateway has one shared owner, :data:`OPEN_OWNER`.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.endpoints import dialect_for_path
-from gateway.errors import Dialect, GatewayError, error_response
+from gateway.core.endpoints import dialect_for_path
+from gateway.core.errors import Dialect, GatewayError, error_response
 
 ADMIN_PREFIX = "/admin/"
 OWNER_SCOPE_KEY = "gateway.owner"

@@ -19,7 +19,7 @@ from types import MappingProxyType
 from typing import Any
 
 from gateway.config import GatewaySettings, LimitSettings
-from gateway.limits import ConcurrencyLimiter
+from gateway.core.limits import ConcurrencyLimiter
 from launch.config import DeploymentConfig, ModelEntry
 from launch.model_info import vocab_size as model_vocab_size
 from launch.process import EngineProcess
@@ -72,7 +72,7 @@ class Backend:
 
     @property
     def identity(self) -> str:
-        """Which upstream this is, as the persistent response index records it (see :mod:`gateway.responses_index`).
+        """Which upstream this is, as the persistent response index records it (see :mod:`gateway.core.responses_index`).
 
         An external engine (a ``url:`` model) is named by its URL: it outlives the gateway, and so do the
         responses it stores, which a restarted gateway must still reach. An engine or router the gateway runs

@@ -15,8 +15,8 @@ from typing import Any
 import orjson
 
 from gateway.config import RequestBounds
-from gateway.errors import GatewayError
-from gateway.grammar_checks import GrammarProblem, check_ebnf, check_json_schema, check_regex, check_stop_regex
+from gateway.core.errors import GatewayError
+from gateway.data.grammar_checks import GrammarProblem, check_ebnf, check_json_schema, check_regex, check_stop_regex
 
 # path -> the fields whose list items each become engine work
 _INPUT_LISTS: dict[str, tuple[str, ...]] = {

@@ -5,7 +5,7 @@ Each route's schema declares every field that goes to the engine, with its type 
 model, and the service options that are dropped). Anything else is refused with a 400 naming the field.
 Bodies are *not* re-serialized from these models: the client's JSON goes upstream as sent (less the
 dropped fields, ``model`` rewritten). Configurable bounds (fan-out, grammar sizes) are
-:mod:`gateway.bounds`; grammar inputs are checked by :mod:`gateway.grammar_checks`.
+:mod:`gateway.data.bounds`; grammar inputs are checked by :mod:`gateway.data.grammar_checks`.
 
 Booleans are lax, as SGLang's own models are (``"logprobs": "true"`` is accepted there), except
 ``stream``, which the gateway itself reads.
@@ -31,7 +31,7 @@ from pydantic import (
     model_validator,
 )
 
-from gateway.errors import GatewayError
+from gateway.core.errors import GatewayError
 from gateway.fields import DROPPED, REFUSED, extensions_for
 
 _Number = Annotated[float, Field(allow_inf_nan=False)]

@@ -1,0 +1,1 @@
+"""Serving a logged MLflow model: ``sglang-gateway serve --model-uri`` and ``POST /invocations``."""
