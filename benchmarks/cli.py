@@ -298,7 +298,9 @@ def paced_command(
     step_ms: Annotated[float, typer.Option(help="Decode step of the fake: one event to each running stream per step.")] = 20.0,
     ramp_s: Annotated[float, typer.Option(help="The streams start evenly over this many seconds.")] = 1.0,
     api: Annotated[str, typer.Option(help="chat | responses | messages.")] = "chat",
-    targets: Annotated[str, typer.Option(help="Comma-separated: direct, gateway, router (sglang_router).")] = "direct,gateway,router",
+    targets: Annotated[
+        str, typer.Option(help="Comma-separated: direct, gateway (1 worker), gateway-wN (N worker processes), router (sglang_router).")
+    ] = "direct,gateway,router",
     gateway_env: Annotated[list[str] | None, typer.Option("--gateway-env", help="KEY=VALUE for the gateway process.")] = None,
     gateway_setting: Annotated[
         list[str] | None, typer.Option("--gateway-setting", help="NAME=VALUE gateway setting (dotted, e.g. http.max_connections=8192).")
@@ -311,9 +313,9 @@ def paced_command(
     from benchmarks import paced_cli
 
     names = [name.strip() for name in targets.split(",") if name.strip()]
-    unknown = sorted(set(names) - {"direct", "gateway", "router"})
+    unknown = sorted(name for name in set(names) - {"direct", "router"} if paced_cli.gateway_workers(name) is None)
     if unknown or not names:
-        raise typer.BadParameter(f"unknown target {', '.join(unknown) or repr(targets)} (choose from direct, gateway, router)")
+        raise typer.BadParameter(f"unknown target {', '.join(unknown) or repr(targets)} (choose from direct, gateway, gateway-wN, router)")
     try:
         settings = paced_cli.parse_settings(gateway_setting)
     except ValueError as error:

@@ -53,9 +53,14 @@ def paced_run(
         upstream_url, upstream = stack.enter_context(processes.fake_upstream("paced", out_dir, step_ms))
         urls = {"direct": upstream_url}
         pids = {"direct": {"upstream": upstream.pid}}
-        if "gateway" in targets:
-            url, child = stack.enter_context(processes.gateway(upstream_url, out_dir, gateway_env, gateway_settings))
-            urls["gateway"], pids["gateway"] = url, {"upstream": upstream.pid, "proxy": child.pid}
+        for target in targets:
+            workers = gateway_workers(target)
+            if workers is not None:  # the proxy's CPU is its process group's: the control process and its workers
+                logs = out_dir / target
+                logs.mkdir(parents=True, exist_ok=True)
+                settings = {"workers": workers, **gateway_settings} if target != "gateway" else {"workers": 1, **gateway_settings}
+                url, child = stack.enter_context(processes.gateway(upstream_url, logs, gateway_env, settings))
+                urls[target], pids[target] = url, {"upstream": upstream.pid, "proxy": child.pid}
         if "router" in targets:
             url, child = stack.enter_context(processes.router([upstream_url], out_dir))
             urls["router"], pids["router"] = url, {"upstream": upstream.pid, "proxy": child.pid}
@@ -75,7 +80,7 @@ def paced_run(
                     rows.append(row)
                     console.print(_line(row))
                     time.sleep(0.5)  # closed connections settle before the next run
-            if profile_streams and "gateway" in urls:
+            if profile_streams and "gateway" in urls:  # (one process: the single-worker gateway)
                 profile = _profile(loop, urls["gateway"], pids["gateway"]["proxy"], dialect, profile_streams, tokens, ramp_s, timeout_s, out_dir)
         finally:
             loop.close()
@@ -104,7 +109,7 @@ def _fmt(value: Any, digits: int = 1) -> str:
 
 def _line(row: dict[str, Any]) -> str:
     return (
-        f"{row['streams']:>5} {row['target']:<8} {row['events_per_s']:>9,.0f} ev/s  TTFT p50 {_fmt(row['ttft_p50_ms'])} ms  "
+        f"{row['streams']:>5} {row['target']:<11} {row['events_per_s']:>9,.0f} ev/s  TTFT p50 {_fmt(row['ttft_p50_ms'])} ms  "
         f"gap p99 {_fmt(row['gap_p99_ms'])} ms  errors {row['errors']}  proxy {_fmt(row.get('cpu_us_per_event_proxy'))} µs/event"
     )
 
@@ -123,10 +128,29 @@ def _print_table(rows: list[dict[str, Any]], targets: list[str]) -> None:
     Console(width=150).print(table)
     by = {(row["streams"], row["target"]): row for row in rows}
     for count in sorted({row["streams"] for row in rows}):
-        gateway, router = by.get((count, "gateway")), by.get((count, "router"))
-        if gateway and router and gateway.get("cpu_us_per_event_proxy") and router.get("cpu_us_per_event_proxy"):
-            ratio = gateway["cpu_us_per_event_proxy"] / router["cpu_us_per_event_proxy"]
-            console.print(f"{count:>5} streams: gateway/router CPU per event {ratio:.2f}x, events/s {gateway['events_per_s'] / router['events_per_s']:.2f}x")
+        router = by.get((count, "router"))
+        for target in (t for t in targets if gateway_workers(t) is not None):
+            gateway = by.get((count, target))
+            if gateway and router and gateway.get("cpu_us_per_event_proxy") and router.get("cpu_us_per_event_proxy"):
+                ratio = gateway["cpu_us_per_event_proxy"] / router["cpu_us_per_event_proxy"]
+                console.print(f"{count:>5} streams: {target}/router CPU per event {ratio:.2f}x, events/s {gateway['events_per_s'] / router['events_per_s']:.2f}x")
+        single = by.get((count, "gateway"))
+        for target in (t for t in targets if t.startswith("gateway-w")):
+            many = by.get((count, target))
+            if single and many and single.get("cpu_us_per_event_proxy") and many.get("cpu_us_per_event_proxy"):
+                console.print(
+                    f"{count:>5} streams: {target}/gateway CPU per event {many['cpu_us_per_event_proxy'] / single['cpu_us_per_event_proxy']:.2f}x, "
+                    f"events/s {many['events_per_s'] / single['events_per_s']:.2f}x"
+                )
+
+
+def gateway_workers(target: str) -> int | None:
+    """``gateway`` -> 1 worker, ``gateway-w4`` -> 4 workers (same run, same fake), anything else -> None."""
+    if target == "gateway":
+        return 1
+    if target.startswith("gateway-w") and target[len("gateway-w"):].isdigit() and int(target[len("gateway-w"):]) >= 1:
+        return int(target[len("gateway-w"):])
+    return None
 
 
 def parse_settings(items: list[str] | None) -> dict[str, Any]:

@@ -22,6 +22,8 @@ from gateway.config import GatewaySettings, gateway_settings
 from gateway.control.admin import router as admin_router
 from gateway.control.controller import Controller
 from gateway.control.swap import SwapExecutor
+from gateway.control.worker_link import WorkerLink, admin_forwarder
+from gateway.control.workers import WorkerPlan, WorkerSupervisor
 from gateway.core.endpoints import INVOCATIONS, PROXIED_BY_PATH, ProxiedRoute, dialect_for_path
 from gateway.core.errors import GatewayError, error_response, shaped_for
 from gateway.core.health import HealthProbes
@@ -69,6 +71,8 @@ def create_app(
     watch: bool = False,
     log_dir: str | Path | None = None,
     invocations: bool = False,
+    workers: WorkerPlan | None = None,
+    link: WorkerLink | None = None,
 ) -> FastAPI:
     """A gateway app.
 
@@ -78,6 +82,10 @@ def create_app(
     ``deployment`` (read from a file) enables reloads; ``overrides`` are the CLI's host/port, kept across
     reloads; ``watch`` reloads on file changes; ``invocations`` adds ``POST /invocations``
     (:data:`gateway.core.endpoints.INVOCATIONS`).
+
+    ``workers`` makes this the control process of worker processes (started once the engines are up, stopped
+    before them); ``link`` makes it one of those workers: it routes with the state the control process sends
+    and forwards ``/admin/*`` to it (:mod:`gateway.control.workers`).
     """
     registry = registry if registry is not None else Registry()
     state = GatewayState(settings=settings, registry=registry, metrics=Metrics(registry))
@@ -101,15 +109,32 @@ def create_app(
         try:
             async with session:
                 state.proxy = Proxy(session, state.metrics, state.quarantine, state.responses, streams)
+                if link is not None:  # a worker: no engines of its own
+                    await link.start(state, keys)
+                    link.apply(link.version, link.first)
+                    try:
+                        yield
+                    finally:
+                        await link.close()
+                        await streams.close()
+                    return
+                supervisor = None
                 try:
                     try:
                         await controller.boot()
+                        await controller.start()
+                        if workers is not None:
+                            supervisor = WorkerSupervisor(state, keys, workers.count, workers.runtime_dir,
+                                                          host=workers.host, port=workers.port, verbose=workers.verbose)  # fmt: skip
+                            state.peers = supervisor
+                            await supervisor.start()
                     except BaseException as error:
                         app.state.startup_error = error
                         raise
-                    await controller.start()
                     yield
                 finally:
+                    if supervisor is not None:
+                        await supervisor.stop(settings.shutdown_grace_s)  # the workers' requests end before the engines
                     await controller.close()  # stops every engine the gateway owns
                     await streams.close()
         finally:
@@ -122,7 +147,7 @@ def create_app(
     app.state.startup_error = None
     app.state.controller = controller
     app.include_router(router)
-    app.include_router(admin_router)
+    app.include_router(admin_forwarder(link) if link is not None else admin_router)
     if invocations:
         app.proxied_routes = {**PROXIED_BY_PATH, INVOCATIONS.path: INVOCATIONS}
         add_proxied_route(app, INVOCATIONS, listed=False)
@@ -143,7 +168,15 @@ def create_app(
             "expose_headers": ["x-request-id", "retry-after"],
         }
         layers.append((JSONCORSMiddleware, cors))
-    layers.append((RequestContextMiddleware, {"metrics": state.metrics, "log_requests": settings.log_requests}))
+    layers.append(
+        (
+            RequestContextMiddleware,
+            {
+                "metrics": state.metrics, "log_requests": settings.log_requests,
+                "worker": link.index if link is not None else None, "record": workers is None,
+            },
+        )  # fmt: skip
+    )
     fast: Any = proxied_endpoint
     for middleware, options in layers:
         app.add_middleware(middleware, **options)
@@ -159,6 +192,7 @@ def app_from_config(
     port: int | None = None,
     log_dir: str | Path | None = None,
     watch: bool = False,
+    workers: WorkerPlan | None = None,
 ) -> tuple[FastAPI, GatewaySettings]:
     """The app for a whole deployment: managed engines (started by the lifespan's boot) and external URLs.
 
@@ -168,7 +202,7 @@ def app_from_config(
     preflight_all(deployment)
     app = create_app(
         settings, deployment=deployment, boot=True, overrides={"host": host, "port": port}, watch=watch,
-        log_dir=log_dir, invocations=True,
+        log_dir=log_dir, invocations=True, workers=workers,
     )  # fmt: skip
     return app, settings
 

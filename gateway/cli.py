@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import shlex
 import signal
-import sys
 import threading
 from pathlib import Path
 from typing import Annotated
 
 import typer
-from loguru import logger
 from rich.console import Console
 
 from gateway.config import gateway_settings
+from gateway.console import configure_logging
 from launch.argv import build_argv, build_env, effective_engine
 from launch.config import ConfigError, DeploymentConfig, load_config
 from launch.lifecycle import start_ready
@@ -43,11 +42,6 @@ def fail(message: str, code: int = 2) -> typer.Exit:
     for line in str(message).splitlines() or [""]:
         err.print(f"[bold red]error:[/] {line}", highlight=False, markup=True, soft_wrap=True)
     return typer.Exit(code)
-
-
-def configure_logging(verbose: bool) -> None:
-    logger.remove()
-    logger.add(sys.stderr, level="DEBUG" if verbose else "INFO", format="{time:HH:mm:ss} | {level: <7} | {message}")
 
 
 def load_or_exit(path: Path) -> DeploymentConfig:

@@ -115,6 +115,12 @@ class GatewaySettings(_Strict):
     """Every key of the ``gateway:`` section."""
 
     host: str = Field("127.0.0.1", description="Interface to bind (--host overrides).")
+    workers: int | Literal["auto"] = Field(
+        "auto",
+        description="Data-plane processes accepting on the port (each its own SO_REUSEPORT socket); the engines, reloads, swaps, "
+        "the watchdog and the admin API stay in one control process. auto: 1 below 4 CPUs, else one per 4 CPUs, at most 8 "
+        "(restart to change).",
+    )
     port: int = Field(8000, ge=0, le=65535, description="Port to bind (--port overrides).")
     api_keys: list[SecretStr] = Field(default_factory=list, description="Accepted bearer keys.")
     api_keys_env: str | None = Field(None, description="Environment variable with comma-separated keys.")
@@ -158,6 +164,19 @@ class GatewaySettings(_Strict):
         "which engine). Default: $XDG_STATE_HOME (~/.local/state)/sglang-gateway/<config name>-<hash of its path>.",
     )
 
+    @field_validator("workers")
+    @classmethod
+    def _positive_workers(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 1:
+            raise ValueError("workers must be at least 1 (or auto)")
+        return value
+
+    def worker_count(self) -> int:
+        """How many data-plane processes serve: ``workers``, with ``auto`` sized from the CPUs this process may use."""
+        if self.workers != "auto":
+            return int(self.workers)
+        return auto_workers(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
     @field_validator("api_keys", "admin_keys")
     @classmethod
     def _non_empty_keys(cls, value: list[SecretStr]) -> list[SecretStr]:
@@ -184,6 +203,12 @@ class GatewaySettings(_Strict):
     def resolved_admin_keys(self, source: str = "config") -> tuple[bytes, ...]:
         """The /admin keys, resolved like the client keys; empty means the admin API is off."""
         return _resolve_keys(self.admin_keys, self.admin_keys_env, self.admin_keys_file, "admin_keys", source)
+
+
+def auto_workers(cpus: int) -> int:
+    """``workers: auto``: one process below 4 CPUs (the engines' own processes need the rest), else one per 4 CPUs,
+    at most 8. One worker relays about 30k SSE events/s (benchmarks/README.md); an 8-GPU host emits 100k+."""
+    return 1 if cpus < 4 else min(8, cpus // 4)
 
 
 def _resolve_keys(

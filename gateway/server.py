@@ -6,30 +6,40 @@ finish for up to ``gateway.shutdown_grace_s``, then the app's lifespan stops the
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import shutil
 import signal
+import socket
+import tempfile
 import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI
 from loguru import logger
+from prometheus_client import values as prometheus_values
 
 from gateway.app import app_from_config
-from gateway.config import GatewaySettings
+from gateway.config import GatewaySettings, gateway_settings
 from gateway.control.controller import StartAborted
+from gateway.control.workers import ADMIN_SOCKET, METRICS_DIR, WorkerPlan
 from gateway.edge.connection import guarded_protocol
 from launch.config import ConfigError, load_config
-from launch.ports import port_is_free
+from launch.ports import pick_free_port, port_is_free
 
 
-def uvicorn_config(app: FastAPI, settings: GatewaySettings, *, log_level: str = "info") -> uvicorn.Config:
-    """The uvicorn settings the gateway runs with (also used by tests that serve on a real socket)."""
+def uvicorn_config(app: FastAPI, settings: GatewaySettings, *, log_level: str = "info", uds: str | None = None) -> uvicorn.Config:
+    """The uvicorn settings the gateway runs with (also used by tests that serve on a real socket); ``uds``: serve
+    on that Unix socket instead of the host and port (the control process of worker processes)."""
     return uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
+        uds=uds,
         lifespan="on",
         access_log=False,  # the gateway writes its own line per request
         log_level=log_level,
@@ -73,8 +83,18 @@ def _note_signal(signum: int, frame: object) -> None:
     logger.info("gateway: stopped by {}", signal.Signals(signum).name)
 
 
-class _Server(uvicorn.Server):
-    """uvicorn's server, plus: a stop signal during engine start-up stops the engines at once."""
+class GatewayServer(uvicorn.Server):
+    """uvicorn's server, plus: a stop signal during engine start-up stops the engines at once; ``on_started`` is
+    called once it accepts connections."""
+
+    def __init__(self, config: uvicorn.Config, on_started: Callable[[], None] | None = None) -> None:
+        super().__init__(config)
+        self.on_started = on_started
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started and self.on_started is not None:
+            self.on_started()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         controller = getattr(getattr(self.config.app, "state", None), "controller", None)
@@ -102,17 +122,60 @@ def run(
     SIGHUP reloads the file (as ``POST /admin/reload`` does); ``watch`` also reloads when it changes.
     """
     deployment = load_config(config_path)
-    app, settings = app_from_config(deployment, host=host, port=port, watch=watch)
-    logger.info("gateway: serving {} model(s) from {}", len(deployment.models), config_path)
-    serve_app(app, settings, verbose=verbose, source=str(config_path))
+    settings = gateway_settings(deployment, host=host, port=port)
+    count = settings.worker_count()
+    if count == 1:
+        app, settings = app_from_config(deployment, host=host, port=port, watch=watch)
+        logger.info("gateway: serving {} model(s) from {}", len(deployment.models), config_path)
+        serve_app(app, settings, verbose=verbose, source=str(config_path))
+        return
+    check_port_free(settings, str(config_path))
+    with worker_runtime() as runtime_dir:
+        port = settings.port or pick_free_port(settings.host)
+        plan = WorkerPlan(count, runtime_dir, settings.host, port, verbose)
+        app, settings = app_from_config(deployment, host=host, port=port, watch=watch, workers=plan)
+        logger.info("gateway: serving {} model(s) from {} on {} worker processes", len(deployment.models), config_path, count)
+        serve_app(app, settings, verbose=verbose, source=str(config_path), uds=str(runtime_dir / ADMIN_SOCKET))
 
 
-def serve_app(app: FastAPI, settings: GatewaySettings, *, verbose: bool = False, source: str = "gateway") -> None:
-    """Run ``app`` under uvicorn until SIGTERM / Ctrl-C (graceful, exit 0); SIGHUP asks for a reload."""
+def check_port_free(settings: GatewaySettings, source: str) -> None:
     if settings.port and not port_is_free(settings.host, settings.port):
         raise ConfigError(f"{source}: gateway.port: port {settings.port} on {settings.host} is already in use (or use --port)")
+
+
+@contextlib.contextmanager
+def worker_runtime() -> Iterator[Path]:
+    """A private directory for the control process and its workers (sockets, summed metrics), removed at the end.
+
+    Prometheus' multiprocess mode is switched on here, before the app's metrics exist: the workers inherit
+    ``PROMETHEUS_MULTIPROC_DIR``; this process's own series go to the same directory.
+    """
+    runtime_dir = Path(tempfile.mkdtemp(prefix="sglang-gateway-workers-"))  # 0700
+    metrics_dir = runtime_dir / METRICS_DIR
+    metrics_dir.mkdir()
+    before_env, before_class = os.environ.get("PROMETHEUS_MULTIPROC_DIR"), prometheus_values.ValueClass
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
+    prometheus_values.ValueClass = prometheus_values.MultiProcessValue()
+    try:
+        yield runtime_dir
+    finally:
+        prometheus_values.ValueClass = before_class
+        if before_env is None:
+            os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        else:
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = before_env
+        shutil.rmtree(runtime_dir, ignore_errors=True)
+
+
+def serve_app(
+    app: FastAPI, settings: GatewaySettings, *, verbose: bool = False, source: str = "gateway", uds: str | None = None
+) -> None:
+    """Run ``app`` under uvicorn until SIGTERM / Ctrl-C (graceful, exit 0); SIGHUP asks for a reload. With ``uds``,
+    uvicorn serves on that socket (the control process: its workers hold the port)."""
+    if uds is None:
+        check_port_free(settings, source)
     raise_open_file_limit(settings.http.max_connections)
-    server = _Server(uvicorn_config(app, settings, log_level="debug" if verbose else "info"))
+    server = GatewayServer(uvicorn_config(app, settings, log_level="debug" if verbose else "info", uds=uds))
     hide = _HideStartupTraceback(app)
     logging.getLogger("uvicorn.error").addFilter(hide)
     # uvicorn re-raises the signal that stopped it once it has shut down; with these handlers in
@@ -123,7 +186,8 @@ def serve_app(app: FastAPI, settings: GatewaySettings, *, verbose: bool = False,
         previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, lambda *_: app.state.controller.request_reload("SIGHUP"))
     try:
         # uvicorn binds the port after the lifespan has started the engines: until then connections are refused
-        logger.info("gateway: will listen on http://{}:{} once the engines are ready", settings.host, settings.port)
+        if uds is None:
+            logger.info("gateway: will listen on http://{}:{} once the engines are ready", settings.host, settings.port)
         server.run()
     except SystemExit:  # uvicorn exits 3 when the lifespan (engine start-up) failed
         if app.state.startup_error is None:

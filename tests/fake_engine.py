@@ -16,6 +16,8 @@ What it does, SGLang's way (what the gateway relies on, nothing more):
 - ``POST /v1/chat/completions``: ``max_tokens`` (default 16) pieces ``"tok "``, streamed (role chunk, one chunk
   per piece every ``FAKE_ENGINE_TOKEN_S``, finish chunk, ``data: [DONE]``) or not; ``model`` is the served name;
 - ``POST /v1/responses`` (not streamed) and ``GET /v1/responses/{id}``: responses stored in memory;
+- a chat message whose content is :data:`CRASH`: it logs a traceback and exits 70 while the request is in
+  flight, as an engine a request crashes does;
 - a ``--model-path`` whose ``config.json`` is not valid JSON: it logs a traceback and exits 1 after a moment,
   as SGLang does for a broken model directory.
 
@@ -32,11 +34,13 @@ import os
 import stat
 import sys
 import time
+import traceback
 import uuid
 from pathlib import Path
 from typing import Any
 
 TOKEN = "tok "
+CRASH = "FAKE_ENGINE_CRASH"  # a chat message with this content makes the fake die under the request (a poison request)
 TOKEN_S = float(os.environ.get("FAKE_ENGINE_TOKEN_S", "0.01"))  # time per generated piece
 START_S = float(os.environ.get("FAKE_ENGINE_START_S", "0"))  # how long it takes to listen
 HERE = Path(__file__).resolve()
@@ -111,6 +115,13 @@ def build_app(model: str, api_key: str | None, context_length: int) -> Any:
         if (no := refused(request)) is not None:
             return no
         body = await request.json()
+        if any(message.get("content") == CRASH for message in body.get("messages", ())):
+            await asyncio.sleep(0.2)  # the request is in flight when the engine dies
+            try:
+                raise IndexError("index out of range in self (FAKE)")  # what SGLang's scheduler logs for a bad token id
+            except IndexError:  # logged as SGLang's scheduler logs a crash (the gateway reads the marker and the exception)
+                print(f"Scheduler hit an exception: {traceback.format_exc()}", file=sys.stderr, flush=True)
+            os._exit(70)
         tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
         created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
         usage = {"prompt_tokens": 5, "completion_tokens": tokens, "total_tokens": 5 + tokens}

@@ -16,6 +16,7 @@ from starlette.responses import Response
 from gateway.config import SwapPolicy
 from gateway.control.controller import Controller, ReloadInvalid, ReloadOutcome
 from gateway.control.swap import describe_backend
+from gateway.control.workers import WorkerSupervisor
 from gateway.core.errors import GatewayError, error_body
 from gateway.core.registry import Backend
 
@@ -33,6 +34,13 @@ def _json(data: Any, status: int = 200) -> Response:
 @router.get("/models")
 async def models(request: Request) -> Response:
     return _json(describe(_controller(request)))
+
+
+@router.get("/workers")
+async def workers(request: Request) -> Response:
+    """The data-plane worker processes (``gateway.workers`` > 1): pid, running, routing version, restarts."""
+    peers = _controller(request).state.peers
+    return _json({"workers": peers.report() if isinstance(peers, WorkerSupervisor) else []})
 
 
 @router.post("/reload")
@@ -142,7 +150,7 @@ def describe(controller: Controller) -> dict[str, Any]:
             "url": backend.url,
             "served_model_name": backend.served_name,
             "upstream_api_key": "set" if backend.api_key else None,
-            "in_flight": route.in_flight,
+            "in_flight": sum(r["in_flight"] for r in replicas) + (_in_flight(controller, route.name, route.front) if route.front else 0),
             "drained": route.drained,
             "swap_policy": controller.swap_policy_for(route.name),
             "limits": route.limiter.settings.model_dump(),
@@ -166,6 +174,12 @@ def describe(controller: Controller) -> dict[str, Any]:
     return {"config_file": config_file, "models": models, "last_reload": reload_report(controller.last_reload)}
 
 
+def _in_flight(controller: Controller, model: str, backend: Backend) -> int:
+    """Requests on ``backend`` now: this process's and, with worker processes, theirs."""
+    peers = controller.state.peers
+    return backend.in_flight + (peers.in_flight(model, backend.identity) if peers is not None else 0)
+
+
 def _replica(controller: Controller, model: str, backend: Backend) -> dict[str, Any]:
     health = controller.watchdog.health.get((model, backend.replica))
     reason = backend.unavailable_reason()
@@ -182,7 +196,7 @@ def _replica(controller: Controller, model: str, backend: Backend) -> dict[str, 
         "state": state,
         "reason": reason,
         "url": backend.url,
-        "in_flight": backend.in_flight,
+        "in_flight": _in_flight(controller, model, backend),
         "restarts": health.restarts if health else 0,
         "last_error": health.last_error if health else None,
     }

@@ -328,13 +328,22 @@ class SwapExecutor:
         deadline = started + self.state.settings.drain_timeout_s
         route = self.registry.route(model) if model is not None else None
         behind_router = backend.engine is not None and route is not None and route.front is not None
+        peers = self.state.peers
+        if peers is not None:  # worker processes route to it too: first every one of them must route past it
+            if not await peers.settle(max(0.0, deadline - time.monotonic())):
+                logger.warning("{}: not every worker process confirmed the new routing before the drain", backend.describe())
+
+        def in_flight() -> int:
+            here = backend.in_flight
+            return here + peers.in_flight(model, backend.identity) if peers is not None and model is not None else here
+
         while time.monotonic() < deadline:
-            if backend.in_flight == 0 and not (behind_router and await self._engine_busy(backend)):
+            if in_flight() == 0 and not (behind_router and await self._engine_busy(backend)):
                 break
             await asyncio.sleep(0.05 if not behind_router else 0.25)
-        timed_out = backend.in_flight > 0 or (behind_router and await self._engine_busy(backend))
+        timed_out = in_flight() > 0 or (behind_router and await self._engine_busy(backend))
         if timed_out:
-            logger.warning("{}: {} request(s) still running after the drain timeout; stopping anyway", backend.describe(), backend.in_flight)
+            logger.warning("{}: {} request(s) still running after the drain timeout; stopping anyway", backend.describe(), in_flight())
         return time.monotonic() - started, timed_out
 
     async def end_crashed(self, backend: Backend) -> None:

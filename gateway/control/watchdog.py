@@ -163,6 +163,8 @@ class Watchdog:
         so) with requests in flight. Those requests go to the quarantine."""
         assert backend.engine is not None
         await asyncio.sleep(0.2)  # let the proxy see the broken connections of requests still in flight
+        if self.state.peers is not None:  # and the worker processes report theirs
+            await self.state.peers.settle(2.0)
         suspects = list(backend.lost)
         backend.lost.clear()
         cause = backend.engine.crash_exception()

@@ -6,11 +6,13 @@ engine up/down is computed at scrape time from the model registry, so it is neve
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from gateway.core.registry import Registry
@@ -20,15 +22,23 @@ _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
 class Metrics:
-    """Every metric the gateway exports."""
+    """Every metric the gateway exports.
 
-    def __init__(self, registry: Registry) -> None:
+    With worker processes (``PROMETHEUS_MULTIPROC_DIR`` set by the control process for itself and its workers),
+    every process writes its samples to that directory and a scrape on any worker sums them all
+    (prometheus_client's multiprocess mode: counters and histograms summed, the in-flight gauge summed over
+    live processes); the engine-state gauges are computed by the process that answers, from its routing state.
+    """
+
+    def __init__(self, registry: Registry, multiprocess_dir: str | None = None) -> None:
+        self.multiprocess_dir = multiprocess_dir if multiprocess_dir is not None else os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        self.models = registry
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("gateway_requests", "Requests by model, route and HTTP status.", ["model", "route", "status"], registry=r)
         self.latency = Histogram("gateway_request_duration_seconds", "Time from request to last byte.", ["model", "route"], buckets=_LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("gateway_time_to_first_token_seconds", "Time to the first upstream byte of a stream.", ["model"], buckets=_TTFT_BUCKETS, registry=r)
-        self.in_flight = Gauge("gateway_in_flight_requests", "Requests being proxied now.", ["model"], registry=r)
+        self.in_flight = Gauge("gateway_in_flight_requests", "Requests being proxied now.", ["model"], registry=r, multiprocess_mode="livesum")
         self.tokens = Counter("gateway_tokens", "Tokens reported by the engines' usage.", ["model", "kind"], registry=r)
         self.stream_errors = Counter("gateway_stream_errors", "Streams ended by an upstream failure after 200.", ["model"], registry=r)
         self.engine_restarts = Counter("gateway_engine_restarts", "Engine restarts by the gateway.", ["model"], registry=r)
@@ -39,6 +49,16 @@ class Metrics:
         r.register(_EngineUp(registry))
         r.register(_ReplicasReady(registry))
         self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
+
+    def exposition(self) -> bytes:
+        """The scrape: this process's series, or with worker processes the sum over all of them."""
+        if not self.multiprocess_dir:
+            return generate_latest(self.registry)
+        summed = CollectorRegistry()
+        MultiProcessCollector(summed, path=self.multiprocess_dir)
+        summed.register(_EngineUp(self.models))
+        summed.register(_ReplicasReady(self.models))
+        return generate_latest(summed)
 
     def child(self, metric: Any, *labels: str) -> Any:
         """``metric.labels(*labels)``, remembered: the hot path asks for the same few children every request."""

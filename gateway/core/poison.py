@@ -15,7 +15,7 @@ request an hour later or on another replica are all refused, while requests made
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from dataclasses import field as dataclass_field
 from typing import Any
 
@@ -163,6 +163,15 @@ class Quarantine:
             del self._records[key]
         self._blocked -= refused
         return refused
+
+    def records(self) -> dict[tuple[str, str], Suspect]:
+        """A copy of every record (model, shape) -> suspect: what worker processes receive from the control process."""
+        return {key: replace(record) for key, record in self._records.items()}
+
+    def restore(self, records: dict[tuple[str, str], Suspect]) -> None:
+        """Replace every record with ``records`` (a worker, given the control process's quarantine)."""
+        self._records = {key: replace(record) for key, record in records.items()}
+        self._blocked = sum(record.blocked for record in self._records.values())
 
     def report(self) -> list[dict[str, Any]]:
         """The refused shapes, for the admin API."""

@@ -71,6 +71,11 @@ class Backend:
         return self.engine is not None and self.router is None
 
     @property
+    def is_router(self) -> bool:
+        """True for SGLang's router in front of a model's replicas (it answers for workers the gateway cannot see)."""
+        return self.router is not None
+
+    @property
     def identity(self) -> str:
         """Which upstream this is, as the persistent response index records it (see :mod:`gateway.core.responses_index`).
 

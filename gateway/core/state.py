@@ -7,7 +7,7 @@ registry's routes in place. No module globals: tests build many apps side by sid
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from gateway.config import GatewaySettings
 from gateway.core.health import HealthProbes
@@ -20,6 +20,18 @@ if TYPE_CHECKING:  # the data plane's forwarder, set by the lifespan; core does 
     from gateway.data.proxy import Proxy
 
 
+class Peers(Protocol):
+    """The other processes that route requests to this process's backends (the control process's workers)."""
+
+    async def settle(self, timeout_s: float) -> bool:
+        """Wait until every worker routes with the registry as it is now (False: not all did within ``timeout_s``)."""
+        ...
+
+    def in_flight(self, model: str, identity: str) -> int:
+        """Requests the workers have in flight on the backend ``identity`` of ``model``."""
+        ...
+
+
 @dataclass
 class GatewayState:
     settings: GatewaySettings
@@ -30,3 +42,4 @@ class GatewayState:
     quarantine: Quarantine = field(default_factory=Quarantine)  # requests suspected of crashing an engine
     # stored responses -> the engine holding them and their owner; the lifespan opens the one in gateway.state_dir
     responses: ResponseIndex = field(default_factory=ResponseIndex)
+    peers: Peers | None = None  # set in the control process of worker processes: a drain counts their requests too

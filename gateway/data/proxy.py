@@ -239,7 +239,7 @@ class Proxy:
                 # chosen once per attempt: a swap mid-request must not split it across backends
                 backend = self._choose(route, body, balancing, pinned, failed, limiter.settings.retry_after_s)
                 lease.take(backend, self.metrics.child(self.metrics.in_flight, route.name))
-                info.replica = backend.replica if len(route.replicas) > 1 and backend.router is None else None
+                info.replica = backend.replica if len(route.replicas) > 1 and not backend.is_router else None
                 body["model"] = backend.served_name
                 payload = orjson.dumps(body)
                 lease.request = (path, payload)
@@ -327,7 +327,7 @@ _ROUTER_WORKER_LOST = (b"error sending request", b"connection closed", b"Failed 
 def _router_lost_its_worker(backend: Backend, upstream: aiohttp.ClientResponse, content: bytes | None) -> bool:
     """A router's 5xx that means its worker was unreachable or died under the request: nothing reached the
     client, and another replica can answer (the router's own retries pick the same worker again)."""
-    return backend.router is not None and upstream.status >= 500 and any(marker in (content or b"") for marker in _ROUTER_WORKER_LOST)
+    return backend.is_router and upstream.status >= 500 and any(marker in (content or b"") for marker in _ROUTER_WORKER_LOST)
 
 
 def _another(route: ModelRoute, failed: Backend) -> bool:

@@ -11,7 +11,7 @@ from urllib.parse import quote
 import orjson
 from fastapi import APIRouter, FastAPI, Request
 from loguru import logger
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -244,7 +244,7 @@ async def metrics(request: Request) -> Response:
     probes = _probes(state)
     url_backends = [backend for route in state.registry.routes() for backend in route.replicas if not backend.managed]
     await asyncio.gather(*(probes.not_ready(backend, state.settings.health_timeout_s) for backend in url_backends))
-    return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
 
 def _cards(route: ModelRoute, state: GatewayState) -> list[dict[str, Any]]:

@@ -31,10 +31,16 @@ _GOOD_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 class RequestContextMiddleware:
     """Gives every response an ``X-Request-Id`` and records one log line and the metrics per request."""
 
-    def __init__(self, app: ASGIApp, metrics: Metrics, log_requests: bool = True) -> None:
+    def __init__(
+        self, app: ASGIApp, metrics: Metrics, log_requests: bool = True, worker: int | None = None, record: bool = True
+    ) -> None:
         self.app = app
         self.metrics = metrics
         self.log_requests = log_requests
+        self.record = record  # False in the control process of workers: the worker that forwarded it records it
+        # A worker process names itself on every response (X-Gateway-Worker: its index) and log line.
+        self.worker = worker
+        self._extra = [(b"x-gateway-worker", str(worker).encode())] if worker is not None else []
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -49,7 +55,7 @@ class RequestContextMiddleware:
             if message["type"] == "http.response.start":
                 info.status = message["status"]
                 headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
-                message = {**message, "headers": [*headers, (b"x-request-id", request_id.encode())]}
+                message = {**message, "headers": [*headers, (b"x-request-id", request_id.encode()), *self._extra]}
             await send(message)
 
         try:
@@ -61,7 +67,8 @@ class RequestContextMiddleware:
             info.status = info.status or 500
             raise
         finally:
-            self._record(info)
+            if self.record:
+                self._record(info)
 
     def _record(self, info: RequestInfo) -> None:
         elapsed = time.perf_counter() - info.started
@@ -93,6 +100,7 @@ class RequestContextMiddleware:
             "tokens_in": info.prompt_tokens,
             "tokens_out": info.completion_tokens,
             "error": info.error,
+            "worker": self.worker,
         }
         fields = {k: escape_log_text(v) if isinstance(v, str) else v for k, v in fields.items()}
         text = " ".join(f"{k}={v}" for k, v in fields.items() if v is not None)
