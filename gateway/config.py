@@ -164,11 +164,13 @@ class GatewaySettings(_Strict):
         "which engine). Default: $XDG_STATE_HOME (~/.local/state)/sglang-gateway/<config name>-<hash of its path>.",
     )
 
-    @field_validator("workers")
+    @field_validator("workers", mode="before")
     @classmethod
-    def _positive_workers(cls, value: int | str) -> int | str:
-        if isinstance(value, int) and value < 1:
-            raise ValueError("workers must be at least 1 (or auto)")
+    def _positive_workers(cls, value: object) -> object:
+        if value == "auto":
+            return value
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"workers must be a number of at least 1, or auto (got {value!r})")
         return value
 
     def worker_count(self) -> int:

@@ -45,6 +45,8 @@ def test_defaults_and_cli_overrides() -> None:
         ({"open_paths": ["/v1/models"]}, "deploy.yaml: gateway.open_paths.0: Input should be '/health', '/ready' or '/metrics'"),
         ({"api_keys": [""]}, "deploy.yaml: gateway.api_keys: API keys must not be empty"),
         ({"model_limits": {"zzz": {}}}, "deploy.yaml: gateway.model_limits.zzz: no model with this name"),
+        ({"workers": 0}, "deploy.yaml: gateway.workers: workers must be a number of at least 1, or auto (got 0)"),
+        ({"workers": "many"}, "deploy.yaml: gateway.workers: workers must be a number of at least 1, or auto (got 'many')"),
     ],
 )
 def test_errors_name_file_key_and_reason(gateway: dict, message: str) -> None:
