@@ -41,21 +41,30 @@ from launch.preflight import preflight_all
 
 
 class GatewayAPI(FastAPI):
-    """FastAPI, with the proxied POST routes served ahead of it by the same middleware around
-    :func:`gateway.data.routes.proxied_endpoint` (``proxied``).
+    """FastAPI behind one middleware chain (``chain``: request id/log -> CORS -> auth -> body limit) that serves
+    the proxied POST routes itself, straight to :func:`gateway.data.routes.proxied_endpoint` (``proxied``).
 
     Those routes carry nearly all the traffic, and a streamed answer sends one message per SSE
     chunk: FastAPI's per-request machinery (telemetry check, exception and exit-stack middleware,
     router, dependency solving) and its ``send`` wrappers cost more than the proxying itself.
-    Everything else (other paths and methods, lifespan) goes through FastAPI as usual.
+    Everything else (other paths and methods) goes on, inside the same chain, to FastAPI as usual;
+    the lifespan goes to FastAPI directly.
     """
 
     proxied: Any = None
+    chain: Any = None
     proxied_routes: Mapping[str, ProxiedRoute] = PROXIED_BY_PATH  # path -> route, served by the fast path
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.proxied is not None and scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in self.proxied_routes:
+        if self.chain is not None and scope["type"] == "http":
             scope["app"] = self
+            await self.chain(scope, receive, send)
+            return
+        await super().__call__(scope, receive, send)
+
+    async def dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The innermost step of the chain: the fast path, or FastAPI."""
+        if self.proxied is not None and scope["method"] == "POST" and scope["path"] in self.proxied_routes:
             await self.proxied(scope, receive, send)
             return
         await super().__call__(scope, receive, send)
@@ -177,11 +186,10 @@ def create_app(
             },
         )  # fmt: skip
     )
-    fast: Any = proxied_endpoint
+    chain: Any = app.dispatch
     for middleware, options in layers:
-        app.add_middleware(middleware, **options)
-        fast = middleware(fast, **options)
-    app.proxied = fast
+        chain = middleware(chain, **options)
+    app.proxied, app.chain = proxied_endpoint, chain
     return app
 
 
