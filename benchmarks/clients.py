@@ -1,5 +1,5 @@
 """What the gateway's upstream HTTP client costs: CPU per streamed request of aiohttp (what the gateway uses,
-the session of ``gateway.data.proxy.upstream_session``) vs httpx (what it used before, configured as it was) vs
+the session of ``gateway.data.upstream_session.upstream_session``) vs httpx (what it used before, configured as it was) vs
 this package's raw asyncio client, against the fake upstream, in this process (CPU measured with
 ``time.process_time``). Evidence for gateway changes.
 """
@@ -38,7 +38,7 @@ async def _httpx(url: str, body: bytes, concurrency: int, requests: int) -> None
 
 
 async def _aiohttp(url: str, body: bytes, concurrency: int, requests: int) -> None:
-    from gateway.data.proxy import upstream_session
+    from gateway.data.upstream_session import upstream_session
 
     async with upstream_session(5.0, 600.0, 256) as session:
         left = requests

@@ -5,7 +5,7 @@ A map, by folder; each folder may import those listed after it, never those befo
 
 **Composition root**
   ``cli``            the ``sglang-gateway`` command (serve, launch, check)
-  ``server``         uvicorn, the worker processes and signals; ``app`` the app factory: one state, one middleware
+  ``server``         uvicorn and signals; ``worker`` one worker process's main; ``app`` the app factory: one state, one middleware
                      chain, ``GatewayAPI`` serving the proxied POST routes as plain ASGI ahead of FastAPI*
 
 ``mlflow/``          a logged MLflow model: ``serve --model-uri`` (``model_uri``), ``POST /invocations``
@@ -16,12 +16,16 @@ A map, by folder; each folder may import those listed after it, never those befo
   ``swap``           starts, switches, drains and stops backends (blue-green / stop-first); owns the engines
   ``watchdog``       restarts dead or unhealthy engines with backoff
   ``admin``          the admin API and its reports
+  ``workers``        the worker processes (started, fed the routing state, restarted, stopped): ``snapshot``
+                     the routing state they get, ``channel`` how it travels, ``worker_link`` a worker's end
 
 ``data/`` (every request)
   ``routes``         the FastAPI routes made from the route table, stored responses by id, models, health, ready
   ``bounds``         request bounds (``grammar_checks``: grammar inputs the engine would crash on)*
-  ``proxy``          admission, forwarding, SSE relay event by event, usage and error inspection*
+  ``proxy``          admission, the replica (one retry elsewhere), forwarding; ``lease`` what a request holds*
+  ``relay``          the SSE relay, event by event: usage, errors and Responses ids inspected, endings judged*
   ``stream_pool``    streams' own keep-alive upstream connections, relayed from the socket's callbacks*
+  ``upstream_session`` plain requests' pooled aiohttp session; ``upstream_errors`` transport failures -> errors
   ``balancer``       which replica takes a request (least in flight, or prompt-prefix affinity)*
 
 ``edge/`` (a client's connection)
@@ -41,5 +45,5 @@ A map, by folder; each folder may import those listed after it, never those befo
   ``context``        what is learnt about one request (for its log line)
 
 **Tables everything reads**: ``config`` the ``gateway:`` section; ``fields`` the engine's request fields
-(allowed, dropped, refused).
+(allowed, dropped, refused); ``console`` the log format of every process.
 """

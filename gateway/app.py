@@ -31,9 +31,10 @@ from gateway.core.metrics import Metrics
 from gateway.core.registry import Registry
 from gateway.core.responses_index import open_response_index
 from gateway.core.state import GatewayState
-from gateway.data.proxy import Proxy, upstream_session
+from gateway.data.proxy import Proxy
 from gateway.data.routes import add_proxied_route, note_error, proxied_endpoint, router, unexpected_error_response
 from gateway.data.stream_pool import StreamPool
+from gateway.data.upstream_session import upstream_session
 from gateway.edge.auth import AuthMiddleware, KeyHolder, key_policy
 from gateway.edge.middleware import BodyLimitMiddleware, JSONCORSMiddleware, RequestContextMiddleware
 from launch.config import DeploymentConfig

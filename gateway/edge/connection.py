@@ -35,7 +35,7 @@ from gateway.core.errors import Dialect, GatewayError
 
 HTTP_CYCLE = "gateway.http_cycle"
 """``scope["extensions"]`` key of uvicorn's request-response cycle: a stream relay writes its events to the
-client's transport through it (:class:`gateway.data.proxy.SSEProxyResponse`) instead of one ASGI message each."""
+client's transport through it (:class:`gateway.data.relay.SSEProxyResponse`) instead of one ASGI message each."""
 
 
 class _Rejected(Exception):

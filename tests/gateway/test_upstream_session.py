@@ -14,7 +14,7 @@ import socket
 import aiohttp
 import pytest
 
-from gateway.data.proxy import QuickAckResponseHandler, upstream_session
+from gateway.data.upstream_session import QuickAckResponseHandler, upstream_session
 
 pytestmark = pytest.mark.skipif(not hasattr(socket, "TCP_QUICKACK"), reason="TCP_QUICKACK is Linux-only")
 

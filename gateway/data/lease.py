@@ -1,0 +1,92 @@
+"""What one admitted request holds while it runs, and gives back once: its slot, its counts, its upstream."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+
+from gateway.core.limits import ConcurrencyLimiter
+from gateway.core.poison import payload_shape
+from gateway.core.registry import Backend
+from gateway.data.stream_pool import (
+    StreamExchange,
+    UpstreamPoolFull,
+    UpstreamUnreachable,
+)
+
+
+class Lease:
+    """What one admitted request holds, given back by :meth:`close` (once, in reverse order of taking).
+
+    Its limiter slot, its count in the backend's and the gauge's in-flight numbers, and the upstream
+    response: a fully read one gives its connection back to the pool; one cut short is closed, which
+    is what tells the engine that nobody listens any more (it aborts the request).
+    """
+
+    __slots__ = ("limiter", "backend", "gauge", "upstream", "request", "grammar")
+
+    def __init__(self, limiter: ConcurrencyLimiter) -> None:
+        self.limiter: ConcurrencyLimiter | None = limiter
+        self.grammar = False  # holds one of the limiter's grammar slots
+        self.backend: Backend | None = None
+        self.gauge: Any = None
+        self.upstream: aiohttp.ClientResponse | StreamExchange | None = None
+        self.request: tuple[str, bytes] | None = None  # (path, body) as sent upstream
+
+    def take(self, backend: Backend, gauge: Any) -> None:
+        """Count this request on ``backend`` (and in the model's in-flight gauge)."""
+        backend.in_flight += 1
+        backend.active.add(self)
+        self.backend = backend
+        if self.gauge is None:
+            self.gauge = gauge
+            gauge.inc()
+
+    def let_go(self) -> None:
+        """Give back the backend (and its upstream response) but keep the slot: for a retry elsewhere."""
+        upstream, self.upstream = self.upstream, None
+        if upstream is not None:
+            upstream.close()
+        backend, self.backend = self.backend, None
+        if backend is not None:
+            backend.in_flight -= 1
+            backend.active.discard(self)
+
+    def note_if_lost(self, error: BaseException) -> None:
+        """Remember this request on its backend when ``error`` means the connection broke under it
+        (not a refused connect, not a timeout): if the engine died, the request is a suspect."""
+        if self.backend is None or self.request is None:
+            return
+        if isinstance(error, (aiohttp.ClientConnectorError, TimeoutError, UpstreamUnreachable, UpstreamPoolFull)):
+            return
+        self.backend.lost.append(payload_shape(*self.request))
+
+    def suspect(self) -> str | None:
+        """This request's shape, when it is upstream (a suspect if its engine freezes)."""
+        return payload_shape(*self.request) if self.request is not None else None
+
+    def release_grammar(self) -> None:
+        """Give back the grammar slot: the engine has compiled the grammar (a stream's first bytes came)."""
+        if self.grammar and self.limiter is not None:
+            self.grammar = False
+            self.limiter.release_grammar()
+
+    def close(self) -> None:
+        self.release_grammar()
+        upstream, self.upstream = self.upstream, None
+        if upstream is not None:
+            if isinstance(upstream, StreamExchange) or upstream.content.at_eof():
+                upstream.release()  # a stream cut short is closed by it (the engine aborts the request)
+            else:
+                upstream.close()
+        gauge, self.gauge = self.gauge, None
+        if gauge is not None:
+            gauge.dec()
+        backend, self.backend = self.backend, None
+        if backend is not None:
+            backend.in_flight -= 1
+            backend.active.discard(self)
+        limiter, self.limiter = self.limiter, None
+        if limiter is not None:
+            limiter.release()

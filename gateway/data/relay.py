@@ -1,0 +1,401 @@
+"""The SSE relay: one upstream stream to one client, event by event, from the socket's callbacks.
+
+Events go out as the engine framed them (complete ``\\n\\n``-terminated events); only those that carry usage, an
+engine error or a Responses id are parsed. A client that goes away closes the upstream (the engine aborts);
+an upstream failure after the 200 ends the stream with an error event framed like the route's own, and a
+stream cut short ends on an event boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+from loguru import logger
+from starlette.responses import Response
+from starlette.types import Message, Receive, Scope, Send
+
+from gateway.core.context import RequestInfo
+from gateway.core.errors import GatewayError, StreamKind, sanitize_message, sse_error_event, upstream_error
+from gateway.core.metrics import Metrics
+from gateway.data.lease import Lease
+from gateway.data.stream_pool import (
+    StreamExchange,
+)
+from gateway.data.upstream_errors import transport_error
+from gateway.edge.connection import HTTP_CYCLE
+
+_MAX_PENDING = 4 * 1024 * 1024  # an SSE event larger than this is forwarded unsplit, unscanned
+
+
+_SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+
+
+_DONE = b"data: [DONE]\n\n"
+
+
+_USAGE = (b'"usage":{', b'"usage": {')
+
+
+# How a complete stream ends, by framing: a stream that stops before one of these (a router or engine that
+# closed it cleanly in the middle) ends with the gateway's error event instead.
+_ENDINGS: dict[StreamKind, tuple[bytes, ...]] = {
+    StreamKind.DATA: (_DONE[:-2], b'data: {"error":'),
+    StreamKind.RESPONSES: (b'"type":"response.completed"', b'"type":"response.incomplete"', b'"type":"response.failed"', b"event: error"),
+    StreamKind.ANTHROPIC: (b"event: message_stop", b"event: error"),
+}
+
+
+# What makes an event worth parsing, by stream framing. Responses events all carry "error":null.
+_MARKERS: dict[StreamKind, tuple[bytes, ...]] = {
+    StreamKind.DATA: (*_USAGE, b'"error"'),
+    StreamKind.RESPONSES: (*_USAGE, b'"error":{', b'"error": {', b'"type":"error"', b'"response.created"'),
+    StreamKind.ANTHROPIC: (*_USAGE, b'"type":"error"'),
+}
+
+
+def _any_of(needles: tuple[bytes, ...]) -> re.Pattern[bytes]:
+    """One compiled scan for several byte strings (one pass over an event instead of one per string)."""
+    return re.compile(b"|".join(re.escape(needle) for needle in needles))
+
+
+_ENDING_SCAN = {kind: _any_of(endings) for kind, endings in _ENDINGS.items()}
+
+
+_MARKER_SCAN = {kind: _any_of(markers) for kind, markers in _MARKERS.items()}
+
+
+class SSEProxyResponse(Response):
+    """An ASGI response relaying an upstream SSE stream; owns the upstream exchange and admission slot.
+
+    The relay runs in the upstream socket's callbacks (:meth:`StreamExchange.relay`): each body piece is cut
+    at event boundaries, scanned, and written to the client at once. Under the gateway's own uvicorn protocol
+    the events go straight to the client's transport (:class:`_TransportWriter`, honouring its flow control);
+    under any other ASGI server they go out as ASGI messages (:class:`_MessageWriter`). Either way the
+    response's start and its last message pass through the middlewares as ASGI messages.
+    """
+
+    def __init__(
+        self,
+        lease: Lease,
+        info: RequestInfo,
+        metrics: Metrics,
+        model: str,
+        kind: StreamKind = StreamKind.DATA,
+        on_created: Callable[[str], None] | None = None,
+        request: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(status_code=200, media_type="text/event-stream")
+        assert isinstance(lease.upstream, StreamExchange)
+        self.upstream: StreamExchange = lease.upstream
+        self.lease = lease
+        self.info = info
+        self.metrics = metrics
+        self.model = model
+        self.kind = kind
+        self.on_created = on_created  # told the id of a Responses API response when its creation event passes
+        self.request = request  # the body sent: an engine error event may be about its input (gateway.core.client_mistakes)
+        self._markers = _MARKER_SCAN[kind]
+        self._endings = _ENDING_SCAN[kind]
+        self._last = (b"", b"")  # the last two pieces written: where a complete stream's own ending is
+        self._events = 0  # events relayed (Responses: the next sequence number)
+        self._pending = b""
+        self._held = b""  # the stream's last events ([DONE]): they go out with our end, in one write
+        self._counts_events = kind is StreamKind.RESPONSES  # the error event we may add needs the next sequence number
+        self._writer: _TransportWriter | _MessageWriter | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:  # type: ignore[override]
+        # The response's task waits for the end; a watcher task cancels it if the client disconnects meanwhile.
+        task = asyncio.current_task()
+        assert task is not None
+        relaying = True
+        gone = False
+
+        def on_watch_done(watch: asyncio.Task[None]) -> None:
+            nonlocal gone
+            if relaying and not watch.cancelled() and watch.exception() is None:
+                gone = True
+                task.cancel()
+
+        watch = asyncio.ensure_future(wait_disconnect(receive))
+        watch.add_done_callback(on_watch_done)
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+            cycle = scope.get("extensions", {}).get(HTTP_CYCLE)
+            writer = _TransportWriter(cycle, self.upstream) if cycle is not None else _MessageWriter(send, self.upstream)
+            await self._pump(writer, send)
+        except asyncio.CancelledError:
+            if not gone or task.uncancel() > 0:
+                raise
+            self.info.error = "client disconnected"
+        finally:
+            relaying = False
+            watch.remove_done_callback(on_watch_done)
+            watch.cancel()
+            self.lease.close()  # a stream cut short closes the upstream connection: the engine aborts the request
+
+    def _on_data(self, chunk: bytes) -> None:
+        """One upstream body piece, in the socket's callback: whole events go to the client at once."""
+        writer = self._writer
+        try:
+            info = self.info
+            if info.ttft_s is None:
+                info.ttft_s = time.perf_counter() - info.started
+                self.lease.release_grammar()
+            events = self._complete_events(chunk)
+            if not events:
+                return
+            if self._counts_events:
+                self._events += events.count(b"\n\n")
+            if self._held:  # (cannot happen: nothing follows the end of a stream)
+                events, self._held = self._held + events, b""
+            if events.endswith(_DONE):
+                self._held = events
+            else:
+                writer.write(events)
+                self._last = (self._last[1], events)
+        except Exception as error:  # a bug here must end this stream, not the upstream socket's callback
+            logger.exception("relay: the stream of {} failed", self.model)
+            writer.finish(_RelayFailed(error))
+
+    async def _pump(self, writer: _TransportWriter | _MessageWriter, send: Send) -> None:
+        self._writer = writer
+        self.upstream.relay(self._on_data, writer.finish)
+        error = await writer.wait()
+        failure: GatewayError | None = None
+        if isinstance(error, _RelayFailed):
+            failure = GatewayError(500, "the gateway failed relaying the stream", code="internal_error")
+        elif error is not None:
+            if self.info.ttft_s is None:  # a stream that already produced tokens got past the prefill: not a suspect
+                self.lease.note_if_lost(error)
+            failure = transport_error(error, self.model)
+        # The engine is done with this request: give back its slot now, not once a slow client has read
+        # the rest (a client that stops reading is cut off by the HTTP layer's write timeout).
+        self.lease.close()
+        tail, self._held = self._held, b""
+        if self._pending:
+            tail += self._last_partial_event(self._pending)
+            self._pending = b""
+        # Scanned here, not per event: a stream's ending is its last event (a scan per event cost ~1-4 µs).
+        ended = self._endings.search(b"".join((*self._last, tail))) is not None
+        if failure is None and not ended:
+            failure = GatewayError(
+                502, f"the stream from the engine of {self.model} stopped before its end", code="upstream_stream_incomplete"
+            )
+        if failure is not None:
+            self.info.error = failure.log_detail or failure.message
+            self.metrics.child(self.metrics.stream_errors, self.model).inc()
+            tail += sse_error_event(failure, self.kind, self._events)
+        await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+    def _last_partial_event(self, pending: bytes) -> bytes:
+        """What follows the last blank line when the upstream body ended: the stream's own last event as it
+        is; otherwise whole lines go out (an event whose closing blank line never came), closed with one, and a
+        line cut short is dropped, so that the error event after it starts on an event boundary instead of
+        inside a broken JSON line."""
+        if self._endings.search(pending) is not None:
+            return self._inspect(pending)  # the stream's own last event, without its closing blank line
+        whole = pending[: pending.rfind(b"\n") + 1]
+        if not whole.strip():
+            return b""
+        return self._inspect(whole) + b"\n"  # ``whole`` ends with one newline (pending follows the last blank line)
+
+    def _complete_events(self, chunk: bytes) -> bytes:
+        """The complete events received so far (held back: a partial event at the end)."""
+        data = self._pending + chunk if self._pending else chunk
+        cut = data.rfind(b"\n\n")
+        if cut < 0:
+            if len(data) > _MAX_PENDING:
+                self._pending = b""
+                return data
+            self._pending = data
+            return b""
+        if cut + 2 == len(data):  # the usual piece: whole events, nothing to copy or hold back
+            self._pending = b""
+            return self._inspect(data)
+        self._pending = data[cut + 2 :]
+        return self._inspect(data[: cut + 2])
+
+    def _inspect(self, events: bytes) -> bytes:
+        """Byte scans only; JSON is parsed just for the lines carrying a usage object, an error or a new response."""
+        at = _next_marker(events, 0, self._markers)
+        if at < 0:
+            return events
+        out = []
+        start = 0
+        while at >= 0:
+            line_start = events.rfind(b"\n", 0, at) + 1
+            line_end = events.find(b"\n", at)
+            line_end = len(events) if line_end < 0 else line_end
+            line = events[line_start:line_end]
+            out.append(events[start:line_start])
+            out.append(self._inspect_line(line) if line.startswith(b"data: {") else line)
+            start = line_end
+            at = _next_marker(events, start, self._markers)
+        out.append(events[start:])
+        return b"".join(out)
+
+    def _inspect_line(self, line: bytes) -> bytes:
+        try:
+            data = orjson.loads(line[6:])
+        except orjson.JSONDecodeError:
+            return line
+        if not isinstance(data, dict):
+            return line
+        self.info.set_usage(_usage_of(data))
+        if self.kind is not StreamKind.DATA:
+            return self._inspect_event(line, data)
+        error = data.get("error")
+        if error is not None and "choices" not in data:
+            detail = error if isinstance(error, dict) else {"message": error}
+            status = detail.get("code") if isinstance(detail.get("code"), int) else 500
+            sanitized = upstream_error(status, orjson.dumps({"error": {**detail, "message": sanitize_message(detail.get("message"))}}), self.request)
+            self.info.error = sanitized.log_detail or sanitized.message
+            return sse_error_event(sanitized).rstrip(b"\n")
+        return line
+
+    def _inspect_event(self, line: bytes, data: dict[str, Any]) -> bytes:
+        """Responses / Anthropic events: note a created response's id; sanitize an engine error in place."""
+        if data.get("type") == "response.created" and self.on_created is not None:
+            response = data.get("response")
+            if isinstance(response, dict) and isinstance(response.get("id"), str):
+                self.on_created(response["id"])
+        holders = [data] if data.get("type") == "error" and "message" in data else []
+        holders += [value for value in (data.get("error"), (data.get("response") or {}).get("error")) if isinstance(value, dict)]
+        if not holders:
+            return line
+        for holder in holders:
+            holder["message"] = sanitize_message(holder.get("message"))
+            self.info.error = self.info.error or holder["message"][:300]
+        return b"data: " + orjson.dumps(data)
+
+
+def _next_marker(events: bytes, start: int, markers: re.Pattern[bytes]) -> int:
+    """Where the next of ``markers`` is mentioned in ``events`` from ``start`` (-1: nowhere).
+
+    Engines put ``"usage":null`` in every chunk: only an object is worth parsing.
+    """
+    found = markers.search(events, start)
+    return found.start() if found is not None else -1
+
+
+def _usage_of(data: dict[str, Any]) -> Any:
+    """The usage object of an event: top level (chat, Anthropic deltas) or in the object it carries
+    (Responses' ``response``, Anthropic's ``message_start.message``)."""
+    usage = data.get("usage")
+    if usage is None:
+        for key in ("response", "message"):
+            inner = data.get(key)
+            if isinstance(inner, dict) and isinstance(inner.get("usage"), dict):
+                return inner["usage"]
+    return usage
+
+
+async def wait_disconnect(receive: Receive) -> None:
+    while True:
+        message: Message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class _RelayFailed(Exception):
+    """The relay itself raised (a bug): the stream ends with a 500 error event."""
+
+
+class _TransportWriter:
+    """Events straight to the client's transport, framed as uvicorn frames the body (one write per piece).
+
+    ``cycle`` is uvicorn's request-response cycle, handed over by :class:`gateway.edge.connection.GuardedHttpProtocol`.
+    When the client's socket buffer is full (its flow control paused writing), reading from the engine pauses
+    until it drains: a slow client slows its own stream, never the gateway's memory.
+    """
+
+    __slots__ = ("cycle", "upstream", "draining", "done")
+
+    def __init__(self, cycle: Any, upstream: StreamExchange) -> None:
+        self.cycle = cycle
+        self.upstream = upstream
+        self.draining: asyncio.Future[None] | None = None
+        self.done: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+
+    def write(self, events: bytes) -> None:
+        cycle = self.cycle
+        if cycle.disconnected:  # the watcher task ends the stream
+            return
+        cycle.transport.write(b"%x\r\n%b\r\n" % (len(events), events) if cycle.chunked_encoding else events)
+        if cycle.flow.write_paused and self.draining is None:
+            self.upstream.pause_reading()
+            self.draining = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        try:
+            await self.cycle.flow.drain()
+        finally:
+            self.draining = None
+            self.upstream.resume_reading()
+
+    def finish(self, error: BaseException | None) -> None:
+        if not self.done.done():
+            self.done.set_result(error)
+
+    async def wait(self) -> BaseException | None:
+        try:
+            return await self.done
+        finally:
+            if self.draining is not None:
+                self.draining.cancel()
+
+
+class _MessageWriter:
+    """Events as ASGI messages, sent from the response's task (a server other than the gateway's uvicorn)."""
+
+    __slots__ = ("send", "upstream", "pending", "size", "wake", "ended", "error")
+    _PAUSE_AT = 256 * 1024  # bytes waiting to be sent: beyond, reading from the engine pauses
+
+    def __init__(self, send: Send, upstream: StreamExchange) -> None:
+        self.send = send
+        self.upstream = upstream
+        self.pending: list[bytes] = []
+        self.size = 0
+        self.wake: asyncio.Future[None] | None = None
+        self.ended = False
+        self.error: BaseException | None = None
+
+    def write(self, events: bytes) -> None:
+        self.pending.append(events)
+        self.size += len(events)
+        if self.size > self._PAUSE_AT:
+            self.upstream.pause_reading()
+        self._wake()
+
+    def finish(self, error: BaseException | None) -> None:
+        if not self.ended:
+            self.ended, self.error = True, error
+            self._wake()
+
+    def _wake(self) -> None:
+        if self.wake is not None and not self.wake.done():
+            self.wake.set_result(None)
+
+    async def wait(self) -> BaseException | None:
+        while True:
+            if self.pending:
+                body, paused = b"".join(self.pending), self.size > self._PAUSE_AT
+                self.pending.clear()
+                self.size = 0
+                await self.send({"type": "http.response.body", "body": body, "more_body": True})
+                if paused:
+                    self.upstream.resume_reading()
+                continue
+            if self.ended:
+                return self.error
+            self.wake = asyncio.get_running_loop().create_future()
+            await self.wake
