@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 PACKAGE_DIR = Path(__file__).resolve().parent
+REPO_DIR = PACKAGE_DIR.parent
+CHAT_TASK = "llm/v1/chat"  # the MLflow task of every chat flavour (and of the entrypoint model)
 _QUESTION = [{"role": "user", "content": "What is Databricks?"}]
 
 

@@ -9,16 +9,14 @@ from pathlib import Path
 from typing import Any
 
 from launch.config import ConfigError, load_config
-from model_code.flavor_table import FLAVORS
+from model_code.entrypoint import check_options, log_entrypoint_model
+from model_code.flavor_table import CHAT_TASK, FLAVORS, PACKAGE_DIR, REPO_DIR
 from model_code.requirements import pip_requirements as computed_requirements
 from model_code.target import NO_ENGINE_ENV, SETTINGS_KEY, WEIGHTS_ARTIFACT, resolve_target, split_model_config
 
-PACKAGE_DIR = Path(__file__).resolve().parent
-REPO_DIR = PACKAGE_DIR.parent
 CODE_PATHS = [str(REPO_DIR / "launch"), str(PACKAGE_DIR)]
 
 ENTRYPOINT_FLAVOR = "entrypoint"  # Databricks custom LLM serving: see model_code.entrypoint
-CHAT_TASK = "llm/v1/chat"
 
 
 @contextlib.contextmanager
@@ -145,8 +143,6 @@ def log_model(
     )
     requirements += list(extra_pip_requirements)
     if flavor == ENTRYPOINT_FLAVOR:
-        from model_code.entrypoint import check_options, log_entrypoint_model
-
         check_options(merged_settings, input_example, registered_model_name, metadata)
         weights = Path(artifacts[WEIGHTS_ARTIFACT]) if artifacts else None
         return log_entrypoint_model(
