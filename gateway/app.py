@@ -19,7 +19,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from gateway.config import GatewaySettings, gateway_settings
-from gateway.control.admin import router as admin_router
+from gateway.control.admin import admin_routes
 from gateway.control.controller import Controller
 from gateway.control.swap import SwapExecutor
 from gateway.control.worker_link import WorkerLink, admin_forwarder
@@ -32,7 +32,7 @@ from gateway.core.registry import Registry
 from gateway.core.responses_index import open_response_index
 from gateway.core.state import GatewayState
 from gateway.data.proxy import Proxy
-from gateway.data.routes import add_proxied_route, note_error, proxied_endpoint, router, unexpected_error_response
+from gateway.data.routes import add_proxied_route, api_routes, note_error, proxied_endpoint, unexpected_error_response
 from gateway.data.stream_pool import StreamPool
 from gateway.data.upstream_session import upstream_session
 from gateway.edge.auth import AuthMiddleware, KeyHolder, key_policy
@@ -156,8 +156,8 @@ def create_app(
     app.state.gateway = state
     app.state.startup_error = None
     app.state.controller = controller
-    app.include_router(router)
-    app.include_router(admin_forwarder(link) if link is not None else admin_router)
+    app.include_router(api_routes)
+    app.include_router(admin_forwarder(link) if link is not None else admin_routes)
     if invocations:
         app.proxied_routes = {**PROXIED_BY_PATH, INVOCATIONS.path: INVOCATIONS}
         add_proxied_route(app, INVOCATIONS, listed=False)

@@ -20,7 +20,7 @@ from gateway.control.workers import WorkerSupervisor
 from gateway.core.errors import GatewayError, error_body
 from gateway.core.registry import Backend
 
-router = APIRouter(prefix="/admin", include_in_schema=False)  # not listed in /openapi.json to client keys
+admin_routes = APIRouter(prefix="/admin", include_in_schema=False)  # not listed in /openapi.json to client keys
 
 
 def _controller(request: Request) -> Controller:
@@ -31,19 +31,19 @@ def _json(data: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(data), status_code=status, media_type="application/json")
 
 
-@router.get("/models")
+@admin_routes.get("/models")
 async def models(request: Request) -> Response:
     return _json(describe(_controller(request)))
 
 
-@router.get("/workers")
+@admin_routes.get("/workers")
 async def workers(request: Request) -> Response:
     """The data-plane worker processes (``gateway.workers`` > 1): pid, running, routing version, restarts."""
     peers = _controller(request).state.peers
     return _json({"workers": peers.report() if isinstance(peers, WorkerSupervisor) else []})
 
 
-@router.post("/reload")
+@admin_routes.post("/reload")
 async def reload(request: Request) -> Response:
     try:
         outcome = await _controller(request).reload("admin")
@@ -56,7 +56,7 @@ async def reload(request: Request) -> Response:
     return _json({**error_body(f"reload applied partly: {message}", "upstream_error", "engine_start_failed"), "reload": report}, 502)
 
 
-@router.post("/models/{name}/swap")
+@admin_routes.post("/models/{name}/swap")
 async def swap(name: str, request: Request, policy: SwapPolicy | None = None) -> Response:
     """Restart the model's engine with its current config (blue-green unless ``policy=stop-first``)."""
     result = await _controller(request).swap(name, policy)
@@ -66,19 +66,19 @@ async def swap(name: str, request: Request, policy: SwapPolicy | None = None) ->
     return _json({**body, "swap": result.as_dict()}, 502)
 
 
-@router.get("/quarantine")
+@admin_routes.get("/quarantine")
 async def quarantine(request: Request) -> Response:
     """The request shapes refused because they crashed or froze an engine (see ``gateway.core.poison``)."""
     return _json({"refused": _controller(request).state.quarantine.report()})
 
 
-@router.delete("/quarantine")
+@admin_routes.delete("/quarantine")
 async def clear_quarantine(request: Request, model: str | None = None) -> Response:
     """Let the quarantined request shapes (of ``model``, or of every model) through again."""
     return _json({"model": model, "cleared": _controller(request).state.quarantine.clear(model)})
 
 
-@router.post("/models/{name}/drain")
+@admin_routes.post("/models/{name}/drain")
 async def drain(name: str, request: Request, wait: bool = False) -> Response:
     """Stop admitting requests for the model (503 + Retry-After); ``wait=true`` waits for in-flight ones."""
     controller = _controller(request)
@@ -87,7 +87,7 @@ async def drain(name: str, request: Request, wait: bool = False) -> Response:
     return _json({"model": route.name, "drained": True, "in_flight": route.in_flight, **({"idle": idle} if wait else {})})
 
 
-@router.post("/models/{name}/undrain")
+@admin_routes.post("/models/{name}/undrain")
 async def undrain(name: str, request: Request) -> Response:
     route = _controller(request).set_drained(name, False)
     return _json({"model": route.name, "drained": False, "in_flight": route.in_flight})

@@ -116,9 +116,9 @@ class WorkerLink:
 
 def admin_forwarder(link: WorkerLink) -> APIRouter:
     """``/admin/*`` on a worker: forwarded as it came to the control process, which owns the engines."""
-    router = APIRouter()
+    routes = APIRouter()
 
-    @router.api_route("/admin/{path:path}", methods=["GET", "POST", "PUT", "DELETE"], include_in_schema=False)
+    @routes.api_route("/admin/{path:path}", methods=["GET", "POST", "PUT", "DELETE"], include_in_schema=False)
     async def forward(path: str, request: Request) -> Response:
         assert link.admin is not None
         headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
@@ -136,4 +136,4 @@ def admin_forwarder(link: WorkerLink) -> APIRouter:
         except aiohttp.ClientError as error:
             raise GatewayError(503, f"the control process is not answering ({type(error).__name__})", code="control_unavailable") from None
 
-    return router
+    return routes

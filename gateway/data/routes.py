@@ -28,7 +28,7 @@ from gateway.data.bounds import check_bounds
 from gateway.data.proxy import call_backend
 from gateway.edge.auth import request_owner
 
-router = APIRouter()
+api_routes = APIRouter()  # a FastAPI router (not SGLang's router): the data plane's routes
 RESPONSE_ID_PREFIX = "resp_"  # SGLang refuses (400) a stored-response id without it
 
 
@@ -144,15 +144,15 @@ def add_proxied_route(target: APIRouter | FastAPI, endpoint: ProxiedRoute, *, li
 
 
 for _endpoint in PROXIED:
-    add_proxied_route(router, _endpoint)
+    add_proxied_route(api_routes, _endpoint)
 
 
-@router.get(RESPONSE_BY_ID)
+@api_routes.get(RESPONSE_BY_ID)
 async def get_response(response_id: str, request: Request) -> Response:
     return await _stored_response_call(request, response_id, "GET", f"/v1/responses/{response_id}")
 
 
-@router.post(RESPONSE_CANCEL)
+@api_routes.post(RESPONSE_CANCEL)
 async def cancel_response(response_id: str, request: Request) -> Response:
     return await _stored_response_call(request, response_id, "POST", f"/v1/responses/{response_id}/cancel")
 
@@ -183,7 +183,7 @@ def unexpected_error_response(scope: Scope, error: BaseException, dialect: Diale
     return error_response(GatewayError(500, "internal gateway error", code="internal_error"), dialect)
 
 
-@router.get("/v1/models")
+@api_routes.get("/v1/models")
 async def list_models(request: Request) -> Response:
     state = _state(request)
     await _probes(state).fill_context_lengths(state.registry.backends())
@@ -191,7 +191,7 @@ async def list_models(request: Request) -> Response:
     return _json({"object": "list", "data": data})
 
 
-@router.get("/v1/models/{model_id:path}")
+@api_routes.get("/v1/models/{model_id:path}")
 async def get_model(model_id: str, request: Request) -> Response:
     state = _state(request)
     route = state.registry.resolve(model_id)
@@ -201,15 +201,15 @@ async def get_model(model_id: str, request: Request) -> Response:
     return _json(next(card for card in _cards(route, state) if card["id"] == model_id))
 
 
-@router.get("/health")
-@router.head("/health", include_in_schema=False)  # load balancers often probe with HEAD
+@api_routes.get("/health")
+@api_routes.head("/health", include_in_schema=False)  # load balancers often probe with HEAD
 async def health() -> Response:
     """Liveness: the gateway process answers (engines are /ready's business)."""
     return _json({"status": "ok"})
 
 
-@router.get("/ready")
-@router.head("/ready", include_in_schema=False)
+@api_routes.get("/ready")
+@api_routes.head("/ready", include_in_schema=False)
 async def ready(request: Request) -> Response:
     """200 only when every model has enough healthy replicas (``balancing.min_ready``, at most all of
     them; one for most models); 503 naming the ones that do not."""
@@ -237,7 +237,7 @@ async def _model_readiness(state: GatewayState, route: ModelRoute) -> tuple[str,
     return route.name, item
 
 
-@router.get("/metrics")
+@api_routes.get("/metrics")
 async def metrics(request: Request) -> Response:
     """Prometheus text; ``gateway_engine_up`` of url models is their ``/health`` now (probed here)."""
     state = _state(request)
