@@ -34,11 +34,12 @@ from launch.lifecycle import start_ready
 from launch.preflight import visible_gpu_count
 from launch.process import EngineProcess, EngineStartCancelled, new_engine_key
 from launch.replicas import replica_engines, visible_gpu_ids
+from launch.served import EngineServer
 from launch.shared import SharedEngine, join
 from model_code.target import ModelCodeSettings, Target, show_engine_log
 
-Engine = EngineProcess | SharedEngine
-"""What a client holds: both have ``url``, ``api_key``, ``pid``, ``port``, ``log_file`` and ``running``."""
+Engine = EngineServer
+"""What a client holds: an :class:`EngineProcess` or a :class:`SharedEngine`, used only as an engine server."""
 
 _LIVE: dict[int, Engine] = {}
 _LIVE_LOCK = threading.Lock()
