@@ -4,14 +4,13 @@ One gateway (started from a YAML file, owning its engines) serves the module. In
 - requests spread over both replicas; ``/ready``, ``/admin/models`` and the metrics show each replica;
 - with prefix affinity, requests that share a system prompt stay on one replica;
 - one replica is SIGKILLed under a bounded loop of concurrent streaming and plain SDK requests: no plain
-  request fails, the model never answers 503, the replica is restarted and serves again;
-- SGLang's router put in front of the replicas by a reload (engines untouched): requests go through it, one
-  engine SIGKILLed under load (no failed plain request, cut streams end with an error event, no internal
-  address in any answer, the router's workers follow the restart), the router itself SIGKILLed (requests fall
-  back to the replicas until the watchdog has restarted it), then taken away again by a reload.
+  request fails, the model never answers 503, the replica is restarted and serves again.
 
-The rolling swap of the replicas under load (engine starts one after another) runs on fake engines, in
-tests/gateway/test_swap_fake_engine.py (the blue-green swap under load keeps its real-engine test in test_swap).
+The rolling swap of the replicas under load (engine starts one after another) and SGLang's router put in front
+of the replicas by a reload (the gateway's managed router: a replica and the router SIGKILLed under load) run on
+fake engines behind the real router, in tests/gateway/test_swap_fake_engine.py (the blue-green swap under load
+keeps its real-engine test in test_swap; the real router in front of real engines, one SIGKILLed under load, is
+tests/gateway/test_router_upstream.py).
 
 The numbers are printed (``-s``).
 """
@@ -177,49 +176,3 @@ def test_sigkill_of_one_replica_under_load(rig: Rig) -> None:
         "SIGKILL of replica 0 under load", requests=len(load.outcomes), outcomes=kinds, streams_cut=len(cut),
         replica_back_after_s=round(back - killed, 1), old_pid=victim, new_pid=after["replicas"][0]["engine"]["pid"],
     )  # fmt: skip
-
-
-def test_managed_router_in_front_of_the_replicas(rig: Rig) -> None:
-    engines = {r["engine"]["pid"] for r in rig.model()["replicas"]}
-    routed = {**rig.current, "models": {"tiny": {**rig.current["models"]["tiny"], "router": {"policy": "round_robin"}}}}
-    outcome = rig.reload(routed)
-    assert outcome["ok"] and outcome["models"]["tiny"]["changed"] == ["router"], outcome
-    model = rig.model()
-    router = model["router"]
-    assert router["running"] and router["url"].startswith("http://127.0.0.1:")
-    assert {r["engine"]["pid"] for r in model["replicas"]} == engines  # the engines were not touched
-    assert httpx.get(router["url"] + "/workers", timeout=10).status_code == 401  # its API takes the replicas' key
-    assert sorted(rig.router_workers()) == sorted(r["url"] for r in model["replicas"])
-
-    before = rig.served_by()
-    for n in range(4):
-        assert _chat(rig.server.url, f"through the router {n}").status_code == 200
-    assert rig.served_by() == before  # the router chose, not the gateway's balancer
-
-    internal = {str(r["engine"]["port"]) for r in model["replicas"]} | {router["url"].rsplit(":", 1)[1]}
-    victim = model["replicas"][1]["engine"]["pid"]
-    with Load(rig.server.url, workers=3) as load:
-        load.wait_for_requests(6, 0)
-        killed, back = _kill_replica_until_back(rig, 1, victim)
-        load.wait_for_requests(6, back)
-        # the router itself dies: requests go to the replicas directly until the watchdog restarts it
-        router_pid = rig.model()["router"]["pid"]
-        os.kill(router_pid, signal.SIGKILL)
-        deadline = time.monotonic() + 120
-        while not ((m := rig.model()).get("router", {}).get("running") and m["router"]["pid"] != router_pid):
-            assert time.monotonic() < deadline, f"router not restarted: {m.get('router')}"
-            time.sleep(0.25)
-        load.wait_for_requests(6, time.monotonic())
-    kinds = load.counts(load.outcomes)
-    assert not [o for o in load.outcomes if not o.stream and o.kind != "ok"], kinds
-    assert all(o.started < killed or o.kind != "stream_cut" or o.started >= back for o in load.outcomes)
-    leaks = [o.detail for o in load.outcomes if o.detail and any(f":{port}" in o.detail for port in internal)]
-    assert not leaks, leaks[:3]
-    model = rig.model()
-    assert sorted(rig.router_workers()) == sorted(r["url"] for r in model["replicas"])  # followed the restart
-    report("managed router: engine and router SIGKILLed under load", requests=len(load.outcomes), outcomes=kinds,
-           replica_back_after_s=round(back - killed, 1))  # fmt: skip
-
-    plain = {**rig.current, "models": {"tiny": {k: v for k, v in rig.current["models"]["tiny"].items() if k != "router"}}}
-    assert rig.reload(plain)["ok"]
-    assert "router" not in rig.model()

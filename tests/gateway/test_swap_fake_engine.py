@@ -11,7 +11,8 @@ which answers OpenAI-shaped chat and Responses requests with a model-less echo. 
 Which real-engine end-to-end test each capability keeps (tests/gateway/test_swap.py unless said):
 blue-green swap under load: ``test_a``; an engine that fails to start: ``test_c``; SIGKILL and automatic
 restart under load: ``test_d``; a request that crashes the engine: ``test_h``; replicas and a replica killed
-under load: tests/gateway/test_replicas.py.
+under load: tests/gateway/test_replicas.py; SGLang's router in front of real engines, one killed under load:
+tests/gateway/test_router_upstream.py.
 
 The swap module's rig, helpers and load are reused (``SwapRig``, ``Load``): the same gateway started from a
 YAML file, the same assertions on what clients see and on the ``/metrics`` counters, by value:
@@ -22,7 +23,13 @@ YAML file, the same assertions on what clients see and on the ``/metrics`` count
 - (f) a stop-first reload to an engine that fails: a stream outliving ``drain_timeout_s`` is cut, the model
   answers 503 until the watchdog restarts the previous config;
 - (g) with ``max_restarts: 0`` the watchdog gives up on a dead engine; an admin swap revives it;
-- a rolling swap of two replicas under load: no failed request, never more than replicas + 1 engines alive.
+- a rolling swap of two replicas under load: no failed request, never more than replicas + 1 engines alive;
+- SGLang's real router (``router:``) put in front of the two replicas by a reload (engines untouched): requests go
+  through it, one replica SIGKILLed under load (no failed plain request, cut streams end with an error event, no
+  internal address in any answer, the router's workers follow the restart), the router itself SIGKILLed (requests
+  fall back to the replicas until the watchdog has restarted it), then taken away again by a reload. The router
+  takes a fake as a worker: it probes ``/health`` (its ``/server_info`` and ``/model_info`` probes get 404 and
+  it goes on; the gateway passes it the tokenizer) and relays chat requests as to SGLang.
 """
 
 from __future__ import annotations
@@ -337,3 +344,50 @@ def test_rolling_swap_under_load(replicas: Rig) -> None:
         "rolling swap under load", requests=len(load.outcomes), outcomes=kinds, swap_s=round(done - t0, 1),
         max_engines_alive=max(alive), engines_before=2,
     )  # fmt: skip
+
+
+def test_managed_router_in_front_of_the_replicas(replicas: Rig) -> None:
+    rig = replicas
+    engines = {r["engine"]["pid"] for r in rig.model()["replicas"]}
+    routed = {**rig.current, "models": {"tiny": {**rig.current["models"]["tiny"], "router": {"policy": "round_robin"}}}}
+    outcome = rig.reload(routed)
+    assert outcome["ok"] and outcome["models"]["tiny"]["changed"] == ["router"], outcome
+    model = rig.model()
+    router = model["router"]
+    assert router["running"] and router["url"].startswith("http://127.0.0.1:")
+    assert {r["engine"]["pid"] for r in model["replicas"]} == engines  # the engines were not touched
+    assert httpx.get(router["url"] + "/workers", timeout=10).status_code == 401  # its API takes the replicas' key
+    assert sorted(rig.router_workers()) == sorted(r["url"] for r in model["replicas"])
+
+    before = rig.served_by()
+    for n in range(4):
+        assert test_replicas._chat(rig.server.url, f"through the router {n}").status_code == 200
+    assert rig.served_by() == before  # the router chose, not the gateway's balancer
+
+    internal = {str(r["engine"]["port"]) for r in model["replicas"]} | {router["url"].rsplit(":", 1)[1]}
+    victim = model["replicas"][1]["engine"]["pid"]
+    with Load(rig.server.url, workers=3) as load:
+        load.wait_for_requests(6, 0)
+        killed, back = test_replicas._kill_replica_until_back(rig, 1, victim)
+        load.wait_for_requests(6, back)
+        # the router itself dies: requests go to the replicas directly until the watchdog restarts it
+        router_pid = rig.model()["router"]["pid"]
+        os.kill(router_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while not ((m := rig.model()).get("router", {}).get("running") and m["router"]["pid"] != router_pid):
+            assert time.monotonic() < deadline, f"router not restarted: {m.get('router')}"
+            time.sleep(0.25)
+        load.wait_for_requests(6, time.monotonic())
+    kinds = load.counts(load.outcomes)
+    assert not [o for o in load.outcomes if not o.stream and o.kind != "ok"], kinds
+    assert all(o.started < killed or o.kind != "stream_cut" or o.started >= back for o in load.outcomes)
+    leaks = [o.detail for o in load.outcomes if o.detail and any(f":{port}" in o.detail for port in internal)]
+    assert not leaks, leaks[:3]
+    model = rig.model()
+    assert sorted(rig.router_workers()) == sorted(r["url"] for r in model["replicas"])  # followed the restart
+    report("managed router: engine and router SIGKILLed under load", requests=len(load.outcomes), outcomes=kinds,
+           replica_back_after_s=round(back - killed, 1))  # fmt: skip
+
+    plain = {**rig.current, "models": {"tiny": {k: v for k, v in rig.current["models"]["tiny"].items() if k != "router"}}}
+    assert rig.reload(plain)["ok"]
+    assert "router" not in rig.model()
