@@ -9,9 +9,9 @@ which answers OpenAI-shaped chat and Responses requests with a model-less echo. 
 ``FAKE_START_S`` to come up, so "meanwhile" windows are there to observe.
 
 Which real-engine end-to-end test each capability keeps (tests/gateway/test_swap.py unless said):
-blue-green swap under load: ``test_a``; an engine that fails to start: ``test_c``; SIGKILL and automatic
-restart under load: ``test_d``; a request that crashes the engine: ``test_h``; replicas and a replica killed
-under load: tests/gateway/test_replicas.py; SGLang's router in front of real engines, one killed under load:
+blue-green swap under load: ``test_a``; an engine that fails to start: ``test_c``; an engine that died
+restarted by the watchdog: ``test_h`` (a request crashes it); replicas and a replica SIGKILLed under load and
+restarted: tests/gateway/test_replicas.py; SGLang's router in front of real engines, one killed under load:
 tests/gateway/test_router_upstream.py.
 
 The swap module's rig, helpers and load are reused (``SwapRig``, ``Load``): the same gateway started from a
@@ -19,6 +19,9 @@ YAML file, the same assertions on what clients see and on the ``/metrics`` count
 
 - two concurrent stop-first swaps share one; meanwhile only 503 + Retry-After (answered at once); stored
   responses of the replaced engine are gone (404, saying so);
+- (d) the engine SIGKILLed mid-stream: that stream ends with an error event naming the engine, ``/ready``
+  names the model, requests get 503 + Retry-After (never a hang, never a 500) while the other model keeps
+  serving, until the watchdog's restart;
 - (e) a hung engine (SIGSTOP) is restarted after ``unhealthy_after`` failed probes; 503 at once meanwhile;
 - (f) a stop-first reload to an engine that fails: a stream outliving ``drain_timeout_s`` is cut, the model
   answers 503 until the watchdog restarts the previous config;
@@ -55,7 +58,7 @@ from launch.process import EngineProcess
 from launch.procgroup import group_pids, signal_group
 from tests.fake_engine import fake_engine_python
 from tests.gateway import test_replicas
-from tests.gateway.helpers import KEY, BackgroundStream, GatewayServer, assert_openai_error, auth
+from tests.gateway.helpers import KEY, BackgroundStream, GatewayServer, assert_openai_error, auth, prometheus_value
 from tests.gateway.test_replicas import Rig
 from tests.gateway.test_swap import (
     ENGINES,
@@ -176,6 +179,66 @@ def test_stop_first_swap_answers_503_with_retry_after_meanwhile(rig: SwapRig) ->
         swap_s=round(done - t0, 1), unavailable_s=round(results[0]["unavailable_s"], 1), new_engine_start_s=round(results[0]["start_s"], 1),
     )  # fmt: skip
 
+
+
+@pytest.mark.usefixtures("settled")
+def test_d_sigkilled_engine_is_restarted_and_requests_get_503_meanwhile(rig: SwapRig) -> None:
+    before = rig.model()
+    counters = rig.metrics()
+    pid = before["engine"]["pid"]
+    sdk = openai.OpenAI(base_url=rig.server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    with Load(rig.server.url, workers=2) as load:
+        load.wait_for_requests(4, 0)
+        long = sdk.chat.completions.create(
+            model="tiny", messages=PROMPT, max_tokens=1900, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
+        chunks = iter(long)
+        for _ in range(3):
+            assert next(chunks).object == "chat.completion.chunk"
+        killed = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(openai.APIError) as cut_short:  # the stream running at the kill ends with an error event
+            for _ in chunks:
+                pass
+        assert "tiny" in cut_short.value.message and "engine" in cut_short.value.message
+        assert cut_short.value.body["type"] == "service_unavailable"
+        deadline = killed + 60  # far less than a restart takes: a /ready that never flips fails here
+        while (ready := httpx.get(rig.server.url + "/ready", timeout=10)).status_code == 200:
+            assert time.monotonic() < deadline, "/ready still 200 after the kill"
+            time.sleep(0.05)
+        body = assert_openai_error(ready, 503, "not_ready")
+        assert body["models"]["tiny"]["ready"] is False and body["models"]["other"]["ready"] is True
+        assert "tiny" in body["error"]["message"] and "other" not in body["error"]["message"]
+        assert rig.chat("other").status_code == 200  # the other model is served meanwhile
+        metrics = httpx.get(rig.server.url + "/metrics", headers=auth(KEY)).text
+        assert prometheus_value(metrics, "gateway_engine_up", {"model": "tiny"}) == 0
+        assert prometheus_value(metrics, "gateway_engine_up", {"model": "other"}) == 1
+        rig.wait_ready_after(pid)
+        back = time.monotonic()
+        load.wait_for_requests(6, back)
+    after = rig.model()
+    assert after["restarts"] == before["restarts"] + 1 and after["engine"]["pid"] != pid
+    metrics = httpx.get(rig.server.url + "/metrics", headers=auth(KEY)).text
+    assert prometheus_value(metrics, "gateway_engine_up", {"model": "tiny"}) == 1
+    assert prometheus_value(metrics, "gateway_in_flight_requests", {"model": "tiny"}) == 0
+    assert httpx.get(rig.server.url + "/ready").status_code == 200
+
+    kinds = load.counts(load.outcomes)
+    bad = [o for o in load.outcomes if o.kind not in ("ok", "503", "stream_cut")]
+    assert not bad, bad[:3]  # no 500, no other error, no timeout (hang)
+    refused = [o for o in load.outcomes if o.kind == "503"]
+    assert refused and all(o.retry_after for o in refused)
+    cut = [o for o in load.outcomes if o.kind == "stream_cut"]
+    assert all(o.started < killed for o in cut), "only streams already running at the kill may be cut"
+    assert changes(counters, rig.metrics()) == {"restarts": 1, "stream_errors": len(cut) + 1}
+    first_ok = min(o.ended for o in load.since(killed) if o.kind == "ok")
+    report(
+        "(d) SIGKILL and automatic restart",
+        requests=len(load.outcomes), outcomes=kinds, answered_503=len(refused), streams_cut_by_the_kill=len(cut) + 3,
+        slowest_503_s=round(max(o.ended - o.started for o in refused), 3),
+        outage_s=round(first_ok - killed, 1), restart_detected_to_ready_s=round(back - killed, 1),
+        old_pid=pid, new_pid=after["engine"]["pid"],
+    )  # fmt: skip
 
 
 @pytest.mark.usefixtures("settled")
