@@ -432,6 +432,13 @@ def test_managed_router_in_front_of_the_replicas(replicas: Rig) -> None:
     with Load(rig.server.url, workers=3) as load:
         load.wait_for_requests(6, 0)
         killed, back = test_replicas._kill_replica_until_back(rig, 1, victim)
+        # the router's workers follow the restart (checked before the router itself is restarted, which would
+        # start it in front of the replicas of the moment anyway)
+        replicas_now = sorted(r["url"] for r in rig.model()["replicas"])
+        deadline = time.monotonic() + 10  # the router adds a worker in the background, in milliseconds
+        while (workers := sorted(rig.router_workers())) != replicas_now:
+            assert time.monotonic() < deadline, f"the router's workers {workers} are not the replicas {replicas_now}"
+            time.sleep(0.1)
         load.wait_for_requests(6, back)
         # the router itself dies: requests go to the replicas directly until the watchdog restarts it
         router_pid = rig.model()["router"]["pid"]
@@ -447,7 +454,7 @@ def test_managed_router_in_front_of_the_replicas(replicas: Rig) -> None:
     leaks = [o.detail for o in load.outcomes if o.detail and any(f":{port}" in o.detail for port in internal)]
     assert not leaks, leaks[:3]
     model = rig.model()
-    assert sorted(rig.router_workers()) == sorted(r["url"] for r in model["replicas"])  # followed the restart
+    assert sorted(rig.router_workers()) == sorted(r["url"] for r in model["replicas"])  # the restarted router's too
     report("managed router: engine and router SIGKILLed under load", requests=len(load.outcomes), outcomes=kinds,
            replica_back_after_s=round(back - killed, 1))  # fmt: skip
 
