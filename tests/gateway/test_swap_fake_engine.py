@@ -10,9 +10,9 @@ which answers OpenAI-shaped chat and Responses requests with a model-less echo. 
 
 Which real-engine end-to-end test each capability keeps (tests/gateway/test_swap.py unless said):
 blue-green swap under load: ``test_a``; an engine that fails to start: ``test_c``; an engine that died
-restarted by the watchdog: ``test_h`` (a request crashes it); replicas and a replica SIGKILLed under load and
-restarted: tests/gateway/test_replicas.py; SGLang's router in front of real engines, one killed under load:
-tests/gateway/test_router_upstream.py.
+restarted by the watchdog: ``test_h`` (a request crashes it); SGLang's router in front of real engines, one
+SIGKILLed under load: tests/gateway/test_router_upstream.py; a gateway over two real replicas, both balancing
+policies: tests/benchmarks/test_affinity.py.
 
 The swap module's rig, helpers and load are reused (``SwapRig``, ``Load``): the same gateway started from a
 YAML file, the same assertions on what clients see and on the ``/metrics`` counters, by value:
@@ -25,21 +25,16 @@ YAML file, the same assertions on what clients see and on the ``/metrics`` count
 - (e) a hung engine (SIGSTOP) is restarted after ``unhealthy_after`` failed probes; 503 at once meanwhile;
 - (f) a stop-first reload to an engine that fails: a stream outliving ``drain_timeout_s`` is cut, the model
   answers 503 until the watchdog restarts the previous config;
-- (g) with ``max_restarts: 0`` the watchdog gives up on a dead engine; an admin swap revives it;
-- a rolling swap of two replicas under load: no failed request, never more than replicas + 1 engines alive;
-- SGLang's real router (``router:``) put in front of the two replicas by a reload (engines untouched): requests go
-  through it, one replica SIGKILLed under load (no failed plain request, cut streams end with an error event, no
-  internal address in any answer, the router's workers follow the restart), the router itself SIGKILLed (requests
-  fall back to the replicas until the watchdog has restarted it), then taken away again by a reload. The router
-  takes a fake as a worker: it probes ``/health`` (its ``/server_info`` and ``/model_info`` probes get 404 and
-  it goes on; the gateway passes it the tokenizer) and relays chat requests as to SGLang.
+- (g) with ``max_restarts: 0`` the watchdog gives up on a dead engine; an admin swap revives it.
+
+Replicas (spread, affinity, a replica SIGKILLed, a rolling swap, SGLang's router in front) run on fake engines
+in tests/gateway/test_replicas.py, with this module's ``fake_engine_section``.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -57,9 +52,7 @@ from launch.config import EngineConfig, load_config
 from launch.process import EngineProcess
 from launch.procgroup import group_pids, signal_group
 from tests.fake_engine import fake_engine_python
-from tests.gateway import test_replicas
 from tests.gateway.helpers import KEY, BackgroundStream, GatewayServer, assert_openai_error, auth, prometheus_value
-from tests.gateway.test_replicas import Rig
 from tests.gateway.test_swap import (
     ENGINES,
     PROMPT,
@@ -71,13 +64,12 @@ from tests.gateway.test_swap import (
     report,
 )
 from tests.leaks import LeakCheck
-from tests.model_code.helpers import engine_children
 
 FAKE_START_S = "3"
 """How long a fake engine takes to listen (a real one: 30-40 s); the fakes' env, so no swap changes it."""
 
 
-def _fake(engine: dict[str, Any], python: Path) -> dict[str, Any]:
+def fake_engine_section(engine: dict[str, Any], python: Path) -> dict[str, Any]:
     """An engine section of the swap or replica modules, run by the fake engine."""
     return {**engine, "python": str(python), "env": {"FAKE_ENGINE_START_S": FAKE_START_S}}
 
@@ -92,7 +84,7 @@ class FakeSwapRig(SwapRig):
         data = yaml.safe_load(text)
         engine = data.get("models", {}).get("tiny", {}).get("engine") if isinstance(data, dict) else None
         if isinstance(engine, dict):
-            data["models"]["tiny"]["engine"] = _fake(engine, self.python)
+            data["models"]["tiny"]["engine"] = fake_engine_section(engine, self.python)
             text = yaml.safe_dump(data, sort_keys=False)
         self.config.write_text(text)
 
@@ -334,130 +326,3 @@ def test_g_watchdog_gives_up_then_a_swap_revives(rig: SwapRig) -> None:
     finally:
         rig.deploy_running()
         rig.admin("POST", "/admin/reload")
-
-
-# ----------------------------------------------------------------------------- a rolling swap of replicas
-
-
-class FakeReplicaRig(Rig):
-    """tests/gateway/test_replicas.py's ``Rig``, its YAML run on the fake engine."""
-
-    def __init__(self, server: GatewayServer, config: Path, model_dir: Path, python: Path) -> None:
-        super().__init__(server, config, model_dir)
-        self.python = python
-
-    def reload(self, data: dict[str, Any]) -> dict[str, Any]:
-        return super().reload(self.faked(data, self.python))
-
-    @staticmethod
-    def faked(data: dict[str, Any], python: Path) -> dict[str, Any]:
-        tiny = data["models"]["tiny"]
-        return {**data, "models": {"tiny": {**tiny, "engine": _fake(tiny["engine"], python)}}}
-
-
-@pytest.fixture(scope="module")
-def replicas(fake_python: Path, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
-    """Two replicas of the model on fake engines (test_replicas' deployment), one gateway for the module."""
-    tmp = tmp_path_factory.mktemp("replicas-fake")
-    config = tmp / "deploy.yaml"
-    config.write_text(yaml.safe_dump(FakeReplicaRig.faked(test_replicas._deployment(tiny_model_dir), fake_python)))
-    app, settings = app_from_config(load_config(config), log_dir=tmp / "logs")
-    server = GatewayServer(app, settings).start(timeout_s=120)
-    rig = FakeReplicaRig(server, config, tiny_model_dir, fake_python)
-    try:
-        rig.model()
-        yield rig
-    finally:
-        server.stop()
-    assert not [pid for pid in rig.pids if group_pids(pid)], "engine process groups still alive after shutdown"
-
-
-def test_rolling_swap_under_load(replicas: Rig) -> None:
-    before = replicas.model()
-    old_pids = {r["engine"]["pid"] for r in before["replicas"]}
-    alive: list[int] = []
-    stop = threading.Event()
-    others = set(engine_children()) - old_pids  # engines of other tests in this session (the shared one)
-
-    def count_engines() -> None:
-        while not stop.is_set():
-            alive.append(len(set(engine_children()) - others))
-            time.sleep(0.1)
-
-    counter = threading.Thread(target=count_engines, daemon=True)
-    counter.start()
-    try:
-        with Load(replicas.server.url, workers=3) as load:
-            load.wait_for_requests(4, 0)
-            t0 = time.monotonic()
-            outcome = replicas.reload(test_replicas._deployment(replicas.model_dir, max_total_tokens=2048))
-            done = time.monotonic()
-            load.wait_for_requests(4, done)
-    finally:
-        stop.set()
-        counter.join(5)
-    tiny = outcome["models"]["tiny"]
-    assert outcome["ok"] and tiny["action"] == "engine_changed" and tiny["policy"] == "rolling", outcome
-    after = replicas.model()
-    assert {r["engine"]["pid"] for r in after["replicas"]}.isdisjoint(old_pids) and after["ready_replicas"] == 2
-    kinds = load.counts(load.outcomes)
-    assert set(kinds) == {"ok"}, kinds  # nothing failed, nothing refused, no stream cut
-    assert max(alive) <= 3, f"more than replicas + 1 engines alive: {max(alive)}"
-    report(
-        "rolling swap under load", requests=len(load.outcomes), outcomes=kinds, swap_s=round(done - t0, 1),
-        max_engines_alive=max(alive), engines_before=2,
-    )  # fmt: skip
-
-
-def test_managed_router_in_front_of_the_replicas(replicas: Rig) -> None:
-    rig = replicas
-    engines = {r["engine"]["pid"] for r in rig.model()["replicas"]}
-    routed = {**rig.current, "models": {"tiny": {**rig.current["models"]["tiny"], "router": {"policy": "round_robin"}}}}
-    outcome = rig.reload(routed)
-    assert outcome["ok"] and outcome["models"]["tiny"]["changed"] == ["router"], outcome
-    model = rig.model()
-    router = model["router"]
-    assert router["running"] and router["url"].startswith("http://127.0.0.1:")
-    assert {r["engine"]["pid"] for r in model["replicas"]} == engines  # the engines were not touched
-    assert httpx.get(router["url"] + "/workers", timeout=10).status_code == 401  # its API takes the replicas' key
-    assert sorted(rig.router_workers()) == sorted(r["url"] for r in model["replicas"])
-
-    before = rig.served_by()
-    for n in range(4):
-        assert test_replicas._chat(rig.server.url, f"through the router {n}").status_code == 200
-    assert rig.served_by() == before  # the router chose, not the gateway's balancer
-
-    internal = {str(r["engine"]["port"]) for r in model["replicas"]} | {router["url"].rsplit(":", 1)[1]}
-    victim = model["replicas"][1]["engine"]["pid"]
-    with Load(rig.server.url, workers=3) as load:
-        load.wait_for_requests(6, 0)
-        killed, back = test_replicas._kill_replica_until_back(rig, 1, victim)
-        # the router's workers follow the restart (checked before the router itself is restarted, which would
-        # start it in front of the replicas of the moment anyway)
-        replicas_now = sorted(r["url"] for r in rig.model()["replicas"])
-        deadline = time.monotonic() + 10  # the router adds a worker in the background, in milliseconds
-        while (workers := sorted(rig.router_workers())) != replicas_now:
-            assert time.monotonic() < deadline, f"the router's workers {workers} are not the replicas {replicas_now}"
-            time.sleep(0.1)
-        load.wait_for_requests(6, back)
-        # the router itself dies: requests go to the replicas directly until the watchdog restarts it
-        router_pid = rig.model()["router"]["pid"]
-        os.kill(router_pid, signal.SIGKILL)
-        deadline = time.monotonic() + 120
-        while not ((m := rig.model()).get("router", {}).get("running") and m["router"]["pid"] != router_pid):
-            assert time.monotonic() < deadline, f"router not restarted: {m.get('router')}"
-            time.sleep(0.25)
-        load.wait_for_requests(6, time.monotonic())
-    kinds = load.counts(load.outcomes)
-    assert not [o for o in load.outcomes if not o.stream and o.kind != "ok"], kinds
-    assert all(o.started < killed or o.kind != "stream_cut" or o.started >= back for o in load.outcomes)
-    leaks = [o.detail for o in load.outcomes if o.detail and any(f":{port}" in o.detail for port in internal)]
-    assert not leaks, leaks[:3]
-    model = rig.model()
-    assert sorted(rig.router_workers()) == sorted(r["url"] for r in model["replicas"])  # the restarted router's too
-    report("managed router: engine and router SIGKILLed under load", requests=len(load.outcomes), outcomes=kinds,
-           replica_back_after_s=round(back - killed, 1))  # fmt: skip
-
-    plain = {**rig.current, "models": {"tiny": {k: v for k, v in rig.current["models"]["tiny"].items() if k != "router"}}}
-    assert rig.reload(plain)["ok"]
-    assert "router" not in rig.model()
