@@ -24,8 +24,8 @@ The swap policies and watchdog scenarios that only the control plane decides (tw
 swaps, (d) a SIGKILLed engine's 503 window until the watchdog's restart, a hung engine, a stop-first swap to an
 engine that fails, a watchdog that gives up) start an engine each and run on fake engines in
 tests/gateway/test_swap_fake_engine.py, with this module's rig and load; this module keeps one real-engine
-end-to-end test per capability (a real engine that died restarted by the watchdog: (h) here, and a replica
-SIGKILLed under load in tests/gateway/test_replicas.py).
+end-to-end test per capability (a real engine that died restarted by the watchdog: (h) here; a real engine
+SIGKILLed under load: tests/gateway/test_router_upstream.py).
 
 Every scenario checks the swap, reload and restart counters of ``/metrics`` by value, and the module
 leaves no engine process and no ``/dev/shm`` file behind. The numbers (failed requests, swap time,
