@@ -7,8 +7,6 @@ engine configs of ``ENGINES``, and rewrites and reloads the YAML to say so with 
 (a reload that changes no engine: no test start costs an engine start). The scenarios:
 
 (b) a broken YAML is reloaded: nothing changes;
-(c) the YAML points the model at a directory with a broken config.json: the new engine fails,
-    the old one keeps serving, the reload reports the error with the engine's log tail;
 (a) the engine section changes (to the other config of ``ENGINES``: max_total_tokens and served_model_name):
     zero failed requests, new requests reach the new engine, the old process is gone after the drain;
     a second reload sent at the same time finds nothing left to do;
@@ -21,11 +19,12 @@ cancelled and continued on the engine that created them (that they are gone, 404
 replaced is shown with the stop-first swap in tests/gateway/test_swap_fake_engine.py).
 
 The swap policies and watchdog scenarios that only the control plane decides (two concurrent stop-first
-swaps, (d) a SIGKILLed engine's 503 window until the watchdog's restart, a hung engine, a stop-first swap to an
-engine that fails, a watchdog that gives up) start an engine each and run on fake engines in
+swaps, (c) a blue-green swap to an engine that cannot start, (d) a SIGKILLed engine's 503 window until the
+watchdog's restart, a hung engine, a stop-first swap to an engine that fails, a watchdog that gives up) start an engine each and run on fake engines in
 tests/gateway/test_swap_fake_engine.py, with this module's rig and load; this module keeps one real-engine
 end-to-end test per capability (a real engine that died restarted by the watchdog: (h) here; a real engine
-SIGKILLed under load: tests/gateway/test_router_upstream.py).
+SIGKILLed under load: tests/gateway/test_router_upstream.py; a real engine that fails to start, its exit code
+and log tail: tests/launch/test_process.py).
 
 Every scenario checks the swap, reload and restart counters of ``/metrics`` by value, and the module
 leaves no engine process and no ``/dev/shm`` file behind. The numbers (failed requests, swap time,
@@ -332,36 +331,6 @@ def test_b_broken_yaml_changes_nothing(rig: SwapRig) -> None:
     assert load.counts(during).keys() == {"ok"}, load.counts(during)
     assert changes(counters, rig.metrics()) == {"reloads_invalid": 2}
     report("(b) broken YAML", requests=len(load.outcomes), failed=sum(o.kind != "ok" for o in load.outcomes), error=message)
-
-
-def test_c_engine_that_cannot_start_leaves_the_old_one_serving(rig: SwapRig) -> None:
-    broken = _broken_model_dir(rig.tmp)
-    before = rig.model()
-    counters = rig.metrics()
-    rig.deploy(broken)
-    with Load(rig.server.url) as load:
-        load.wait_for_requests(4, 0)
-        t0 = time.monotonic()
-        response = rig.admin("POST", "/admin/reload")
-        took = time.monotonic() - t0
-        load.wait_for_requests(4, time.monotonic())
-    assert response.status_code == 502, response.text
-    body = response.json()
-    assert body["error"]["code"] == "engine_start_failed" and "tiny" in body["error"]["message"]
-    item = body["reload"]["models"]["tiny"]
-    assert item["action"] == "engine_changed" and item["ok"] is False
-    assert "failed to start" in item["error"] and item["log_tail"], item
-    after = rig.model()
-    assert after["engine"]["pid"] == before["engine"]["pid"] and after["state"] == "ready"
-    assert "failed to start" in after["last_error"]
-    failed = [o for o in load.outcomes if o.kind != "ok"]
-    assert not failed, failed[:3]
-    assert changes(counters, rig.metrics()) == {"reloads_partial": 1, "swaps_failed": 1}
-    report(
-        "(c) engine that cannot start",
-        requests=len(load.outcomes), failed=len(failed), reload_s=round(took, 1),
-        error=item["error"], log_tail_last_lines=item["log_tail"][-3:],
-    )  # fmt: skip
 
 
 def test_a_engine_change_swaps_blue_green_without_failed_requests(rig: SwapRig) -> None:

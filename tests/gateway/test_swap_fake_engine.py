@@ -9,7 +9,8 @@ which answers OpenAI-shaped chat and Responses requests with a model-less echo. 
 ``FAKE_START_S`` to come up, so "meanwhile" windows are there to observe.
 
 Which real-engine end-to-end test each capability keeps (tests/gateway/test_swap.py unless said):
-blue-green swap under load: ``test_a``; an engine that fails to start: ``test_c``; an engine that died
+blue-green swap under load: ``test_a``; an engine that fails to start (its exit code and log tail):
+tests/launch/test_process.py; an engine that died
 restarted by the watchdog: ``test_h`` (a request crashes it); SGLang's router in front of real engines, one
 SIGKILLed under load: tests/gateway/test_router_upstream.py; a gateway over two real replicas, both balancing
 policies: tests/benchmarks/test_affinity.py.
@@ -19,6 +20,8 @@ YAML file, the same assertions on what clients see and on the ``/metrics`` count
 
 - two concurrent stop-first swaps share one; meanwhile only 503 + Retry-After (answered at once); stored
   responses of the replaced engine are gone (404, saying so);
+- (c) the YAML points the model at a directory with a broken config.json: the new engine fails (the fake exits
+  as SGLang does, with a traceback), the old one keeps serving, the reload reports the error with the log tail;
 - (d) the engine SIGKILLed mid-stream: that stream ends with an error event naming the engine, ``/ready``
   names the model, requests get 503 + Retry-After (never a hang, never a 500) while the other model keeps
   serving, until the watchdog's restart;
@@ -171,6 +174,37 @@ def test_stop_first_swap_answers_503_with_retry_after_meanwhile(rig: SwapRig) ->
         swap_s=round(done - t0, 1), unavailable_s=round(results[0]["unavailable_s"], 1), new_engine_start_s=round(results[0]["start_s"], 1),
     )  # fmt: skip
 
+
+
+@pytest.mark.usefixtures("settled")
+def test_c_engine_that_cannot_start_leaves_the_old_one_serving(rig: SwapRig) -> None:
+    broken = _broken_model_dir(rig.tmp)
+    before = rig.model()
+    counters = rig.metrics()
+    rig.deploy(broken)
+    with Load(rig.server.url) as load:
+        load.wait_for_requests(4, 0)
+        t0 = time.monotonic()
+        response = rig.admin("POST", "/admin/reload")
+        took = time.monotonic() - t0
+        load.wait_for_requests(4, time.monotonic())
+    assert response.status_code == 502, response.text
+    body = response.json()
+    assert body["error"]["code"] == "engine_start_failed" and "tiny" in body["error"]["message"]
+    item = body["reload"]["models"]["tiny"]
+    assert item["action"] == "engine_changed" and item["ok"] is False
+    assert "failed to start" in item["error"] and item["log_tail"], item
+    after = rig.model()
+    assert after["engine"]["pid"] == before["engine"]["pid"] and after["state"] == "ready"
+    assert "failed to start" in after["last_error"]
+    failed = [o for o in load.outcomes if o.kind != "ok"]
+    assert not failed, failed[:3]
+    assert changes(counters, rig.metrics()) == {"reloads_partial": 1, "swaps_failed": 1}
+    report(
+        "(c) engine that cannot start",
+        requests=len(load.outcomes), failed=len(failed), reload_s=round(took, 1),
+        error=item["error"], log_tail_last_lines=item["log_tail"][-3:],
+    )  # fmt: skip
 
 
 @pytest.mark.usefixtures("settled")
