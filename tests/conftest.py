@@ -25,17 +25,19 @@ TINY_CONFIG = REPO / "configs" / "tiny-cpu.yaml"
 TINY_MODEL = Path(os.environ.get("SGLANG_GATEWAY_TINY_MODEL", REPO / ".cache" / "tiny-model"))
 ENGINE_FIXTURE = "starts_engine"
 SLOWEST_MODULES = (
-    "tests/model_code/test_managed_engine.py",
-    "tests/gateway/test_replicas.py",
     "tests/gateway/test_swap.py",
     "tests/gateway/test_router_upstream.py",
-    "tests/benchmarks/test_affinity.py",
     "tests/model_code/test_replicas.py",
+    "tests/benchmarks/test_affinity.py",
     "tests/model_code/test_shared_serving.py",
-    "tests/model_code/test_entrypoint_container.py",
-    "tests/docs/test_readme_mlflow.py",
     "tests/launch/test_shared_engine.py",
     "tests/model_code/test_gpu_stack_resolves.py",
+    "tests/gateway/test_replicas.py",
+    "tests/model_code/test_managed_engine.py",
+    "tests/model_code/test_entrypoint_container.py",
+    "tests/docs/test_readme_mlflow.py",
+    "tests/gateway/test_swap_fake_engine.py",
+    "tests/cli/test_cli_launch.py",
 )
 """The modules that take longest (measured with ``--durations``), slowest first. With pytest-xdist (``make
 test``), whole modules go to the workers in collection order, so these are collected first: a long module

@@ -11,9 +11,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
 from launch.procgroup import group_pids
 from launch.shm import SHM_DIR
+from tests.fake_engine import fake_engine_python
 from tests.leaks import leaves_nothing, unused_shm_files
 from tests.servers import CLI, REPO, ServerProcess
 
@@ -63,9 +65,11 @@ def test_launch_unknown_model_and_missing_file(tmp_path: Path) -> None:
 
 @pytest.mark.usefixtures("starts_engine")
 def test_launch_killed_takes_its_engine_along_and_ctrl_c_leaves_nothing(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """A launcher SIGKILLed (a notebook killed, an OOM kill) takes its engine along by the parent-death
+    """A launcher SIGKILLed (a notebook killed, an OOM kill) takes its (real) engine along by the parent-death
     signal; the engine's /dev/shm files stay, with nobody left to remove them, until the next start
-    removes them. That next launcher runs until Ctrl-C and leaves nothing behind."""
+    removes them. That next launcher runs until Ctrl-C and leaves nothing behind. The next start is of a FAKE
+    engine (tests/fake_engine.py, the config's ``python:``): the launcher removes the files before it spawns
+    any engine, and a real engine stopped clean is tests/launch/test_process.py's (one real start less)."""
     env = {**os.environ, "SGLANG_GATEWAY_TINY_MODEL": str(tiny_model_dir), "COLUMNS": "300"}
     argv = [*CLI, "launch", "configs/tiny-cpu.yaml"]
     with leaves_nothing() as check:
@@ -88,7 +92,10 @@ def test_launch_killed_takes_its_engine_along_and_ctrl_c_leaves_nothing(tiny_mod
             pytest.skip("another process on this machine removed the dead engine's files before the next start")
         assert orphans, "the dead engine's files are gone or still in use before the next start"
 
-        launcher = ServerProcess(argv, log_path=tmp_path / "launch.log", env=env)
+        fake = yaml.safe_load((REPO / "configs" / "tiny-cpu.yaml").read_text())
+        fake["models"]["tiny"]["engine"].update(model_path=str(tiny_model_dir), python=str(fake_engine_python(tmp_path)))
+        (tmp_path / "fake.yaml").write_text(yaml.safe_dump(fake))
+        launcher = ServerProcess([*CLI, "launch", str(tmp_path / "fake.yaml")], log_path=tmp_path / "launch.log", env=env)
         check.watch(launcher.pid)
         ready = launcher.wait_log(READY)
         pid, url = int(ready.group(1)), ready.group(2)

@@ -1,17 +1,26 @@
-"""Replicas: two engines behind one model name, with the real SGLang CPU engine (``replicas: 2``).
+"""Replicas: two engines behind one model name (``replicas: 2``), on FAKE engines (tests/fake_engine.py).
 
-One gateway (started from a YAML file, owning its engines) serves the module. In order:
+What these tests check is the gateway's control plane (its balancer, its watchdog, its rolling swap, the router
+it manages), and they kill and replace engines: so the engines are fakes, launched by the gateway itself exactly
+as real ones (the engine config's ``python:``; tests/gateway/test_swap_fake_engine.py's ``fake_engine_section``),
+and a SIGKILL hits a real process whose connections the kernel resets. The real-engine end-to-end tests of these
+capabilities: a gateway over two real replicas, both balancing policies, each engine's own counters and prefix
+cache: tests/benchmarks/test_affinity.py; a real engine SIGKILLed under load (behind SGLang's router):
+tests/gateway/test_router_upstream.py; a real engine that died restarted by the watchdog: test_swap (h).
+
+One gateway (started from a YAML file, owning its engines) serves the module; every test starts from whatever
+the one before left (the YAML it reloads is the current one with its own change). The scenarios:
 - requests spread over both replicas; ``/ready``, ``/admin/models`` and the metrics show each replica;
 - with prefix affinity, requests that share a system prompt stay on one replica;
 - one replica is SIGKILLed under a bounded loop of concurrent streaming and plain SDK requests: no plain
   request fails, the model never answers 503, the replica is restarted and serves again;
-- SGLang's router put in front of the replicas by a reload (engines untouched): requests go through it, one
-  engine SIGKILLed under load (no failed plain request, cut streams end with an error event, no internal
-  address in any answer, the router's workers follow the restart), the router itself SIGKILLed (requests fall
-  back to the replicas until the watchdog has restarted it), then taken away again by a reload.
-
-The rolling swap of the replicas under load (engine starts one after another) runs on fake engines, in
-tests/gateway/test_swap_fake_engine.py (the blue-green swap under load keeps its real-engine test in test_swap).
+- a rolling swap of the two replicas under load: no failed request, never more than replicas + 1 engines alive;
+- SGLang's real router (``router:``) put in front of the replicas by a reload (engines untouched): requests go
+  through it, one replica SIGKILLed under load (no failed plain request, cut streams end with an error event, no
+  internal address in any answer, the router's workers follow the restart), the router itself SIGKILLed
+  (requests fall back to the replicas until the watchdog has restarted it), then taken away again by a reload.
+  The router takes a fake as a worker: it probes ``/health`` (its ``/server_info`` and ``/model_info`` probes get
+  404 and it goes on; the gateway passes it the tokenizer) and relays chat requests as to SGLang.
 
 The numbers are printed (``-s``).
 """
@@ -20,6 +29,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -33,10 +43,12 @@ import yaml
 from gateway.app import app_from_config
 from launch.config import load_config
 from launch.procgroup import group_pids
+from tests.fake_engine import fake_engine_python
 from tests.gateway.helpers import KEY, GatewayServer, auth, prometheus_value
 from tests.gateway.test_swap import Load, report
+from tests.gateway.test_swap_fake_engine import fake_engine_section
+from tests.model_code.helpers import engine_children
 
-pytestmark = pytest.mark.engine
 ADMIN = "replicas-admin-key"
 
 
@@ -58,10 +70,21 @@ def _deployment(model_dir: Path, *, max_total_tokens: int = 4096, policy: str = 
 
 
 class Rig:
-    def __init__(self, server: GatewayServer, config: Path, model_dir: Path) -> None:
-        self.server, self.config, self.model_dir = server, config, model_dir
+    """The module's gateway; every YAML it writes runs the engines on the fake (``python``)."""
+
+    def __init__(self, server: GatewayServer, config: Path, model_dir: Path, python: Path) -> None:
+        self.server, self.config, self.model_dir, self.python = server, config, model_dir, python
         self.pids: set[int] = set()
-        self.current = _deployment(model_dir)
+        self.current = self.faked(_deployment(model_dir))
+
+    def faked(self, data: dict[str, Any]) -> dict[str, Any]:
+        tiny = data["models"]["tiny"]
+        return {**data, "models": {"tiny": {**tiny, "engine": fake_engine_section(tiny["engine"], self.python)}}}
+
+    def with_policy(self, policy: str) -> dict[str, Any]:
+        """The current deployment with the balancing ``policy``."""
+        gateway = self.current["gateway"]
+        return {**self.current, "gateway": {**gateway, "balancing": {**gateway["balancing"], "policy": policy}}}
 
     def admin(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         return httpx.request(method, self.server.url + path, headers=auth(ADMIN), timeout=900, **kwargs)
@@ -82,7 +105,7 @@ class Rig:
         return {r: prometheus_value(text, "gateway_replica_requests_total", {"model": "tiny", "replica": r}) or 0 for r in ("0", "1")}
 
     def reload(self, data: dict[str, Any]) -> dict[str, Any]:
-        self.current = data
+        self.current = data = self.faked(data)
         self.config.write_text(yaml.safe_dump(data, sort_keys=False))
         response = self.admin("POST", "/admin/reload")
         assert response.status_code == 200, response.text
@@ -92,12 +115,13 @@ class Rig:
 @pytest.fixture(scope="module")
 def rig(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     tmp = tmp_path_factory.mktemp("replicas")
+    python = fake_engine_python(tmp)
     config = tmp / "deploy.yaml"
-    config.write_text(yaml.safe_dump(_deployment(tiny_model_dir)))
     started = time.monotonic()
+    rig = Rig(None, config, tiny_model_dir, python)  # type: ignore[arg-type]
+    config.write_text(yaml.safe_dump(rig.current, sort_keys=False))
     app, settings = app_from_config(load_config(config), log_dir=tmp / "logs")
-    server = GatewayServer(app, settings).start(timeout_s=600)
-    rig = Rig(server, config, tiny_model_dir)
+    server = rig.server = GatewayServer(app, settings).start(timeout_s=120)
     report("replicas up", start_s=round(time.monotonic() - started, 1), ports=[r["engine"]["port"] for r in rig.model()["replicas"]])
     try:
         yield rig
@@ -114,7 +138,8 @@ def _chat(url: str, content: str, system: str | None = None) -> httpx.Response:
 def test_requests_spread_over_both_replicas(rig: Rig) -> None:
     model = rig.model()
     assert model["state"] == "ready" and model["ready_replicas"] == 2
-    assert len({r["engine"]["port"] for r in model["replicas"]}) == 2 and len(rig.pids) == 2
+    assert len({r["engine"]["port"] for r in model["replicas"]}) == 2
+    assert len({r["engine"]["pid"] for r in model["replicas"]}) == 2
     ready = httpx.get(rig.server.url + "/ready", timeout=30).json()
     assert ready["models"]["tiny"] == {"ready": True, "replicas_ready": 2}
     before = rig.served_by()
@@ -128,7 +153,8 @@ def test_requests_spread_over_both_replicas(rig: Rig) -> None:
 
 
 def test_prefix_affinity_keeps_a_system_prompt_on_one_replica(rig: Rig) -> None:
-    outcome = rig.reload(_deployment(rig.model_dir, policy="prefix_affinity"))
+    before_policy = rig.current["gateway"]["balancing"]["policy"]
+    outcome = rig.reload(rig.with_policy("prefix_affinity"))
     assert outcome["settings_changed"] == ["balancing"] and rig.model()["ready_replicas"] == 2
     system = "You grade documents about data platforms. " * 20
     before = rig.served_by()
@@ -143,7 +169,7 @@ def test_prefix_affinity_keeps_a_system_prompt_on_one_replica(rig: Rig) -> None:
         assert _chat(rig.server.url, "same question", system=f"persona {n}").status_code == 200
     after = rig.served_by()
     assert min(after[r] - before[r] for r in after) > 0
-    rig.reload(_deployment(rig.model_dir))
+    rig.reload(rig.with_policy(before_policy))
 
 
 def _kill_replica_until_back(rig: Rig, index: int, pid: int) -> tuple[float, float]:
@@ -161,6 +187,7 @@ def _kill_replica_until_back(rig: Rig, index: int, pid: int) -> tuple[float, flo
 def test_sigkill_of_one_replica_under_load(rig: Rig) -> None:
     model = rig.model()
     victim = model["replicas"][0]["engine"]["pid"]
+    restarts = [r["restarts"] for r in model["replicas"]]
     with Load(rig.server.url, workers=3) as load:
         load.wait_for_requests(6, 0)
         killed, back = _kill_replica_until_back(rig, 0, victim)
@@ -172,10 +199,51 @@ def test_sigkill_of_one_replica_under_load(rig: Rig) -> None:
     cut = [o for o in load.outcomes if o.kind == "stream_cut"]
     assert all(o.started < killed for o in cut), "only streams running on the killed replica may be cut"
     after = rig.model()
-    assert after["replicas"][0]["restarts"] == 1 and after["replicas"][1]["restarts"] == 0
+    assert [r["restarts"] for r in after["replicas"]] == [restarts[0] + 1, restarts[1]]
     report(
         "SIGKILL of replica 0 under load", requests=len(load.outcomes), outcomes=kinds, streams_cut=len(cut),
         replica_back_after_s=round(back - killed, 1), old_pid=victim, new_pid=after["replicas"][0]["engine"]["pid"],
+    )  # fmt: skip
+
+
+def test_rolling_swap_under_load(rig: Rig) -> None:
+    replicas = rig
+    before = replicas.model()
+    old_pids = {r["engine"]["pid"] for r in before["replicas"]}
+    alive: list[int] = []
+    stop = threading.Event()
+    others = set(engine_children()) - old_pids  # engines of other tests in this session (the shared one)
+
+    def count_engines() -> None:
+        while not stop.is_set():
+            alive.append(len(set(engine_children()) - others))
+            time.sleep(0.1)
+
+    counter = threading.Thread(target=count_engines, daemon=True)
+    counter.start()
+    try:
+        with Load(replicas.server.url, workers=3) as load:
+            load.wait_for_requests(4, 0)
+            t0 = time.monotonic()
+            tiny = replicas.current["models"]["tiny"]
+            tokens = 2048 if tiny["engine"]["max_total_tokens"] != 2048 else 4096  # the other size than now
+            changed = {**tiny, "engine": {**tiny["engine"], "max_total_tokens": tokens}}
+            outcome = replicas.reload({**replicas.current, "models": {"tiny": changed}})
+            done = time.monotonic()
+            load.wait_for_requests(4, done)
+    finally:
+        stop.set()
+        counter.join(5)
+    tiny = outcome["models"]["tiny"]
+    assert outcome["ok"] and tiny["action"] == "engine_changed" and tiny["policy"] == "rolling", outcome
+    after = replicas.model()
+    assert {r["engine"]["pid"] for r in after["replicas"]}.isdisjoint(old_pids) and after["ready_replicas"] == 2
+    kinds = load.counts(load.outcomes)
+    assert set(kinds) == {"ok"}, kinds  # nothing failed, nothing refused, no stream cut
+    assert max(alive) <= 3, f"more than replicas + 1 engines alive: {max(alive)}"
+    report(
+        "rolling swap under load", requests=len(load.outcomes), outcomes=kinds, swap_s=round(done - t0, 1),
+        max_engines_alive=max(alive), engines_before=2,
     )  # fmt: skip
 
 
@@ -201,6 +269,13 @@ def test_managed_router_in_front_of_the_replicas(rig: Rig) -> None:
     with Load(rig.server.url, workers=3) as load:
         load.wait_for_requests(6, 0)
         killed, back = _kill_replica_until_back(rig, 1, victim)
+        # the router's workers follow the restart (checked before the router itself is restarted, which would
+        # start it in front of the replicas of the moment anyway)
+        replicas_now = sorted(r["url"] for r in rig.model()["replicas"])
+        deadline = time.monotonic() + 10  # the router adds a worker in the background, in milliseconds
+        while (workers := sorted(rig.router_workers())) != replicas_now:
+            assert time.monotonic() < deadline, f"the router's workers {workers} are not the replicas {replicas_now}"
+            time.sleep(0.1)
         load.wait_for_requests(6, back)
         # the router itself dies: requests go to the replicas directly until the watchdog restarts it
         router_pid = rig.model()["router"]["pid"]
@@ -216,7 +291,7 @@ def test_managed_router_in_front_of_the_replicas(rig: Rig) -> None:
     leaks = [o.detail for o in load.outcomes if o.detail and any(f":{port}" in o.detail for port in internal)]
     assert not leaks, leaks[:3]
     model = rig.model()
-    assert sorted(rig.router_workers()) == sorted(r["url"] for r in model["replicas"])  # followed the restart
+    assert sorted(rig.router_workers()) == sorted(r["url"] for r in model["replicas"])  # the restarted router's too
     report("managed router: engine and router SIGKILLed under load", requests=len(load.outcomes), outcomes=kinds,
            replica_back_after_s=round(back - killed, 1))  # fmt: skip
 

@@ -41,6 +41,11 @@ from tests.load import ThreadedLoad
 
 pytestmark = pytest.mark.engine
 PROMPT = [{"role": "user", "content": "Say something."}]
+LONG_STREAM_TOKENS = 600
+"""Long enough to be running at the kill, short enough that the one on the surviving engine, which the test waits
+for, ends soon after: the kill comes 2.5-2.9 s after the first long stream started (the second one's start and 3
+short answers of the load), when 400 tokens took 13.5 s (34 ms a token) and 1900 took 134 s (70 ms, a loaded
+2-core machine): ~8x the time it must outlast, wherever the token time goes."""
 ROUTER_NOTICES_S = 10.0
 """Bound on how long after a SIGKILL the router may still send a new stream to the dead engine (it stops after the
 first failed connections to it; this bound only keeps "in flight at the kill" from meaning "any time")."""
@@ -170,6 +175,8 @@ def test_an_engine_killed_under_load(chain: Chain, second_engine: EngineProcess)
         plain_failed=len(plain_failed), streams_cut=len(cut), cut_endings=sorted({o.ending for o in cut}),
         streams_refused_at_the_kill=[(o.status, round(o.started - killed, 2)) for o in refused],
         statuses=sorted({o.status for o in outcomes}),
+        long_streams_s=[round(stream.ended - stream.outcome.started, 1) for stream in long_streams],
+        kill_after_s=round(killed - long_streams[0].outcome.started, 1),
     )  # fmt: skip
     assert not plain_failed, [(o.status, o.text[:200]) for o in plain_failed[:3]]  # the router retried them
     assert all(o.ending == "error_event" for o in cut), [(o.ending, o.text[-300:]) for o in cut[:3]]
@@ -221,12 +228,13 @@ def upstream_error_code(outcome: RawOutcome) -> str | None:
 
 
 class LongStream:
-    """One chat stream of ~1900 tokens (seconds on the tiny CPU engine), read in a thread."""
+    """One chat stream of ``LONG_STREAM_TOKENS`` tokens, read in a thread."""
 
     def __init__(self, base_url: str) -> None:
         self.base_url = base_url
         self.outcome = RawOutcome(time.monotonic(), stream=True)
         self.first_bytes = threading.Event()
+        self.ended = 0.0
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def start_and_wait_for_tokens(self) -> None:
@@ -234,7 +242,7 @@ class LongStream:
         assert self.first_bytes.wait(120), "a long stream never started"
 
     def _run(self) -> None:
-        body = {"model": "tiny", "messages": PROMPT, "max_tokens": 1900, "ignore_eos": True, "stream": True}
+        body = {"model": "tiny", "messages": PROMPT, "max_tokens": LONG_STREAM_TOKENS, "ignore_eos": True, "stream": True}
         try:
             with httpx.stream(
                 "POST", self.base_url + "/v1/chat/completions", json=body, headers=auth(), timeout=300
@@ -244,6 +252,7 @@ class LongStream:
         except httpx.HTTPError as error:
             self.outcome.text += f" [{type(error).__name__}: {error}]"
         finally:
+            self.ended = time.monotonic()
             self.first_bytes.set()
 
 

@@ -7,14 +7,9 @@ engine configs of ``ENGINES``, and rewrites and reloads the YAML to say so with 
 (a reload that changes no engine: no test start costs an engine start). The scenarios:
 
 (b) a broken YAML is reloaded: nothing changes;
-(c) the YAML points the model at a directory with a broken config.json: the new engine fails,
-    the old one keeps serving, the reload reports the error with the engine's log tail;
 (a) the engine section changes (to the other config of ``ENGINES``: max_total_tokens and served_model_name):
     zero failed requests, new requests reach the new engine, the old process is gone after the drain;
     a second reload sent at the same time finds nothing left to do;
-(d) the engine is SIGKILLed mid-stream: that stream ends with an error event naming the engine,
-    ``/ready`` names the model, requests get 503 (never a hang, never a 500) while the other model
-    (``other``: the session's engine, by URL) keeps serving, until the watchdog's restart;
 (h) a request crashes the engine (its vocabulary hidden from the gateway, so the token-id check cannot
     stop it): the engine is restarted without backoff, and the same request is refused afterwards;
 (i) the managed engine refuses requests that do not carry its own key.
@@ -24,9 +19,12 @@ cancelled and continued on the engine that created them (that they are gone, 404
 replaced is shown with the stop-first swap in tests/gateway/test_swap_fake_engine.py).
 
 The swap policies and watchdog scenarios that only the control plane decides (two concurrent stop-first
-swaps, a hung engine, a stop-first swap to an engine that fails, a watchdog that gives up) start an engine
-each and run on fake engines in tests/gateway/test_swap_fake_engine.py, with this module's rig and load;
-this module keeps one real-engine end-to-end test per capability.
+swaps, (c) a blue-green swap to an engine that cannot start, (d) a SIGKILLed engine's 503 window until the
+watchdog's restart, a hung engine, a stop-first swap to an engine that fails, a watchdog that gives up) start an engine each and run on fake engines in
+tests/gateway/test_swap_fake_engine.py, with this module's rig and load; this module keeps one real-engine
+end-to-end test per capability (a real engine that died restarted by the watchdog: (h) here; a real engine
+SIGKILLed under load: tests/gateway/test_router_upstream.py; a real engine that fails to start, its exit code
+and log tail: tests/launch/test_process.py).
 
 Every scenario checks the swap, reload and restart counters of ``/metrics`` by value, and the module
 leaves no engine process and no ``/dev/shm`` file behind. The numbers (failed requests, swap time,
@@ -36,8 +34,6 @@ outage length) are printed (run with ``-s`` to see them).
 from __future__ import annotations
 
 import json
-import os
-import signal
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -58,7 +54,6 @@ from launch.procgroup import group_pids
 from tests.gateway.helpers import (
     KEY,
     GatewayServer,
-    assert_openai_error,
     auth,
     prometheus_value,
 )
@@ -338,36 +333,6 @@ def test_b_broken_yaml_changes_nothing(rig: SwapRig) -> None:
     report("(b) broken YAML", requests=len(load.outcomes), failed=sum(o.kind != "ok" for o in load.outcomes), error=message)
 
 
-def test_c_engine_that_cannot_start_leaves_the_old_one_serving(rig: SwapRig) -> None:
-    broken = _broken_model_dir(rig.tmp)
-    before = rig.model()
-    counters = rig.metrics()
-    rig.deploy(broken)
-    with Load(rig.server.url) as load:
-        load.wait_for_requests(4, 0)
-        t0 = time.monotonic()
-        response = rig.admin("POST", "/admin/reload")
-        took = time.monotonic() - t0
-        load.wait_for_requests(4, time.monotonic())
-    assert response.status_code == 502, response.text
-    body = response.json()
-    assert body["error"]["code"] == "engine_start_failed" and "tiny" in body["error"]["message"]
-    item = body["reload"]["models"]["tiny"]
-    assert item["action"] == "engine_changed" and item["ok"] is False
-    assert "failed to start" in item["error"] and item["log_tail"], item
-    after = rig.model()
-    assert after["engine"]["pid"] == before["engine"]["pid"] and after["state"] == "ready"
-    assert "failed to start" in after["last_error"]
-    failed = [o for o in load.outcomes if o.kind != "ok"]
-    assert not failed, failed[:3]
-    assert changes(counters, rig.metrics()) == {"reloads_partial": 1, "swaps_failed": 1}
-    report(
-        "(c) engine that cannot start",
-        requests=len(load.outcomes), failed=len(failed), reload_s=round(took, 1),
-        error=item["error"], log_tail_last_lines=item["log_tail"][-3:],
-    )  # fmt: skip
-
-
 def test_a_engine_change_swaps_blue_green_without_failed_requests(rig: SwapRig) -> None:
     before = rig.model()
     counters = rig.metrics()
@@ -409,65 +374,6 @@ def test_a_engine_change_swaps_blue_green_without_failed_requests(rig: SwapRig) 
         served_by_old=sum(o.model == old_name for o in load.outcomes), served_by_new=sum(o.model == new_name for o in load.outcomes),
         reload_s=round(swapped_at - t0, 1), new_engine_start_s=round(item["start_s"], 1), drain_s=round(item["drain_s"], 2),
         old={"pid": old_pid, "port": old_port}, new={"pid": after["engine"]["pid"], "port": after["engine"]["port"]},
-    )  # fmt: skip
-
-
-def test_d_sigkilled_engine_is_restarted_and_requests_get_503_meanwhile(rig: SwapRig) -> None:
-    before = rig.model()
-    counters = rig.metrics()
-    pid = before["engine"]["pid"]
-    sdk = openai.OpenAI(base_url=rig.server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
-    with Load(rig.server.url, workers=2) as load:
-        load.wait_for_requests(4, 0)
-        long = sdk.chat.completions.create(
-            model="tiny", messages=PROMPT, max_tokens=1900, temperature=0, stream=True, extra_body={"ignore_eos": True}
-        )
-        chunks = iter(long)
-        for _ in range(3):
-            assert next(chunks).object == "chat.completion.chunk"
-        killed = time.monotonic()
-        os.kill(pid, signal.SIGKILL)
-        with pytest.raises(openai.APIError) as cut_short:  # the stream running at the kill ends with an error event
-            for _ in chunks:
-                pass
-        assert "tiny" in cut_short.value.message and "engine" in cut_short.value.message
-        assert cut_short.value.body["type"] == "service_unavailable"
-        deadline = killed + 60  # far less than a restart takes: a /ready that never flips fails here
-        while (ready := httpx.get(rig.server.url + "/ready", timeout=10)).status_code == 200:
-            assert time.monotonic() < deadline, "/ready still 200 after the kill"
-            time.sleep(0.05)
-        body = assert_openai_error(ready, 503, "not_ready")
-        assert body["models"]["tiny"]["ready"] is False and body["models"]["other"]["ready"] is True
-        assert "tiny" in body["error"]["message"] and "other" not in body["error"]["message"]
-        assert rig.chat("other").status_code == 200  # the other model is served meanwhile
-        metrics = httpx.get(rig.server.url + "/metrics", headers=auth(KEY)).text
-        assert prometheus_value(metrics, "gateway_engine_up", {"model": "tiny"}) == 0
-        assert prometheus_value(metrics, "gateway_engine_up", {"model": "other"}) == 1
-        rig.wait_ready_after(pid)
-        back = time.monotonic()
-        load.wait_for_requests(6, back)
-    after = rig.model()
-    assert after["restarts"] == before["restarts"] + 1 and after["engine"]["pid"] != pid
-    metrics = httpx.get(rig.server.url + "/metrics", headers=auth(KEY)).text
-    assert prometheus_value(metrics, "gateway_engine_up", {"model": "tiny"}) == 1
-    assert prometheus_value(metrics, "gateway_in_flight_requests", {"model": "tiny"}) == 0
-    assert httpx.get(rig.server.url + "/ready").status_code == 200
-
-    kinds = load.counts(load.outcomes)
-    bad = [o for o in load.outcomes if o.kind not in ("ok", "503", "stream_cut")]
-    assert not bad, bad[:3]  # no 500, no other error, no timeout (hang)
-    refused = [o for o in load.outcomes if o.kind == "503"]
-    assert refused and all(o.retry_after for o in refused)
-    cut = [o for o in load.outcomes if o.kind == "stream_cut"]
-    assert all(o.started < killed for o in cut), "only streams already running at the kill may be cut"
-    assert changes(counters, rig.metrics()) == {"restarts": 1, "stream_errors": len(cut) + 1}
-    first_ok = min(o.ended for o in load.since(killed) if o.kind == "ok")
-    report(
-        "(d) SIGKILL and automatic restart",
-        requests=len(load.outcomes), outcomes=kinds, answered_503=len(refused), streams_cut_by_the_kill=len(cut) + 3,
-        slowest_503_s=round(max(o.ended - o.started for o in refused), 3),
-        outage_s=round(first_ok - killed, 1), restart_detected_to_ready_s=round(back - killed, 1),
-        old_pid=pid, new_pid=after["engine"]["pid"],
     )  # fmt: skip
 
 

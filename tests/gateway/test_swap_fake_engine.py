@@ -9,27 +9,35 @@ which answers OpenAI-shaped chat and Responses requests with a model-less echo. 
 ``FAKE_START_S`` to come up, so "meanwhile" windows are there to observe.
 
 Which real-engine end-to-end test each capability keeps (tests/gateway/test_swap.py unless said):
-blue-green swap under load: ``test_a``; an engine that fails to start: ``test_c``; SIGKILL and automatic
-restart under load: ``test_d``; a request that crashes the engine: ``test_h``; replicas and a replica killed
-under load: tests/gateway/test_replicas.py.
+blue-green swap under load: ``test_a``; an engine that fails to start (its exit code and log tail):
+tests/launch/test_process.py; an engine that died
+restarted by the watchdog: ``test_h`` (a request crashes it); SGLang's router in front of real engines, one
+SIGKILLed under load: tests/gateway/test_router_upstream.py; a gateway over two real replicas, both balancing
+policies: tests/benchmarks/test_affinity.py.
 
 The swap module's rig, helpers and load are reused (``SwapRig``, ``Load``): the same gateway started from a
 YAML file, the same assertions on what clients see and on the ``/metrics`` counters, by value:
 
 - two concurrent stop-first swaps share one; meanwhile only 503 + Retry-After (answered at once); stored
   responses of the replaced engine are gone (404, saying so);
+- (c) the YAML points the model at a directory with a broken config.json: the new engine fails (the fake exits
+  as SGLang does, with a traceback), the old one keeps serving, the reload reports the error with the log tail;
+- (d) the engine SIGKILLed mid-stream: that stream ends with an error event naming the engine, ``/ready``
+  names the model, requests get 503 + Retry-After (never a hang, never a 500) while the other model keeps
+  serving, until the watchdog's restart;
 - (e) a hung engine (SIGSTOP) is restarted after ``unhealthy_after`` failed probes; 503 at once meanwhile;
 - (f) a stop-first reload to an engine that fails: a stream outliving ``drain_timeout_s`` is cut, the model
   answers 503 until the watchdog restarts the previous config;
-- (g) with ``max_restarts: 0`` the watchdog gives up on a dead engine; an admin swap revives it;
-- a rolling swap of two replicas under load: no failed request, never more than replicas + 1 engines alive.
+- (g) with ``max_restarts: 0`` the watchdog gives up on a dead engine; an admin swap revives it.
+
+Replicas (spread, affinity, a replica SIGKILLed, a rolling swap, SGLang's router in front) run on fake engines
+in tests/gateway/test_replicas.py, with this module's ``fake_engine_section``.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -47,9 +55,7 @@ from launch.config import EngineConfig, load_config
 from launch.process import EngineProcess
 from launch.procgroup import group_pids, signal_group
 from tests.fake_engine import fake_engine_python
-from tests.gateway import test_replicas
-from tests.gateway.helpers import KEY, BackgroundStream, GatewayServer, assert_openai_error, auth
-from tests.gateway.test_replicas import Rig
+from tests.gateway.helpers import KEY, BackgroundStream, GatewayServer, assert_openai_error, auth, prometheus_value
 from tests.gateway.test_swap import (
     ENGINES,
     PROMPT,
@@ -61,13 +67,12 @@ from tests.gateway.test_swap import (
     report,
 )
 from tests.leaks import LeakCheck
-from tests.model_code.helpers import engine_children
 
 FAKE_START_S = "3"
 """How long a fake engine takes to listen (a real one: 30-40 s); the fakes' env, so no swap changes it."""
 
 
-def _fake(engine: dict[str, Any], python: Path) -> dict[str, Any]:
+def fake_engine_section(engine: dict[str, Any], python: Path) -> dict[str, Any]:
     """An engine section of the swap or replica modules, run by the fake engine."""
     return {**engine, "python": str(python), "env": {"FAKE_ENGINE_START_S": FAKE_START_S}}
 
@@ -82,7 +87,7 @@ class FakeSwapRig(SwapRig):
         data = yaml.safe_load(text)
         engine = data.get("models", {}).get("tiny", {}).get("engine") if isinstance(data, dict) else None
         if isinstance(engine, dict):
-            data["models"]["tiny"]["engine"] = _fake(engine, self.python)
+            data["models"]["tiny"]["engine"] = fake_engine_section(engine, self.python)
             text = yaml.safe_dump(data, sort_keys=False)
         self.config.write_text(text)
 
@@ -169,6 +174,97 @@ def test_stop_first_swap_answers_503_with_retry_after_meanwhile(rig: SwapRig) ->
         swap_s=round(done - t0, 1), unavailable_s=round(results[0]["unavailable_s"], 1), new_engine_start_s=round(results[0]["start_s"], 1),
     )  # fmt: skip
 
+
+
+@pytest.mark.usefixtures("settled")
+def test_c_engine_that_cannot_start_leaves_the_old_one_serving(rig: SwapRig) -> None:
+    broken = _broken_model_dir(rig.tmp)
+    before = rig.model()
+    counters = rig.metrics()
+    rig.deploy(broken)
+    with Load(rig.server.url) as load:
+        load.wait_for_requests(4, 0)
+        t0 = time.monotonic()
+        response = rig.admin("POST", "/admin/reload")
+        took = time.monotonic() - t0
+        load.wait_for_requests(4, time.monotonic())
+    assert response.status_code == 502, response.text
+    body = response.json()
+    assert body["error"]["code"] == "engine_start_failed" and "tiny" in body["error"]["message"]
+    item = body["reload"]["models"]["tiny"]
+    assert item["action"] == "engine_changed" and item["ok"] is False
+    assert "failed to start" in item["error"] and item["log_tail"], item
+    after = rig.model()
+    assert after["engine"]["pid"] == before["engine"]["pid"] and after["state"] == "ready"
+    assert "failed to start" in after["last_error"]
+    failed = [o for o in load.outcomes if o.kind != "ok"]
+    assert not failed, failed[:3]
+    assert changes(counters, rig.metrics()) == {"reloads_partial": 1, "swaps_failed": 1}
+    report(
+        "(c) engine that cannot start",
+        requests=len(load.outcomes), failed=len(failed), reload_s=round(took, 1),
+        error=item["error"], log_tail_last_lines=item["log_tail"][-3:],
+    )  # fmt: skip
+
+
+@pytest.mark.usefixtures("settled")
+def test_d_sigkilled_engine_is_restarted_and_requests_get_503_meanwhile(rig: SwapRig) -> None:
+    before = rig.model()
+    counters = rig.metrics()
+    pid = before["engine"]["pid"]
+    sdk = openai.OpenAI(base_url=rig.server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    with Load(rig.server.url, workers=2) as load:
+        load.wait_for_requests(4, 0)
+        long = sdk.chat.completions.create(
+            model="tiny", messages=PROMPT, max_tokens=1900, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
+        chunks = iter(long)
+        for _ in range(3):
+            assert next(chunks).object == "chat.completion.chunk"
+        killed = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(openai.APIError) as cut_short:  # the stream running at the kill ends with an error event
+            for _ in chunks:
+                pass
+        assert "tiny" in cut_short.value.message and "engine" in cut_short.value.message
+        assert cut_short.value.body["type"] == "service_unavailable"
+        deadline = killed + 60  # far less than a restart takes: a /ready that never flips fails here
+        while (ready := httpx.get(rig.server.url + "/ready", timeout=10)).status_code == 200:
+            assert time.monotonic() < deadline, "/ready still 200 after the kill"
+            time.sleep(0.05)
+        body = assert_openai_error(ready, 503, "not_ready")
+        assert body["models"]["tiny"]["ready"] is False and body["models"]["other"]["ready"] is True
+        assert "tiny" in body["error"]["message"] and "other" not in body["error"]["message"]
+        assert rig.chat("other").status_code == 200  # the other model is served meanwhile
+        metrics = httpx.get(rig.server.url + "/metrics", headers=auth(KEY)).text
+        assert prometheus_value(metrics, "gateway_engine_up", {"model": "tiny"}) == 0
+        assert prometheus_value(metrics, "gateway_engine_up", {"model": "other"}) == 1
+        rig.wait_ready_after(pid)
+        back = time.monotonic()
+        load.wait_for_requests(6, back)
+    after = rig.model()
+    assert after["restarts"] == before["restarts"] + 1 and after["engine"]["pid"] != pid
+    metrics = httpx.get(rig.server.url + "/metrics", headers=auth(KEY)).text
+    assert prometheus_value(metrics, "gateway_engine_up", {"model": "tiny"}) == 1
+    assert prometheus_value(metrics, "gateway_in_flight_requests", {"model": "tiny"}) == 0
+    assert httpx.get(rig.server.url + "/ready").status_code == 200
+
+    kinds = load.counts(load.outcomes)
+    bad = [o for o in load.outcomes if o.kind not in ("ok", "503", "stream_cut")]
+    assert not bad, bad[:3]  # no 500, no other error, no timeout (hang)
+    refused = [o for o in load.outcomes if o.kind == "503"]
+    assert refused and all(o.retry_after for o in refused)
+    cut = [o for o in load.outcomes if o.kind == "stream_cut"]
+    assert all(o.started < killed for o in cut), "only streams already running at the kill may be cut"
+    assert changes(counters, rig.metrics()) == {"restarts": 1, "stream_errors": len(cut) + 1}
+    first_ok = min(o.ended for o in load.since(killed) if o.kind == "ok")
+    report(
+        "(d) SIGKILL and automatic restart",
+        requests=len(load.outcomes), outcomes=kinds, answered_503=len(refused), streams_cut_by_the_kill=len(cut) + 3,
+        slowest_503_s=round(max(o.ended - o.started for o in refused), 3),
+        outage_s=round(first_ok - killed, 1), restart_detected_to_ready_s=round(back - killed, 1),
+        old_pid=pid, new_pid=after["engine"]["pid"],
+    )  # fmt: skip
 
 
 @pytest.mark.usefixtures("settled")
@@ -264,76 +360,3 @@ def test_g_watchdog_gives_up_then_a_swap_revives(rig: SwapRig) -> None:
     finally:
         rig.deploy_running()
         rig.admin("POST", "/admin/reload")
-
-
-# ----------------------------------------------------------------------------- a rolling swap of replicas
-
-
-class FakeReplicaRig(Rig):
-    """tests/gateway/test_replicas.py's ``Rig``, its YAML run on the fake engine."""
-
-    def __init__(self, server: GatewayServer, config: Path, model_dir: Path, python: Path) -> None:
-        super().__init__(server, config, model_dir)
-        self.python = python
-
-    def reload(self, data: dict[str, Any]) -> dict[str, Any]:
-        return super().reload(self.faked(data, self.python))
-
-    @staticmethod
-    def faked(data: dict[str, Any], python: Path) -> dict[str, Any]:
-        tiny = data["models"]["tiny"]
-        return {**data, "models": {"tiny": {**tiny, "engine": _fake(tiny["engine"], python)}}}
-
-
-@pytest.fixture(scope="module")
-def replicas(fake_python: Path, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
-    """Two replicas of the model on fake engines (test_replicas' deployment), one gateway for the module."""
-    tmp = tmp_path_factory.mktemp("replicas-fake")
-    config = tmp / "deploy.yaml"
-    config.write_text(yaml.safe_dump(FakeReplicaRig.faked(test_replicas._deployment(tiny_model_dir), fake_python)))
-    app, settings = app_from_config(load_config(config), log_dir=tmp / "logs")
-    server = GatewayServer(app, settings).start(timeout_s=120)
-    rig = FakeReplicaRig(server, config, tiny_model_dir, fake_python)
-    try:
-        rig.model()
-        yield rig
-    finally:
-        server.stop()
-    assert not [pid for pid in rig.pids if group_pids(pid)], "engine process groups still alive after shutdown"
-
-
-def test_rolling_swap_under_load(replicas: Rig) -> None:
-    before = replicas.model()
-    old_pids = {r["engine"]["pid"] for r in before["replicas"]}
-    alive: list[int] = []
-    stop = threading.Event()
-    others = set(engine_children()) - old_pids  # engines of other tests in this session (the shared one)
-
-    def count_engines() -> None:
-        while not stop.is_set():
-            alive.append(len(set(engine_children()) - others))
-            time.sleep(0.1)
-
-    counter = threading.Thread(target=count_engines, daemon=True)
-    counter.start()
-    try:
-        with Load(replicas.server.url, workers=3) as load:
-            load.wait_for_requests(4, 0)
-            t0 = time.monotonic()
-            outcome = replicas.reload(test_replicas._deployment(replicas.model_dir, max_total_tokens=2048))
-            done = time.monotonic()
-            load.wait_for_requests(4, done)
-    finally:
-        stop.set()
-        counter.join(5)
-    tiny = outcome["models"]["tiny"]
-    assert outcome["ok"] and tiny["action"] == "engine_changed" and tiny["policy"] == "rolling", outcome
-    after = replicas.model()
-    assert {r["engine"]["pid"] for r in after["replicas"]}.isdisjoint(old_pids) and after["ready_replicas"] == 2
-    kinds = load.counts(load.outcomes)
-    assert set(kinds) == {"ok"}, kinds  # nothing failed, nothing refused, no stream cut
-    assert max(alive) <= 3, f"more than replicas + 1 engines alive: {max(alive)}"
-    report(
-        "rolling swap under load", requests=len(load.outcomes), outcomes=kinds, swap_s=round(done - t0, 1),
-        max_engines_alive=max(alive), engines_before=2,
-    )  # fmt: skip

@@ -24,6 +24,7 @@ from launch.config import EngineConfig
 from launch.process import EngineExited, EngineProcess, EngineStartTimeout, new_engine_key
 from launch.procgroup import group_pids
 from launch.shm import SHM_DIR, orphaned_shm_files, remove_orphaned_shm
+from tests.fake_engine import fake_engine_python
 from tests.leaks import leaves_nothing, unused_shm_files
 
 
@@ -60,9 +61,11 @@ def test_engine_starts_serves_a_chat_and_stops_clean(tiny_engine_config: EngineC
     assert engine.log_file.stat().st_mode & 0o077 == 0
 
 
-@pytest.mark.usefixtures("starts_engine")
 def test_readiness_timeout_raises_with_log_tail_and_stops(tiny_engine_config: EngineConfig, tmp_path: Path) -> None:
-    engine = EngineProcess("slow", tiny_engine_config, log_dir=tmp_path)
+    """A FAKE engine (tests/fake_engine.py) that takes 60 s to listen: the timeout and the stop of a starting
+    engine are the launcher's; a real start is the test above."""
+    fake = {"python": str(fake_engine_python(tmp_path)), "env": {"FAKE_ENGINE_START_S": "60"}}
+    engine = EngineProcess("slow", tiny_engine_config.model_copy(update=fake), log_dir=tmp_path)
     with leaves_nothing() as check:
         engine.start()
         check.watch(engine.pid)
@@ -71,6 +74,7 @@ def test_readiness_timeout_raises_with_log_tail_and_stops(tiny_engine_config: En
                 engine.wait_ready(timeout_s=2.0)
             assert "was not ready after 2s" in str(caught.value)
             assert caught.value.returncode is None and caught.value.log_file == engine.log_file
+            assert any("fake engine" in line for line in caught.value.log_tail)  # the tail its name promises
         finally:
             engine.stop()
         assert not engine.running

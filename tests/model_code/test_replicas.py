@@ -39,6 +39,7 @@ from model_code.errors import EngineUnavailableError
 from model_code.replica_set import Replica, ReplicaSet
 from model_code.target import ModelCodeSettings, resolve_target
 from tests.docs.readme_blocks import marked_blocks
+from tests.fake_engine import fake_engine_python
 from tests.leaks import leaves_nothing
 from tests.model_code.helpers import engine_children
 from tests.servers import server_process
@@ -135,12 +136,13 @@ def test_one_replica_failing_to_start_gives_up_the_others(tiny_deployment, monke
     assert gave_up.is_set()
 
 
-# ------------------------------------------------------------------------------------ with real engines
-@pytest.mark.usefixtures("starts_engine")
-def test_a_shared_start_given_up_stops_its_engine_and_leaves_nothing(tiny_deployment):
+def test_a_shared_start_given_up_stops_its_engine_and_leaves_nothing(tiny_deployment, tmp_path):
     """What a replica's start does when another replica failed: it gives up its lease while the engine is
-    starting, and the host, with nobody left, stops that engine and removes its directory."""
-    config = EngineConfig.model_validate(_engine(tiny_deployment))
+    starting, and the host, with nobody left, stops that engine and removes its directory. The engine is a FAKE
+    one (tests/fake_engine.py, the config's ``python:``) that takes 60 s to listen: a real process of the host,
+    given up while it starts; a real engine's shared start, restart and stop are tests/launch/test_shared_engine.py's."""
+    fake = {"python": str(fake_engine_python(tmp_path)), "env": {"FAKE_ENGINE_START_S": "60"}}
+    config = EngineConfig.model_validate({**_engine(tiny_deployment), **fake})
     key_dir = key_dir_for("tiny-given-up", config)
     seen: dict[str, Any] = {}
 
@@ -163,6 +165,7 @@ def test_a_shared_start_given_up_stops_its_engine_and_leaves_nothing(tiny_deploy
         time.sleep(0.5)
 
 
+# ------------------------------------------------------------------------------------ with real engines
 def requests_served(engine: Any) -> float:
     """Requests the engine itself counted (``sglang:num_requests_total``, all label sets summed)."""
     text = httpx.get(f"{engine.url}/metrics", headers=engine.auth_headers(), timeout=30).text
@@ -196,11 +199,21 @@ def logged(starts_engine, mlflow_store, tiny_deployment, tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def loaded(logged):
-    """The model loaded once for the module (its two shared engines), closed by the last test."""
-    model = mlflow.pyfunc.load_model(logged.model_uri)
-    yield model
-    close_model(model)
+def _loads(logged):
+    """The module's loads of the model (closed at the end, if a test did not close them)."""
+    models: list[Any] = []
+    yield models
+    for model in models:
+        close_model(model)
+
+
+@pytest.fixture
+def loaded(logged, _loads):
+    """The model loaded once for the module (its two shared engines). The kill test closes it: a test after it
+    (in a random order) loads it again (two engine starts) instead of finding it closed."""
+    if not _loads or not all(engine.running for engine in python_model_of(_loads[-1]).client.engines):
+        _loads.append(mlflow.pyfunc.load_model(logged.model_uri))
+    return _loads[-1]
 
 
 def test_load_starts_two_engines_and_requests_reach_both(loaded):

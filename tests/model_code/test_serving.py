@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from model_code import load_for_serving
-from tests.servers import server_process
+from tests.servers import ServerProcess, server_process
 
 MESSAGES = [{"role": "user", "content": "What is Databricks?"}]
 
@@ -88,10 +88,11 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
-def gateway_model_uri(url_config, mlflow_store, tmp_path_factory):
+def _model_uri_servers(url_config, mlflow_store, tmp_path_factory):
     """``sglang-gateway serve --model-uri`` of a ChatAgent, as a user runs it, with gateway settings from both
     places: the logged model_config's ``gateway:`` section (one request at a time, no queue) and a
-    ``--gateway-config`` file (an API key, in a key file named relative to it)."""
+    ``--gateway-config`` file (an API key, in a key file named relative to it). Returns the server running now,
+    started again when a test stopped the previous one (the stop test does); all stopped at the end."""
     import mlflow
 
     from model_code import log_model
@@ -105,8 +106,25 @@ def gateway_model_uri(url_config, mlflow_store, tmp_path_factory):
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{mlflow_store}/mlflow.db"}
     argv = [sys.executable, "-m", "gateway.cli", "serve", "--model-uri", info.model_uri, "--port", "{port}"]
     argv += ["--gateway-config", str(config_dir / "gateway.yaml")]
-    with server_process(argv, log_path=mlflow_store / "gateway-model-uri.log", env=env, ready_path="/health") as server:
-        yield server
+    servers: list[ServerProcess] = []
+
+    def running() -> ServerProcess:
+        if not servers or servers[-1].proc.poll() is not None:
+            server = ServerProcess(argv, log_path=mlflow_store / f"gateway-model-uri-{len(servers)}.log", env=env)
+            servers.append(server)
+            server.wait_http("/health")
+        return servers[-1]
+
+    yield running
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture
+def gateway_model_uri(_model_uri_servers):
+    """The module's ``serve --model-uri`` server (a test after the stop test, in a random order, starts it again
+    instead of finding it stopped)."""
+    return _model_uri_servers()
 
 
 def test_gateway_model_uri_answers_the_same_body_as_mlflow_serve(gateway_model_uri, served_agent):
