@@ -231,3 +231,71 @@ def test_when_every_record_is_refused_the_oldest_goes() -> None:
     assert [entry["shape"] for entry in quarantine.report()] == [b]
     quarantine.check("m", a)
     assert quarantine.clear() == 1 and not quarantine  # the count followed the eviction
+
+
+def test_what_an_operator_reads_in_a_shape() -> None:
+    """The admin API lists refused shapes as they are: every kind of value spelled as the module documents it
+    (type and size class: 0 for empty, then the bit length; containers with their elements, deduplicated and
+    sorted, or only their size below the third level; objects with their sorted keys)."""
+    body = {
+        "model": "m",
+        "echo": True,
+        "logprobs": False,
+        "seed": -3,
+        "n": 5,
+        "temperature": 0.0,
+        "top_p": 0.5,
+        "presence_penalty": -1.5,
+        "max_tokens": 300.0,
+        "user": None,
+        "prompt": [[1, 2], [3]],
+        "stop": "",
+        "metadata": {"b": [[["x"]]], "a": {"k": {"deep": 1}}},  # containers three deep, then their size
+        "raw": b"?",
+    }
+    assert request_shape("/v1/completions", body) == (
+        "/v1/completions {"
+        "echo:true,logprobs:false,max_tokens:float9,"
+        "metadata:{a:{k:{deep:int1}},b:list1[list1[list1]]},"
+        "n:int3,presence_penalty:float-,prompt:list2[list1[int2],list2[int1,int2]],"
+        "raw:bytes,seed:int-,stop:str0,temperature:float0,top_p:float<1,user:null}"
+    )
+
+
+def test_a_shape_looks_at_the_first_256_items_and_64_keys() -> None:
+    def shape(value: object) -> str:
+        return request_shape("/p", {"v": value})
+
+    # the work per request is bounded: what lies beyond is not described (only the size class counts)
+    assert shape(["a"] * 256 + [1]) == shape(["a"] * 256 + ["b"])
+    assert shape(["a"] * 255 + [1]) != shape(["a"] * 255 + ["b"])
+    keys = {f"k{index:03d}": 1 for index in range(64)}
+    assert shape({**keys, "z": 1}) == shape({**keys, "z": "text"})
+    assert shape({**dict(list(keys.items())[:63]), "z": 1}) != shape({**dict(list(keys.items())[:63]), "z": "text"})
+
+
+def test_objects_are_described_three_levels_deep() -> None:
+    def shape(value: object) -> str:
+        return request_shape("/p", {"v": value})
+
+    assert shape({"a": {"b": {"x": 1}}}) != shape({"a": {"b": {"y": 1}}})  # the third level's keys count
+    assert shape({"a": {"b": {"c": {"x": 1}}}}) == shape({"a": {"b": {"c": {"y": "s"}}}})  # the fourth's do not
+    assert shape([[{"a": 1}]]) != shape([[{"b": 1}]])
+
+
+def test_fields_of_names_with_spaces_and_brackets_in_values() -> None:
+    shape = request_shape("/p", {"a b": 1, "X": [{"Y": "z"}], "c:d": {"e": [1]}})
+    assert fields_of(shape) == ("X", "a b", "c")  # a name is cut at its first colon
+    assert fields_of(request_shape("/p", {"only": {"nested": {"x": 1, "y": [1, 2]}}})) == ("only",)
+
+
+def test_the_refusal_lists_the_shapes_fields() -> None:
+    quarantine = Quarantine()
+    shape = request_shape("/v1/completions", {"prompt": [1], "max_tokens": 1})
+    quarantine.engine_failed("tiny", [shape], "crash")
+    with pytest.raises(GatewayError) as refused:
+        quarantine.check("tiny", shape)
+    assert refused.value.message == (
+        "requests of this shape (fields max_tokens, prompt) took the engine of model 'tiny' down and are refused "
+        "until an operator clears them; change the request, or ask the operator"
+    )
