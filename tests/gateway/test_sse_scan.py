@@ -296,3 +296,55 @@ def test_parsed_if() -> None:
     assert _parsed_if(b'{"id": 1}', b'"usage"') is None  # not mentioned: not parsed
     assert _parsed_if(b'{"usage": broken', b'"usage"') is None
     assert _parsed_if(b'["usage"]', b'"usage"') is None
+
+
+def test_an_engine_error_mid_stream_blamed_on_the_request_is_the_clients_400() -> None:
+    # an engine 500 whose message is about the request's own input (here: its grammar) is the client's mistake
+    relay = _relay(request={"regex": "(", "prompt": "x"})
+    out = relay._complete_events(_data({"error": {"message": "Grammar accept_token failed", "code": 500}}))
+    (event,) = _events(out)
+    assert event["error"]["code"] == "invalid_request" and event["error"]["param"] == "regex"
+    assert event["error"]["message"].startswith("regex: the grammar accepts no token")
+    without_grammar = _relay(request={"prompt": "x"})
+    (event,) = _events(without_grammar._complete_events(_data({"error": {"message": "Grammar accept_token failed", "code": 500}})))
+    assert event["error"]["code"] == "upstream_error"
+
+
+def test_a_client_error_event_keeps_the_engines_message_sanitized() -> None:
+    relay = _relay()
+    out = relay._complete_events(CHUNK + _data({"error": {"message": f"prompt too long ({SECRET_PATH})", "code": 400}}) + CHUNK)
+    assert out.startswith(CHUNK) and out.endswith(b"}\n\n" + CHUNK) and b"}\n\n\n" not in out  # framed as one event
+    (_, event, _) = _events(out)
+    assert event["error"]["message"] == "prompt too long (<path>)"
+    silent = _relay()
+    (event,) = _events(silent._complete_events(_data({"error": {"code": 400}})))
+    assert event["error"]["message"] == "upstream error"  # no message: a fixed one, never the engine's raw body
+
+
+def test_a_piece_that_starts_with_a_blank_line() -> None:
+    relay = _relay()
+    assert relay._complete_events(b"\n\n" + USAGE[:10]) == b"\n\n"
+    assert relay._complete_events(USAGE[10:]) == USAGE
+    leading = _relay()
+    assert leading._complete_events(b"\n" + USAGE) == b"\n" + USAGE
+    assert leading.info.prompt_tokens == 3  # the event after a stray newline is still read
+
+
+def test_only_data_lines_are_parsed() -> None:
+    relay = _relay()
+    # "event:" is as long as "data: ": what follows it would parse, but it is not an event's data
+    events = b'event:{"usage":{"prompt_tokens":4,"completion_tokens":1}}\ndata: {}\n\n'
+    assert relay._complete_events(events) == events
+    assert relay.info.prompt_tokens is None
+
+
+def test_the_last_partial_event_keeps_every_whole_line() -> None:
+    relay = _relay()
+    assert relay._last_partial_event(b'data: {"a":1}\ndata: {"b":2}\ndata: {"c') == b'data: {"a":1}\ndata: {"b":2}\n\n'
+
+
+def test_an_error_that_ends_the_body_without_a_newline_is_sanitized() -> None:
+    relay = _relay()
+    last = _data({"error": {"message": f"failed at {SECRET_PATH}", "code": 400}}).rstrip(b"\n")
+    out = relay._last_partial_event(last)  # the stream's own last event ('data: {"error":' ends a chat stream)
+    assert SECRET_PATH not in out.decode() and _events(out)[0]["error"]["message"] == "failed at <path>"
