@@ -162,3 +162,9 @@ def test_the_key_is_bounded() -> None:
     long = "x" * 100
     assert len(prefix_key({"system": long, "prompt": long}, 16)) == 16 * 4
     assert prefix_key({"system": long, "prompt": long}, 16) == orjson.dumps([long, long[:16]])[:64]
+
+
+def test_of_two_replicas_the_less_busy_one() -> None:
+    a, b = _replicas(2)
+    a.in_flight = 1
+    assert pick(_route([a, b]), LEAST, {}) is b

@@ -149,3 +149,21 @@ def test_grammar_slots_and_request_slots_are_apart() -> None:
         assert limiter.in_flight == 1 and limiter.grammars_in_flight == 0
 
     _run(scenario)
+
+
+def test_the_queue_counts_every_waiting_request() -> None:
+    limiter = ConcurrencyLimiter(LimitSettings(max_concurrent=1, max_queue=2, queue_timeout_s=5))
+
+    async def scenario() -> None:
+        await limiter.acquire("m")
+        waiters = [asyncio.ensure_future(limiter.acquire("m")) for _ in range(2)]
+        await asyncio.sleep(0.05)
+        assert limiter.waiting == 2
+        await _refused(limiter)  # two places, both taken
+        for _ in waiters:
+            limiter.release()
+            await asyncio.sleep(0.01)
+        await asyncio.wait_for(asyncio.gather(*waiters), 2)
+        assert limiter.waiting == 0 and limiter.in_flight == 1
+
+    _run(scenario)

@@ -34,6 +34,9 @@ def test_only_ints_are_token_ids() -> None:
     assert token_id_problem(PROMPT, {"prompt": ["text", 2.5e9, True, None]}, 1) is None
     assert token_id_problem(PROMPT, {"prompt": [[1], "text", 500]}, 100) is None  # a batch: rows that are not lists skipped
     assert token_id_problem(PROMPT, {"prompt": ["text", [500]]}, 100) is None  # a single row: its lists are not ids
+    # what is skipped does not hide what follows it
+    assert token_id_problem(PROMPT, {"prompt": [[1], "text", [500]]}, 100) == "prompt: token id 500 is outside the model's vocabulary [0, 100)"
+    assert token_id_problem(PROMPT, {"prompt": ["text", True, 2.5, 500]}, 100) == "prompt: token id 500 is outside the model's vocabulary [0, 100)"
 
 
 def test_every_field_is_checked_and_named() -> None:
@@ -56,6 +59,19 @@ def test_logit_bias_keys_are_token_ids() -> None:
         "logit_bias: keys must be token ids (integers as strings)"
     )
     assert token_id_problem(fields, {"logit_bias": {}}, 100) is None
+    for key in ("X5", "5-", "", "-"):
+        assert token_id_problem(fields, {"logit_bias": {key: 1}}, 100) == "logit_bias: keys must be token ids (integers as strings)"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=ValueError,
+    reason="bug: token_id_problem takes a key for an int when key.lstrip('-').isdigit(), so '--5' (two signs) or "
+    "'²' (a digit to str.isdigit, not to int) make int(key) raise ValueError instead of returning the 400's reason",
+)
+@pytest.mark.parametrize("key", ["--5", "\u00b2"])
+def test_logit_bias_keys_that_only_look_numeric(key: str) -> None:
+    assert token_id_problem(("logit_bias",), {"logit_bias": {key: 1}}, 100) == "logit_bias: keys must be token ids (integers as strings)"
 
 
 def test_a_shape_is_types_and_size_classes() -> None:
