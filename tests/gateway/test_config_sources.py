@@ -107,6 +107,7 @@ def test_errors_are_prefixed_once_per_line() -> None:
     lines = message.splitlines()
     assert len(lines) == 2
     assert sorted(line.split(": ")[1] for line in lines) == ["gateway.drain_timeout_s", "gateway.port"]
+    assert all(line.startswith("deploy.yaml: gateway.") for line in lines)
     # a key that repeats the file name is left as it is: only each line's own leading name gets "gateway."
     (line,) = _refusal({"model_limits": {"deploy.yaml: x": {"max_queue": -1}}}).splitlines()
     assert line.startswith("deploy.yaml: gateway.model_limits.deploy.yaml: x.max_queue: ")
@@ -154,7 +155,7 @@ def test_the_default_state_dir_is_one_per_deployment(tmp_path: Path, monkeypatch
     # a model URI is not a file: named as it is, wherever the gateway runs
     uri = default_state_dir("models:/chat/3")
     monkeypatch.chdir(tmp_path / "b")
-    assert default_state_dir("models:/chat/3") == uri and default_state_dir("models:/chat/4") != uri
+    assert default_state_dir("models:/chat/3") == uri and default_state_dir("models:/other/3") != uri
 
 
 def test_the_default_state_dir_without_xdg_state_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -164,3 +165,13 @@ def test_the_default_state_dir_without_xdg_state_home(tmp_path: Path, monkeypatc
     monkeypatch.setenv("XDG_STATE_HOME", "")  # empty counts as unset
     assert default_state_dir("d.yaml").parent == tmp_path / ".local" / "state" / "sglang-gateway"
     assert os.environ["XDG_STATE_HOME"] == ""
+
+
+def test_a_follower_machine_is_told_how_to_start() -> None:
+    engine = {"model_path": "m", "nnodes": 2, "node_rank": 1, "dist_init_addr": "head:5000"}
+    with pytest.raises(ConfigError) as refused:
+        gateway_settings(parse_config({"models": {"big": {"engine": engine}}}, "d.yaml"))
+    assert str(refused.value) == (
+        "d.yaml: models.big.engine.node_rank: a machine with node_rank > 0 serves no HTTP; "
+        "start it with `sglang-gateway launch` and serve the engine from the machine with node_rank 0"
+    )

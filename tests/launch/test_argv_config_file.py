@@ -124,3 +124,19 @@ def test_the_cpu_shim_itself_is_no_real_sgl_kernel(tmp_path: Path, capfd: pytest
     assert capfd.readouterr() == ("", "")  # the probe's output stays out of the launcher's
     assert real_sgl_kernel_importable(str(tmp_path / "no-such-python")) is False
     assert real_sgl_kernel_importable(sys.executable) is False  # this environment has none (find_spec, no probe)
+
+
+def test_a_config_path_with_an_equals_sign(tmp_path: Path) -> None:
+    user = tmp_path / "a=b.yaml"
+    user.write_text("log-level: debug\n")
+    engine = EngineConfig(model_path="m", extra_args=[f"--config={user}"])
+    assert secret_config(engine, api_key="k") == {"log-level": "debug", "api-key": "k"}
+
+
+def test_a_real_sgl_kernel_of_this_interpreter_is_probed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = tmp_path / "sgl_kernel"
+    real.mkdir()
+    (real / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))  # found here (find_spec) ...
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # ... and by the probe
+    assert real_sgl_kernel_importable(sys.executable) is True

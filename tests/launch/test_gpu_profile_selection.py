@@ -105,4 +105,26 @@ def test_command_line_refusals(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as usage:
         main([])  # a command is required
     assert usage.value.code == 2
-    assert "gpu_profiles.py" in capsys.readouterr().err
+    assert capsys.readouterr().err.startswith("usage: gpu_profiles.py ")
+
+
+@pytest.mark.usefixtures("two_profiles")
+def test_without_a_name_or_cuda_version_the_default_even_when_not_first(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(gpu_profiles, "DEFAULT_PROFILE", NEWER)
+    assert select_profile() is NEWER
+    assert select_profile(cuda="13.0") is OLDER
+    assert main(["list"]) == 0
+    assert capsys.readouterr().out == f"{OLDER.summary()}\n{NEWER.summary()}\n"  # one line per profile
+
+
+def test_command_line_help(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert text.startswith("usage: gpu_profiles.py ") and "GPU stack profiles of sglang-gateway" in text
+    assert "list one line per profile" in text and "requirements a profile's requirement lines" in text
+    with pytest.raises(SystemExit):
+        main(["requirements", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"--profile PROFILE profile name (default: {DEFAULT_PROFILE.name})" in text
+    assert "--python PYTHON target python X.Y (default: this one)" in text
