@@ -107,7 +107,7 @@ def test_switching_between_engine_and_url_names_the_new_source() -> None:
 def test_each_change_carries_both_entries_and_the_models_swap_policy() -> None:
     old_models = {"kept": {"url": "http://h:1"}, "changed": {"engine": ENGINE}, "gone": {"engine": ENGINE}}
     new_models = {"kept": {"url": "http://h:1"}, "changed": {"engine": {**ENGINE, "max_total_tokens": 1024}}, "new": {"engine": ENGINE}}
-    policies = {"swap_default": "stop-first", "swap_policy": {"new": "blue-green", "changed": "rolling"}}
+    policies = {"swap_default": "stop-first", "swap_policy": {"new": "rolling", "changed": "blue-green"}}
     old = parse_config({"models": old_models}, "deploy.yaml")
     new = parse_config({"models": new_models, "gateway": policies}, "deploy.yaml")
     plan = plan_reload(old, gateway_settings(old), new, gateway_settings(new))
@@ -119,7 +119,7 @@ def test_each_change_carries_both_entries_and_the_models_swap_policy() -> None:
     assert by_name["new"].old is None and by_name["new"].new is new.models["new"]
     # the policy of the new settings, per model (the swap result of an added model reports it too)
     assert {name: change.swap_policy for name, change in by_name.items()} == {
-        "kept": "stop-first", "changed": "rolling", "gone": "stop-first", "new": "blue-green",
+        "kept": "stop-first", "changed": "blue-green", "gone": "stop-first", "new": "rolling",
     }  # fmt: skip
 
 
