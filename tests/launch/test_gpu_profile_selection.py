@@ -121,7 +121,7 @@ def test_command_line_help(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert text.startswith("usage: gpu_profiles.py ") and "GPU stack profiles of sglang-gateway" in text
+    assert text.startswith("usage: gpu_profiles.py ") and "} ... GPU stack profiles of sglang-gateway positional arguments:" in text
     assert "list one line per profile" in text and "requirements a profile's requirement lines" in text
     with pytest.raises(SystemExit):
         main(["requirements", "--help"])
