@@ -14,6 +14,7 @@ request an hour later or on another replica are all refused, while requests made
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, replace
 from dataclasses import field as dataclass_field
@@ -23,6 +24,8 @@ import orjson
 
 from gateway.core.errors import GatewayError
 
+_TOKEN_ID_KEY = re.compile(r"-?[0-9]+")  # ASCII digits with at most one sign: what int() takes (not "--5", not "²")
+
 
 def token_id_problem(fields: tuple[str, ...], body: dict[str, Any], vocab_size: int | None) -> str | None:
     """Why the token ids in ``body``'s ``fields`` (a list of ints, or a list of lists) cannot go to an
@@ -31,7 +34,7 @@ def token_id_problem(fields: tuple[str, ...], body: dict[str, Any], vocab_size: 
     for field in fields:
         value = body.get(field)
         if isinstance(value, dict):  # logit_bias: {"<token id>": bias}
-            keys = [int(key) if key.lstrip("-").isdigit() else None for key in value]
+            keys = [int(key) if _TOKEN_ID_KEY.fullmatch(key) else None for key in value]
             if None in keys:
                 return f"{field}: keys must be token ids (integers as strings)"
             value = keys

@@ -269,7 +269,9 @@ class SSEProxyResponse(Response):
             if isinstance(response, dict) and isinstance(response.get("id"), str):
                 self.on_created(response["id"])
         holders = [data] if data.get("type") == "error" and "message" in data else []
-        holders += [value for value in (data.get("error"), (data.get("response") or {}).get("error")) if isinstance(value, dict)]
+        response = data.get("response")
+        inner = response.get("error") if isinstance(response, dict) else None  # an engine may send anything there
+        holders += [value for value in (data.get("error"), inner) if isinstance(value, dict)]
         if not holders:
             return line
         for holder in holders:

@@ -96,3 +96,39 @@ def test_gateway_keys_live_or_restart_required() -> None:
     assert set(plan.settings_changed) == {"api_keys", "drain_timeout_s"}
     assert plan.restart_required == ("port",)
     assert not plan.is_noop
+
+
+def test_switching_between_engine_and_url_names_the_new_source() -> None:
+    plan = _plan({"a": {"engine": ENGINE}, "b": {"url": "http://h:1"}}, {"a": {"url": "http://h:1"}, "b": {"engine": ENGINE}})
+    assert [(c.action, c.details) for c in plan.changes] == [(Action.ENGINE_CHANGED, ("url",)), (Action.ENGINE_CHANGED, ("engine",))]
+    assert [c.needs_engine_start for c in plan.changes] == [False, True]
+
+
+def test_each_change_carries_both_entries_and_the_models_swap_policy() -> None:
+    old_models = {"kept": {"url": "http://h:1"}, "changed": {"engine": ENGINE}, "gone": {"engine": ENGINE}}
+    new_models = {"kept": {"url": "http://h:1"}, "changed": {"engine": {**ENGINE, "max_total_tokens": 1024}}, "new": {"engine": ENGINE}}
+    policies = {"swap_default": "stop-first", "swap_policy": {"new": "rolling", "changed": "blue-green"}}
+    old = parse_config({"models": old_models}, "deploy.yaml")
+    new = parse_config({"models": new_models, "gateway": policies}, "deploy.yaml")
+    plan = plan_reload(old, gateway_settings(old), new, gateway_settings(new))
+    by_name = {change.name: change for change in plan.changes}
+    # the entries: what a failed swap falls back to (old) and what is applied (new)
+    assert by_name["kept"].old is old.models["kept"] and by_name["kept"].new is new.models["kept"]
+    assert by_name["changed"].old is old.models["changed"] and by_name["changed"].new is new.models["changed"]
+    assert by_name["gone"].old is old.models["gone"] and by_name["gone"].new is None
+    assert by_name["new"].old is None and by_name["new"].new is new.models["new"]
+    # the policy of the new settings, per model (the swap result of an added model reports it too)
+    assert {name: change.swap_policy for name, change in by_name.items()} == {
+        "kept": "stop-first", "changed": "blue-green", "gone": "stop-first", "new": "rolling",
+    }  # fmt: skip
+
+
+def test_changes_by_action() -> None:
+    plan = _plan(
+        {"a": {"url": "http://h:1"}, "b": {"url": "http://h:2"}, "c": {"url": "http://h:3"}},
+        {"a": {"url": "http://h:1"}, "b": {"url": "http://h:9"}, "d": {"url": "http://h:4"}},
+    )
+    assert [c.name for c in plan.by_action(Action.ENGINE_CHANGED)] == ["b"]
+    assert [c.name for c in plan.by_action(Action.ADDED, Action.REMOVED)] == ["c", "d"]
+    assert plan.by_action(Action.ROUTE_CHANGED) == []
+    assert [c.name for c in plan.by_action(*Action)] == ["a", "b", "c", "d"]
