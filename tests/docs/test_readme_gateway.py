@@ -70,14 +70,16 @@ def test_readme_python_sdk_example(open_gateway: GatewayServer) -> None:
     """The example prints the plain answer's text, then the stream's text; the stream ends with the usage it asks for."""
     (block,) = [b for b in marked_blocks("gateway") if b.lang == "python"]
     code = RECORDER + block.code.replace(README_BASE, open_gateway.url)
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, check=False)
-    assert result.returncode == 0, result.stderr[-2000:]
-    plain, streamed = json.loads(result.stderr.strip().splitlines()[-1])
+    # Bytes, decoded here: text mode would turn a "\r" the tiny model may generate into "\n" (universal newlines).
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=180, check=False)
+    stdout, stderr = result.stdout.decode("utf-8"), result.stderr.decode("utf-8", "replace")
+    assert result.returncode == 0, stderr[-2000:]
+    plain, streamed = json.loads(stderr.strip().splitlines()[-1])
     assert plain["model"] == "tiny" and 0 < plain["completion_tokens"] <= 16, plain
     chunks = streamed["chunks"]
     text = "".join(c["choices"][0]["delta"]["content"] or "" for c in chunks if c["choices"])
-    assert result.stdout == f"{plain['content']}\n{text}", (result.stdout, plain, text)  # as print() writes them
-    assert result.stdout.strip(), "the example printed nothing"  # (either answer may be one end-of-text token)
+    assert stdout == f"{plain['content']}\n{text}", (stdout, plain, text)  # as print() writes them
+    assert stdout.strip(), "the example printed nothing"  # (either answer may be one end-of-text token)
     assert {c["model"] for c in chunks} == {"tiny"}
     finished = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
     assert finished in (["stop"], ["length"]), finished
