@@ -78,7 +78,8 @@ def test_load_for_serving_request_shapes(url_models, flavor, body):
         chunks = list(served.predict_stream(body))
         assert len(chunks) >= 2
         wrapped = served.predict({"inputs": {k: v for k, v in body.items() if k != "stream"}})
-        assert wrapped.keys() == out.keys()
+        # the same fields; ``incomplete_details`` only on an answer that reached max_output_tokens (sampling decides)
+        assert wrapped.keys() - {"incomplete_details"} == out.keys() - {"incomplete_details"}
     finally:
         served.close()
 
