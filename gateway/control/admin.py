@@ -175,9 +175,7 @@ def describe(controller: Controller) -> dict[str, Any]:
 
 
 def _in_flight(controller: Controller, model: str, backend: Backend) -> int:
-    """Requests on ``backend`` now: this process's and, with worker processes, theirs."""
-    peers = controller.state.peers
-    return backend.in_flight + (peers.in_flight(model, backend.identity) if peers is not None else 0)
+    return controller.state.in_flight(model, backend)
 
 
 def _replica(controller: Controller, model: str, backend: Backend) -> dict[str, Any]:

@@ -59,7 +59,6 @@ class RemoteBackend(Backend):
     def __init__(self, view: BackendView) -> None:
         super().__init__(view.served_name, url=view.url, vocab_size=view.vocab_size, replica=view.replica)
         self.view = view
-        self.context_length = view.context_length
         self.update(view)
 
     def update(self, view: BackendView) -> None:

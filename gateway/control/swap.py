@@ -334,8 +334,7 @@ class SwapExecutor:
                 logger.warning("{}: not every worker process confirmed the new routing before the drain", backend.describe())
 
         def in_flight() -> int:
-            here = backend.in_flight
-            return here + peers.in_flight(model, backend.identity) if peers is not None and model is not None else here
+            return self.state.in_flight(model, backend)
 
         while time.monotonic() < deadline:
             if in_flight() == 0 and not (behind_router and await self._engine_busy(backend)):

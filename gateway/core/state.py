@@ -13,7 +13,7 @@ from gateway.config import GatewaySettings
 from gateway.core.health import HealthProbes
 from gateway.core.metrics import Metrics
 from gateway.core.poison import Quarantine
-from gateway.core.registry import Registry
+from gateway.core.registry import Backend, Registry
 from gateway.core.responses_index import ResponseIndex
 
 if TYPE_CHECKING:  # the data plane's forwarder, set by the lifespan; core does not import the data plane
@@ -43,3 +43,8 @@ class GatewayState:
     # stored responses -> the engine holding them and their owner; the lifespan opens the one in gateway.state_dir
     responses: ResponseIndex = field(default_factory=ResponseIndex)
     peers: Peers | None = None  # set in the control process of worker processes: a drain counts their requests too
+
+    def in_flight(self, model: str | None, backend: Backend) -> int:
+        """Requests on ``backend`` of ``model`` now: this process's and, with worker processes, theirs."""
+        here = backend.in_flight
+        return here + self.peers.in_flight(model, backend.identity) if self.peers is not None and model is not None else here

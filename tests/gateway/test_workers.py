@@ -29,6 +29,7 @@ import pytest
 import yaml
 
 from launch.process import EngineProcess
+from launch.procgroup import stat_fields
 from tests.fake_engine import CRASH, TOKEN, fake_engine_python
 from tests.gateway.helpers import KEY, auth, prometheus_value
 from tests.leaks import leaves_nothing
@@ -184,7 +185,7 @@ def owned(tmp_path: Path, tiny_model_dir: Path) -> Iterator[tuple[ServerProcess,
     with leaves_nothing(shm=False) as check:  # a FAKE engine maps no /dev/shm
         server = serve(config, tmp_path)
         check.watch(server.pid)
-        check.watch(admin(server, "/admin/models")["models"][0]["replicas"][0]["engine"]["pid"])
+        check.watch(_engine_pid(server))
         runtime_dir = _runtime_dir_of(server)
         try:
             yield server, tmp_path / "deploy.yaml", config
@@ -273,9 +274,6 @@ def test_a_killed_worker_comes_back_while_the_other_serves(owned: tuple[ServerPr
 
 
 def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return Path(f"/proc/{pid}/stat").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    fields = stat_fields(pid)  # None once it is gone; a zombie has exited too
+    return fields is not None and fields[0] != "Z"
 
