@@ -11,9 +11,12 @@ A map, by folder; each folder may import those listed after it, never those befo
 ``mlflow/``          a logged MLflow model: ``serve --model-uri`` (``model_uri``), ``POST /invocations``
 
 ``control/`` (engines coming and going)
-  ``controller``     boot, reload, swap and drain: boot applies the deployment to an empty registry,
-                     a reload applies the new file to the current one (``reload.plan_reload``)
-  ``swap``           starts, switches, drains and stops backends (blue-green / stop-first); owns the engines
+  ``controller``     boot, reload, swap and drain on request (admin API, SIGHUP, file watch), and supervision
+  ``applier``        makes a deployment the one in force: boot applies it to an empty registry, a reload the
+                     new file to the current one (``reload.plan_reload``: what changed)
+  ``swap``           switches a model's backends (blue-green / rolling / stop-first, restarts, its router's list)
+  ``fleet``          the engine and router processes: the only code that starts or stops them; ``drain``
+                     waits until no request uses an old backend, then retires it
   ``watchdog``       restarts dead or unhealthy engines with backoff
   ``admin``          the admin API and its reports
   ``workers``        the worker processes (started, fed the routing state, restarted, stopped): ``snapshot``
@@ -34,7 +37,8 @@ A map, by folder; each folder may import those listed after it, never those befo
 
 ``core/`` (what both planes read)
   ``state``          ``GatewayState``: settings, registry, metrics, proxy, probes, quarantine, responses index
-  ``registry``       names and aliases -> routes and backends, replaced in one assignment
+  ``registry``       names and aliases -> routes, replaced in one assignment; ``backends`` one class per kind
+                     of upstream (an engine we launched, a URL, SGLang's router)
   ``endpoints``      the route table: one line per proxied route (dialect, streaming, token-id fields);
                      ``schemas`` its request validation (bodies go upstream as sent, only ``model`` rewritten)*
   ``limits``         per-model concurrency and queue*; ``poison`` requests that crash engines*

@@ -17,8 +17,8 @@ from gateway.config import SwapPolicy
 from gateway.control.controller import Controller, ReloadInvalid, ReloadOutcome
 from gateway.control.swap import describe_backend
 from gateway.control.workers import WorkerSupervisor
+from gateway.core.backends import Backend, EngineBackend, RouterBackend, UrlBackend
 from gateway.core.errors import GatewayError, error_body
-from gateway.core.registry import Backend
 
 admin_routes = APIRouter(prefix="/admin", include_in_schema=False)  # not listed in /openapi.json to client keys
 
@@ -146,23 +146,23 @@ def describe(controller: Controller) -> dict[str, Any]:
             "aliases": list(route.aliases),
             "state": state,
             "reason": None if ready else first["reason"],
-            "kind": "engine" if backend.managed else "url",
+            "kind": backend.kind,
             "url": backend.url,
             "served_model_name": backend.served_name,
-            "upstream_api_key": "set" if backend.api_key else None,
+            "upstream_api_key": "set" if isinstance(backend, UrlBackend) and backend.api_key else None,
             "in_flight": sum(r["in_flight"] for r in replicas) + (_in_flight(controller, route.name, route.front) if route.front else 0),
             "drained": route.drained,
             "swap_policy": controller.swap_policy_for(route.name),
             "limits": route.limiter.settings.model_dump(),
             "restarts": controller.watchdog.restarts(route.name),
             "last_error": next((r["last_error"] for r in replicas if r.get("last_error")), None) or controller.last_errors.get(route.name),
-            "retiring": [describe_backend(old) for old in executor.retiring.get(route.name, [])],
+            "retiring": [describe_backend(old) for old in executor.drainer.retiring.get(route.name, [])],
             "replicas": replicas,
             "ready_replicas": ready,
         }
         if "engine" in first:
             item["engine"] = first["engine"]
-        if route.front is not None and route.front.router is not None:
+        if isinstance(route.front, RouterBackend):
             router = route.front.router
             item["router"] = {
                 "url": router.url, "pid": router.pid, "running": router.running, "policy": router.config.policy,
@@ -198,15 +198,15 @@ def _replica(controller: Controller, model: str, backend: Backend) -> dict[str, 
         "restarts": health.restarts if health else 0,
         "last_error": health.last_error if health else None,
     }
-    engine = backend.engine
-    if engine is not None:
+    if isinstance(backend, EngineBackend):
+        engine = backend.engine
         item["engine"] = {
             "pid": engine.pid,
             "port": engine.port,
             "uptime_s": round(engine.uptime_s, 1),
             "phase": engine.phase,
             "running": engine.running,
-            "owned": controller.executor.owns(engine),
+            "owned": controller.executor.owns(backend),
             "log_file": str(engine.log_file) if engine.log_file else None,
             "gpus": engine.config.env.get("CUDA_VISIBLE_DEVICES"),
         }

@@ -12,9 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gateway.config import GatewaySettings
+from gateway.core.backends import Backend
 from gateway.core.limits import ConcurrencyLimiter
 from gateway.core.poison import Quarantine, Suspect
-from gateway.core.registry import Backend, ModelRoute, Registry
+from gateway.core.registry import ModelRoute, Registry
 from gateway.edge.auth import KeyPolicy
 
 
@@ -57,9 +58,13 @@ class RemoteBackend(Backend):
     """A backend that lives in the control process, as a worker sees it: a URL, headers and a state it is told."""
 
     def __init__(self, view: BackendView) -> None:
-        super().__init__(view.served_name, url=view.url, vocab_size=view.vocab_size, replica=view.replica)
+        super().__init__(view.served_name, vocab_size=view.vocab_size, replica=view.replica)
         self.view = view
         self.update(view)
+
+    @property
+    def url(self) -> str:
+        return self.view.url
 
     def update(self, view: BackendView) -> None:
         """Take the control's newer view of the same backend (same identity), keeping this worker's counts."""

@@ -25,8 +25,8 @@ from loguru import logger
 
 from gateway.config import GatewaySettings, WatchdogSettings
 from gateway.control.swap import SwapError, SwapExecutor
+from gateway.core.backends import Backend, EngineBackend, RouterBackend
 from gateway.core.poison import fields_of as _fields
-from gateway.core.registry import Backend
 from gateway.core.state import GatewayState
 
 
@@ -68,11 +68,11 @@ class Watchdog:
                 await self.check_all(settings)
 
     async def check_all(self, settings: GatewaySettings) -> None:
-        owned = [(r.name, b) for r in self.registry.routes() for b in r.replicas if self.executor.owns(b.engine)]
+        owned = [(r.name, b) for r in self.registry.routes() for b in r.replicas if isinstance(b, EngineBackend) and self.executor.owns(b)]
         await asyncio.gather(*(self._check(name, backend, settings) for name, backend in owned))
         for route in self.registry.routes():  # SGLang's router in front of replicas: restarted when it died
             front = route.front
-            if front is not None and front.router is not None and not front.router.running and not self.restarting(route.name, -1):
+            if isinstance(front, RouterBackend) and not front.router.running and not self.restarting(route.name, -1):
                 logger.error("model {}: its router exited with code {}; restarting it", route.name, front.router.returncode)
                 self._restarting[(route.name, -1)] = asyncio.ensure_future(self._restart_router(route.name))
 
@@ -102,7 +102,7 @@ class Watchdog:
         """Restarts made for every replica of ``name``."""
         return sum(health.restarts for (model, _), health in self.health.items() if model == name)
 
-    async def _check(self, name: str, backend: Backend, settings: GatewaySettings) -> None:
+    async def _check(self, name: str, backend: EngineBackend, settings: GatewaySettings) -> None:
         key = (name, backend.replica)
         health = self.model(*key)
         if health.backend is not backend:
@@ -111,7 +111,6 @@ class Watchdog:
             health = self.health[key] = ModelHealth(backend=backend, restarts=restarts)
         if self.restarting(*key) or self.executor.lock(name).locked():
             return
-        assert backend.engine is not None
         reason = None
         if not backend.engine.running:
             reason = f"engine exited with code {backend.engine.returncode}"
@@ -158,10 +157,9 @@ class Watchdog:
         self._restarting[key] = asyncio.ensure_future(self._restart(name, backend, delay, health))
         await self.executor.sync_router(name)  # out of the router's list until it is back
 
-    async def _note_crash_suspects(self, name: str, backend: Backend) -> bool:
+    async def _note_crash_suspects(self, name: str, backend: EngineBackend) -> bool:
         """True when a request most likely crashed the engine: it died of an exception (its log says
         so) with requests in flight. Those requests go to the quarantine."""
-        assert backend.engine is not None
         await asyncio.sleep(0.2)  # let the proxy see the broken connections of requests still in flight
         if self.state.peers is not None:  # and the worker processes report theirs
             await self.state.peers.settle(2.0)
@@ -205,7 +203,7 @@ class Watchdog:
         probes = self.state.probes
         return True if probes is None else await probes.healthy(backend, timeout_s)
 
-    async def _restart(self, name: str, backend: Backend, delay: float, health: ModelHealth) -> None:
+    async def _restart(self, name: str, backend: EngineBackend, delay: float, health: ModelHealth) -> None:
         await asyncio.sleep(delay)
         async with self.executor.lock(name):
             route = self.registry.route(name)

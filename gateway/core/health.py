@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 import httpx
 
-from gateway.core.registry import Backend
+from gateway.core.backends import Backend
 
 
 class HealthProbes:

@@ -10,10 +10,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from gateway.config import GatewaySettings
+from gateway.core.backends import Backend
 from gateway.core.health import HealthProbes
 from gateway.core.metrics import Metrics
 from gateway.core.poison import Quarantine
-from gateway.core.registry import Backend, Registry
+from gateway.core.registry import Registry
 from gateway.core.responses_index import ResponseIndex
 
 if TYPE_CHECKING:  # the data plane's forwarder, set by the lifespan; core does not import the data plane

@@ -21,7 +21,8 @@ from typing import Any
 import orjson
 
 from gateway.config import BalancingSettings
-from gateway.core.registry import Backend, ModelRoute
+from gateway.core.backends import Backend
+from gateway.core.registry import ModelRoute
 
 # body fields that make up a request's shared prefix, by API: the leading part, then the conversation
 _LEADING = ("system", "instructions")

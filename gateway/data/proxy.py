@@ -22,12 +22,13 @@ from starlette.types import Receive
 from yarl import URL
 
 from gateway.config import BalancingSettings
+from gateway.core.backends import Backend
 from gateway.core.context import RequestInfo
 from gateway.core.endpoints import ProxiedRoute
 from gateway.core.errors import GatewayError, StreamKind, upstream_error
 from gateway.core.metrics import Metrics
 from gateway.core.poison import Quarantine, request_shape, token_id_problem
-from gateway.core.registry import Backend, ModelRoute
+from gateway.core.registry import ModelRoute
 from gateway.core.responses_index import ResponseIndex
 from gateway.data.balancer import pick
 from gateway.data.bounds import grammar_bytes

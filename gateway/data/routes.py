@@ -16,11 +16,12 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from gateway.core.backends import Backend
 from gateway.core.context import RequestInfo, request_info
 from gateway.core.endpoints import PROXIED, RESPONSE_BY_ID, RESPONSE_CANCEL, ModelChoice, ProxiedRoute
 from gateway.core.errors import Dialect, GatewayError, error_body, error_response, shaped_for
 from gateway.core.health import HealthProbes
-from gateway.core.registry import Backend, ModelRoute
+from gateway.core.registry import ModelRoute
 from gateway.core.responses_index import StoredResponse
 from gateway.core.schemas import check_extensions, parse_body
 from gateway.core.state import GatewayState

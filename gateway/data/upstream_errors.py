@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import aiohttp
 
+from gateway.core.backends import Backend
 from gateway.core.errors import GatewayError
-from gateway.core.registry import Backend
 from gateway.data.stream_pool import (
     UpstreamConnectTimeout,
     UpstreamPoolFull,

@@ -7,7 +7,8 @@ from types import SimpleNamespace
 import orjson
 
 from gateway.config import BalancingSettings
-from gateway.core.registry import Backend, ModelRoute
+from gateway.core.backends import Backend, RouterBackend, UrlBackend
+from gateway.core.registry import ModelRoute
 from gateway.data.balancer import pick, prefix_key
 
 LEAST = BalancingSettings()
@@ -15,7 +16,7 @@ AFFINITY = BalancingSettings(policy="prefix_affinity", prefix_chars=16, max_imba
 
 
 def _replicas(count: int) -> list[Backend]:
-    return [Backend("m", url=f"http://h:{8000 + i}", replica=i) for i in range(count)]
+    return [UrlBackend("m", f"http://h:{8000 + i}", replica=i) for i in range(count)]
 
 
 def _route(replicas: list[Backend], front: Backend | None = None) -> ModelRoute:
@@ -23,7 +24,7 @@ def _route(replicas: list[Backend], front: Backend | None = None) -> ModelRoute:
 
 
 def _router_front(running: bool = True) -> Backend:
-    return Backend("m", url="http://router:1", router=SimpleNamespace(running=running, returncode=None if running else 1))
+    return RouterBackend("m", SimpleNamespace(running=running, returncode=None if running else 1))
 
 
 def _chat(*contents: str) -> dict:

@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 
 from gateway.config import GatewaySettings, LimitSettings
+from gateway.core.backends import EngineBackend, RouterBackend, UrlBackend
 from gateway.core.limits import ConcurrencyLimiter
-from gateway.core.registry import Backend, ModelRoute, Registry, build_registry, url_backend, with_url_replicas
+from gateway.core.registry import ModelRoute, Registry, build_registry, url_backend, with_url_replicas
 from launch.config import parse_config
 
 
@@ -27,58 +28,60 @@ def _engine(**overrides: Any) -> Any:
 
 
 def _router(running: bool = True, returncode: int | None = None) -> Any:
-    return SimpleNamespace(running=running, returncode=returncode)
+    return SimpleNamespace(running=running, returncode=returncode, url="http://r:1")
 
 
-def _url(replica: int = 0, name: str = "m", **kwargs: Any) -> Backend:
-    return Backend(name, url=f"http://h:{9000 + replica}", replica=replica, **kwargs)
+def _url(replica: int = 0, name: str = "m", **kwargs: Any) -> UrlBackend:
+    return UrlBackend(name, f"http://h:{9000 + replica}", replica=replica, **kwargs)
 
 
-def test_a_backend_has_an_engine_or_a_url() -> None:
-    for wrong in ({}, {"engine": _engine(), "url": "http://h:1"}):
-        with pytest.raises(ValueError) as refused:
-            Backend("m", **wrong)
-        assert str(refused.value) == "a backend has either an engine or a url"
+def test_each_kind_of_backend_says_what_it_is() -> None:
+    engine, url, router = EngineBackend("m", _engine()), _url(), RouterBackend("m", _router())
+    assert [b.kind for b in (engine, url, router)] == ["engine", "url", "router"]
+    assert [b.managed for b in (engine, url, router)] == [True, False, False]
+    assert [b.is_router for b in (engine, url, router)] == [False, False, True]
+    assert router.url == "http://r:1" and router.describe() == "router at http://r:1"
+    assert RouterBackend("m", _router(), api_key="k").upstream_headers() == {"authorization": "Bearer k"}
+    assert RouterBackend("m", _router()).upstream_headers() == {}
 
 
 def test_a_new_backend_is_idle_and_healthy() -> None:
     backend = _url(replica=3)
-    assert backend.served_name == "m" and backend.replica == 3 and backend.router is None
+    assert backend.served_name == "m" and backend.replica == 3
     assert backend.in_flight == 0 and backend.failure is None and backend.retry_after_s is None
     assert backend.last_health is None and backend.context_length is None
     assert len(backend.lost) == 0 and backend.lost.maxlen == 64 and backend.active == set()
     assert backend.created_at > 0
-    assert Backend("m", url="http://h:1").replica == 0
+    assert UrlBackend("m", "http://h:1").replica == 0
 
 
 def test_url_backends_send_their_configured_key() -> None:
     assert _url(api_key="sk-up").upstream_headers() == {"authorization": "Bearer sk-up"}
     assert _url().upstream_headers() == {}
     assert _url(api_key="").upstream_headers() == {}
-    managed = Backend("m", engine=_engine(), api_key="ignored")
+    managed = EngineBackend("m", _engine())
     assert managed.upstream_headers() == {"authorization": "Bearer engine-key"}  # a managed engine's own random key
 
 
 def test_url_managed_and_what_is_written_at_once() -> None:
     engine = _engine()
-    managed = Backend("m", engine=engine)
+    managed = EngineBackend("m", engine)
     assert managed.managed and managed.url == engine.url and managed.sends_at_once
     engine.url = "http://127.0.0.1:30001"  # learned when the engine starts: read at request time
     assert managed.url == "http://127.0.0.1:30001"
     external = _url()
     assert not external.managed and external.url == "http://h:9000" and not external.sends_at_once
-    fronted = Backend("m", engine=_engine(), router=_router())
-    assert not fronted.sends_at_once  # SGLang's router may wait for ACKs: not an engine of ours
+    assert not RouterBackend("m", _router()).sends_at_once  # SGLang's router may wait for ACKs: not an engine of ours
 
 
 def test_identity_names_url_upstreams_by_url_and_ours_by_a_token() -> None:
     assert _url().identity == "url:http://h:9000"
     assert _url().identity == _url().identity  # an external engine outlives the gateway: same name each time
-    a, b = Backend("m", engine=_engine()), Backend("m", engine=_engine())
+    a, b = EngineBackend("m", _engine()), EngineBackend("m", _engine())
     assert a.identity.startswith("engine:") and a.identity != b.identity and a.identity == a.identity
     assert len(a.identity.removeprefix("engine:")) == 16
-    router = Backend("m", url="http://r:1", router=_router())
-    assert router.identity.startswith("router:") and router.identity != Backend("m", url="http://r:1", router=_router()).identity
+    router = RouterBackend("m", _router())
+    assert router.identity.startswith("router:") and router.identity != RouterBackend("m", _router()).identity
 
 
 def test_vocab_size_of_a_url_model_is_configured(tmp_path: Path) -> None:
@@ -88,7 +91,7 @@ def test_vocab_size_of_a_url_model_is_configured(tmp_path: Path) -> None:
 
 def test_vocab_size_of_a_managed_engine_is_read_once_found(tmp_path: Path) -> None:
     engine = _engine(config=SimpleNamespace(model_path=str(tmp_path)))
-    backend = Backend("m", engine=engine)
+    backend = EngineBackend("m", engine)
     assert backend.vocab_size is None  # not downloaded yet: unknown, asked again later
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 151}))
     assert backend.vocab_size == 151
@@ -101,17 +104,15 @@ def test_why_a_backend_cannot_take_requests() -> None:
     failed = _url()
     failed.failure = "draining for a swap"
     assert failed.unavailable_reason() == "draining for a swap"
-    assert Backend("m", engine=_engine()).unavailable_reason() is None
-    assert Backend("m", engine=_engine(running=False, returncode=-9)).unavailable_reason() == "engine is not running (exit code -9)"
-    assert Backend("m", engine=_engine(running=False)).unavailable_reason() == "engine is not running"
-    assert Backend("m", engine=_engine(running=False, returncode=0)).unavailable_reason() == "engine is not running (exit code 0)"
-    assert Backend("m", engine=_engine(ready=False, phase="loading")).unavailable_reason() == "engine is not ready (loading)"
-    stopped = Backend("m", url="http://r:1", router=_router(running=False, returncode=3))
+    assert EngineBackend("m", _engine()).unavailable_reason() is None
+    assert EngineBackend("m", _engine(running=False, returncode=-9)).unavailable_reason() == "engine is not running (exit code -9)"
+    assert EngineBackend("m", _engine(running=False)).unavailable_reason() == "engine is not running"
+    assert EngineBackend("m", _engine(running=False, returncode=0)).unavailable_reason() == "engine is not running (exit code 0)"
+    assert EngineBackend("m", _engine(ready=False, phase="loading")).unavailable_reason() == "engine is not ready (loading)"
+    stopped = RouterBackend("m", _router(running=False, returncode=3))
     assert stopped.unavailable_reason() == "its router is not running (exit code 3)"
-    assert Backend("m", url="http://r:1", router=_router()).unavailable_reason() is None
-    both = Backend("m", engine=_engine(running=False), router=_router(running=False, returncode=1))
-    assert both.unavailable_reason() == "its router is not running (exit code 1)"
-    failed_router = Backend("m", url="http://r:1", router=_router(running=False))
+    assert RouterBackend("m", _router()).unavailable_reason() is None
+    failed_router = RouterBackend("m", _router(running=False))
     failed_router.failure = "unhealthy"
     assert failed_router.unavailable_reason() == "unhealthy"  # the failure first
 
@@ -119,8 +120,8 @@ def test_why_a_backend_cannot_take_requests() -> None:
 def test_describe() -> None:
     assert _url().describe() == "external http://h:9000"
     assert _url(replica=2).describe() == "external http://h:9002 (replica 2)"
-    assert Backend("m", engine=_engine(), replica=1).describe() == "engine tiny-0 at http://127.0.0.1:30000 (replica 1)"
-    assert Backend("m", engine=_engine()).describe() == "engine tiny-0 at http://127.0.0.1:30000"
+    assert EngineBackend("m", _engine(), replica=1).describe() == "engine tiny-0 at http://127.0.0.1:30000 (replica 1)"
+    assert EngineBackend("m", _engine()).describe() == "engine tiny-0 at http://127.0.0.1:30000"
 
 
 def test_a_route_of_one_backend_or_several() -> None:
@@ -138,7 +139,7 @@ def test_in_flight_counts_replicas_and_the_router() -> None:
     a.in_flight, b.in_flight = 2, 3
     route = ModelRoute("m", (a, b))
     assert route.in_flight == 5
-    front = Backend("m", url="http://r:1", router=_router())
+    front = RouterBackend("m", _router())
     front.in_flight = 4
     assert ModelRoute("m", (a, b), front=front).in_flight == 9
 
@@ -151,7 +152,7 @@ def test_available_replicas() -> None:
 
 def test_backend_named_finds_replicas_and_the_router() -> None:
     a, b = _url(0), _url(1)
-    front = Backend("m", url="http://r:1", router=_router())
+    front = RouterBackend("m", _router())
     route = ModelRoute("m", (a, b), front=front)
     assert route.backend_named(b.identity) is b
     assert route.backend_named(front.identity) is front

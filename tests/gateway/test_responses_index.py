@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from gateway.config import default_state_dir, gateway_settings
-from gateway.core.registry import Backend, ModelRoute
+from gateway.core.backends import EngineBackend, UrlBackend
+from gateway.core.registry import ModelRoute
 from gateway.core.responses_index import FILE_NAME, ResponseIndex, open_response_index
 from gateway.edge.auth import OPEN_OWNER, OWNER_SCOPE_KEY, AuthMiddleware, KeyHolder, key_owner, key_policy
 from launch.config import EngineConfig, parse_config
@@ -117,10 +118,10 @@ def test_the_default_state_dir_is_one_per_deployment_file(tmp_path: Path, monkey
 
 
 def test_url_backends_are_named_by_url_and_managed_ones_by_instance(tiny_engine_config: EngineConfig) -> None:
-    one, same = Backend("m", url="http://127.0.0.1:9"), Backend("m", url="http://127.0.0.1:9", api_key="k")
+    one, same = UrlBackend("m", "http://127.0.0.1:9"), UrlBackend("m", "http://127.0.0.1:9", api_key="k")
     assert one.identity == same.identity == "url:http://127.0.0.1:9"  # a restarted gateway finds its external engine
     engine = EngineProcess("m", tiny_engine_config)  # never started
-    managed, restarted = Backend("m", engine=engine), Backend("m", engine=engine)
+    managed, restarted = EngineBackend("m", engine), EngineBackend("m", engine)
     assert managed.identity != restarted.identity and "127.0.0.1" not in managed.identity
     route = ModelRoute("m", (one,))
     assert route.backend_named(same.identity) is one and route.backend_named(managed.identity) is None

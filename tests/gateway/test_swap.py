@@ -47,7 +47,7 @@ import pytest
 import yaml
 
 from gateway.app import app_from_config
-from gateway.core.registry import Backend
+from gateway.core.backends import EngineBackend
 from launch.config import load_config
 from launch.process import EngineProcess
 from launch.procgroup import group_pids
@@ -380,7 +380,7 @@ def test_a_engine_change_swaps_blue_green_without_failed_requests(rig: SwapRig) 
 def test_h_request_that_crashed_the_engine_is_refused_afterwards(rig: SwapRig, monkeypatch: pytest.MonkeyPatch) -> None:
     # As for a hub model not in the local cache: the gateway does not know the vocabulary, so an id just
     # past it reaches the engine and crashes its scheduler. Only the quarantine is left to stop a retry.
-    monkeypatch.setattr(Backend, "vocab_size", property(lambda self: None))
+    monkeypatch.setattr(EngineBackend, "vocab_size", property(lambda self: None))
     before = rig.model()
     pid, restarts = before["engine"]["pid"], before["restarts"]
     poison = {"model": "tiny", "prompt": [512], "max_tokens": 2}  # the tiny model's vocabulary is 512 tokens

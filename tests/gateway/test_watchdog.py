@@ -18,10 +18,11 @@ from loguru import logger
 from gateway.config import GatewaySettings, WatchdogSettings
 from gateway.control.swap import SwapExecutor
 from gateway.control.watchdog import Watchdog, backoff_delay
+from gateway.core.backends import EngineBackend
 from gateway.core.errors import GatewayError
 from gateway.core.metrics import Metrics
 from gateway.core.poison import Quarantine, fields_of, payload_shape, request_shape
-from gateway.core.registry import Backend, ModelRoute, Registry
+from gateway.core.registry import ModelRoute, Registry
 from gateway.core.state import GatewayState
 from launch.config import EngineConfig
 from launch.process import EngineProcess, crash_cause
@@ -36,7 +37,7 @@ def test_backoff_doubles_and_is_capped() -> None:
 def test_dead_engine_is_restarted_with_backoff_then_given_up(tmp_path: Path) -> None:
     config = EngineConfig(model_path=str(tmp_path), device="cpu", python="/bin/false")
     engine = EngineProcess("m", config, log_dir=tmp_path)  # never started: not running, like a dead engine
-    backend = Backend("m", engine=engine)
+    backend = EngineBackend("m", engine)
     registry = Registry([ModelRoute("m", backend)])
     metrics = Metrics(registry)
     settings = GatewaySettings(watchdog=WatchdogSettings(interval_s=0.01, backoff_initial_s=0.05, backoff_max_s=0.2, max_restarts=3))
@@ -66,13 +67,13 @@ def test_dead_engine_is_restarted_with_backoff_then_given_up(tmp_path: Path) -> 
     sample = metrics.registry.get_sample_value
     assert sample("gateway_engine_restarts_total", {"model": "m"}) == 3
     assert sample("gateway_engine_restart_failures_total", {"model": "m"}) == 3
-    asyncio.run(executor.close())
+    asyncio.run(executor.fleet.close())
 
 
 @pytest.mark.parametrize("max_restarts", [0])
 def test_no_restart_when_max_restarts_is_zero(tmp_path: Path, max_restarts: int) -> None:
     engine = EngineProcess("m", EngineConfig(model_path=str(tmp_path), device="cpu", python="/bin/false"), log_dir=tmp_path)
-    backend = Backend("m", engine=engine)
+    backend = EngineBackend("m", engine)
     registry = Registry([ModelRoute("m", backend)])
     settings = GatewaySettings(watchdog=WatchdogSettings(max_restarts=max_restarts))
     state = GatewayState(settings, registry, Metrics(registry))
@@ -84,7 +85,7 @@ def test_no_restart_when_max_restarts_is_zero(tmp_path: Path, max_restarts: int)
 def test_by_default_the_watchdog_never_gives_up(tmp_path: Path) -> None:
     """A model must never stay down for good: without max_restarts the attempts go on, at the capped backoff."""
     engine = EngineProcess("m", EngineConfig(model_path=str(tmp_path), device="cpu", python="/bin/false"), log_dir=tmp_path)
-    backend = Backend("m", engine=engine)
+    backend = EngineBackend("m", engine)
     registry = Registry([ModelRoute("m", backend)])
     settings = GatewaySettings(watchdog=WatchdogSettings(interval_s=0.01, backoff_initial_s=0.01, backoff_max_s=0.02))
     assert settings.watchdog.max_restarts is None
@@ -102,7 +103,7 @@ def test_by_default_the_watchdog_never_gives_up(tmp_path: Path) -> None:
 
     asyncio.run(scenario())
     assert not watchdog.model("m").gave_up and "restarting (attempt" in (backend.failure or "")
-    asyncio.run(executor.close())
+    asyncio.run(executor.fleet.close())
 
 
 def test_quarantine_refuses_the_sole_suspect_at_once_and_others_after_two_crashes() -> None:
@@ -209,7 +210,7 @@ def test_crash_cause_is_the_first_traceback_not_the_shutdown_error() -> None:
 def test_the_watchdog_log_names_the_crash_not_the_shutdown_error(tmp_path: Path) -> None:
     engine = EngineProcess("m", EngineConfig(model_path=str(tmp_path), device="cpu", python="/bin/false"), log_dir=tmp_path)
     engine._tail.extend(CRASH_LOG)  # what its log reader collected before the process ended
-    backend = Backend("m", engine=engine)
+    backend = EngineBackend("m", engine)
     registry = Registry([ModelRoute("m", backend)])
     settings = GatewaySettings(watchdog=WatchdogSettings(max_restarts=0))
     state = GatewayState(settings, registry, Metrics(registry))
@@ -228,7 +229,7 @@ def test_a_reload_during_the_watchdogs_sleep_applies_to_its_next_check(tmp_path:
     false``, another ``max_restarts``) must govern the check that follows, not the one after it."""
     config = EngineConfig(model_path=str(tmp_path), device="cpu", python="/bin/false")
     engine = EngineProcess("m", config, log_dir=tmp_path)
-    registry = Registry([ModelRoute("m", Backend("m", engine=engine))])
+    registry = Registry([ModelRoute("m", EngineBackend("m", engine))])
     state = GatewayState(GatewaySettings(watchdog=WatchdogSettings(interval_s=0.3)), registry, Metrics(registry))
     watchdog = Watchdog(state, SwapExecutor(state, owned=[engine], log_dir=tmp_path))
     seen: list[GatewaySettings] = []

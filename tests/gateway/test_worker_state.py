@@ -9,18 +9,19 @@ import pytest
 
 from gateway.config import GatewaySettings, LimitSettings, auto_workers
 from gateway.control.snapshot import RemoteBackend, apply_state, capture_state
+from gateway.core.backends import UrlBackend
 from gateway.core.errors import GatewayError
 from gateway.core.limits import ConcurrencyLimiter
 from gateway.core.poison import Quarantine
-from gateway.core.registry import Backend, ModelRoute, Registry
+from gateway.core.registry import ModelRoute, Registry
 from gateway.edge.auth import KeyPolicy
 
 KEYS = KeyPolicy(client=(b"k1",))
 
 
 def control_registry() -> Registry:
-    a0, a1 = Backend("a", url="http://127.0.0.1:1", api_key="up-key"), Backend("a", url="http://127.0.0.1:2", replica=1)
-    return Registry([ModelRoute("a", (a0, a1), ("alias-a",)), ModelRoute("b", Backend("served-b", url="http://127.0.0.1:3"))])
+    a0, a1 = UrlBackend("a", "http://127.0.0.1:1", api_key="up-key"), UrlBackend("a", "http://127.0.0.1:2", replica=1)
+    return Registry([ModelRoute("a", (a0, a1), ("alias-a",)), ModelRoute("b", UrlBackend("served-b", "http://127.0.0.1:3"))])
 
 
 @pytest.mark.parametrize(("cpus", "workers"), [(1, 1), (2, 1), (3, 1), (4, 1), (8, 2), (16, 4), (32, 8), (48, 8), (192, 8)])

@@ -1,0 +1,232 @@
+"""Make a deployment the one in force: names and limits at once, then engines started, swapped or retired.
+
+Boot and reload are one path: a boot applies the deployment to an empty registry, a reload applies the
+re-read file to the current one, both planned by :func:`gateway.control.reload.plan_reload`. Models whose
+backend changes are swapped concurrently, each under its own lock (a model with several replicas one
+replica at a time by default); removed models stop taking requests at once and are drained. A model whose
+new engine fails keeps its old one, and the effective deployment remembers the old engine, so the next
+reload retries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import replace
+from functools import partial
+from typing import Any
+
+from loguru import logger
+
+from gateway.config import GatewaySettings, SwapPolicy
+from gateway.control.reload import Action, ModelChange, ReloadPlan
+from gateway.control.swap import BackendFactory, SwapError, SwapExecutor, SwapResult, describe_backend
+from gateway.core.backends import Backend, EngineBackend, RouterBackend
+from gateway.core.limits import ConcurrencyLimiter
+from gateway.core.registry import ModelRoute, url_backend
+from gateway.core.state import GatewayState
+from launch.config import ConfigError, DeploymentConfig, ModelEntry
+from launch.preflight import visible_gpu_count
+from launch.process import new_engine_key
+from launch.replicas import replica_engines, visible_gpu_ids
+
+Spawn = Callable[[Coroutine[Any, Any, Any]], "asyncio.Task[Any]"]
+
+
+class DeploymentApplier:
+    """Applies planned deployment changes to the registry and the engines; holds the deployment in force."""
+
+    def __init__(
+        self, state: GatewayState, executor: SwapExecutor, spawn: Spawn, deployment: DeploymentConfig | None
+    ) -> None:
+        self.state = state
+        self.registry = state.registry
+        self.executor = executor
+        self.deployment = deployment  # in force: what the last apply achieved (failed models keep their old source)
+        self._spawn = spawn  # the controller's: a client hanging up cannot cut an apply in half
+        self._keys: dict[str, str] = {}  # one engine key per model (see model_key)
+
+    async def apply(
+        self, new: DeploymentConfig, settings: GatewaySettings, plan: ReloadPlan, *, fail_fast: bool = False
+    ) -> dict[str, SwapResult]:
+        """Make ``new`` the deployment in force; the result of every model whose backend was started or swapped.
+        ``fail_fast`` (a boot): the first failed start makes the others give up."""
+        self.state.settings = settings
+        removed = self._apply_routes(new, settings)
+        work = [self._spawn(self._apply_backend(change, settings)) for change in plan.changes if _needs_backend(change)]
+        work += [
+            self._spawn(self._retire(name, backend))
+            for name, route in removed
+            for backend in (*route.replicas, *([route.front] if route.front is not None else []))
+        ]
+        if fail_fast:
+            for finished in asyncio.as_completed(work):
+                outcome = await finished
+                if isinstance(outcome, SwapResult) and not outcome.ok:
+                    self.executor.fleet.abort_starts()
+        outcomes = await asyncio.gather(*work)
+        results = {result.model: result for result in outcomes if isinstance(result, SwapResult)}
+        self.deployment = _effective(new, plan, results)
+        return results
+
+    def _apply_routes(self, new: DeploymentConfig, settings: GatewaySettings) -> list[tuple[str, ModelRoute]]:
+        """Install the new names, aliases and limits at once (backends unchanged); drop removed models."""
+        current = {route.name: route for route in self.registry.routes()}
+        routes = []
+        for name, entry in new.models.items():
+            limits = settings.limits_for(name)
+            route = current.get(name)
+            if route is None:
+                if entry.engine is None:  # an added url model is ready at once
+                    routes.append(
+                        ModelRoute(name, url_backend(name, entry), tuple(entry.aliases), ConcurrencyLimiter(limits))
+                    )
+                continue  # an added engine joins when ready
+            limiter = route.limiter if route.limiter.settings == limits else ConcurrencyLimiter(limits)
+            routes.append(replace(route, aliases=tuple(entry.aliases), limiter=limiter))
+        self.registry.replace(routes)
+        return [(name, route) for name, route in current.items() if name not in new.models]
+
+    async def _apply_backend(self, change: ModelChange, settings: GatewaySettings) -> SwapResult:
+        name, entry = change.name, change.new
+        assert entry is not None
+        async with self.executor.lock(name):
+            try:
+                builds = self._builds(name, entry)
+            except ConfigError as error:
+                return SwapResult(name, change.swap_policy, error=str(error))
+            if self.registry.route(name) is None:  # added (or its earlier addition failed)
+                result = await self._add(name, entry, builds, change.swap_policy, settings)
+            elif change.details == ("router",):  # only the router in front changed: the engines stay
+                result = SwapResult(name, change.swap_policy, ok=True, replicas=len(builds))
+            else:
+                port = entry.engine.port if entry.engine is not None else 0
+                policy = resolve_policy(change.swap_policy, entry.replicas)
+                result = await self.executor.swap(name, builds, policy, fixed_port=port)
+            if result.ok:
+                try:
+                    await self._ensure_router(name, entry)
+                except SwapError as error:
+                    result.ok, result.error, result.log_tail, result.cause = (
+                        False,
+                        error.message,
+                        error.log_tail,
+                        error.cause,
+                    )
+            return result
+
+    async def _add(
+        self, name: str, entry: ModelEntry, builds: list[BackendFactory], policy: SwapPolicy, settings: GatewaySettings
+    ) -> SwapResult:
+        result = SwapResult(name, policy, replicas=len(builds))
+        started = time.monotonic()
+        try:
+            replicas = await self.executor.build_all(name, builds)
+        except SwapError as error:
+            result.error, result.log_tail, result.cause = error.message, error.log_tail, error.cause
+            return result
+        limiter = ConcurrencyLimiter(settings.limits_for(name))
+        self.registry.put(ModelRoute(name, tuple(replicas), tuple(entry.aliases), limiter))
+        result.ok, result.new, result.start_s = True, describe_backend(replicas[0]), time.monotonic() - started
+        logger.info("model {}: added, served by {}", name, ", ".join(backend.describe() for backend in replicas))
+        return result
+
+    async def _ensure_router(self, name: str, entry: ModelEntry) -> None:
+        """Start, restart (its config changed) or stop SGLang's router in front of ``name``'s replicas."""
+        route = self.registry.route(name)
+        if route is None:
+            return
+        front = route.front
+        wanted = entry.router
+        if isinstance(front, RouterBackend) and wanted == front.router.config and front.router.running:
+            await self.executor.sync_router(name)
+            return
+        first = route.backend
+        if wanted is not None and entry.engine is not None and isinstance(first, EngineBackend):
+            tokenizer = entry.engine.tokenizer_path or first.engine.config.model_path
+            new_front = await self.executor.router_front(name, wanted, self.model_key(name), tokenizer)
+            current = self.registry.route(name)
+            if current is not None:
+                self.registry.put(replace(current, front=new_front))
+        elif front is not None:
+            current = self.registry.route(name)
+            if current is not None:
+                self.registry.put(replace(current, front=None))
+        await self.executor.fleet.stop_router(front)
+
+    def model_key(self, name: str) -> str:
+        """The one API key of all engines of a model, kept across swaps and restarts: SGLang's router, which may be
+        put in front of running replicas later, holds one key for all of its workers."""
+        return self._keys.setdefault(name, new_engine_key())
+
+    def engine_builds(self, name: str, replicas: tuple[Backend, ...]) -> list[BackendFactory]:
+        """One maker per replica of a running model, each a fresh engine of that replica's config (a swap)."""
+        key = self.model_key(name)
+        start = self.executor.fleet.start_engine
+        return [
+            partial(start, name, backend.engine.config, replica=backend.replica, api_key=key)
+            for backend in replicas if isinstance(backend, EngineBackend)
+        ]  # fmt: skip
+
+    def _builds(self, name: str, entry: ModelEntry) -> list[BackendFactory]:
+        """One backend maker per replica of ``entry`` (ConfigError when its replicas do not fit the GPUs)."""
+        if entry.engine is None:
+
+            async def url() -> Backend:
+                return url_backend(name, entry)
+
+            return [url]
+        configs = replica_engines(entry, visible_gpu_ids(visible_gpu_count()))
+        key = self.model_key(name)
+        start = self.executor.fleet.start_engine
+        return [partial(start, name, config, replica=index, api_key=key) for index, config in enumerate(configs)]
+
+    async def _retire(self, name: str, backend: Backend) -> None:  # a removed model's replica (or router)
+        if isinstance(backend, RouterBackend):
+            await self.executor.fleet.stop_router(backend)
+            return
+        logger.info("model {}: removed; draining {}", name, backend.describe())
+        await self.executor.drainer.retire(name, backend)
+
+
+def resolve_policy(policy: SwapPolicy, replicas: int) -> SwapPolicy:
+    """``auto``: blue-green for one engine, one replica at a time (rolling) for several."""
+    if policy == "auto":
+        return "rolling" if replicas > 1 else "blue-green"
+    return policy
+
+
+def _needs_backend(change: ModelChange) -> bool:
+    return change.action is Action.ENGINE_CHANGED or (change.action is Action.ADDED and change.needs_engine_start)
+
+
+def _effective(new: DeploymentConfig, plan: ReloadPlan, results: dict[str, SwapResult]) -> DeploymentConfig:
+    """The config actually in force: ``new``, except that failed models keep their old backend source."""
+    models = dict(new.models)
+    for change in plan.changes:
+        result = results.get(change.name)
+        if result is None or result.ok:
+            continue
+        if change.old is None:
+            models.pop(change.name, None)
+        else:
+            assert change.new is not None
+            old = change.old
+            models[change.name] = ModelEntry.model_construct(
+                engine=old.engine,
+                url=old.url,
+                served_model_name=old.served_model_name,
+                api_key=old.api_key,
+                vocab_size=old.vocab_size,
+                aliases=list(change.new.aliases),
+                replicas=old.replicas,
+                replica_gpus=old.replica_gpus,
+                router=old.router,
+            )
+    return new.model_copy(update={"models": models})
+
+
+def empty_deployment(deployment: DeploymentConfig) -> DeploymentConfig:
+    """What a gateway serves before its boot: nothing (the boot is a reload from this)."""
+    return DeploymentConfig.model_construct(models={}, gateway=deployment.gateway, source=deployment.source)

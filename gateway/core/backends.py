@@ -1,0 +1,197 @@
+"""Where requests go: one class per kind of upstream, sharing what every upstream counts.
+
+A :class:`Backend` counts its own in-flight requests (so that a swap can drain it before stopping it), keeps
+the shapes of requests lost with it (the watchdog's crash suspects) and carries the failure that takes it out
+of rotation. What differs by kind is how it is reached and why it may be down:
+
+- :class:`EngineBackend`: an SGLang engine the gateway launched (its :class:`~launch.process.EngineProcess`);
+- :class:`UrlBackend`: an engine someone else runs, at a configured URL with an optional key;
+- :class:`RouterBackend`: SGLang's router the gateway runs in front of a model's replicas;
+- :class:`~gateway.control.snapshot.RemoteBackend`: any of these as a worker process sees it.
+"""
+
+from __future__ import annotations
+
+import collections
+import secrets
+import time
+from typing import Any, ClassVar
+
+from launch.model_info import vocab_size as model_vocab_size
+from launch.process import EngineProcess
+from launch.router import RouterProcess
+
+
+class Backend:
+    """What every upstream has: the name it serves the model under, its replica number and its counts."""
+
+    kind: ClassVar[str] = "backend"  # "engine", "url" or "router": what /admin lists
+
+    def __init__(self, served_name: str, *, replica: int = 0, vocab_size: int | None = None) -> None:
+        self.served_name = served_name
+        self.replica = replica  # its place among the model's replicas (kept across restarts and swaps)
+        self.in_flight = 0
+        self.context_length: int | None = None
+        self.last_health: bool | None = None  # result of the latest /health probe (external backends)
+        # Set while this backend must not take requests although its process may run: being
+        # drained by a stop-first swap, or found dead/unhealthy by the watchdog.
+        self.failure: str | None = None
+        self.retry_after_s: int | None = None  # Retry-After for 503s caused by ``failure``
+        self.created_at = time.time()
+        self._vocab_size = vocab_size
+        # Shapes of requests whose upstream connection broke (the engine died under them, most
+        # likely): the watchdog turns them into suspects when it finds the engine dead.
+        self.lost: collections.deque[str] = collections.deque(maxlen=64)
+        # The requests upstream now (their leases): the suspects if the engine freezes.
+        self.active: set[Any] = set()
+        self._token = secrets.token_hex(8)
+
+    @property
+    def url(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def identity(self) -> str:
+        """Which upstream this is, as the persistent response index records it (see :mod:`gateway.core.responses_index`).
+
+        An engine or router the gateway runs is named by a random token of this object: a restarted or
+        replaced one has lost its memory (and may come back on the same port), so what it stored is gone.
+        An external engine is named by its URL (:class:`UrlBackend`).
+        """
+        return f"{self.kind}:{self._token}"
+
+    @property
+    def managed(self) -> bool:
+        """True for an engine process the gateway launched (and so may restart, swap and stop)."""
+        return False
+
+    @property
+    def is_router(self) -> bool:
+        """True for SGLang's router in front of a model's replicas (it answers for workers the gateway cannot see)."""
+        return False
+
+    @property
+    def sends_at_once(self) -> bool:
+        """True when the upstream sets ``TCP_NODELAY`` (its small writes never wait for the gateway's ACK)."""
+        return False
+
+    @property
+    def vocab_size(self) -> int | None:
+        """The model's vocabulary size (token ids must be below it), when known."""
+        return self._vocab_size
+
+    def upstream_headers(self) -> dict[str, str]:
+        """Headers every upstream call of this backend carries (the upstream's API key, if any)."""
+        return {}
+
+    def unavailable_reason(self) -> str | None:
+        """Why requests cannot go upstream now (a failure set on it, or its process down), else None."""
+        return self.failure if self.failure is not None else self._process_problem()
+
+    def _process_problem(self) -> str | None:
+        return None
+
+    def describe(self) -> str:
+        where = self._where()
+        return f"{where} (replica {self.replica})" if self.replica else where
+
+    def _where(self) -> str:
+        return f"{self.kind} at {self.url}"
+
+
+class EngineBackend(Backend):
+    """An SGLang engine the gateway launched: reached at the port it learned when it started, with its own key."""
+
+    kind = "engine"
+
+    def __init__(self, served_name: str, engine: EngineProcess, *, replica: int = 0) -> None:
+        super().__init__(served_name, replica=replica)
+        self.engine = engine
+
+    @property
+    def url(self) -> str:
+        return self.engine.url  # read at request time: a managed engine learns its port when it starts
+
+    @property
+    def managed(self) -> bool:
+        return True
+
+    @property
+    def sends_at_once(self) -> bool:
+        return True  # SGLang's server sets TCP_NODELAY
+
+    @property
+    def vocab_size(self) -> int | None:
+        """Read from the model's files once found (a hub model's ``config.json`` is in the local cache only
+        after the engine downloaded it)."""
+        if self._vocab_size is None:
+            self._vocab_size = model_vocab_size(self.engine.config.model_path)
+        return self._vocab_size
+
+    def upstream_headers(self) -> dict[str, str]:
+        return self.engine.auth_headers()  # the engine's own random key (see EngineProcess.api_key)
+
+    def _process_problem(self) -> str | None:
+        if not self.engine.running:
+            code = self.engine.returncode
+            return "engine is not running" + (f" (exit code {code})" if code is not None else "")
+        if not self.engine.ready:
+            return f"engine is not ready ({self.engine.phase})"
+        return None
+
+    def _where(self) -> str:
+        return f"engine {self.engine.name} at {self.url}"
+
+
+class UrlBackend(Backend):
+    """An engine someone else runs (a ``url:`` model, or a replica of a served MLflow model)."""
+
+    kind = "url"
+
+    def __init__(
+        self, served_name: str, url: str, *, api_key: str | None = None, vocab_size: int | None = None, replica: int = 0
+    ) -> None:
+        super().__init__(served_name, replica=replica, vocab_size=vocab_size)
+        self._url = url
+        self.api_key = api_key  # sent upstream as a bearer token; never logged or listed
+
+    @property
+    def url(self) -> str:
+        return self._url
+
+    @property
+    def identity(self) -> str:
+        return f"url:{self._url}"  # it outlives the gateway, and so do the responses it stores
+
+    def upstream_headers(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def _where(self) -> str:
+        return f"external {self.url}"
+
+
+class RouterBackend(Backend):
+    """SGLang's router the gateway runs in front of a model's replicas (it may wait for ACKs: not TCP_NODELAY)."""
+
+    kind = "router"
+
+    def __init__(self, served_name: str, router: RouterProcess, *, api_key: str | None = None) -> None:
+        super().__init__(served_name)
+        self.router = router
+        self.api_key = api_key
+
+    @property
+    def url(self) -> str:
+        return self.router.url
+
+    @property
+    def is_router(self) -> bool:
+        return True
+
+    def upstream_headers(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def _process_problem(self) -> str | None:
+        if not self.router.running:
+            return f"its router is not running (exit code {self.router.returncode})"
+        return None
