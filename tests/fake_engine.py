@@ -17,7 +17,8 @@ What it does, SGLang's way (what the gateway relies on, nothing more):
   per piece every ``FAKE_ENGINE_TOKEN_S``, finish chunk, ``data: [DONE]``) or not; ``model`` is the served name;
 - ``POST /v1/responses`` (not streamed) and ``GET /v1/responses/{id}``: responses stored in memory;
 - a chat message whose content is :data:`CRASH`: it logs a traceback and exits 70 while the request is in
-  flight, as an engine a request crashes does;
+  flight, as an engine a request crashes does; one whose content is :data:`FREEZE`: it blocks its event loop
+  (nothing answers, ``/health`` included, until it is killed), as an engine stuck on a request does;
 - a ``--model-path`` whose ``config.json`` is not valid JSON: it logs a traceback and exits 1 after a moment,
   as SGLang does for a broken model directory.
 
@@ -41,6 +42,7 @@ from typing import Any
 
 TOKEN = "tok "
 CRASH = "FAKE_ENGINE_CRASH"  # a chat message with this content makes the fake die under the request (a poison request)
+FREEZE = "FAKE_ENGINE_FREEZE"  # ... makes it freeze under the request: its event loop blocked, /health unanswered
 TOKEN_S = float(os.environ.get("FAKE_ENGINE_TOKEN_S", "0.01"))  # time per generated piece
 START_S = float(os.environ.get("FAKE_ENGINE_START_S", "0"))  # how long it takes to listen
 HERE = Path(__file__).resolve()
@@ -122,6 +124,8 @@ def build_app(model: str, api_key: str | None, context_length: int) -> Any:
             except IndexError:  # logged as SGLang's scheduler logs a crash (the gateway reads the marker and the exception)
                 print(f"Scheduler hit an exception: {traceback.format_exc()}", file=sys.stderr, flush=True)
             os._exit(70)
+        if any(message.get("content") == FREEZE for message in body.get("messages", ())):
+            time.sleep(3600)  # blocks the event loop: a frozen engine (SIGTERM's handler never gets to run either)
         tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
         created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
         usage = {"prompt_tokens": 5, "completion_tokens": tokens, "total_tokens": 5 + tokens}

@@ -135,7 +135,7 @@ class Watchdog:
             if backend.engine.running and cause is not None:
                 await self.executor.end_crashed(backend)  # unhealthy because it crashed: end it now
             if backend.engine.running:
-                self._note_freeze_suspects(name, backend, reason)
+                await self._note_freeze_suspects(name, backend, reason)
             elif await self._note_crash_suspects(name, backend):
                 health.attempts = 0  # a request crashed a working engine: restart at once, no backoff
         if health.gave_up:
@@ -178,11 +178,14 @@ class Watchdog:
         self._log_gaps(name, refused, f"crashed ({cause})")
         return True
 
-    def _note_freeze_suspects(self, name: str, backend: Backend, reason: str) -> None:
+    async def _note_freeze_suspects(self, name: str, backend: Backend, reason: str) -> None:
         """An engine that stopped answering /health while running froze on something (a pattern that
         backtracks forever, a fan-out it cannot get through): every request upstream on it is a suspect,
-        streams that already produced tokens included (a freeze can come at any decode step)."""
+        streams that already produced tokens included (a freeze can come at any decode step), in this
+        process and in the worker processes."""
         suspects = [shape for lease in list(backend.active) if (shape := lease.suspect()) is not None]
+        if self.state.peers is not None:
+            suspects += await self.state.peers.upstream_shapes(name, backend.identity, 2.0)
         if not suspects:
             return
         refused = self.quarantine.engine_failed(name, suspects, f"froze: {reason}")

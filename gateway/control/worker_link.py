@@ -3,7 +3,8 @@
 The worker applies each routing state it receives (:func:`~gateway.control.snapshot.apply_state`) and
 confirms its version; every :data:`REPORT_INTERVAL_S` it reports, when something changed, its requests in
 flight per backend (backends it no longer routes to included, until their last request ends) and the
-request shapes whose upstream connection broke. Should the channel break, the worker keeps serving with the
+request shapes whose upstream connection broke; asked in a sync round, the shapes of the requests it has
+upstream on one backend (the suspects when that engine froze). Should the channel break, the worker keeps serving with the
 last state it has (the control process dying takes the workers down anyway: parent-death signal).
 """
 
@@ -85,7 +86,7 @@ class WorkerLink:
                     self._report(force=True)
                 elif kind == "sync":
                     self.synced = number
-                    self._report(force=True)
+                    self._report(force=True, upstream_on=routing)
         except (asyncio.IncompleteReadError, ConnectionError) as error:
             logger.warning("worker {}: the channel to the control process closed ({}); serving with the last routing state",
                            self.index, type(error).__name__)  # fmt: skip
@@ -95,7 +96,9 @@ class WorkerLink:
             await asyncio.sleep(REPORT_INTERVAL_S)
             self._report()
 
-    def _report(self, *, force: bool = False) -> None:
+    def _report(self, *, force: bool = False, upstream_on: tuple[str, str] | None = None) -> None:
+        """Send the counts (when changed, or ``force``); ``upstream_on`` (model, identity): with the shapes of the
+        requests upstream on that backend now."""
         assert self.state is not None
         routed = [(route.name, b) for route in self.state.registry.routes() for b in (*route.replicas, route.front) if b]
         self._retired = [(name, b) for name, b in self._retired if b.in_flight > 0 or b.lost]
@@ -107,11 +110,15 @@ class WorkerLink:
                 in_flight[key] = in_flight.get(key, 0) + backend.in_flight
             while backend.lost:
                 lost.append((name, backend.identity, backend.lost.popleft()))
+        upstream = [
+            (name, backend.identity, shape) for name, backend in (*routed, *self._retired) if (name, backend.identity) == upstream_on
+            for lease in list(backend.active) if (shape := lease.suspect()) is not None
+        ]  # fmt: skip
         if not force and not lost and in_flight == self._last_in_flight:
             return
         self._last_in_flight = in_flight
         if self._writer is not None and not self._writer.is_closing():
-            channel.write(self._writer, ("report", self.version, self.synced, in_flight, lost))
+            channel.write(self._writer, ("report", self.version, self.synced, in_flight, lost, upstream))
 
 
 def admin_forwarder(link: WorkerLink) -> APIRouter:

@@ -79,6 +79,7 @@ class WorkerSupervisor:
         self.workers = [_Worker(index) for index in range(count)]
         self.version = 0
         self._sync = 0
+        self._upstream: dict[tuple[str, str], list[str]] = {}  # (model, identity) -> shapes reported in a sync round
         self._sent: RoutingState | None = None
         self._server: asyncio.Server | None = None
         self._tasks: list[asyncio.Task[Any]] = []
@@ -200,11 +201,24 @@ class WorkerSupervisor:
         """Send the routing state as it is now, then ask every worker for a fresh report, and wait until each
         connected worker answered (or ``timeout_s``): after it, every worker routes with this state, and the
         in-flight counts and broken-connection shapes held here are as of now."""
+        return await self._sync_round(timeout_s, None)
+
+    async def upstream_shapes(self, model: str, identity: str, timeout_s: float) -> list[str]:
+        """The shapes of the requests the workers have upstream on backend ``identity`` of ``model`` now (the
+        suspects when its engine froze), from a sync round; those of workers that did not answer in time are missed."""
+        self._upstream[(model, identity)] = []
+        try:
+            await self._sync_round(timeout_s, (model, identity))
+            return self._upstream[(model, identity)]
+        finally:
+            del self._upstream[(model, identity)]
+
+    async def _sync_round(self, timeout_s: float, upstream_on: tuple[str, str] | None) -> bool:
         self.publish()
         self._sync += 1
         target = self._sync
         for worker in self.workers:
-            self._send(worker, ("sync", target, None))
+            self._send(worker, ("sync", target, upstream_on))
         deadline = time.monotonic() + timeout_s
         while True:
             pending = [w for w in self.workers if w.writer is not None and w.synced < target]
@@ -246,9 +260,12 @@ class WorkerSupervisor:
                 if message[0] == "listening":
                     worker.listening.set()
                 elif message[0] == "report":
-                    _, applied, synced, in_flight, lost = message
+                    _, applied, synced, in_flight, lost, upstream = message
                     worker.applied, worker.synced, worker.in_flight = applied, synced, in_flight
                     self._note_lost(lost)
+                    for model, identity, shape in upstream:
+                        if (model, identity) in self._upstream:
+                            self._upstream[(model, identity)].append(shape)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:

@@ -32,6 +32,10 @@ class Peers(Protocol):
         """Requests the workers have in flight on the backend ``identity`` of ``model``."""
         ...
 
+    async def upstream_shapes(self, model: str, identity: str, timeout_s: float) -> list[str]:
+        """The shapes of the requests the workers have upstream on that backend now (suspects of a freeze)."""
+        ...
+
 
 @dataclass
 class GatewayState:

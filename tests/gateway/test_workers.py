@@ -30,7 +30,7 @@ import yaml
 
 from launch.process import EngineProcess
 from launch.procgroup import stat_fields
-from tests.fake_engine import CRASH, TOKEN, fake_engine_python
+from tests.fake_engine import CRASH, FREEZE, TOKEN, fake_engine_python
 from tests.gateway.helpers import KEY, auth, prometheus_value
 from tests.leaks import leaves_nothing
 from tests.load import ThreadedLoad
@@ -179,7 +179,7 @@ def owned(tmp_path: Path, tiny_model_dir: Path) -> Iterator[tuple[ServerProcess,
     engine = {"model_path": str(tiny_model_dir), "device": "cpu", "python": str(fake_engine_python(tmp_path)), "env": {"FAKE_ENGINE_TOKEN_S": "0.05"}}
     config = {
         "gateway": {"workers": 2, "api_keys": [KEY], "admin_keys": [ADMIN], "shutdown_grace_s": 10,
-                    "watchdog": {"interval_s": 0.5, "backoff_initial_s": 0.2}},
+                    "health_timeout_s": 1, "watchdog": {"interval_s": 0.5, "backoff_initial_s": 0.2, "unhealthy_after": 2}},
         "models": {"tiny": {"engine": engine}},
     }  # fmt: skip
     with leaves_nothing(shm=False) as check:  # a FAKE engine maps no /dev/shm
@@ -248,6 +248,28 @@ def test_a_request_that_crashed_the_engine_through_one_worker_is_refused_by_the_
     assert other.status_code == 400 and other.json()["error"]["code"] == "request_quarantined", other.text
     assert refused[crashed_on].status_code == 400
     assert _engine_pid(server) != old_pid and admin(server, "/admin/models")["models"][0]["restarts"] == 1  # one crash only
+
+
+def test_a_request_that_froze_the_engine_through_one_worker_is_refused_by_the_other(
+    owned: tuple[ServerProcess, Path, dict[str, Any]],
+) -> None:
+    # The engine freezes under a request held by a worker, not by the control process that runs the watchdog:
+    # the control asks the workers what they have upstream on it, and quarantines that.
+    server, _, _ = owned
+    old_pid = _engine_pid(server)
+    frozen = {"model": "tiny", "messages": [{"role": "user", "content": FREEZE}], "max_tokens": 2}
+    with fresh(server.url) as client:
+        first = client.post("/v1/chat/completions", json=frozen, timeout=60)
+        assert first.status_code in (502, 503), first.text  # cut when the watchdog stopped the frozen engine
+        froze_on = first.headers[WORKER]
+        deadline = time.monotonic() + 60
+        while (model := admin(server, "/admin/models")["models"][0])["state"] != "ready" or _engine_pid(server) == old_pid:
+            assert time.monotonic() < deadline, f"not restarted within 60 s: {model}"
+            time.sleep(0.2)
+        refused = until_each_worker(server.url, lambda c: c.post("/v1/chat/completions", json=frozen))
+    other = refused["1" if froze_on == "0" else "0"]
+    assert other.status_code == 400 and other.json()["error"]["code"] == "request_quarantined", other.text
+    assert "froze" in server.log() and "request shape(s) are now refused" in server.log()
 
 
 def test_a_killed_worker_comes_back_while_the_other_serves(owned: tuple[ServerProcess, Path, dict[str, Any]]) -> None:
