@@ -37,6 +37,9 @@ from gateway.data.stream_pool import StreamPool
 from gateway.data.upstream_session import upstream_session
 from gateway.edge.auth import AuthMiddleware, KeyHolder, key_policy
 from gateway.edge.middleware import BodyLimitMiddleware, JSONCORSMiddleware, RequestContextMiddleware
+from gateway.edge.quota import QuotaMiddleware
+from gateway.tenants.keys import tenants_of
+from gateway.tenants.quotas import Quotas
 from launch.config import DeploymentConfig
 from launch.preflight import preflight_all
 
@@ -99,7 +102,7 @@ def create_app(
     """
     registry = registry if registry is not None else Registry()
     state = GatewayState(settings=settings, registry=registry, metrics=Metrics(registry))
-    keys = KeyHolder(key_policy(settings.resolved_keys(), settings.resolved_admin_keys(), settings.open_paths))
+    keys = KeyHolder(key_policy(tenants_of(settings), settings.resolved_admin_keys(), settings.open_paths))
     executor = SwapExecutor(state, log_dir=log_dir)
     controller = Controller(state, keys, executor, deployment=deployment, overrides=overrides, watch=watch, boot=boot)
 
@@ -162,12 +165,14 @@ def create_app(
         app.proxied_routes = {**PROXIED_BY_PATH, INVOCATIONS.path: INVOCATIONS}
         add_proxied_route(app, INVOCATIONS, listed=False)
     _install_error_handlers(app)
-    # Outermost last: request id/log -> CORS -> auth -> body limit -> routes.
+    # Outermost last: request id/log -> CORS -> auth -> per-key limits -> body limit -> routes.
+    quotas = app.state.quotas = Quotas()  # per named key, across reloads (tests move its clock)
     layers: list[tuple[type[Any], dict[str, Any]]] = [
         (
             BodyLimitMiddleware,
             {"max_bytes": settings.max_body_bytes, "timeout_s": settings.http.body_timeout_s, "deadline_s": settings.http.body_deadline_s},
         ),
+        (QuotaMiddleware, {"quotas": quotas}),
         (AuthMiddleware, {"holder": keys}),
     ]
     if settings.cors_allow_origins:

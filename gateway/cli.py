@@ -6,8 +6,10 @@ input, 1 for an engine that failed); never a stack trace.
 
 from __future__ import annotations
 
+import hashlib
 import shlex
 import signal
+import sys
 import threading
 from pathlib import Path
 from typing import Annotated
@@ -230,6 +232,15 @@ def build_tiny_model_command(
     with err.status("building the tiny model"):
         path = build_tiny_model(out_dir, force=force)
     out.print(f"tiny model written to {path}")
+
+
+@app.command("hash-key")
+def hash_key() -> None:
+    """Print the SHA-256 of a key read from stdin: the key_sha256 of a named key in a keys file."""
+    key = sys.stdin.readline().strip()
+    if not key:
+        raise fail("no key on stdin: echo -n \"$KEY\" | sglang-gateway hash-key")
+    print(hashlib.sha256(key.encode()).hexdigest())
 
 
 def main() -> None:

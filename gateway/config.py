@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 from typing import Literal
 
+import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
 from gateway.fields import EXTENSIONS
@@ -92,6 +93,64 @@ class RequestBounds(_Strict):
     max_enum_values: int = Field(1024, ge=1, description="Values of one enum in a JSON schema.")
 
 
+class KeyLimits(_Strict):
+    """What one named key may use (each unset: no limit). Tokens are prompt + completion as the engine reports them,
+    charged when the request ends: a request is admitted while the key has tokens left, and may end past the limit."""
+
+    requests_per_minute: int | None = Field(None, ge=1, description="Requests per minute (a bucket refilled continuously).")
+    tokens_per_minute: int | None = Field(None, ge=1, description="Prompt + completion tokens per minute (refilled continuously).")
+    max_concurrent: int | None = Field(None, ge=1, description="Requests of this key in flight at once.")
+    tokens_per_day: int | None = Field(None, ge=1, description="Token budget per UTC day.")
+    tokens_per_month: int | None = Field(None, ge=1, description="Token budget per UTC calendar month.")
+
+
+_KEY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+class NamedKey(_Strict):
+    """A client key that names its holder (a tenant): the models it may use and its limits."""
+
+    name: str = Field(description="The tenant: what the log, the metrics and the usage ledger call it.")
+    key: SecretStr | None = Field(None, description="The key itself (or key_env, or key_sha256).")
+    key_env: str | None = Field(None, description="Environment variable holding the key.")
+    key_sha256: str | None = Field(None, description="SHA-256 of the key, hex (sglang-gateway hash-key prints it): the key is never stored.")
+    models: list[str] | None = Field(None, description="Models (names or aliases) it may use; others answer 404 as if absent (unset: all).")
+    limits: KeyLimits = Field(default_factory=KeyLimits, description="Its limits.")
+
+    @field_validator("name")
+    @classmethod
+    def _good_name(cls, value: str) -> str:
+        if not _KEY_NAME.match(value):
+            raise ValueError(f"a key name is 1-64 letters, digits and . _ @ - (got {value!r})")
+        return value
+
+    @field_validator("key_sha256")
+    @classmethod
+    def _hex_digest(cls, value: str | None) -> str | None:
+        if value is not None and not _SHA256.match(value.lower()):
+            raise ValueError("key_sha256 must be 64 hex digits (the SHA-256 of the key)")
+        return value.lower() if value is not None else None
+
+    def digest(self, source: str, where: str) -> bytes:
+        """SHA-256 of the key, from whichever of key / key_env / key_sha256 gives it (exactly one must)."""
+        given = [name for name in ("key", "key_env", "key_sha256") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ConfigError(f"{source}: {where}: give exactly one of key, key_env, key_sha256 (got {', '.join(given) or 'none'})")
+        if self.key_sha256 is not None:
+            return bytes.fromhex(self.key_sha256)
+        if self.key_env is not None:
+            value = os.environ.get(self.key_env, "").strip()
+            if not value:
+                raise ConfigError(f"{source}: {where}.key_env: environment variable {self.key_env} is not set")
+            return hashlib.sha256(value.encode()).digest()
+        assert self.key is not None
+        value = self.key.get_secret_value().strip()
+        if not value:
+            raise ConfigError(f"{source}: {where}.key: must not be empty")
+        return hashlib.sha256(value.encode()).digest()
+
+
 class HttpSettings(_Strict):
     """Limits of the HTTP layer, enforced before any route runs (safe for a gateway bound to 0.0.0.0)."""
 
@@ -141,6 +200,9 @@ class GatewaySettings(_Strict):
     cors_allow_origins: list[str] = Field(default_factory=list, description="CORS origins (empty: CORS off).")
     shutdown_grace_s: float = Field(30.0, ge=0, description="In-flight requests may finish this long on SIGTERM.")
     log_requests: bool = Field(True, description="One structured log line per request.")
+    keys: list[NamedKey] = Field(default_factory=list, description="Named client keys (tenants), each with its models and limits.")
+    keys_env: str | None = Field(None, description="Environment variable holding more named keys: a JSON or YAML list like keys.")
+    keys_file: Path | None = Field(None, description="YAML file with more named keys (a list like keys; each gives key_sha256, not the key).")
     admin_keys: list[SecretStr] = Field(default_factory=list, description="Bearer keys of the /admin API (none: it is off).")
     admin_keys_env: str | None = Field(None, description="Environment variable with comma-separated admin keys.")
     admin_keys_file: Path | None = Field(None, description="File with one admin key per line (# comments).")
@@ -202,6 +264,38 @@ class GatewaySettings(_Strict):
         """All accepted client keys (YAML, env, file) as bytes; ConfigError when a named source is missing."""
         return _resolve_keys(self.api_keys, self.api_keys_env, self.api_keys_file, "api_keys", source)
 
+    def resolved_named_keys(self, source: str = "config") -> list[tuple[NamedKey, bytes]]:
+        """Every named key (YAML, env, file) with the SHA-256 of its key; ConfigError naming the bad entry."""
+        entries = [(f"gateway.keys[{index}]", entry) for index, entry in enumerate(self.keys)]
+        if self.keys_env:
+            text = os.environ.get(self.keys_env)
+            if text is None:
+                raise ConfigError(f"{source}: gateway.keys_env: environment variable {self.keys_env} is not set")
+            entries += _named_keys_from(text, f"gateway.keys_env ({self.keys_env})", source)
+        if self.keys_file:
+            try:
+                text = self.keys_file.read_text()
+            except OSError as error:
+                raise ConfigError(f"{source}: gateway.keys_file: cannot read {self.keys_file}: {error.strerror}") from None
+            from_file = _named_keys_from(text, f"{self.keys_file}", source)
+            for where, entry in from_file:
+                if entry.key is not None or entry.key_env is not None:
+                    raise ConfigError(f"{source}: {where}: a keys file holds hashes, not keys: give key_sha256 (sglang-gateway hash-key prints it)")
+            entries += from_file
+        resolved: list[tuple[NamedKey, bytes]] = []
+        names: set[str] = set()
+        digests: set[bytes] = set()
+        for where, entry in entries:
+            digest = entry.digest(source, where)
+            if entry.name in names:
+                raise ConfigError(f"{source}: {where}.name: {entry.name!r} names another key too (one entry per tenant)")
+            if digest in digests:
+                raise ConfigError(f"{source}: {where}: the same key is given to another named key")
+            names.add(entry.name)
+            digests.add(digest)
+            resolved.append((entry, digest))
+        return resolved
+
     def resolved_admin_keys(self, source: str = "config") -> tuple[bytes, ...]:
         """The /admin keys, resolved like the client keys; empty means the admin API is off."""
         return _resolve_keys(self.admin_keys, self.admin_keys_env, self.admin_keys_file, "admin_keys", source)
@@ -231,6 +325,25 @@ def _resolve_keys(
         if not keys:
             raise ConfigError(f"{source}: gateway.{field}_file: {file} holds no key")
     return tuple(dict.fromkeys(key.encode() for key in keys))
+
+
+def _named_keys_from(text: str, where: str, source: str) -> list[tuple[str, NamedKey]]:
+    """The named keys of a keys file or variable: a YAML (or JSON) list of entries like ``gateway.keys``."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{source}: {where}: not YAML or JSON: {str(error).splitlines()[0]}") from None
+    if data is None:
+        return []
+    if not isinstance(data, list):
+        raise ConfigError(f"{source}: {where}: must be a list of named keys (got {type(data).__name__})")
+    entries = []
+    for index, item in enumerate(data):
+        try:
+            entries.append((f"{where}[{index}]", NamedKey.model_validate(item)))
+        except ValidationError as error:
+            raise ConfigError(format_validation_error(f"{source}: {where}[{index}]", error)) from None
+    return entries
 
 
 def default_state_dir(source: Path | str) -> Path:
@@ -277,8 +390,22 @@ def gateway_settings(deployment: DeploymentConfig, **overrides: object) -> Gatew
         for name in names:
             if name not in EXTENSIONS:
                 raise ConfigError(f"{source}: gateway.extension_fields.{model}: {name!r} is not an SGLang extension field the gateway knows")
-    settings.resolved_keys(source)
+    plain = settings.resolved_keys(source)
     admin = settings.resolved_admin_keys(source)
-    if set(admin) & set(settings.resolved_keys(source)):
+    if set(admin) & set(plain):
         raise ConfigError(f"{source}: gateway.admin_keys: an admin key must not also be a client key")
+    _check_named_keys(settings, deployment, source, plain, admin)
     return settings
+
+
+def _check_named_keys(settings: GatewaySettings, deployment: DeploymentConfig, source: str, plain: tuple[bytes, ...], admin: tuple[bytes, ...]) -> None:
+    """Named keys name models of the file, and are neither plain client keys nor admin keys."""
+    named = settings.resolved_named_keys(source)
+    known = {label for name, entry in deployment.models.items() for label in (name, *entry.aliases)}
+    others = {hashlib.sha256(key).digest(): kind for kinds, kind in ((plain, "gateway.api_keys"), (admin, "gateway.admin_keys")) for key in kinds}
+    for entry, digest in named:
+        unknown = sorted(set(entry.models or ()) - known)
+        if unknown:
+            raise ConfigError(f"{source}: gateway.keys ({entry.name}).models: {unknown[0]!r} is no model or alias of this file")
+        if digest in others:
+            raise ConfigError(f"{source}: gateway.keys ({entry.name}): its key is also in {others[digest]}")

@@ -37,8 +37,9 @@ _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 
 # The names of the ``gateway:`` settings that code outside the gateway package reads too (the section
 # stays opaque here: ``gateway.config.GatewaySettings`` defines and checks them). Written only here.
-GATEWAY_KEY_LISTS = ("api_keys", "admin_keys")
-"""The gateway's two lists of bearer keys; each can also come from an ``_env`` variable and a ``_file``."""
+GATEWAY_KEY_LISTS = ("api_keys", "admin_keys", "keys")
+"""The gateway's lists of bearer keys (plain client keys, admin keys, named keys with limits); each can also come
+from an ``_env`` variable and a ``_file``."""
 GATEWAY_KEY_FILE_SETTINGS = tuple(f"{keys}_file" for keys in GATEWAY_KEY_LISTS)
 """The key-file settings: paths relative to the deployment file."""
 GATEWAY_KEY_SETTINGS = tuple(f"{keys}{source}" for keys in GATEWAY_KEY_LISTS for source in ("", "_env", "_file"))

@@ -31,6 +31,7 @@ from gateway.core.errors import GatewayError
 from gateway.core.registry import ModelRoute
 from gateway.core.state import GatewayState
 from gateway.edge.auth import KeyHolder, key_policy
+from gateway.tenants.keys import tenants_of
 from launch.config import ConfigError, DeploymentConfig, load_config
 
 WATCH_INTERVAL_S = 1.0
@@ -175,7 +176,7 @@ class Controller:
             try:
                 new = load_config(self.config_path)
                 new_settings = gateway_settings(new, **self.overrides)
-                policy = key_policy(new_settings.resolved_keys(str(new.source)), new_settings.resolved_admin_keys(str(new.source)), new_settings.open_paths)
+                policy = key_policy(tenants_of(new_settings, str(new.source)), new_settings.resolved_admin_keys(str(new.source)), new_settings.open_paths)
             except ConfigError as error:
                 self.state.metrics.reloads.labels("invalid").inc()
                 logger.error("reload ({}): invalid config, nothing changed:\n{}", trigger, error)

@@ -23,6 +23,7 @@ class RequestInfo:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     error: str | None = None  # short reason for failures (never a key or a body)
+    key_name: str | None = None  # the named key (tenant) that called; None for plain keys and an open gateway
 
     def set_usage(self, usage: Any) -> None:
         """Take token counts from an OpenAI (``prompt_tokens``/``completion_tokens``) or a Responses /

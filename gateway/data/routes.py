@@ -28,6 +28,7 @@ from gateway.core.state import GatewayState
 from gateway.data.bounds import check_bounds
 from gateway.data.proxy import call_backend
 from gateway.edge.auth import request_owner
+from gateway.tenants.keys import TENANT_SCOPE_KEY, Tenant
 
 api_routes = APIRouter()  # a FastAPI router (not SGLang's router): the data plane's routes
 RESPONSE_ID_PREFIX = "resp_"  # SGLang refuses (400) a stored-response id without it
@@ -52,7 +53,7 @@ async def _proxied(request: Request, endpoint: ProxiedRoute) -> Response:
     path = endpoint.upstream_path
     body = parse_body(await request.body(), endpoint.schema, path)
     grammar_size = check_bounds(path, body, state.settings.request_bounds)
-    route = _model_route(state, body, endpoint)
+    route = _model_route(state, body, endpoint, request.scope.get(TENANT_SCOPE_KEY))
     info.model = route.name
     check_extensions(body, path, state.settings.extensions_for(route.name), route.name)
     owner = request_owner(request.scope)
@@ -64,8 +65,17 @@ async def _proxied(request: Request, endpoint: ProxiedRoute) -> Response:
     )
 
 
-def _model_route(state: GatewayState, body: dict[str, Any], endpoint: ProxiedRoute) -> ModelRoute:
-    """The model named in the body (or the default model, where the route lets the name be left out)."""
+def _model_route(state: GatewayState, body: dict[str, Any], endpoint: ProxiedRoute, tenant: Tenant | None = None) -> ModelRoute:
+    """The model named in the body (or the default model, where the route lets the name be left out); a model the
+    caller's key may not use answers as if it did not exist (404: other tenants' models stay unknown to it)."""
+    route = _named_route(state, body, endpoint)
+    if tenant is not None and not tenant.may_use(route.names):
+        name = body.get("model") or "default"
+        raise GatewayError(404, f"The model {name!r} does not exist; see GET /v1/models", code="model_not_found", param="model")
+    return route
+
+
+def _named_route(state: GatewayState, body: dict[str, Any], endpoint: ProxiedRoute) -> ModelRoute:
     name = body.get("model")
     if endpoint.model is ModelChoice.DEFAULT or (name is None and endpoint.model is ModelChoice.BODY_OR_DEFAULT):
         route = state.registry.default_route()
@@ -187,16 +197,23 @@ def unexpected_error_response(scope: Scope, error: BaseException, dialect: Diale
 @api_routes.get("/v1/models")
 async def list_models(request: Request) -> Response:
     state = _state(request)
-    await _probes(state).fill_context_lengths(state.registry.backends())
-    data = [card for route in state.registry.routes() for card in _cards(route, state)]
+    routes = _visible_routes(state, request.scope.get(TENANT_SCOPE_KEY))
+    await _probes(state).fill_context_lengths([backend for route in routes for backend in route.replicas])
+    data = [card for route in routes for card in _cards(route, state)]
     return _json({"object": "list", "data": data})
+
+
+def _visible_routes(state: GatewayState, tenant: Tenant | None) -> list[ModelRoute]:
+    """The models the caller's key may use (every model for plain keys)."""
+    return [route for route in state.registry.routes() if tenant is None or tenant.may_use(route.names)]
 
 
 @api_routes.get("/v1/models/{model_id:path}")
 async def get_model(model_id: str, request: Request) -> Response:
     state = _state(request)
     route = state.registry.resolve(model_id)
-    if route is None:
+    tenant: Tenant | None = request.scope.get(TENANT_SCOPE_KEY)
+    if route is None or (tenant is not None and not tenant.may_use(route.names)):
         raise GatewayError(404, f"The model {model_id!r} does not exist", code="model_not_found", param="model")
     await _probes(state).fill_context_lengths([route.backend])
     return _json(next(card for card in _cards(route, state) if card["id"] == model_id))

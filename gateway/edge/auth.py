@@ -4,43 +4,37 @@ Keys come as ``Authorization: Bearer <key>``; on Anthropic's routes (``/v1/messa
 ``x-api-key: <key>``, which is what Anthropic clients send. Refusals are in the route's dialect.
 
 Client routes take the client keys; ``/admin/...`` takes only the admin keys (a separate set, so a
-leaked client key cannot swap models), and is off (403) when no admin key is configured. Keys are
-compared with ``hmac.compare_digest`` against every configured key (no early exit), and never
-logged. With no client keys the client routes are open. The keys live in a :class:`KeyPolicy` that
-a config reload replaces in one assignment.
+leaked client key cannot swap models), and is off (403) when no admin key is configured. A client key is
+found by the SHA-256 of the key presented (:mod:`gateway.tenants.keys`); admin keys are compared with
+``hmac.compare_digest`` against every configured one (no early exit). Keys are never logged. With no
+client keys the client routes are open. The keys live in a :class:`KeyPolicy` that a config reload
+replaces in one assignment.
 
-A client route learns *which* key matched, never the key: ``scope[OWNER_SCOPE_KEY]`` is the key's
-:func:`key_owner` identity (computed once per policy, not per request), which owns the stored responses
-the request creates (:mod:`gateway.core.responses_index`). An open gateway has one shared owner, :data:`OPEN_OWNER`.
+A client route learns *which* tenant called, never the key: ``scope[TENANT_SCOPE_KEY]`` is its
+:class:`~gateway.tenants.keys.Tenant` (models, limits), ``scope[OWNER_SCOPE_KEY]`` the identity that owns the
+stored responses the request creates (:mod:`gateway.core.responses_index`). An open gateway has one shared
+owner, :data:`OPEN_OWNER`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import hmac
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from gateway.core.context import request_info
 from gateway.core.endpoints import dialect_for_path
 from gateway.core.errors import Dialect, GatewayError, error_response
+from gateway.tenants.keys import TENANT_SCOPE_KEY, Tenant, digest_of, key_owner, tenant_table
+
+__all__ = ["OPEN_OWNER", "OWNER_SCOPE_KEY", "TENANT_SCOPE_KEY", "AuthMiddleware", "KeyHolder", "KeyPolicy", "key_owner", "key_policy"]
 
 ADMIN_PREFIX = "/admin/"
 OWNER_SCOPE_KEY = "gateway.owner"
 OPEN_OWNER = "open"  # every client of a gateway without client keys is the same principal
-
-
-def key_owner(key: bytes) -> str:
-    """The stable identity of a client key: what the response index stores as a response's owner.
-
-    A keyed hash (BLAKE2b, personalised for this use), not the key: the state directory must not hold
-    usable keys. Stable across restarts and reloads (a key kept in the config keeps its responses; a
-    rotated key starts afresh), with no secret of its own to persist: API keys are long random strings,
-    so their hashes cannot be reversed by guessing (an HMAC secret would sit in the same directory anyway).
-    """
-    return "key:" + hashlib.blake2b(key, digest_size=16, person=b"gw-resp-owner").hexdigest()
 
 
 def request_owner(scope: dict[str, Any]) -> str:
@@ -50,15 +44,15 @@ def request_owner(scope: dict[str, Any]) -> str:
 
 @dataclass(frozen=True)
 class KeyPolicy:
-    """Who may call what: client keys, admin keys and the paths open to everyone."""
+    """Who may call what: client keys (SHA-256 -> tenant), admin keys and the paths open to everyone."""
 
-    client: tuple[bytes, ...] = ()
+    client: Mapping[bytes, Tenant] = field(default_factory=dict)  # a dict: the policy travels to worker processes (pickle)
     admin: tuple[bytes, ...] = ()
     open_paths: frozenset[str] = frozenset()
-    owners: tuple[str, ...] = field(init=False, repr=False, compare=False)  # key_owner of each client key, in order
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "owners", tuple(key_owner(key) for key in self.client))
+        if not isinstance(self.client, Mapping):  # plain keys given as such (tests, embedders)
+            object.__setattr__(self, "client", tenant_table(self.client))
 
 
 class KeyHolder:
@@ -78,7 +72,7 @@ class AuthMiddleware:
         holder: KeyHolder | None = None,
     ) -> None:
         self.app = app
-        self.holder = holder or KeyHolder(KeyPolicy(tuple(keys), (), frozenset(open_paths)))
+        self.holder = holder or KeyHolder(KeyPolicy(tenant_table(keys), (), frozenset(open_paths)))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -91,9 +85,8 @@ class AuthMiddleware:
             message = "the admin API is off: configure gateway.admin_keys (or admin_keys_env / admin_keys_file)"
             await error_response(GatewayError(403, message, code="admin_api_disabled"))(scope, receive, send)
             return
-        keys = policy.admin if admin else policy.client
-        if not admin and (not keys or path in policy.open_paths):
-            if not keys:
+        if not admin and (not policy.client or path in policy.open_paths):
+            if not policy.client:
                 scope[OWNER_SCOPE_KEY] = OPEN_OWNER
             await self.app(scope, receive, send)
             return
@@ -104,13 +97,20 @@ class AuthMiddleware:
         if presented is None:
             how = "'x-api-key: <key>' or 'Authorization: Bearer <key>'" if dialect is Dialect.ANTHROPIC else "'Authorization: Bearer <key>'"
             error = GatewayError(401, f"missing API key: send {how}", code="missing_api_key")
-        elif (matched := _matching(presented, keys)) < 0:
-            error = GatewayError(401, "invalid admin key" if admin else "invalid API key", code="invalid_api_key")
-        else:
-            if not admin:
-                scope[OWNER_SCOPE_KEY] = policy.owners[matched]
+        elif admin:
+            if _matching(presented, policy.admin) >= 0:
+                await self.app(scope, receive, send)
+                return
+            error = GatewayError(401, "invalid admin key", code="invalid_api_key")
+        elif (tenant := policy.client.get(digest_of(presented))) is not None:
+            scope[OWNER_SCOPE_KEY], scope[TENANT_SCOPE_KEY] = tenant.owner, tenant
+            info = request_info(scope)
+            if info is not None:
+                info.key_name = tenant.name
             await self.app(scope, receive, send)
             return
+        else:
+            error = GatewayError(401, "invalid API key", code="invalid_api_key")
         error.headers["WWW-Authenticate"] = "Bearer"
         await error_response(error, dialect)(scope, receive, send)
 
@@ -141,5 +141,7 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
     return None
 
 
-def key_policy(client: tuple[bytes, ...], admin: tuple[bytes, ...], open_paths: Iterable[str]) -> KeyPolicy:
-    return KeyPolicy(client, admin, frozenset(open_paths))
+def key_policy(client: tuple[bytes, ...] | Mapping[bytes, Tenant], admin: tuple[bytes, ...], open_paths: Iterable[str]) -> KeyPolicy:
+    """``client``: plain keys, or the tenant table of plain and named keys (:func:`gateway.tenants.keys.tenants_of`)."""
+    table = client if isinstance(client, Mapping) else tenant_table(client)
+    return KeyPolicy(dict(table), admin, frozenset(open_paths))

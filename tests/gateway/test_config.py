@@ -24,7 +24,7 @@ def test_the_setting_names_read_outside_the_gateway_package_are_its_own() -> Non
     """``launch.config`` names the key and per-model settings for model_code and the gateway alike: the names
     must be exactly the settings' fields (a new key source or per-model setting left out would go unnoticed)."""
     fields = GatewaySettings.model_fields
-    assert set(GATEWAY_KEY_SETTINGS) == {name for name in fields if name.startswith(("api_keys", "admin_keys"))}
+    assert set(GATEWAY_KEY_SETTINGS) == {name for name in fields if name.startswith(("api_keys", "admin_keys", "keys"))}
     assert set(GATEWAY_KEY_FILE_SETTINGS) == {name for name in GATEWAY_KEY_SETTINGS if name.endswith("_file")}
     assert set(GATEWAY_PER_MODEL_SETTINGS) == {name for name, field in fields.items() if get_origin(field.annotation) is dict}
 

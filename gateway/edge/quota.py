@@ -1,0 +1,94 @@
+"""Per-key limits at the door: a named key over one of its limits gets 429 in the route's dialect, before any
+route runs, with ``Retry-After`` and the rate-limit headers its SDK reads; every answer to a limited key carries
+those headers (OpenAI's ``x-ratelimit-*``, Anthropic's ``anthropic-ratelimit-*`` on ``/v1/messages``).
+
+Runs right after the key check (it needs the tenant) and charges the request's tokens when it ends, from the
+usage the relay or the plain answer recorded on the request's :class:`~gateway.core.context.RequestInfo`.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.core.context import request_info
+from gateway.core.endpoints import dialect_for_path
+from gateway.core.errors import Dialect, GatewayError, error_response
+from gateway.tenants.keys import TENANT_SCOPE_KEY, Tenant
+from gateway.tenants.quotas import KeyQuota, Quotas
+
+
+class QuotaMiddleware:
+    def __init__(self, app: ASGIApp, quotas: Quotas) -> None:
+        self.app = app
+        self.quotas = quotas
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        tenant: Tenant | None = scope.get(TENANT_SCOPE_KEY) if scope["type"] == "http" else None
+        if tenant is None or tenant.name is None or not tenant.limited:
+            await self.app(scope, receive, send)
+            return
+        quota = self.quotas.of(tenant.name, tenant.limits)
+        now = self.quotas.clock()
+        dialect = dialect_for_path(scope["path"])
+        refusal = quota.admit(now)
+        if refusal is not None:
+            retry = max(1, math.ceil(refusal.retry_after_s))
+            headers = {"Retry-After": str(retry), "retry-after-ms": str(max(1, math.ceil(refusal.retry_after_s * 1000)))}
+            headers.update((k.decode(), v.decode()) for k, v in rate_limit_headers(quota, now, dialect))
+            error = GatewayError(429, f"key {tenant.name!r}: {refusal.message}; retry in {retry}s", code=refusal.code, headers=headers)
+            info = request_info(scope)
+            if info is not None:
+                info.error = refusal.code
+            await error_response(error, dialect)(scope, receive, send)
+            return
+        extra = rate_limit_headers(quota, now, dialect)
+
+        async def send_with_limits(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *extra]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_limits)
+        finally:
+            info = request_info(scope)
+            used = ((info.prompt_tokens or 0) + (info.completion_tokens or 0)) if info is not None else 0
+            quota.finish(used, self.quotas.clock())
+
+
+def rate_limit_headers(quota: KeyQuota, now: float, dialect: Dialect) -> list[tuple[bytes, bytes]]:
+    """The headers that tell a client where its key stands (only for the limits it has)."""
+    rows: list[tuple[str, int, int, float]] = []  # (what, limit, remaining, seconds until full)
+    if quota.requests is not None:
+        rows.append(("requests", quota.requests.capacity, quota.requests.remaining, quota.requests.full_in_s()))
+    if quota.tokens is not None:
+        rows.append(("tokens", quota.tokens.capacity, quota.tokens.remaining, quota.tokens.full_in_s()))
+    headers = []
+    for what, limit, remaining, reset_s in rows:
+        if dialect is Dialect.ANTHROPIC:
+            at = dt.datetime.fromtimestamp(now + reset_s, dt.UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+            headers += [
+                (f"anthropic-ratelimit-{what}-limit", str(limit)),
+                (f"anthropic-ratelimit-{what}-remaining", str(remaining)),
+                (f"anthropic-ratelimit-{what}-reset", at),
+            ]
+        else:
+            headers += [
+                (f"x-ratelimit-limit-{what}", str(limit)),
+                (f"x-ratelimit-remaining-{what}", str(remaining)),
+                (f"x-ratelimit-reset-{what}", duration(reset_s)),
+            ]
+    return [(name.encode(), value.encode()) for name, value in headers]
+
+
+def duration(seconds: float) -> str:
+    """A reset time as OpenAI writes it: ``250ms``, ``1.5s``, ``6m0s``."""
+    if seconds < 1:
+        return f"{math.ceil(seconds * 1000)}ms"
+    if seconds < 60:
+        return f"{math.ceil(seconds * 10) / 10:g}s"
+    minutes, rest = divmod(math.ceil(seconds), 60)
+    return f"{minutes}m{rest}s"

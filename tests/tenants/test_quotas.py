@@ -1,0 +1,59 @@
+"""The per-key quota arithmetic, on a clock the test moves: buckets, budgets and what a reload keeps."""
+
+from __future__ import annotations
+
+from gateway.config import KeyLimits
+from gateway.edge.quota import duration
+from gateway.tenants.quotas import Bucket, KeyQuota, Quotas, next_period_start, period_start
+
+JAN_1 = 1_767_225_600.0  # 2026-01-01T00:00:00Z
+
+
+def test_a_bucket_refills_continuously_up_to_its_capacity() -> None:
+    bucket = Bucket(60, at=0.0)
+    assert bucket.level == 60 and bucket.per_s == 1.0
+    bucket.level -= 61  # charged after: below zero
+    assert bucket.remaining == 0 and bucket.wait_s() == 2.0
+    bucket.refill(30.0)
+    assert bucket.level == 29 and bucket.full_in_s() == 31.0
+    bucket.refill(10.0)  # a clock going back changes nothing
+    assert bucket.level == 29
+    bucket.refill(1000.0)
+    assert bucket.level == 60
+
+
+def test_periods_follow_the_utc_calendar() -> None:
+    assert period_start(JAN_1 + 3600, "day") == JAN_1 and next_period_start(JAN_1 + 3600, "day") == JAN_1 + 86400
+    assert period_start(JAN_1 - 1, "month") == JAN_1 - 31 * 86400  # 2025-12-01
+    assert next_period_start(JAN_1 - 1, "month") == JAN_1  # December rolls over to the next year
+    assert next_period_start(JAN_1, "month") == JAN_1 + 31 * 86400  # 2026-02-01
+
+
+def test_admission_order_and_what_finish_gives_back() -> None:
+    quota = KeyQuota(KeyLimits(max_concurrent=2, requests_per_minute=10, tokens_per_minute=100), JAN_1)
+    assert quota.admit(JAN_1) is None and quota.admit(JAN_1) is None
+    refused = quota.admit(JAN_1)
+    assert refused is not None and refused.code == "too_many_concurrent_requests" and refused.retry_after_s == 1.0
+    quota.finish(150, JAN_1)
+    quota.finish(0, JAN_1)
+    assert quota.in_flight == 0 and quota.tokens is not None and quota.tokens.level == -50
+    refused = quota.admit(JAN_1)
+    assert refused is not None and refused.code == "rate_limit_exceeded" and "tokens per minute" in refused.message
+    assert round(refused.retry_after_s, 6) == 30.6  # until the bucket holds one token again: 51 at 100 a minute
+    assert quota.requests is not None and quota.requests.level == 8  # a refused request takes nothing
+
+
+def test_a_reload_keeps_what_a_key_used() -> None:
+    quotas = Quotas(clock=lambda: JAN_1)
+    first = quotas.of("t", KeyLimits(requests_per_minute=10, tokens_per_day=1000))
+    for _ in range(4):
+        assert first.admit(JAN_1) is None
+        first.finish(100, JAN_1)
+    again = quotas.of("t", KeyLimits(requests_per_minute=5, tokens_per_day=2000))
+    assert again is first and again.requests is not None and again.requests.level == 5  # 6 left, capped to the new 5
+    assert again.day is not None and again.day.used == 400 and again.day.limit == 2000
+    assert quotas.of("t", KeyLimits(requests_per_minute=5)).day is None  # a limit taken away
+
+
+def test_reset_durations_read_like_openais() -> None:
+    assert [duration(s) for s in (0.25, 1.0, 1.52, 59.9, 60.0, 90.2, 3600.0)] == ["250ms", "1s", "1.6s", "59.9s", "1m0s", "1m31s", "60m0s"]
