@@ -137,8 +137,8 @@ def create_app(
                         await controller.boot()
                         await controller.start()
                         if workers is not None:
-                            supervisor = WorkerSupervisor(state, keys, workers.count, workers.runtime_dir,
-                                                          host=workers.host, port=workers.port, verbose=workers.verbose)  # fmt: skip
+                            supervisor = WorkerSupervisor(state, keys, workers.count, workers.runtime_dir, host=workers.host,
+                                                          port=workers.port, verbose=workers.verbose, quotas=app.state.quotas)  # fmt: skip
                             state.peers = supervisor
                             await supervisor.start()
                     except BaseException as error:
@@ -166,7 +166,8 @@ def create_app(
         add_proxied_route(app, INVOCATIONS, listed=False)
     _install_error_handlers(app)
     # Outermost last: request id/log -> CORS -> auth -> per-key limits -> body limit -> routes.
-    quotas = app.state.quotas = Quotas()  # per named key, across reloads (tests move its clock)
+    # per named key, across reloads (tests move its clock); a worker's holds its share, the control's the sums
+    quotas = app.state.quotas = link.quotas if link is not None else Quotas()
     layers: list[tuple[type[Any], dict[str, Any]]] = [
         (
             BodyLimitMiddleware,

@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runtime-dir", type=Path, required=True)
     parser.add_argument("--index", type=int, required=True)
     parser.add_argument("--parent", type=int, required=True)
+    parser.add_argument("--workers", type=int, default=1)  # how many share the named keys' limits
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args(argv)
     configure_logging(args.verbose)
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     channel.send_blocking(hub, ("hello", args.index, os.getpid()))
     kind, version, routing = channel.receive_blocking(hub)
     settings = routing.settings
-    link = WorkerLink(hub, args.index, version, routing, str(args.runtime_dir / ADMIN_SOCKET))
+    link = WorkerLink(hub, args.index, version, routing, str(args.runtime_dir / ADMIN_SOCKET), count=args.workers)
     app = create_app(settings, Registry(), link=link)
     raise_open_file_limit(settings.http.max_connections)
     try:

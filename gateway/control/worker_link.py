@@ -3,7 +3,8 @@
 The worker applies each routing state it receives (:func:`~gateway.control.snapshot.apply_state`) and
 confirms its version; every :data:`REPORT_INTERVAL_S` it reports, when something changed, its requests in
 flight per backend (backends it no longer routes to included, until their last request ends) and the
-request shapes whose upstream connection broke; asked in a sync round, the shapes of the requests it has
+request shapes whose upstream connection broke, what its named keys used (their limits hold across workers:
+:mod:`gateway.tenants.quotas`); asked in a sync round, the shapes of the requests it has
 upstream on one backend (the suspects when that engine froze). Should the channel break, the worker keeps serving with the
 last state it has (the control process dying takes the workers down anyway: parent-death signal).
 """
@@ -25,6 +26,7 @@ from gateway.core.context import request_info
 from gateway.core.errors import GatewayError
 from gateway.core.state import GatewayState
 from gateway.edge.auth import KeyHolder
+from gateway.tenants.quotas import Quotas
 
 REPORT_INTERVAL_S = 0.1
 
@@ -32,8 +34,9 @@ REPORT_INTERVAL_S = 0.1
 class WorkerLink:
     """Keeps one worker's :class:`GatewayState` in step with the control process."""
 
-    def __init__(self, sock: socket.socket, index: int, version: int, first: RoutingState, admin_socket: str) -> None:
+    def __init__(self, sock: socket.socket, index: int, version: int, first: RoutingState, admin_socket: str, count: int = 1) -> None:
         self.sock, self.index, self.version, self.first = sock, index, version, first
+        self.quotas = Quotas(share=1 / max(1, count))  # this worker's share of every named key's limits
         self.admin_socket = admin_socket
         self.synced = 0  # the control's last sync round, answered
         self.state: GatewayState | None = None
@@ -87,6 +90,9 @@ class WorkerLink:
                 elif kind == "sync":
                     self.synced = number
                     self._report(force=True, upstream_on=routing)
+                elif kind == "quota":
+                    views, absorbed = routing
+                    self.quotas.apply(views, self.index, absorbed.get(self.index, 0))
         except (asyncio.IncompleteReadError, ConnectionError) as error:
             logger.warning("worker {}: the channel to the control process closed ({}); serving with the last routing state",
                            self.index, type(error).__name__)  # fmt: skip
@@ -114,11 +120,12 @@ class WorkerLink:
             (name, backend.identity, shape) for name, backend in (*routed, *self._retired) if (name, backend.identity) == upstream_on
             for lease in list(backend.active) if (shape := lease.suspect()) is not None
         ]  # fmt: skip
-        if not force and not lost and in_flight == self._last_in_flight:
+        usage = self.quotas.report()
+        if not force and not lost and usage is None and in_flight == self._last_in_flight:
             return
         self._last_in_flight = in_flight
         if self._writer is not None and not self._writer.is_closing():
-            channel.write(self._writer, ("report", self.version, self.synced, in_flight, lost, upstream))
+            channel.write(self._writer, ("report", self.version, self.synced, in_flight, lost, upstream, usage))
 
 
 def admin_forwarder(link: WorkerLink) -> APIRouter:

@@ -32,6 +32,8 @@ from gateway.control import channel
 from gateway.control.snapshot import RoutingState, capture_state
 from gateway.core.state import GatewayState
 from gateway.edge.auth import KeyHolder
+from gateway.tenants.keys import limited_keys
+from gateway.tenants.quotas import Quotas
 from launch.procgroup import set_parent_death_signal
 
 HUB_SOCKET = "hub.sock"  # the workers' channel to the control process
@@ -72,7 +74,8 @@ class WorkerSupervisor:
     """Starts, feeds, watches and stops the data-plane workers of one control process (also its ``state.peers``)."""
 
     def __init__(
-        self, state: GatewayState, keys: KeyHolder, count: int, runtime_dir: Path, *, host: str, port: int, verbose: bool = False
+        self, state: GatewayState, keys: KeyHolder, count: int, runtime_dir: Path, *, host: str, port: int, verbose: bool = False,
+        quotas: Quotas | None = None,
     ) -> None:
         self.state, self.keys, self.count, self.runtime_dir = state, keys, count, runtime_dir
         self.host, self.port, self.verbose = host, port, verbose
@@ -81,6 +84,8 @@ class WorkerSupervisor:
         self._sync = 0
         self._upstream: dict[tuple[str, str], list[str]] = {}  # (model, identity) -> shapes reported in a sync round
         self._sent: RoutingState | None = None
+        self.quotas = quotas if quotas is not None else Quotas()  # every named key's use, summed over the workers
+        self._quotas_sent: Any = None
         self._server: asyncio.Server | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._stopping = False
@@ -134,11 +139,12 @@ class WorkerSupervisor:
 
     def _spawn(self, worker: _Worker) -> None:
         argv = [sys.executable, "-m", "gateway.worker", "--runtime-dir", str(self.runtime_dir), "--index", str(worker.index),
-                "--parent", str(os.getpid())]  # fmt: skip
+                "--parent", str(os.getpid()), "--workers", str(self.count)]  # fmt: skip
         if self.verbose:
             argv.append("--verbose")
         worker.listening.clear()
         worker.writer, worker.applied, worker.in_flight = None, 0, {}
+        self.quotas.forget_worker(worker.index)
         # Its own process group is the control's: Ctrl-C in a terminal reaches every worker as well.
         worker.proc = subprocess.Popen(argv, preexec_fn=set_parent_death_signal)
         worker.started_at = time.monotonic()
@@ -172,7 +178,13 @@ class WorkerSupervisor:
     # ------------------------------------------------------------------ the routing state, out
     def publish(self) -> bool:
         """Take the routing state now; when it differs from the last one sent, number it and send it to every
-        connected worker. Returns True when something new went out."""
+        connected worker. Returns True when something new went out. The named keys' quotas likewise."""
+        quotas = (self.quotas.snapshot(limited_keys(self.keys.policy.client.values())), dict(self.quotas.absorbed))
+        if quotas != self._quotas_sent:
+            self._quotas_sent = quotas
+            for worker in self.workers:
+                if worker.writer is not None:
+                    self._send(worker, ("quota", 0, quotas))
         current = capture_state(self.state.settings, self.keys.policy, self.state.registry, self.state.quarantine)
         if current == self._sent:
             return False
@@ -255,12 +267,16 @@ class WorkerSupervisor:
                 return
             worker.writer = writer
             self._send(worker, ("state", self.version, self._sent))
+            if self._quotas_sent is not None:
+                self._send(worker, ("quota", 0, self._quotas_sent))
             while True:
                 message = await channel.receive(reader)
                 if message[0] == "listening":
                     worker.listening.set()
                 elif message[0] == "report":
-                    _, applied, synced, in_flight, lost, upstream = message
+                    _, applied, synced, in_flight, lost, upstream, usage = message
+                    if usage is not None:
+                        self.quotas.absorb(worker.index, *usage, limited_keys(self.keys.policy.client.values()))
                     worker.applied, worker.synced, worker.in_flight = applied, synced, in_flight
                     self._note_lost(lost)
                     for model, identity, shape in upstream:

@@ -65,5 +65,10 @@ def tenants_of(settings: GatewaySettings, source: str = "config") -> Mapping[byt
     return tenant_table(settings.resolved_keys(source), settings.resolved_named_keys(source))
 
 
+def limited_keys(tenants: Iterable[Tenant]) -> dict[str, KeyLimits]:
+    """Name -> limits of the named keys that have limits (what worker processes must count together)."""
+    return {tenant.name: tenant.limits for tenant in tenants if tenant.name is not None and tenant.limited}
+
+
 def digest_of(presented: bytes) -> bytes:
     return hashlib.sha256(presented).digest()

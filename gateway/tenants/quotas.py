@@ -7,6 +7,14 @@ it below zero, which the next ones wait out. Budgets count the same tokens per U
 and start again at the period's start. The clock is injected (wall-clock seconds), so tests move it.
 
 The state lives per key name and survives reloads: a key whose limits change keeps what it used.
+
+With worker processes the control process holds every key's quota for all of them (:meth:`Quotas.absorb`):
+each worker reports what its keys used, at most :data:`~gateway.control.worker_link.REPORT_INTERVAL_S` late,
+and the control sends every worker the sums (:meth:`Quotas.snapshot`, :meth:`Quotas.apply`). Between two such
+rounds a worker may use only its share (1/N) of what the bucket held, so the workers together never admit more
+requests than the limit; a burst on one worker may be refused early, until the next round hands it the rest.
+Budgets and concurrency are checked against the sums as of the last round (they may be passed by what the
+other workers admitted since, ~150 ms).
 """
 
 from __future__ import annotations
@@ -24,33 +32,41 @@ Clock = Callable[[], float]
 
 @dataclass
 class Bucket:
-    """``capacity`` units, refilled at ``capacity`` per ``period_s``; the level may go below zero (charged after)."""
+    """``capacity`` units, refilled at ``capacity`` per ``period_s``; the level may go below zero (charged after).
+
+    ``scale``: the part of it this process holds (1/N in each of N worker processes): its level, top and refill
+    are that part of the key's, while ``remaining`` speaks for the whole key."""
 
     capacity: int
     at: float  # when the level was last brought up to date
     period_s: float = 60.0
+    scale: float = 1.0
     level: float = field(default=math.nan)  # starts full
 
     def __post_init__(self) -> None:
         if math.isnan(self.level):
-            self.level = float(self.capacity)
+            self.level = self.top
+
+    @property
+    def top(self) -> float:
+        return self.capacity * self.scale
 
     @property
     def per_s(self) -> float:
-        return self.capacity / self.period_s
+        return self.top / self.period_s
 
     def refill(self, now: float) -> None:
         if now > self.at:
-            self.level = min(float(self.capacity), self.level + (now - self.at) * self.per_s)
+            self.level = min(self.top, self.level + (now - self.at) * self.per_s)
         self.at = max(self.at, now)
 
     def resize(self, capacity: int) -> None:
         self.capacity = capacity
-        self.level = min(self.level, float(capacity))
+        self.level = min(self.level, self.top)
 
     @property
     def remaining(self) -> int:
-        return max(0, math.floor(self.level))
+        return max(0, math.floor(self.level / self.scale + 1e-9))
 
     def wait_s(self, need: float = 1.0) -> float:
         """Seconds until the level reaches ``need``."""
@@ -58,7 +74,7 @@ class Bucket:
 
     def full_in_s(self) -> float:
         """Seconds until the bucket is full again (what the rate-limit reset headers say)."""
-        return max(0.0, (self.capacity - self.level) / self.per_s)
+        return max(0.0, (self.top - self.level) / self.per_s)
 
 
 def period_start(now: float, period: str) -> float:
@@ -102,16 +118,32 @@ class Refusal:
     retry_after_s: float
 
 
+@dataclass(frozen=True)
+class QuotaView:
+    """One key's quota as the control process sends it to its workers (the sums over all of them)."""
+
+    requests_level: float | None
+    tokens_level: float | None
+    at: float
+    day_used: int
+    month_used: int
+    in_flight: tuple[tuple[int, int], ...]  # (worker index, its requests of this key in flight)
+
+
 class KeyQuota:
     """One key's limits and what it used."""
 
-    def __init__(self, limits: KeyLimits, now: float) -> None:
+    def __init__(self, limits: KeyLimits, now: float, share: float = 1.0) -> None:
         self.limits = KeyLimits()
         self.requests: Bucket | None = None
         self.tokens: Bucket | None = None
         self.day: Budget | None = None
         self.month: Budget | None = None
         self.in_flight = 0
+        self.share = share  # of the buckets, for one worker of several (1: the process holds the whole quota)
+        self.others_in_flight = 0  # the other workers' requests of this key, as of the last round
+        self.unreported = [0, 0]  # requests admitted and tokens charged here since the last report
+        self.reported_in_flight = 0
         self.update(limits, now)
 
     def update(self, limits: KeyLimits, now: float) -> None:
@@ -119,16 +151,17 @@ class KeyQuota:
         if limits == self.limits:
             return
         self.limits = limits
-        self.requests = _bucket(self.requests, limits.requests_per_minute, now)
-        self.tokens = _bucket(self.tokens, limits.tokens_per_minute, now)
+        self.requests = _bucket(self.requests, limits.requests_per_minute, now, self.share)
+        self.tokens = _bucket(self.tokens, limits.tokens_per_minute, now, self.share)
         self.day = _budget(self.day, limits.tokens_per_day, "day", now)
         self.month = _budget(self.month, limits.tokens_per_month, "month", now)
 
     def admit(self, now: float) -> Refusal | None:
         """Take one request (None), or say why not; an admitted request must be given back by :meth:`finish`."""
         limits = self.limits
-        if limits.max_concurrent is not None and self.in_flight >= limits.max_concurrent:
-            return Refusal(f"this key has {self.in_flight} requests in flight, its limit", "too_many_concurrent_requests", 1.0)
+        in_flight = self.in_flight + self.others_in_flight
+        if limits.max_concurrent is not None and in_flight >= limits.max_concurrent:
+            return Refusal(f"this key has {in_flight} requests in flight, its limit", "too_many_concurrent_requests", 1.0)
         if self.requests is not None:
             self.requests.refill(now)
             if self.requests.level < 1:
@@ -148,6 +181,7 @@ class KeyQuota:
         if self.requests is not None:
             self.requests.level -= 1
         self.in_flight += 1
+        self.unreported[0] += 1
         return None
 
     def finish(self, tokens: int, now: float) -> None:
@@ -155,6 +189,11 @@ class KeyQuota:
         self.in_flight = max(0, self.in_flight - 1)
         if tokens <= 0:
             return
+        self.unreported[1] += tokens
+        self.charge(tokens, now)
+
+    def charge(self, tokens: int, now: float) -> None:
+        """Count ``tokens`` against the token bucket and the budgets."""
         if self.tokens is not None:
             self.tokens.refill(now)
             self.tokens.level -= tokens
@@ -164,11 +203,11 @@ class KeyQuota:
                 budget.used += tokens
 
 
-def _bucket(old: Bucket | None, capacity: int | None, now: float) -> Bucket | None:
+def _bucket(old: Bucket | None, capacity: int | None, now: float, share: float) -> Bucket | None:
     if capacity is None:
         return None
     if old is None:
-        return Bucket(capacity, at=now)
+        return Bucket(capacity, at=now, scale=share)
     old.refill(now)
     old.resize(capacity)
     return old
@@ -186,15 +225,103 @@ def _budget(old: Budget | None, limit: int | None, period: str, now: float) -> B
 class Quotas:
     """Every named key's :class:`KeyQuota`, by name (kept across reloads; made on first use)."""
 
-    def __init__(self, clock: Clock = time.time) -> None:
+    def __init__(self, clock: Clock = time.time, share: float = 1.0) -> None:
         self.clock = clock
+        self.share = share  # 1/N in each of N worker processes
         self._by_name: dict[str, KeyQuota] = {}
+        # a worker's reports the control had not counted yet in the last sums it sent: (number, key -> used)
+        self._unabsorbed: list[tuple[int, dict[str, tuple[int, int]]]] = []
+        self._reports = 0
+        # the control's view: key -> worker -> in flight, and the last report of each worker it counted
+        self._in_flight: dict[str, dict[int, int]] = {}
+        self.absorbed: dict[int, int] = {}
 
     def of(self, name: str, limits: KeyLimits) -> KeyQuota:
         """The quota of key ``name``, brought to ``limits`` (those in force now)."""
         quota = self._by_name.get(name)
         if quota is None:
-            quota = self._by_name[name] = KeyQuota(limits, self.clock())
+            quota = self._by_name[name] = KeyQuota(limits, self.clock(), self.share)
         elif quota.limits != limits:
             quota.update(limits, self.clock())
         return quota
+
+    # ----------------------------------------------------------------- a worker's side
+    def report(self) -> tuple[int, dict[str, tuple[int, int, int]]] | None:
+        """What each key used here since the last report (requests admitted, tokens charged, in flight now), numbered;
+        None when nothing changed."""
+        used = {}
+        for name, quota in self._by_name.items():
+            requests, tokens = quota.unreported
+            if requests or tokens or quota.in_flight != quota.reported_in_flight:
+                used[name] = (requests, tokens, quota.in_flight)
+                quota.reported_in_flight = quota.in_flight
+            quota.unreported = [0, 0]
+        if not used:
+            return None
+        self._reports += 1
+        self._unabsorbed.append((self._reports, {name: (r, t) for name, (r, t, _) in used.items()}))
+        return self._reports, used
+
+    def apply(self, views: dict[str, tuple[KeyLimits, QuotaView]], worker: int, absorbed: int) -> None:
+        """Take the sums the control sent (having counted this worker's reports up to ``absorbed``): this worker's
+        share of what the buckets hold, less what it used that the sums do not hold yet."""
+        now = self.clock()
+        self._unabsorbed = [(number, used) for number, used in self._unabsorbed if number > absorbed]
+        for name, (limits, view) in views.items():
+            quota = self.of(name, limits)
+            requests, tokens = quota.unreported
+            for _, used in self._unabsorbed:
+                requests, tokens = requests + used.get(name, (0, 0))[0], tokens + used.get(name, (0, 0))[1]
+            if quota.requests is not None and view.requests_level is not None:
+                quota.requests.level, quota.requests.at = view.requests_level * self.share - requests, view.at
+                quota.requests.refill(now)
+            if quota.tokens is not None and view.tokens_level is not None:
+                quota.tokens.level, quota.tokens.at = view.tokens_level * self.share - tokens, view.at
+                quota.tokens.refill(now)
+            for budget, total in ((quota.day, view.day_used), (quota.month, view.month_used)):
+                if budget is not None:
+                    budget.roll(now)
+                    budget.used = total + tokens
+            quota.others_in_flight = sum(count for index, count in view.in_flight if index != worker)
+
+    # ----------------------------------------------------------------- the control's side
+    def absorb(self, worker: int, number: int, used: dict[str, tuple[int, int, int]], limits: dict[str, KeyLimits]) -> None:
+        """Count report ``number`` of worker ``worker`` (key -> used); ``limits``: the limited named keys in force."""
+        now = self.clock()
+        for name, (requests, tokens, in_flight) in used.items():
+            key_limits = limits.get(name)
+            if key_limits is None:  # no longer limited (a reload): nothing to count
+                continue
+            quota = self.of(name, key_limits)
+            if quota.requests is not None:
+                quota.requests.refill(now)
+                quota.requests.level -= requests
+            if tokens:
+                quota.charge(tokens, now)
+            self._in_flight.setdefault(name, {})[worker] = in_flight
+        self.absorbed[worker] = number
+
+    def forget_worker(self, worker: int) -> None:
+        """A worker that exited has nothing in flight any more, and its successor numbers its reports from 1."""
+        for counts in self._in_flight.values():
+            counts.pop(worker, None)
+        self.absorbed.pop(worker, None)
+
+    def snapshot(self, limits: dict[str, KeyLimits]) -> dict[str, tuple[KeyLimits, QuotaView]]:
+        """What every worker gets: the sums, per key of ``limits`` (the limited named keys in force)."""
+        views = {}
+        for name, key_limits in limits.items():
+            quota = self.of(name, key_limits)
+            for budget in (quota.day, quota.month):
+                if budget is not None:
+                    budget.roll(self.clock())
+            at = max((b.at for b in (quota.requests, quota.tokens) if b is not None), default=0.0)
+            views[name] = (key_limits, QuotaView(
+                quota.requests.level if quota.requests is not None else None,
+                quota.tokens.level if quota.tokens is not None else None,
+                at,
+                quota.day.used if quota.day is not None else 0,
+                quota.month.used if quota.month is not None else 0,
+                tuple(sorted(self._in_flight.get(name, {}).items())),
+            ))  # fmt: skip
+        return views

@@ -57,3 +57,39 @@ def test_a_reload_keeps_what_a_key_used() -> None:
 
 def test_reset_durations_read_like_openais() -> None:
     assert [duration(s) for s in (0.25, 1.0, 1.52, 59.9, 60.0, 90.2, 3600.0)] == ["250ms", "1s", "1.6s", "59.9s", "1m0s", "1m31s", "60m0s"]
+
+
+def test_workers_share_a_key_through_the_controls_rounds() -> None:
+    limits = KeyLimits(requests_per_minute=10, tokens_per_day=1000, max_concurrent=6)
+    control, workers = Quotas(clock=lambda: JAN_1), [Quotas(clock=lambda: JAN_1, share=0.5) for _ in range(2)]
+    a, b = (worker.of("t", limits) for worker in workers)
+    assert [a.admit(JAN_1) is None for _ in range(6)] == [True] * 5 + [False]  # half of the bucket before any round
+
+    def round_trip() -> None:
+        for index, worker in enumerate(workers):
+            report = worker.report()
+            if report is not None:
+                control.absorb(index, *report, {"t": limits})
+        views = control.snapshot({"t": limits})
+        for index, worker in enumerate(workers):
+            worker.apply(views, index, control.absorbed.get(index, 0))
+
+    round_trip()  # a used 5 of 10: each now holds half of the 5 left
+    assert a.requests is not None and b.requests is not None and a.requests.level == b.requests.level == 2.5
+    assert a.others_in_flight == 0 and b.others_in_flight == 5
+    assert b.admit(JAN_1) is None
+    refused = b.admit(JAN_1)  # 5 in flight on a, 1 here: the key's 6
+    assert refused is not None and refused.code == "too_many_concurrent_requests"
+    for _ in range(5):
+        a.finish(100, JAN_1)
+    round_trip()
+    assert b.day is not None and b.day.used == 500 and b.others_in_flight == 0  # a's tokens count for b too
+    assert a.requests.level == b.requests.level == 2.0  # 10 - 6, shared
+    assert [b.admit(JAN_1) is None for _ in range(3)] == [True, True, False]
+    views = control.snapshot({"t": limits})  # sums made before b's last report was counted: b still counts its own
+    b_report = workers[1].report()
+    workers[1].apply(views, 1, control.absorbed.get(1, 0))
+    assert b.requests.level == 0.0 and b_report is not None
+    control.absorb(1, *b_report, {"t": limits})
+    round_trip()
+    assert a.requests.level == b.requests.level == 1.0  # 10 - 8, shared
