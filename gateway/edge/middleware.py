@@ -92,6 +92,7 @@ class RequestContextMiddleware:
             "method": info.method,
             "path": info.path,
             "model": info.model,
+            "key": info.key_name,  # the named key (tenant), never the key itself
             "replica": info.replica,  # for models with several replicas
             "status": info.status,
             "stream": info.stream,

@@ -75,6 +75,22 @@ def test_a_key_limited_to_one_model_does_not_see_the_others(upstream: str) -> No
         assert _chat(plain, "b").parse().model == "b"
 
 
+def test_the_log_line_names_the_key_never_the_key_itself(upstream: str) -> None:
+    from loguru import logger
+
+    lines: list[str] = []
+    sink = logger.add(lambda message: lines.append(str(message)), level="INFO", format="{message}")
+    try:
+        with _serve(upstream, [{"name": "chat", "key": CHAT}]) as server:
+            _chat(_sdk(server, CHAT))
+            _chat(_sdk(server, OTHER))
+    finally:
+        logger.remove(sink)
+    requests = [line for line in lines if line.startswith("request ") and "/v1/chat/completions" in line]
+    assert len(requests) == 2 and " key=chat " in requests[0] and " key=" not in requests[1], requests
+    assert not any(CHAT in line or OTHER in line for line in lines)
+
+
 def test_requests_per_minute_with_the_headers_openai_clients_read(upstream: str) -> None:
     with _serve(upstream, [{"name": "batch", "key": BATCH, "limits": {"requests_per_minute": 3}}]) as server:
         clock = _clock(server)
