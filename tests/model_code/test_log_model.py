@@ -12,7 +12,7 @@ import yaml
 from launch.config import ConfigError
 from launch.gpu_profiles import DEFAULT_PROFILE, UnknownGpuProfile
 from model_code import engine_owner, log_model
-from model_code.flavor_table import FLAVORS
+from model_code.flavors.table import FLAVORS
 from tests.model_code.helpers import engine_children
 
 REPO = Path(__file__).resolve().parents[2]

@@ -17,15 +17,10 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from launch.config import ConfigError
 from launch.gpu_profiles import DEFAULT_PROFILE
 from model_code import errors, gpu_stack_lines, pip_requirements
-from model_code.flavors import (
-    completion_to_chat_agent,
-    completion_to_chat_model,
-    completion_to_responses,
-    stream_to_chat_agent,
-    stream_to_chat_model,
-    stream_to_responses,
-)
-from model_code.params import build_request, chat_model_params, responses_params
+from model_code.flavors.chat_agent import completion_to_chat_agent, stream_to_chat_agent
+from model_code.flavors.chat_model import chat_model_params, completion_to_chat_model, stream_to_chat_model
+from model_code.flavors.responses_agent import completion_to_responses, responses_params, stream_to_responses
+from model_code.params import build_request
 from model_code.requirements import UnknownGpuProfile
 from model_code.serving import normalize_request, wants_stream
 from model_code.target import ModelCodeSettings, in_log_time, resolve_target, split_model_config
