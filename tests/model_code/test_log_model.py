@@ -31,8 +31,10 @@ def test_logging_a_managed_config_starts_no_engine(flavor, mlflow_store, tiny_de
     assert engine_owner.STARTS == starts and set(engine_children()) == children
     files = _files(info)
     assert (files / "artifacts" / tiny_model_dir.name / "config.json").is_file()  # weights logged
-    for package in ("launch", "model_code"):
+    for package in ("launch", "model_code", "model_code/flavors"):
         assert (files / "code" / package / "__init__.py").is_file()  # code_paths
+    code_file = FLAVORS[flavor].path.name  # the flavour's module is its models-from-code file, packed twice:
+    assert (files / code_file).is_file() and (files / "code" / "model_code" / "flavors" / code_file).is_file()
     config = yaml.safe_load((files / "MLmodel").read_text())["flavors"]["python_function"]["config"]
     assert config["models"]["tiny"]["engine"]["device"] == "cpu"
     requirements = (files / "requirements.txt").read_text().splitlines()
