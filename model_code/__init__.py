@@ -1,7 +1,18 @@
 """MLflow packaging of the SGLang engine: three models-from-code flavours, ``log_model``, batch, serving.
 
 Uses ``launch`` to start engines; never imports ``gateway``. Names are imported lazily so that the
-models-from-code files load only what they need.
+models-from-code files load only what they need. A map:
+
+``flavors/``        one module per flavour (``responses_agent``, ``chat_agent``, ``chat_model``), each its own
+                    models-from-code file; ``common`` what they share; ``table`` ``FLAVORS`` (map: ``flavors/__init__``)
+``params``          generation parameters -> validated ``chat.completions`` kwargs (shared by the flavours)
+``client``          the engine client a flavour talks through (``target``: which engine, from ``model_config``)
+``engine_owner``    the engines this process started; ``replica_set`` a model's replicas
+``tracing``         one MLflow trace per call, recorded after it; ``errors`` typed errors with ``status_code``
+``log``             ``log_model``: a deployment YAML -> a logged model (``requirements``: its pinned GPU stack)
+``entrypoint``      the ``entrypoint`` flavour (the gateway as the model's server; ``entrypoint_model`` its placeholder)
+``serving``         ``load_for_serving``: a logged model that takes serving request bodies; ``batch`` many prompts
+``paths``           where the packed code lives (``code_paths``)
 """
 
 from __future__ import annotations

@@ -28,7 +28,8 @@ from typing import Any
 import yaml
 
 from launch.config import GATEWAY_KEY_SETTINGS, GATEWAY_PER_MODEL_SETTINGS, ConfigError
-from model_code.flavor_table import CHAT_TASK, PACKAGE_DIR, REPO_DIR
+from model_code.flavors.spec import CHAT_TASK
+from model_code.paths import PACKAGE_DIR, REPO_DIR
 from model_code.target import SETTINGS_KEY, WEIGHTS_ARTIFACT, Target
 
 PLACEHOLDER_FILE = PACKAGE_DIR / "entrypoint_model.py"

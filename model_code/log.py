@@ -10,11 +10,12 @@ from typing import Any
 
 from launch.config import ConfigError, load_config
 from model_code.entrypoint import check_options, log_entrypoint_model
-from model_code.flavor_table import CHAT_TASK, FLAVORS, PACKAGE_DIR, REPO_DIR
+from model_code.flavors.spec import CHAT_TASK
+from model_code.paths import PACKAGE_DIR, REPO_DIR
 from model_code.requirements import pip_requirements as computed_requirements
 from model_code.target import NO_ENGINE_ENV, SETTINGS_KEY, WEIGHTS_ARTIFACT, resolve_target, split_model_config
 
-CODE_PATHS = [str(REPO_DIR / "launch"), str(PACKAGE_DIR)]
+CODE_PATHS = [str(REPO_DIR / "launch"), str(PACKAGE_DIR)]  # the whole package: every flavour module is there
 
 ENTRYPOINT_FLAVOR = "entrypoint"  # Databricks custom LLM serving: see model_code.entrypoint
 
@@ -107,6 +108,8 @@ def log_model(
         MLflow's ``ModelInfo``.
     """
     import mlflow
+
+    from model_code.flavors.table import FLAVORS  # loads the flavours (and MLflow's pyfunc): only when logging
 
     if flavor not in FLAVORS and flavor != ENTRYPOINT_FLAVOR:
         raise ValueError(f"flavor must be one of {', '.join([*FLAVORS, ENTRYPOINT_FLAVOR])}, got {flavor!r}")

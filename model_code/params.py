@@ -1,4 +1,6 @@
-"""Generation parameters: from where each MLflow interface puts them to ``openai`` ``chat.completions`` kwargs.
+"""Generation parameters: one mapping (whatever the interface) -> validated ``openai`` ``chat.completions`` kwargs.
+
+Each flavour module of :mod:`model_code.flavors` first gathers the parameters from where its interface puts them:
 
 - ChatAgent: everything in ``custom_inputs`` (MLflow drops top-level generation fields).
 - ChatModel: the ``ChatParams`` fields (``temperature``, ``max_tokens``, ``stop``, ``n``, ``top_p``,
@@ -7,7 +9,8 @@
 - ResponsesAgent: request fields (``temperature``, ``top_p``, ``max_output_tokens``, ``tools``,
   ``tool_choice``, ``parallel_tool_calls``, ``text.format``) plus ``custom_inputs``.
 
-Accepted keys (anything else is a :class:`BadRequestError` that lists them):
+Then :func:`build_request` (the engine client calls it) takes that mapping. Accepted keys (anything else is a
+:class:`BadRequestError` that lists them):
 OpenAI ones are passed as is; SGLang sampling extras (``top_k``, ``min_p``, ``repetition_penalty``,
 ``regex``, ``ebnf``, ...) go in ``extra_body``; ``json_schema`` (a dict or JSON string, as batch users
 already pass it) becomes ``response_format={"type": "json_schema", ...}``; ``extra_body`` is merged verbatim.
@@ -137,78 +140,3 @@ def _check_response_format(value: Any) -> dict[str, Any]:
 def _safe_name(name: str) -> str:
     cleaned = "".join(c if c.isalnum() or c in "_-" else "_" for c in name)[:64]
     return cleaned or "output"
-
-
-# ----------------------------------------------------------------------------------- per interface
-def chat_agent_params(custom_inputs: Mapping[str, Any] | None) -> dict[str, Any]:
-    """ChatAgent: generation parameters travel in ``custom_inputs``."""
-    return dict(custom_inputs or {})
-
-
-_CHAT_PARAMS_FIELDS = (
-    "temperature",
-    "max_tokens",
-    "stop",
-    "n",
-    "top_p",
-    "top_k",
-    "frequency_penalty",
-    "presence_penalty",
-)
-
-
-def chat_model_params(params: Any) -> dict[str, Any]:
-    """ChatModel: the ``ChatParams`` fields, ``tools``, then ``custom_inputs`` (which win)."""
-    if params is None:
-        return {}
-    out: dict[str, Any] = {}
-    for field in _CHAT_PARAMS_FIELDS:
-        value = getattr(params, field, None)
-        if value is not None:
-            out[field] = value
-    if out.get("n") == 1:
-        out.pop("n")
-    tools = getattr(params, "tools", None)
-    if tools:
-        out["tools"] = [tool.to_dict() if hasattr(tool, "to_dict") else dict(tool) for tool in tools]
-    out.update(getattr(params, "custom_inputs", None) or {})
-    return out
-
-
-def responses_params(request: Any) -> dict[str, Any]:
-    """ResponsesAgent: request fields mapped to chat-completions names, then ``custom_inputs``."""
-    out: dict[str, Any] = {}
-    for field in ("temperature", "top_p", "parallel_tool_calls", "user"):
-        value = getattr(request, field, None)
-        if value is not None:
-            out[field] = value
-    if request.max_output_tokens is not None:
-        out["max_tokens"] = request.max_output_tokens
-    if request.tools:
-        out["tools"] = [responses_tool_to_cc(tool.model_dump(exclude_none=True)) for tool in request.tools]
-    if request.tool_choice is not None:
-        choice = request.tool_choice
-        out["tool_choice"] = (
-            choice if isinstance(choice, str) else {"type": "function", "function": {"name": choice.name}}
-        )
-    text = request.text
-    if isinstance(text, Mapping) and isinstance(text.get("format"), Mapping):
-        out["response_format"] = responses_format_to_cc(text["format"])
-    out.update(request.custom_inputs or {})
-    return out
-
-
-def responses_tool_to_cc(tool: Mapping[str, Any]) -> dict[str, Any]:
-    """A Responses function tool (flat) -> a chat-completions tool (nested under ``function``)."""
-    if tool.get("type") != "function":
-        raise BadRequestError(f"only function tools can be passed to the engine, got type {tool.get('type')!r}")
-    function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
-    return {"type": "function", "function": function}
-
-
-def responses_format_to_cc(fmt: Mapping[str, Any]) -> dict[str, Any]:
-    """Responses ``text.format`` -> chat-completions ``response_format``."""
-    if fmt.get("type") == "json_schema":
-        spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
-        return {"type": "json_schema", "json_schema": spec}
-    return {"type": fmt.get("type", "text")}

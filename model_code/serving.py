@@ -18,8 +18,6 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from model_code.flavor_table import flavor_of
-
 
 def wants_stream(body: Mapping[str, Any]) -> bool:
     """Whether a request body asks for streaming (``"stream": true`` at the top level or inside ``inputs``)."""
@@ -54,6 +52,8 @@ class ServedModel:
     """A loaded model plus its flavour; ``predict`` / ``predict_stream`` take serving bodies."""
 
     def __init__(self, pyfunc_model: Any) -> None:
+        from model_code.flavors.table import flavor_of  # loads every flavour: wants_stream and co. need none
+
         self.pyfunc_model = pyfunc_model
         self.python_model = python_model_of(pyfunc_model)
         self.flavor = flavor_of(self.python_model)

@@ -12,7 +12,7 @@ import yaml
 from launch.config import ConfigError
 from launch.gpu_profiles import DEFAULT_PROFILE, UnknownGpuProfile
 from model_code import engine_owner, log_model
-from model_code.flavor_table import FLAVORS
+from model_code.flavors.table import FLAVORS
 from tests.model_code.helpers import engine_children
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,8 +31,10 @@ def test_logging_a_managed_config_starts_no_engine(flavor, mlflow_store, tiny_de
     assert engine_owner.STARTS == starts and set(engine_children()) == children
     files = _files(info)
     assert (files / "artifacts" / tiny_model_dir.name / "config.json").is_file()  # weights logged
-    for package in ("launch", "model_code"):
+    for package in ("launch", "model_code", "model_code/flavors"):
         assert (files / "code" / package / "__init__.py").is_file()  # code_paths
+    code_file = FLAVORS[flavor].path.name  # the flavour's module is its models-from-code file, packed twice:
+    assert (files / code_file).is_file() and (files / "code" / "model_code" / "flavors" / code_file).is_file()
     config = yaml.safe_load((files / "MLmodel").read_text())["flavors"]["python_function"]["config"]
     assert config["models"]["tiny"]["engine"]["device"] == "cpu"
     requirements = (files / "requirements.txt").read_text().splitlines()

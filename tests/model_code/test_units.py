@@ -17,15 +17,11 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from launch.config import ConfigError
 from launch.gpu_profiles import DEFAULT_PROFILE
 from model_code import errors, gpu_stack_lines, pip_requirements
-from model_code.flavors import (
-    completion_to_chat_agent,
-    completion_to_chat_model,
-    completion_to_responses,
-    stream_to_chat_agent,
-    stream_to_chat_model,
-    stream_to_responses,
-)
-from model_code.params import build_request, chat_model_params, responses_params
+from model_code.flavors.chat_agent import completion_to_chat_agent, stream_to_chat_agent
+from model_code.flavors.chat_model import chat_model_params, completion_to_chat_model, stream_to_chat_model
+from model_code.flavors.responses_agent import completion_to_responses, responses_params, stream_to_responses
+from model_code.flavors.table import FLAVORS, flavor_of
+from model_code.params import build_request
 from model_code.requirements import UnknownGpuProfile
 from model_code.serving import normalize_request, wants_stream
 from model_code.target import ModelCodeSettings, in_log_time, resolve_target, split_model_config
@@ -278,6 +274,27 @@ def test_completions_with_tool_calls():
     assert chat["choices"][0]["message"]["tool_calls"] == [FULL_CALL]
     responses = completion_to_responses(completion).model_dump(exclude_none=True)
     assert responses["output"][0]["type"] == "function_call" and responses["usage"]["input_tokens"] == 3
+
+
+# ------------------------------------------------------------------------------------ flavour modules
+@pytest.mark.parametrize("flavor", list(FLAVORS))
+def test_a_flavour_module_sets_the_model_only_when_mlflow_executes_it(flavor, monkeypatch):
+    """The module is its own models-from-code file: MLflow's loader gets the model, a package import sets none."""
+    import importlib.util
+
+    import mlflow.models.model
+    from mlflow.models.utils import _load_model_code_path
+
+    spec = FLAVORS[flavor]
+    monkeypatch.setattr(mlflow.models.model, "__mlflow_model__", None)
+    as_package = importlib.util.spec_from_file_location(f"model_code.flavors._{flavor}_probe", spec.path)
+    as_package.loader.exec_module(importlib.util.module_from_spec(as_package))
+    assert mlflow.models.model.__mlflow_model__ is None
+
+    model = _load_model_code_path(str(spec.path), None)
+    assert isinstance(model, getattr(mlflow.pyfunc, spec.mlflow_class)) and model.client is None  # nothing started
+    assert type(model).__module__.startswith("code_model_")
+    assert flavor_of(model) == flavor
 
 
 # ------------------------------------------------------------------------------------ config

@@ -1,0 +1,171 @@
+"""The ``chat_agent`` flavour: the SGLang engine as an MLflow ``ChatAgent`` (agent notebooks).
+
+Generation parameters (incl. ``response_format`` / ``json_schema``) go in ``custom_inputs``: MLflow drops
+top-level generation fields of a ChatAgent request. Stream chunks each have ``delta.content`` (a string); the
+last one has the finish reason and the usage.
+
+This module is also the flavour's models-from-code file: log it with
+``model_code.log_model(config, flavor="chat_agent")`` (or give its path as ``python_model=`` to
+``mlflow.pyfunc.log_model``); run by MLflow it sets the model, imported it only defines the flavour.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from mlflow.entities import SpanType
+from mlflow.models import set_model
+from mlflow.pyfunc import ChatAgent
+from mlflow.types.agent import ChatAgentChunk, ChatAgentMessage, ChatAgentResponse, ChatContext
+from mlflow.types.chat import ChatUsage
+
+from model_code.client import usage_dict
+from model_code.flavors.common import (
+    EngineBacked,
+    ToolCallAccumulator,
+    cc_messages,
+    last_usage,
+    single_choice,
+    tool_calls_of,
+)
+from model_code.flavors.spec import QUESTION, FlavorSpec, executed_by_mlflow
+from model_code.tracing import traced_call, traced_stream
+
+SPEC = FlavorSpec(
+    "chat_agent",
+    Path(__file__).resolve(),
+    "ChatAgent",
+    {"messages": QUESTION, "custom_inputs": {"temperature": 0.1, "max_tokens": 50}},
+)
+
+
+def chat_agent_params(custom_inputs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """ChatAgent: generation parameters travel in ``custom_inputs``."""
+    return dict(custom_inputs or {})
+
+
+def completion_to_chat_agent(response: Any) -> ChatAgentResponse:
+    messages = []
+    for choice in response.choices:
+        calls = tool_calls_of(choice.message)
+        content = choice.message.content
+        message_id = response.id if len(response.choices) == 1 else f"{response.id}-{choice.index}"
+        messages.append(
+            ChatAgentMessage(
+                role="assistant",
+                content=content if content is not None or calls else "",
+                tool_calls=calls or None,
+                id=message_id or str(uuid.uuid4()),
+            )
+        )
+    usage = usage_dict(response.usage)
+    return ChatAgentResponse(
+        messages=messages,
+        finish_reason=response.choices[0].finish_reason if response.choices else None,
+        usage=ChatUsage(**usage) if usage else None,
+    )
+
+
+def stream_to_chat_agent(chunks: Iterable[Any]) -> Iterator[ChatAgentChunk]:
+    """ChatAgent chunks: every one has ``delta.content`` (a string); the last one has the finish reason and usage.
+
+    The engine sends usage in a chunk of its own after the finish chunk: the finish chunk waits for it.
+    """
+    message_id: str | None = None
+    tools = ToolCallAccumulator()
+    final: ChatAgentChunk | None = None
+    for chunk in chunks:
+        message_id = message_id or chunk.id or str(uuid.uuid4())
+        usage = usage_dict(chunk.usage)
+        usage_model = ChatUsage(**usage) if usage else None
+        if not chunk.choices:
+            if usage_model is not None:
+                final = (
+                    final.model_copy(update={"usage": usage_model})
+                    if final is not None
+                    else ChatAgentChunk(
+                        delta=ChatAgentMessage(role="assistant", content="", id=message_id), usage=usage_model
+                    )
+                )
+            continue
+        choice = chunk.choices[0]
+        if choice.delta.tool_calls:
+            tools.add(choice.delta.tool_calls)
+        text = choice.delta.content
+        if choice.finish_reason:
+            if final is not None:
+                yield final
+            final = ChatAgentChunk(
+                delta=ChatAgentMessage(
+                    role="assistant", content=text or "", tool_calls=tools.result() or None, id=message_id
+                ),
+                finish_reason=choice.finish_reason,
+                usage=usage_model,
+            )
+        elif text:
+            yield ChatAgentChunk(
+                delta=ChatAgentMessage(role="assistant", content=text, id=message_id), usage=usage_model
+            )
+    if final is not None:
+        yield final
+
+
+def reduce_chat_agent_chunks(chunks: list[Any]) -> dict[str, Any]:
+    """Trace output of a ChatAgent stream: the joined message, finish reason and usage."""
+    content, finish, usage, calls = "", None, None, None
+    for chunk in chunks:
+        data = chunk.model_dump(exclude_none=True) if hasattr(chunk, "model_dump") else chunk
+        content += data.get("delta", {}).get("content") or ""
+        calls = data.get("delta", {}).get("tool_calls") or calls
+        finish = data.get("finish_reason") or finish
+        usage = data.get("usage") or usage
+    message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+    return {"messages": [message], "finish_reason": finish, "usage": usage}
+
+
+class SGLangChatAgent(EngineBacked, ChatAgent):
+    """ChatAgent over SGLang: generation parameters (incl. ``response_format`` / ``json_schema``) in ``custom_inputs``."""
+
+    def predict(
+        self,
+        messages: list[ChatAgentMessage],
+        context: ChatContext | None = None,
+        custom_inputs: dict[str, Any] | None = None,
+    ) -> ChatAgentResponse:
+        def call() -> ChatAgentResponse:
+            params = chat_agent_params(custom_inputs)
+            return completion_to_chat_agent(self._engine().chat(cc_messages(messages), params))
+
+        inputs = {"messages": messages, "context": context, "custom_inputs": custom_inputs}
+        return traced_call(
+            self.tracing, "SGLangChatAgent.predict", SpanType.AGENT, inputs, call, lambda out: usage_dict(out.usage)
+        )
+
+    def predict_stream(
+        self,
+        messages: list[ChatAgentMessage],
+        context: ChatContext | None = None,
+        custom_inputs: dict[str, Any] | None = None,
+    ) -> Iterator[ChatAgentChunk]:
+        def chunks() -> Iterator[ChatAgentChunk]:
+            params = chat_agent_params(custom_inputs)
+            single_choice(params, "ChatAgent.predict_stream")
+            yield from stream_to_chat_agent(self._engine().stream(cc_messages(messages), params))
+
+        inputs = {"messages": messages, "context": context, "custom_inputs": custom_inputs}
+        yield from traced_stream(
+            self.tracing,
+            "SGLangChatAgent.predict_stream",
+            SpanType.AGENT,
+            inputs,
+            chunks(),
+            reduce_chat_agent_chunks,
+            last_usage,
+        )
+
+
+if executed_by_mlflow(__package__):  # the models-from-code entry (see executed_by_mlflow)
+    set_model(SGLangChatAgent())
