@@ -86,12 +86,14 @@ def test_stored_responses_by_id(client: openai.OpenAI) -> None:
 
 # ------------------------------------------------------------------ Anthropic Messages API
 def test_messages_with_the_anthropic_sdk(claude: anthropic.Anthropic, gateway: GatewayServer) -> None:
-    message = claude.messages.create(model="tiny", max_tokens=8, messages=[{"role": "user", "content": "Hello!"}])
+    # temperature 0: the tiny random model sampling at 1.0 may end at its first token (no text delta: a
+    # make test-random run, seed 776389820, failed there)
+    message = claude.messages.create(model="tiny", max_tokens=8, extra_body={"temperature": 0}, messages=[{"role": "user", "content": "Hello!"}])
     assert message.type == "message" and message.role == "assistant" and message.model == "tiny"
     assert message.usage.input_tokens > 0 and 0 < message.usage.output_tokens <= 8
     assert message.content and message.content[0].type == "text"
 
-    with claude.messages.stream(model="default", max_tokens=8, messages=[{"role": "user", "content": "Hello!"}]) as stream:
+    with claude.messages.stream(model="default", max_tokens=8, extra_body={"temperature": 0}, messages=[{"role": "user", "content": "Hello!"}]) as stream:
         kinds = [event.type for event in stream]
         final = stream.get_final_message()
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop", kinds
