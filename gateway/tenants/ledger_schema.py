@@ -65,6 +65,9 @@ usage_rows = Table(
     Column("replica", Integer),
     Column("stream", Boolean, nullable=False),
     Column("error", String(ERROR_CHARS)),
+    Index("usage_rows_at", "at"),
+    Index("usage_rows_key_at", "key_name", "at"),
+    Index("usage_rows_model_at", "model", "at"),
 )
 
 
@@ -80,13 +83,7 @@ class Migration:
 
 
 def _v1_usage_rows(conn: Connection) -> None:
-    usage_rows.create(conn, checkfirst=True)
-    for index in (
-        Index("usage_rows_at", usage_rows.c.at),
-        Index("usage_rows_key_at", usage_rows.c.key_name, usage_rows.c.at),
-        Index("usage_rows_model_at", usage_rows.c.model, usage_rows.c.at),
-    ):
-        index.create(conn, checkfirst=True)
+    usage_rows.create(conn, checkfirst=True)  # with its indexes (time; key and time; model and time)
 
 
 MIGRATIONS: tuple[Migration, ...] = (Migration(1, "usage_rows: one row per request, indexed by time, key and model", _v1_usage_rows),)
