@@ -4,7 +4,7 @@ A map, by folder; each folder may import those listed after it, never those befo
 ``[tool.importlinter]``, checked by ``tests/test_layers.py``). The hot path is marked *.
 
 **Composition root**
-  ``cli``            the ``sglang-gateway`` command (serve, launch, check)
+  ``cli``            the ``sglang-gateway`` command (serve, launch, check, usage)
   ``server``         uvicorn and signals; ``worker`` one worker process's main; ``app`` the app factory: one state, one middleware
                      chain, ``GatewayAPI`` serving the proxied POST routes as plain ASGI ahead of FastAPI*
 
@@ -18,7 +18,7 @@ A map, by folder; each folder may import those listed after it, never those befo
   ``fleet``          the engine and router processes: the only code that starts or stops them; ``drain``
                      waits until no request uses an old backend, then retires it
   ``watchdog``       restarts dead or unhealthy engines with backoff
-  ``admin``          the admin API and its reports
+  ``admin``          the admin API and its reports; ``usage_routes`` ``GET /admin/usage`` (the ledger's totals)
   ``workers``        the worker processes (started, fed the routing state, restarted, stopped): ``snapshot``
                      the routing state they get, ``channel`` how it travels, ``worker_link`` a worker's end
 
@@ -34,6 +34,10 @@ A map, by folder; each folder may import those listed after it, never those befo
 ``edge/`` (a client's connection)
   ``connection``     uvicorn's HTTP protocol with connection/header limits and timeouts*
   ``middleware``     request id + log line + metrics, body size/time cap, CORS*; ``auth`` the key check (and which key)*
+
+``tenants/`` (keys that mean tenants)
+  ``ledger``         the usage ledger: one row per request, buffered, written in batches off the event loop*;
+                     ``ledger_schema`` its tables and versioned schema (SQLite or PostgreSQL); ``usage_query`` totals
 
 ``core/`` (what both planes read)
   ``state``          ``GatewayState``: settings, registry, metrics, proxy, probes, quarantine, responses index

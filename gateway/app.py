@@ -22,6 +22,7 @@ from gateway.config import GatewaySettings, gateway_settings
 from gateway.control.admin import admin_routes
 from gateway.control.controller import Controller
 from gateway.control.swap import SwapExecutor
+from gateway.control.usage_routes import usage_routes
 from gateway.control.worker_link import WorkerLink, admin_forwarder
 from gateway.control.workers import WorkerPlan, WorkerSupervisor
 from gateway.core.endpoints import INVOCATIONS, PROXIED_BY_PATH, ProxiedRoute, dialect_for_path
@@ -39,6 +40,7 @@ from gateway.edge.auth import AuthMiddleware, KeyHolder, key_policy
 from gateway.edge.middleware import BodyLimitMiddleware, JSONCORSMiddleware, RequestContextMiddleware
 from gateway.edge.quota import QuotaMiddleware
 from gateway.tenants.keys import tenants_of
+from gateway.tenants.ledger import open_ledger
 from gateway.tenants.quotas import Quotas
 from launch.config import DeploymentConfig
 from launch.preflight import preflight_all
@@ -102,6 +104,7 @@ def create_app(
     """
     registry = registry if registry is not None else Registry()
     state = GatewayState(settings=settings, registry=registry, metrics=Metrics(registry))
+    ledger = state.ledger = open_ledger(settings, state.metrics.usage_rows_dropped)
     keys = KeyHolder(key_policy(tenants_of(settings), settings.resolved_admin_keys(), settings.open_paths))
     executor = SwapExecutor(state, log_dir=log_dir)
     controller = Controller(state, keys, executor, deployment=deployment, overrides=overrides, watch=watch, boot=boot)
@@ -120,6 +123,7 @@ def create_app(
         streams = StreamPool(settings.upstream_connect_timeout_s, settings.upstream_read_timeout_s, settings.upstream_max_connections)
         state.probes = HealthProbes(settings.health_timeout_s, settings.upstream_connect_timeout_s)
         try:
+            await ledger.start()  # one row per request, written off the hot path (a database down fails no request)
             async with session:
                 state.proxy = Proxy(session, state.metrics, state.quarantine, state.responses, streams)
                 if link is not None:  # a worker: no engines of its own
@@ -153,6 +157,7 @@ def create_app(
         finally:
             await state.probes.aclose()
             await asyncio.to_thread(state.responses.close)  # writes what is pending
+            await ledger.close()  # after the last request (uvicorn's graceful shutdown ran first): writes every row
 
     # No trailing-slash redirects: a 307 built from the client's Host header is not an API answer.
     app = GatewayAPI(title="sglang-gateway", lifespan=lifespan, docs_url=None, redoc_url=None, redirect_slashes=False)
@@ -161,6 +166,8 @@ def create_app(
     app.state.controller = controller
     app.include_router(api_routes)
     app.include_router(admin_forwarder(link) if link is not None else admin_routes)
+    if link is None:  # a worker forwards /admin/usage to the control process too
+        app.include_router(usage_routes)
     if invocations:
         app.proxied_routes = {**PROXIED_BY_PATH, INVOCATIONS.path: INVOCATIONS}
         add_proxied_route(app, INVOCATIONS, listed=False)
@@ -189,7 +196,7 @@ def create_app(
             RequestContextMiddleware,
             {
                 "metrics": state.metrics, "log_requests": settings.log_requests,
-                "worker": link.index if link is not None else None, "record": workers is None,
+                "worker": link.index if link is not None else None, "record": workers is None, "ledger": ledger,
             },
         )  # fmt: skip
     )

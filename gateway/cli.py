@@ -216,6 +216,62 @@ def serve(
         ) from None
 
 
+@app.command()
+def usage(
+    config: Annotated[Path, typer.Option("--config", "-c", help="Deployment YAML file (its gateway: section names the database).", show_default=False)],
+    key: Annotated[str | None, typer.Option("--key", help="Only this client key's name.")] = None,
+    model: Annotated[str | None, typer.Option("--model", "-m", help="Only this model.")] = None,
+    since: Annotated[str | None, typer.Option("--since", help="From this time on (ISO 8601 or unix seconds, UTC).")] = None,
+    until: Annotated[str | None, typer.Option("--until", help="Before this time (ISO 8601 or unix seconds, UTC).")] = None,
+    group_by: Annotated[str | None, typer.Option("--group-by", help="Comma list of key, model, day.")] = None,
+    csv_out: Annotated[bool, typer.Option("--csv", help="CSV on stdout instead of a table.")] = False,
+) -> None:
+    """Usage totals from the ledger (requests, tokens, errors), read from its database: no gateway needs to run.
+
+    Rows reach the database within gateway.usage.flush_interval_s of their request's end."""
+    from gateway.tenants.ledger import database_url
+    from gateway.tenants.ledger_schema import safe_url
+    from gateway.tenants.usage_query import COLUMNS, BadParameter, UsageReader, parse_query
+
+    try:
+        query = parse_query(key, model, since, until, group_by, {"since": "--since", "until": "--until", "group_by": "--group-by"})
+    except BadParameter as error:
+        raise fail(f"{error.param}: {error.message}") from None
+    deployment = load_or_exit(config)
+    try:
+        settings = gateway_settings(deployment)
+    except ConfigError as error:
+        raise fail(str(error)) from None
+    url = database_url(settings)
+    if url is None:
+        raise fail(f"{config}: no usage database: set gateway.state_dir or gateway.usage.database_url")
+    reader = UsageReader(url)
+    try:
+        rows = reader.read(query)
+    except Exception as error:  # unreachable server, unreadable file, newer schema: one line
+        reason = str(getattr(error, "orig", None) or error).strip().splitlines()
+        raise fail(f"cannot read the usage database {safe_url(url)}: {reason[0] if reason else type(error).__name__}", code=1) from None
+    finally:
+        reader.close()
+    headers = [*query.group_by, *COLUMNS]
+    if csv_out:
+        import csv
+        import sys
+
+        writer = csv.writer(sys.stdout, lineterminator="\n")
+        writer.writerow(headers)
+        writer.writerows([["" if row[name] is None else row[name] for name in headers] for row in rows])
+        return
+    from rich.table import Table
+
+    table = Table(title=f"usage ({safe_url(url)})", title_justify="left")
+    for name in headers:
+        table.add_column(name, justify="right" if name in COLUMNS else "left")
+    for row in rows:
+        table.add_row(*["-" if row[name] is None else str(row[name]) for name in headers])
+    out.print(table)
+
+
 @app.command("build-tiny-model")
 def build_tiny_model_command(
     out_dir: Annotated[Path, typer.Argument(help="Where to write the model.")] = Path(".cache/tiny-model"),

@@ -170,6 +170,34 @@ class HttpSettings(_Strict):
     write_timeout_s: float = Field(30.0, gt=0, description="A client that accepts no response bytes this long is disconnected.")
 
 
+class UsageSettings(_Strict):
+    """The usage ledger: one row per request (key, model, tokens, status, latency), written off the hot path."""
+
+    enabled: bool = Field(True, description="Write a row per request to the usage database.")
+    database_url: SecretStr | None = Field(
+        None,
+        description="SQLAlchemy URL of the usage database: sqlite:///path or postgresql+psycopg://user:pass@host/db "
+        "(unset: usage.sqlite3 under state_dir). Every worker process writes its own rows to it.",
+    )
+    flush_interval_s: float = Field(1.0, gt=0, le=3600, description="Seconds between two writes of the buffered rows.")
+    batch_rows: int = Field(500, ge=1, le=100_000, description="Rows written in one transaction; a buffer this full is written at once.")
+    max_buffer_rows: int = Field(
+        100_000, ge=1, description="Rows kept in memory while the database is unreachable; beyond, the oldest are dropped (counted)."
+    )
+
+    @field_validator("database_url")
+    @classmethod
+    def _known_database(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is None:
+            return value
+        url = value.get_secret_value().strip()
+        if url.startswith(("postgresql://", "postgres://")):  # psycopg 3 is the driver installed with the gateway
+            url = "postgresql+psycopg://" + url.split("://", 1)[1]
+        if not url.startswith(("sqlite:///", "postgresql+psycopg://")) or url in ("sqlite:///", "postgresql+psycopg://"):
+            raise ValueError("database_url must be sqlite:///<path> or postgresql+psycopg://<user>@<host>/<database>")
+        return SecretStr(url)
+
+
 class GatewaySettings(_Strict):
     """Every key of the ``gateway:`` section."""
 
@@ -217,6 +245,7 @@ class GatewaySettings(_Strict):
     balancing: BalancingSettings = Field(default_factory=BalancingSettings, description="Spreading requests over replicas.")
     model_balancing: dict[str, BalancingSettings] = Field(default_factory=dict, description="Per-model overrides of balancing.")
     request_bounds: RequestBounds = Field(default_factory=RequestBounds, description="Fan-out and grammar bounds of one request.")
+    usage: UsageSettings = Field(default_factory=UsageSettings, description="The usage ledger (one row per request).")
     extension_fields: dict[str, list[str]] = Field(
         default_factory=dict, description="Per model, the SGLang extension fields clients may send (off by default; see the README)."
     )

@@ -19,6 +19,7 @@ import pytest
 
 from launch.config import DeploymentConfig, EngineConfig, load_config
 from launch.process import EngineProcess
+from tests.postgres import PostgresServer, postgres_missing
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_CONFIG = REPO / "configs" / "tiny-cpu.yaml"
@@ -106,3 +107,17 @@ def tiny_engine(
     engine = EngineProcess("tiny", tiny_engine_config, log_dir=tmp_path_factory.mktemp("engine-logs"))
     with engine:
         yield engine
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[PostgresServer]:
+    """A real PostgreSQL server of the session's own (tests/postgres.py), started on first use; skipped, saying why,
+    where none can run. Tests may stop and start it; each leaves it running."""
+    why = postgres_missing()
+    if why is not None:
+        pytest.skip(f"PostgreSQL tests skipped: {why}")
+    server = PostgresServer()
+    try:
+        yield server.init()
+    finally:
+        server.remove()

@@ -22,17 +22,24 @@ class RequestInfo:
     ttft_s: float | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    cached_tokens: int | None = None  # prompt tokens the engine served from its prefix cache, when it says
     error: str | None = None  # short reason for failures (never a key or a body)
     key_name: str | None = None  # the named key (tenant) that called; None for plain keys and an open gateway
 
     def set_usage(self, usage: Any) -> None:
         """Take token counts from an OpenAI (``prompt_tokens``/``completion_tokens``) or a Responses /
-        Anthropic (``input_tokens``/``output_tokens``) usage object; absent counts keep earlier ones."""
+        Anthropic (``input_tokens``/``output_tokens``) usage object; absent counts keep earlier ones.
+
+        Cached prompt tokens: OpenAI's ``prompt_tokens_details.cached_tokens`` (Responses:
+        ``input_tokens_details``) or Anthropic's ``cache_read_input_tokens``."""
         if isinstance(usage, dict):
             prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
             completion = usage.get("completion_tokens", usage.get("output_tokens"))
             self.prompt_tokens = prompt if isinstance(prompt, int) else self.prompt_tokens
             self.completion_tokens = completion if isinstance(completion, int) else self.completion_tokens
+            details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
+            cached = details.get("cached_tokens") if isinstance(details, dict) else usage.get("cache_read_input_tokens")
+            self.cached_tokens = cached if isinstance(cached, int) else self.cached_tokens
 
 
 def request_info(scope: dict[str, Any]) -> RequestInfo | None:

@@ -46,6 +46,10 @@ class Metrics:
         self.swaps = Counter("gateway_model_swaps", "Backend swaps by model and result (ok / failed).", ["model", "result"], registry=r)
         self.reloads = Counter("gateway_config_reloads", "Config reloads by result (ok / invalid / partial).", ["result"], registry=r)
         self.replica_requests = Counter("gateway_replica_requests", "Requests by the replica that served them (models with replicas).", ["model", "replica"], registry=r)
+        # Per client key (label ``key``: the key's name, "unnamed" for the others: bounded by the configured keys).
+        self.key_requests = Counter("gateway_key_requests", "Requests by client key, model and status class (2xx, 4xx...).", ["key", "model", "status_class"], registry=r)
+        self.key_tokens = Counter("gateway_key_tokens", "Tokens reported by the engines' usage, by client key.", ["key", "model", "kind"], registry=r)
+        self.usage_rows_dropped = Counter("gateway_usage_rows_dropped", "Usage ledger rows dropped: the database was unreachable and the buffer full.", registry=r)
         r.register(_EngineUp(registry))
         r.register(_ReplicasReady(registry))
         self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}

@@ -19,6 +19,7 @@ from gateway.core.responses_index import ResponseIndex
 
 if TYPE_CHECKING:  # the data plane's forwarder, set by the lifespan; core does not import the data plane
     from gateway.data.proxy import Proxy
+    from gateway.tenants.ledger import Ledger
 
 
 class Peers(Protocol):
@@ -48,6 +49,7 @@ class GatewayState:
     # stored responses -> the engine holding them and their owner; the lifespan opens the one in gateway.state_dir
     responses: ResponseIndex = field(default_factory=ResponseIndex)
     peers: Peers | None = None  # set in the control process of worker processes: a drain counts their requests too
+    ledger: Ledger | None = None  # the usage ledger (set by the app factory, started and closed by the lifespan)
 
     def in_flight(self, model: str | None, backend: Backend) -> int:
         """Requests on ``backend`` of ``model`` now: this process's and, with worker processes, theirs."""

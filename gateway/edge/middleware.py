@@ -24,19 +24,25 @@ from gateway.core.endpoints import dialect_for_path, route_label
 from gateway.core.errors import GatewayError, error_response
 from gateway.core.metrics import Metrics
 from gateway.edge.connection import HTTP_CYCLE
+from gateway.tenants.ledger import Ledger, UsageRow
 
 _GOOD_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
+_STATUS_CLASSES = ("other", "1xx", "2xx", "3xx", "4xx", "5xx")
+
+
 class RequestContextMiddleware:
-    """Gives every response an ``X-Request-Id`` and records one log line and the metrics per request."""
+    """Gives every response an ``X-Request-Id`` and records one log line, the metrics and a usage ledger row per request."""
 
     def __init__(
-        self, app: ASGIApp, metrics: Metrics, log_requests: bool = True, worker: int | None = None, record: bool = True
-    ) -> None:
+        self, app: ASGIApp, metrics: Metrics, log_requests: bool = True, worker: int | None = None, record: bool = True,
+        ledger: Ledger | None = None,
+    ) -> None:  # fmt: skip
         self.app = app
         self.metrics = metrics
         self.log_requests = log_requests
+        self.ledger = ledger
         self.record = record  # False in the control process of workers: the worker that forwarded it records it
         # A worker process names itself on every response (X-Gateway-Worker: its index) and log line.
         self.worker = worker
@@ -85,6 +91,22 @@ class RequestContextMiddleware:
             m.child(m.tokens, model, "completion").inc(info.completion_tokens)
         if info.replica is not None:
             m.child(m.replica_requests, model, str(info.replica)).inc()
+        status = info.status or 0
+        key = info.key_name or "unnamed"
+        m.child(m.key_requests, key, model, _STATUS_CLASSES[status // 100 if status < 600 else 0]).inc()
+        if info.prompt_tokens:
+            m.child(m.key_tokens, key, model, "prompt").inc(info.prompt_tokens)
+        if info.completion_tokens:
+            m.child(m.key_tokens, key, model, "completion").inc(info.completion_tokens)
+        if self.ledger is not None:
+            ttft = info.ttft_s
+            self.ledger.record(
+                UsageRow(
+                    time.time() - elapsed, info.key_name, info.model, info.path, info.prompt_tokens, info.completion_tokens,
+                    info.cached_tokens, status, elapsed * 1000, ttft * 1000 if ttft is not None else None, info.request_id,
+                    info.replica, info.stream, info.error,
+                )
+            )  # fmt: skip
         if not self.log_requests:
             return
         fields: dict[str, Any] = {

@@ -1,0 +1,278 @@
+"""The usage ledger: one row per request (key, model, route, tokens, status, latency), kept in a database.
+
+Off the hot path: :meth:`Ledger.record` appends the row to an in-memory buffer (no I/O, no await); a background
+task writes the buffer in batches (every ``usage.flush_interval_s``, or as soon as ``usage.batch_rows`` wait),
+with SQLAlchemy in a thread, so the event loop never waits on the database. A database that is down never fails
+a request: rows stay buffered (at most ``usage.max_buffer_rows``; beyond, the oldest are dropped, counted in
+``gateway_usage_rows_dropped_total`` and logged once per incident) and the writes are retried with backoff.
+:meth:`Ledger.close` (the app's shutdown, SIGTERM included) writes what is buffered.
+
+The database: ``usage.sqlite3`` under ``gateway.state_dir`` (WAL: every worker process writes its own rows to
+the same file), or PostgreSQL at ``usage.database_url``. Schema: :mod:`gateway.tenants.ledger_schema`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from loguru import logger
+from sqlalchemy import Engine, insert
+
+from gateway.config import GatewaySettings, UsageSettings
+from gateway.tenants.ledger_schema import (
+    ERROR_CHARS,
+    ROUTE_CHARS,
+    SQLITE_FILE,
+    migrate,
+    open_engine,
+    safe_url,
+    usage_rows,
+)
+from gateway.tenants.usage_query import UsageQuery, UsageReader
+
+BACKOFF_INITIAL_S = 0.5
+BACKOFF_MAX_S = 30.0
+CLOSE_TIMEOUT_S = 15.0  # how long the shutdown keeps trying to write what is buffered
+
+
+@dataclass(slots=True)
+class UsageRow:
+    """What the ledger keeps of one request (the only object the hot path allocates for it)."""
+
+    at: float  # unix time (UTC) when the request arrived
+    key: str | None  # the client key's name (None: an unnamed key, or an open gateway)
+    model: str | None
+    route: str  # the request's path
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    cached_tokens: int | None
+    status: int
+    latency_ms: float
+    ttft_ms: float | None
+    request_id: str
+    replica: int | None
+    stream: bool
+    error: str | None  # a short reason, for failures
+
+
+def database_url(settings: GatewaySettings) -> str | None:
+    """Where the ledger writes: ``usage.database_url``, else ``usage.sqlite3`` under ``state_dir``; None when neither
+    is set (a deployment built in memory without a state directory: nothing is kept)."""
+    if settings.usage.database_url is not None:
+        return settings.usage.database_url.get_secret_value()
+    if settings.state_dir is None:
+        return None
+    return f"sqlite:///{Path(settings.state_dir) / SQLITE_FILE}"
+
+
+class Ledger:
+    """The buffer and its writer. ``dropped``: a Prometheus counter (child) counting the rows given up."""
+
+    def __init__(self, settings: UsageSettings, url: str | None, dropped: Any = None) -> None:
+        self.url = url
+        self.enabled = settings.enabled and url is not None
+        self.max_rows = settings.max_buffer_rows
+        self.batch_rows = settings.batch_rows
+        self.flush_interval_s = settings.flush_interval_s
+        self.dropped = 0  # rows given up since the start
+        self._dropped_metric = dropped
+        self._rows: deque[UsageRow] = deque()
+        self._wake = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._engine: Engine | None = None
+        self._reader = UsageReader(url) if url is not None else None  # GET /admin/usage reads the database, as the CLI does
+        self._ready = False  # the schema is up to date
+        self._lock = asyncio.Lock()  # one flush at a time (the writer's, or a caller's)
+        self._failing: str | None = None  # why the last write failed (an incident), None while writes succeed
+        self._dropped_at_incident = 0  # ``dropped`` when the current write failure began
+        self._dropped_seen = 0  # ``dropped`` at the last look
+        self._drops_logged = False  # the current run of drops was logged
+
+    @property
+    def buffered(self) -> int:
+        return len(self._rows)
+
+    def record(self, row: UsageRow) -> None:
+        """Keep ``row`` for the writer: O(1), no I/O. A full buffer drops its oldest row (counted)."""
+        if not self.enabled:
+            return
+        rows = self._rows
+        if len(rows) >= self.max_rows:
+            rows.popleft()
+            self.dropped += 1
+            if self._dropped_metric is not None:
+                self._dropped_metric.inc()
+        rows.append(row)
+        if len(rows) == self.batch_rows:
+            self._wake.set()
+
+    async def start(self) -> None:
+        """Start the writer (its first pass connects and brings the schema up to date)."""
+        if not self.enabled or self._task is not None:
+            return
+        self._task = asyncio.create_task(self._run(), name="usage-ledger-writer")
+
+    async def flush(self) -> bool:
+        """Write everything buffered now (tests, the shutdown); False when the database did not take it all."""
+        if not self.enabled:
+            return True
+        return await self._write_all()
+
+    async def read(self, query: UsageQuery) -> list[dict[str, Any]] | None:
+        """The totals ``query`` asks for, from the database (None: this gateway keeps no ledger)."""
+        if self._reader is None:
+            return None
+        return await asyncio.to_thread(self._reader.read, query)
+
+    async def close(self) -> None:
+        """Stop the writer and write what is buffered (retrying up to :data:`CLOSE_TIMEOUT_S`); release the database."""
+        if self._task is not None:
+            self._stopping.set()
+            await self._task
+            self._task = None
+        if self.enabled and self._rows:
+            deadline = time.monotonic() + CLOSE_TIMEOUT_S
+            delay = BACKOFF_INITIAL_S
+            while not await self._write_all() and time.monotonic() + delay < deadline:
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, BACKOFF_MAX_S)
+            if self._rows:
+                logger.error("usage ledger: {} rows not written at shutdown: {}", len(self._rows), self._failing)
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            await asyncio.to_thread(engine.dispose)
+        if self._reader is not None:
+            await asyncio.to_thread(self._reader.close)
+
+    async def _run(self) -> None:
+        delay = BACKOFF_INITIAL_S
+        ok = await self._write_all()
+        while not self._stopping.is_set():
+            if ok:  # wait for the interval, or for a full batch
+                waiters = [asyncio.ensure_future(self._wake.wait()), asyncio.ensure_future(self._stopping.wait())]
+                await asyncio.wait(waiters, timeout=self.flush_interval_s, return_when=asyncio.FIRST_COMPLETED)
+                for waiter in waiters:
+                    waiter.cancel()
+                delay = BACKOFF_INITIAL_S
+            else:  # the database failed: back off (a full batch does not hurry the retry)
+                try:
+                    await asyncio.wait_for(self._stopping.wait(), delay)
+                except TimeoutError:
+                    pass
+                delay = min(delay * 2, BACKOFF_MAX_S)
+            if self._stopping.is_set():
+                return
+            self._wake.clear()
+            ok = await self._write_all()
+
+    async def _write_all(self) -> bool:
+        """Write the buffer, one batch per transaction; False (rows kept) at the first failure."""
+        async with self._lock:
+            return await self._write_all_locked()
+
+    async def _write_all_locked(self) -> bool:
+        new_drops = self._note_drops()
+        try:
+            if not self._ready:
+                await asyncio.to_thread(self._open)
+            while self._rows:
+                batch = [self._rows.popleft() for _ in range(min(len(self._rows), self.batch_rows))]
+                try:
+                    await asyncio.to_thread(self._write, batch)
+                except BaseException:
+                    self._put_back(batch)
+                    raise
+        except Exception as error:  # any failure of the database: the rows wait, the gateway serves on
+            self._note_failure(error)
+            return False
+        if self._failing is not None:
+            logger.info("usage ledger: writing to {} again ({} rows dropped meanwhile)", safe_url(self.url or ""), self.dropped - self._dropped_at_incident)
+            self._failing = None
+        if not new_drops:  # a flush with no rows dropped since the last one ends a run of drops
+            self._drops_logged = False
+        return True
+
+    def _open(self) -> None:
+        if self._engine is None:
+            assert self.url is not None
+            self._engine = open_engine(self.url, write=True)
+        migrate(self._engine)
+        self._ready = True
+
+    def _write(self, batch: list[UsageRow]) -> None:
+        assert self._engine is not None
+        values = [_values(row) for row in batch]
+        with self._engine.begin() as conn:
+            conn.execute(insert(usage_rows), values)
+
+    def _put_back(self, batch: list[UsageRow]) -> None:
+        """A batch that failed goes back in front (it is the oldest); what no longer fits is dropped, oldest first."""
+        room = self.max_rows - len(self._rows)
+        lost = max(0, len(batch) - room)
+        if lost:
+            self.dropped += lost
+            if self._dropped_metric is not None:
+                self._dropped_metric.inc(lost)
+        self._rows.extendleft(reversed(batch[lost:]))
+
+    def _note_failure(self, error: Exception) -> None:
+        reason = _reason(error)
+        if self._failing is None:  # once per incident
+            self._dropped_at_incident = self.dropped
+            logger.error(
+                "usage ledger: cannot write to {}: {}; {} rows kept in memory (at most {}), retrying",
+                safe_url(self.url or ""), reason, len(self._rows), self.max_rows,
+            )  # fmt: skip
+        self._failing = reason
+        self._note_drops()
+
+    def _note_drops(self) -> bool:
+        """Log the first drop of a run of drops (once); whether rows were dropped since the last look."""
+        if self.dropped == self._dropped_seen:
+            return False
+        self._dropped_seen = self.dropped
+        if not self._drops_logged:
+            self._drops_logged = True
+            logger.warning(
+                "usage ledger: buffer full ({} rows): dropping the oldest rows until {} takes them (gateway_usage_rows_dropped_total)",
+                self.max_rows, safe_url(self.url or ""),
+            )  # fmt: skip
+        return True
+
+
+def _values(row: UsageRow) -> dict[str, Any]:
+    return {
+        "at": datetime.fromtimestamp(row.at, UTC),
+        "key_name": row.key,
+        "model": row.model,
+        "route": row.route[:ROUTE_CHARS],
+        "prompt_tokens": row.prompt_tokens,
+        "completion_tokens": row.completion_tokens,
+        "cached_tokens": row.cached_tokens,
+        "status": row.status,
+        "latency_ms": row.latency_ms,
+        "ttft_ms": row.ttft_ms,
+        "request_id": row.request_id,
+        "replica": row.replica,
+        "stream": row.stream,
+        "error": row.error[:ERROR_CHARS] if row.error else None,
+    }
+
+
+def _reason(error: BaseException) -> str:
+    """A short reason for a log line: the driver's first line, not SQLAlchemy's statement and parameters."""
+    cause = getattr(error, "orig", None) or error
+    text = str(cause).strip().splitlines()
+    return f"{type(cause).__name__}: {text[0][:300]}" if text else type(cause).__name__
+
+
+def open_ledger(settings: GatewaySettings, dropped: Any = None) -> Ledger:
+    """The ledger of a gateway with these settings (not started: the lifespan starts it)."""
+    return Ledger(settings.usage, database_url(settings), dropped)
