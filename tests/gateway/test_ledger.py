@@ -211,6 +211,18 @@ def test_per_key_prometheus_counters(ledger_gateway: Any) -> None:
     assert prometheus_value(text, "gateway_usage_rows_dropped_total") == 0
 
 
+def test_a_named_keys_rows_and_counters_carry_its_name(usage_upstream: str, tmp_path: Path) -> None:
+    named = "sk-named-ledger-0123456789"
+    gateway = {**_gateway(tmp_path), "keys": [{"name": "team-a", "key": named}]}
+    with serve(_models(usage_upstream), gateway) as server:
+        assert _post(server.url, "named-1", _chat(), key=named).status_code == 200
+        assert _post(server.url, "plain-1", _chat()).status_code == 200
+        rows = _rows(_sqlite(tmp_path), ["named-1", "plain-1"])
+        text = httpx.get(server.url + "/metrics", headers=auth()).text
+    assert rows["named-1"]["key_name"] == "team-a" and rows["plain-1"]["key_name"] is None
+    assert prometheus_value(text, "gateway_key_requests_total", {"key": "team-a", "model": "m", "status_class": "2xx"}) == 1
+
+
 def test_admin_usage_filters_and_groups_and_names_a_bad_parameter(ledger_gateway: Any, tmp_path: Path) -> None:
     url = ledger_gateway.url
     since = time.time()
