@@ -45,6 +45,17 @@ def signal_group(pgid: int, sig: signal.Signals) -> None:
         pass
 
 
+def pid_alive(pid: int) -> bool:
+    """Process ``pid`` still exists (zombies included until reaped; another user's too)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def group_alive(pgid: int) -> bool:
     """Some process of group ``pgid`` still exists (zombies included until reaped)."""
     try:

@@ -47,6 +47,7 @@ from launch.engine_dir import (
     write_private_json,
 )
 from launch.process import EngineStartCancelled, EngineStartTimeout
+from launch.procgroup import pid_alive
 
 HOST_MODULE = "launch.engine_host"
 POLL_S = 0.25
@@ -126,15 +127,7 @@ class SharedEngine:
     def running(self) -> bool:
         """Whether this lease is open and the engine process it last saw is alive."""
         pid = self.pid
-        if self.closed or not pid:
-            return False
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+        return not self.closed and bool(pid) and pid_alive(pid)
 
     def auth_headers(self) -> dict[str, str]:
         return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}

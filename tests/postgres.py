@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from launch.ports import pick_free_port
+from launch.procgroup import pid_alive
 
 DATABASE = "ledger"
 
@@ -108,7 +109,7 @@ class PostgresServer:
             except ProcessLookupError:
                 pass
             deadline = time.monotonic() + 10
-            while _alive(pid) and time.monotonic() < deadline:
+            while pid_alive(pid) and time.monotonic() < deadline:
                 time.sleep(0.1)
 
     def _postmaster_pid(self) -> int | None:
@@ -116,18 +117,8 @@ class PostgresServer:
             pid = int((self.data / "postmaster.pid").read_text().split()[0])
         except (OSError, ValueError, IndexError):
             return None
-        return pid if _alive(pid) else None
+        return pid if pid_alive(pid) else None
 
     def remove(self) -> None:
         self.stop()
         shutil.rmtree(self.root, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
