@@ -117,6 +117,11 @@ class NamedKey(_Strict):
     key_sha256: str | None = Field(None, description="SHA-256 of the key, hex (sglang-gateway hash-key prints it): the key is never stored.")
     models: list[str] | None = Field(None, description="Models (names or aliases) it may use; others answer 404 as if absent (unset: all).")
     limits: KeyLimits = Field(default_factory=KeyLimits, description="Its limits.")
+    priority: int | None = Field(
+        None, ge=-1000, le=1000,
+        description="Priority class: higher is admitted first from a model's queue, and sent as the request's priority to an "
+        "engine with enable_priority_scheduling (unset: 0 in the queue, the request's own priority upstream).",
+    )
 
     @field_validator("name")
     @classmethod

@@ -126,6 +126,9 @@ class EngineConfig(_Strict):
         False, description="Keep Responses API results in the engine (GET /v1/responses/{id}, previous_response_id)."
     )
     enable_metrics: bool = Field(True, description="Expose the engine's Prometheus /metrics.")
+    enable_priority_scheduling: bool = Field(
+        False, description="Schedule by each request's priority (higher first); the gateway passes a named key's priority."
+    )
     random_seed: int | None = Field(None, description="Engine random seed (unset: SGLang picks one).")
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables for the engine process.")
     python: str | None = Field(

@@ -15,6 +15,7 @@ What it does, SGLang's way (what the gateway relies on, nothing more):
 - ``GET /v1/models``: the served model name with ``max_model_len``;
 - ``POST /v1/chat/completions``: ``max_tokens`` (default 16) pieces ``"tok "``, streamed (role chunk, one chunk
   per piece every ``FAKE_ENGINE_TOKEN_S``, finish chunk, ``data: [DONE]``) or not; ``model`` is the served name;
+  a plain answer says in ``fake_priority`` the ``priority`` the request came with;
 - ``POST /v1/responses`` (not streamed) and ``GET /v1/responses/{id}``: responses stored in memory;
 - a chat message whose content is :data:`CRASH`: it logs a traceback and exits 70 while the request is in
   flight, as an engine a request crashes does; one whose content is :data:`FREEZE`: it blocks its event loop
@@ -138,6 +139,7 @@ def build_app(model: str, api_key: str | None, context_length: int) -> Any:
             message = {"role": "assistant", "content": TOKEN * tokens}
             return JSONResponse({
                 "id": cid, "object": "chat.completion", "created": created, "model": model, "usage": usage,
+                "fake_priority": body.get("priority"),  # what the request's priority was, as the engine got it
                 "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": "length"}],
             })  # fmt: skip
 

@@ -35,6 +35,7 @@ class BackendView:
     managed: bool
     is_router: bool
     sends_at_once: bool
+    schedules_by_priority: bool = False
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,10 @@ class RemoteBackend(Backend):
         return self.view.sends_at_once
 
     @property
+    def schedules_by_priority(self) -> bool:
+        return self.view.schedules_by_priority
+
+    @property
     def managed(self) -> bool:
         return self.view.managed
 
@@ -103,7 +108,7 @@ def backend_view(backend: Backend) -> BackendView:
         identity=backend.identity, replica=backend.replica, vocab_size=backend.vocab_size,
         context_length=backend.context_length, unavailable=backend.unavailable_reason(),
         retry_after_s=backend.retry_after_s, managed=backend.managed, is_router=backend.is_router,
-        sends_at_once=backend.sends_at_once,
+        sends_at_once=backend.sends_at_once, schedules_by_priority=backend.schedules_by_priority,
     )  # fmt: skip
 
 

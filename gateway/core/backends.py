@@ -76,6 +76,11 @@ class Backend:
         return False
 
     @property
+    def schedules_by_priority(self) -> bool:
+        """True when the engine orders its queue by each request's ``priority`` (SGLang's priority scheduling)."""
+        return False
+
+    @property
     def vocab_size(self) -> int | None:
         """The model's vocabulary size (token ids must be below it), when known."""
         return self._vocab_size
@@ -119,6 +124,10 @@ class EngineBackend(Backend):
     @property
     def sends_at_once(self) -> bool:
         return True  # SGLang's server sets TCP_NODELAY
+
+    @property
+    def schedules_by_priority(self) -> bool:
+        return self.engine.config.enable_priority_scheduling
 
     @property
     def vocab_size(self) -> int | None:

@@ -6,14 +6,31 @@ grammar slots: the engine compiles grammars on a few threads (SGLang: min(32, co
 sending many large ones at once would leave none for anyone else's small JSON schema. They wait for a slot
 up to ``queue_timeout_s`` whatever ``max_queue`` says (a grammar wait is short: a compile, not a generation). A limiter is replaced, not mutated, when limits change: requests
 already admitted release the limiter they acquired.
+
+The queue is ordered by priority class (a named key's ``priority``; 0 otherwise): a freed slot goes to the
+waiting request whose class plus the time it waited (one class per :data:`AGING_S`) is highest, the earliest
+first among equals. So a higher class goes ahead, and a lower one is never starved: after waiting
+``AGING_S`` seconds per class of difference it goes first.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import time
+from dataclasses import dataclass, field
 
 from gateway.config import LimitSettings
 from gateway.core.errors import GatewayError
+
+AGING_S = 10.0  # a waiting request gains one priority class per this many seconds
+_clock = time.monotonic  # when a request started waiting (tests move it)
+
+
+@dataclass(order=True)
+class _Waiter:
+    rank: tuple[float, int]  # (-(class - enqueued / AGING_S), arrival): the smallest is served next
+    ready: asyncio.Future[None] = field(compare=False)
 
 
 class ConcurrencyLimiter:
@@ -22,27 +39,37 @@ class ConcurrencyLimiter:
     def __init__(self, settings: LimitSettings) -> None:
         self.settings = settings
         self.in_flight = 0
-        self.waiting = 0
-        self._slots = asyncio.Semaphore(settings.max_concurrent) if settings.max_concurrent else None
+        self._free = settings.max_concurrent  # slots nobody holds (None: no limit)
+        self._queue: list[_Waiter] = []
+        self._arrivals = itertools.count()
         grammars = settings.max_concurrent_grammars
         self._grammar_slots = asyncio.Semaphore(grammars) if grammars else None
         self.grammars_in_flight = 0
 
-    async def acquire(self, model: str) -> None:
-        """Admit one request, wait in the queue, or raise GatewayError(429)."""
-        if self._slots is not None:
-            if self._slots.locked() or self.waiting:
-                if self.waiting >= self.settings.max_queue:
-                    raise self._overloaded(model, "too many concurrent requests")
-                self.waiting += 1
-                try:
-                    await asyncio.wait_for(self._slots.acquire(), self.settings.queue_timeout_s)
-                except TimeoutError:
-                    raise self._overloaded(model, f"no free slot within {self.settings.queue_timeout_s:g}s") from None
-                finally:
-                    self.waiting -= 1
+    @property
+    def waiting(self) -> int:
+        return len(self._queue)
+
+    async def acquire(self, model: str, priority: int = 0) -> None:
+        """Admit one request, wait in the queue (by ``priority`` class), or raise GatewayError(429)."""
+        if self._free is not None:
+            if self._free > 0 and not self._queue:
+                self._free -= 1
             else:
-                await self._slots.acquire()
+                if len(self._queue) >= self.settings.max_queue:
+                    raise self._overloaded(model, "too many concurrent requests")
+                waiter = _Waiter((-(priority - _clock() / AGING_S), next(self._arrivals)), asyncio.get_running_loop().create_future())
+                self._queue.append(waiter)
+                try:
+                    await asyncio.wait_for(asyncio.shield(waiter.ready), self.settings.queue_timeout_s)
+                except BaseException as error:
+                    if waiter in self._queue:
+                        self._queue.remove(waiter)
+                    elif waiter.ready.done():  # handed a slot just as it gave up: pass it on
+                        self._hand_over()
+                    if isinstance(error, TimeoutError):
+                        raise self._overloaded(model, f"no free slot within {self.settings.queue_timeout_s:g}s") from None
+                    raise
         self.in_flight += 1
 
     async def acquire_grammar(self, model: str) -> bool:
@@ -69,8 +96,18 @@ class ConcurrencyLimiter:
 
     def release(self) -> None:
         self.in_flight -= 1
-        if self._slots is not None:
-            self._slots.release()
+        if self._free is not None:
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        """A slot came free: to the best-ranked waiter, else back to the pool."""
+        assert self._free is not None
+        if self._queue:
+            waiter = min(self._queue)
+            self._queue.remove(waiter)
+            waiter.ready.set_result(None)
+        else:
+            self._free += 1
 
     def _overloaded(self, model: str, why: str) -> GatewayError:
         return GatewayError(

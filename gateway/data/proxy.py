@@ -86,6 +86,7 @@ class Proxy:
         pinned: Backend | None = None,
         owner: str = OPEN_OWNER,
         grammar_size: int | None = None,
+        priority: int | None = None,
     ) -> Response:
         """Admit the request (limits, backend state), send it, and answer plain JSON or an SSE stream.
 
@@ -98,13 +99,15 @@ class Proxy:
         that must answer (it holds the state the request continues). ``owner``: the client key's identity
         (:func:`gateway.edge.auth.request_owner`), recorded as the owner of a Responses API response it creates.
         ``grammar_size``: :func:`gateway.data.bounds.grammar_bytes` of ``body`` when the caller measured it already.
+        ``priority``: the caller's key's class: its place in the model's queue, and the request's ``priority`` on an
+        engine that schedules by it (there the key's class replaces whatever the client sent).
         """
         path = endpoint.upstream_path
         problem = token_id_problem(endpoint.token_ids, body, route.backend.vocab_size)
         if problem is not None:
             raise GatewayError(400, problem, code="invalid_token_ids", param=problem.split(":", 1)[0])
         limiter = route.limiter
-        await limiter.acquire(route.name)
+        await limiter.acquire(route.name, priority or 0)
         lease = Lease(limiter)
         handed_over = False
         try:
@@ -125,6 +128,8 @@ class Proxy:
                 lease.take(backend, self.metrics.child(self.metrics.in_flight, route.name))
                 info.replica = backend.replica if len(route.replicas) > 1 and not backend.is_router else None
                 body["model"] = backend.served_name
+                if priority is not None and backend.schedules_by_priority:
+                    body["priority"] = priority
                 payload = orjson.dumps(body)
                 lease.request = (path, payload)
                 if self.quarantine:

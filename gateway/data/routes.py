@@ -53,7 +53,8 @@ async def _proxied(request: Request, endpoint: ProxiedRoute) -> Response:
     path = endpoint.upstream_path
     body = parse_body(await request.body(), endpoint.schema, path)
     grammar_size = check_bounds(path, body, state.settings.request_bounds)
-    route = _model_route(state, body, endpoint, request.scope.get(TENANT_SCOPE_KEY))
+    tenant: Tenant | None = request.scope.get(TENANT_SCOPE_KEY)
+    route = _model_route(state, body, endpoint, tenant)
     info.model = route.name
     check_extensions(body, path, state.settings.extensions_for(route.name), route.name)
     owner = request_owner(request.scope)
@@ -61,7 +62,8 @@ async def _proxied(request: Request, endpoint: ProxiedRoute) -> Response:
     assert state.proxy is not None, "the app's lifespan did not run"
     balancing = state.settings.balancing_for(route.name)
     return await state.proxy.forward(
-        route, endpoint, body, info, request.receive, balancing=balancing, pinned=pinned, owner=owner, grammar_size=grammar_size
+        route, endpoint, body, info, request.receive, balancing=balancing, pinned=pinned, owner=owner, grammar_size=grammar_size,
+        priority=tenant.priority if tenant is not None else None,
     )
 
 

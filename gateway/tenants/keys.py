@@ -37,6 +37,7 @@ class Tenant:
     owner: str  # who owns the responses it stores: "tenant:<name>" (kept when its key rotates) or key_owner(key)
     models: frozenset[str] | None = None  # names and aliases it may use (None: all)
     limits: KeyLimits = field(default_factory=KeyLimits)
+    priority: int | None = None  # its class: the model's queue serves higher first; sent upstream when the engine schedules by it
 
     @property
     def label(self) -> str:
@@ -56,7 +57,7 @@ def tenant_table(plain: Iterable[bytes], named: Iterable[tuple[NamedKey, bytes]]
     table: dict[bytes, Tenant] = {hashlib.sha256(key).digest(): Tenant(None, key_owner(key)) for key in plain}
     for entry, digest in named:
         models = frozenset(entry.models) if entry.models is not None else None
-        table[digest] = Tenant(entry.name, f"tenant:{entry.name}", models, entry.limits)
+        table[digest] = Tenant(entry.name, f"tenant:{entry.name}", models, entry.limits, entry.priority)
     return table
 
 

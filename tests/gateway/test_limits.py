@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 from gateway.config import LimitSettings
+from gateway.core import limits
 from gateway.core.errors import GatewayError
 from gateway.core.limits import ConcurrencyLimiter
 
@@ -75,15 +76,55 @@ def test_a_queued_request_waits_for_a_slot() -> None:
 
 
 def test_a_request_arriving_while_others_wait_queues_behind_them() -> None:
-    limiter = ConcurrencyLimiter(LimitSettings(max_concurrent=1, max_queue=0))
+    limiter = ConcurrencyLimiter(LimitSettings(max_concurrent=1, max_queue=2, queue_timeout_s=5))
 
     async def scenario() -> None:
-        limiter.waiting = 1  # someone queued (say, before a reload lowered max_queue): a free slot is theirs
-        error = await _refused(limiter)
-        assert "too many concurrent requests" in error.message
-        limiter.waiting = 0
-        await asyncio.wait_for(limiter.acquire("m"), 2)
-        assert limiter.in_flight == 1
+        await limiter.acquire("m")
+        queued = asyncio.ensure_future(limiter.acquire("m"))
+        await asyncio.sleep(0)
+        assert limiter.waiting == 1
+        limiter.release()  # the slot goes to the one waiting
+        arriving = asyncio.ensure_future(limiter.acquire("m"))
+        await asyncio.wait_for(queued, 2)
+        await asyncio.sleep(0.01)
+        assert not arriving.done() and limiter.in_flight == 1 and limiter.waiting == 1
+        arriving.cancel()
+        await asyncio.gather(arriving, return_exceptions=True)
+        assert limiter.waiting == 0
+
+    _run(scenario)
+
+
+def test_the_queue_serves_higher_classes_first_and_ages_the_others(monkeypatch: pytest.MonkeyPatch) -> None:
+    limiter = ConcurrencyLimiter(LimitSettings(max_concurrent=1, max_queue=30, queue_timeout_s=60))
+    clock = [1000.0]
+    monkeypatch.setattr(limits, "_clock", lambda: clock[0])
+    served: list[str] = []
+
+    async def one(name: str, priority: int) -> None:
+        await limiter.acquire("m", priority)
+        served.append(name)
+
+    async def scenario() -> None:
+        await limiter.acquire("m")
+        tasks = [asyncio.ensure_future(one(f"low-{i}", 0)) for i in range(20)]
+        await asyncio.sleep(0)
+        clock[0] += 5  # the high one arrives 5 s after 20 low ones: one class outranks 5 s of waiting
+        tasks.append(asyncio.ensure_future(one("high", 1)))
+        clock[0] += 0.1
+        tasks.append(asyncio.ensure_future(one("late-low", 0)))
+        await asyncio.sleep(0)
+        limiter.release()
+        await asyncio.sleep(0.01)
+        assert served == ["high"]
+        clock[0] = 1000.0 + 2 * limits.AGING_S
+        tasks.append(asyncio.ensure_future(one("new-high", 1)))  # 20 s after the low ones: they aged past it
+        await asyncio.sleep(0)
+        for _ in range(22):
+            limiter.release()
+            await asyncio.sleep(0.01)
+        await asyncio.gather(*tasks)
+        assert served[1:] == [*(f"low-{i}" for i in range(20)), "late-low", "new-high"]
 
     _run(scenario)
 

@@ -145,6 +145,7 @@ FULL = dict(
     skip_server_warmup=True,
     sleep_on_idle=True,
     enable_response_store=True,
+    enable_priority_scheduling=True,
 )
 MISSPELLED = ["--model-path", "org/m", "--disable-cuda-graphs"]
 VARIANTS: dict[str, EngineConfig] = {

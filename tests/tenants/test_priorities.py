@@ -1,0 +1,100 @@
+"""Priority classes in a model's queue, through the gateway: with the model's one slot taken, a request of a key
+with a higher class waiting behind 20 queued requests of a lower class is served next. Upstream: the benchmarks'
+FAKE decode loop (one token per stream every 20 ms), so requests hold their slot for a known time."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from benchmarks import processes
+from tests.fake_engine import fake_engine_python
+from tests.gateway.helpers import serve
+from tests.leaks import leaves_nothing
+from tests.servers import CLI, ServerProcess
+
+BATCH, CHAT, PLAIN = "sk-batch-prio-0123456789", "sk-chat-prio-0123456789", "sk-plain-prio-0123456789"
+
+
+@pytest.fixture(scope="module")
+def paced(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with processes.fake_upstream("paced", tmp_path_factory.mktemp("paced"), step_ms=20) as (url, _):
+        yield url
+
+
+def _stream(url: str, key: str, tokens: int, done: dict[str, float], name: str) -> threading.Thread:
+    def run() -> None:
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": tokens, "stream": True}
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"}, timeout=60) as response:
+            assert response.status_code == 200, response.read()
+            response.read()
+        done[name] = time.monotonic()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_higher_class_waiting_behind_twenty_lower_ones_is_served_next(paced: str) -> None:
+    keys = [{"name": "batch", "key": BATCH, "priority": 0}, {"name": "chat", "key": CHAT, "priority": 5}]
+    limits = {"max_concurrent": 1, "max_queue": 40, "queue_timeout_s": 60}
+    with serve({"m": {"url": paced}}, {"keys": keys, "limits": limits}) as server:
+        limiter = server.state.registry.route("m").limiter
+
+        def queued(count: int) -> None:
+            deadline = time.monotonic() + 30
+            while limiter.waiting < count:
+                assert time.monotonic() < deadline, f"{limiter.waiting} of {count} queued"
+                time.sleep(0.005)
+
+        done: dict[str, float] = {}
+        threads = [_stream(server.url, BATCH, 300, done, "holder")]  # 6 s on the one slot: time to queue the others
+        while limiter.in_flight < 1:
+            time.sleep(0.005)
+        for index in range(20):
+            threads.append(_stream(server.url, BATCH, 3, done, f"low-{index}"))
+            queued(index + 1)
+        threads.append(_stream(server.url, CHAT, 3, done, "high"))
+        queued(21)
+        for thread in threads:
+            thread.join(60)
+    order = sorted(done, key=done.__getitem__)
+    assert len(order) == 22 and order[:2] == ["holder", "high"], order
+    assert order[2:] == [f"low-{index}" for index in range(20)], order  # the others in their order of arrival
+
+
+def test_an_engine_with_priority_scheduling_gets_the_keys_class(tmp_path: Path, tiny_model_dir: Path) -> None:
+    # A FAKE engine the gateway launches with enable_priority_scheduling: it answers with the priority it received.
+    engine = {"model_path": str(tiny_model_dir), "device": "cpu", "python": str(fake_engine_python(tmp_path)), "enable_priority_scheduling": True}
+    config = {
+        "gateway": {"workers": 1, "api_keys": [PLAIN], "keys": [{"name": "chat", "key": CHAT, "priority": 5}, {"name": "any", "key": BATCH}]},
+        "models": {"m": {"engine": engine}},
+    }
+    path = tmp_path / "deploy.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with leaves_nothing(shm=False) as check:
+        server = ServerProcess([*CLI, "serve", str(path), "--port", "{port}"], log_path=tmp_path / "gateway.log")
+        check.watch(server.pid)
+        try:
+            server.wait_http("/health", timeout_s=120)
+
+            def priority(key: str, **extra: Any) -> Any:
+                body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, **extra}
+                response = httpx.post(server.url + "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"}, timeout=60)
+                assert response.status_code == 200, response.text
+                return response.json()["fake_priority"]
+
+            assert server.wait_until(lambda: priority(CHAT) == 5, 60, "the engine to answer")
+            assert priority(CHAT, priority=99) == 5  # the key's class, not the client's
+            assert priority(PLAIN, priority=2) == 2 and priority(PLAIN) is None  # plain keys: as sent
+            assert priority(BATCH, priority=3) == 3  # a named key without a class: as sent
+        finally:
+            assert server.stop(signal.SIGTERM, grace_s=30) == 0, server.log(3000)
