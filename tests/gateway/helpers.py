@@ -275,6 +275,14 @@ class CuttingRelay:
             return
 
 
+_HELD_CLOSED: list[socket.socket] = []
+
+
 def closed_port_url() -> str:
-    """A URL on which nothing listens (a free port just picked)."""
-    return f"http://127.0.0.1:{pick_free_port()}"
+    """A URL on which nothing listens, and nothing will: its port stays bound (never listening) by this test
+    process, so no server started meanwhile can take it (a free port just picked once was, by another xdist
+    worker's server: the "unreachable" engine answered slowly, a 504 instead of a 503)."""
+    held = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    held.bind(("127.0.0.1", 0))
+    _HELD_CLOSED.append(held)
+    return f"http://127.0.0.1:{held.getsockname()[1]}"
