@@ -34,8 +34,11 @@ A map, by folder; each folder may import those listed after it, never those befo
 ``edge/`` (a client's connection)
   ``connection``     uvicorn's HTTP protocol with connection/header limits and timeouts*
   ``middleware``     request id + log line + metrics, body size/time cap, CORS*; ``auth`` the key check (and which key)*
+  ``quota``          a named key over its limits gets 429 with the rate-limit headers; charges its tokens*
 
 ``tenants/`` (keys that mean tenants)
+  ``keys``           client keys by SHA-256 -> tenants (name, models, limits, priority class)
+  ``quotas``         per-key buckets and budgets on an injected clock; summed over worker processes*
   ``ledger``         the usage ledger: one row per request, buffered, written in batches off the event loop*;
                      ``ledger_schema`` its tables and versioned schema (SQLite or PostgreSQL); ``usage_query`` totals
 
@@ -45,7 +48,7 @@ A map, by folder; each folder may import those listed after it, never those befo
                      of upstream (an engine we launched, a URL, SGLang's router)
   ``endpoints``      the route table: one line per proxied route (dialect, streaming, token-id fields);
                      ``schemas`` its request validation (bodies go upstream as sent, only ``model`` rewritten)*
-  ``limits``         per-model concurrency and queue*; ``poison`` requests that crash engines*
+  ``limits``         per-model concurrency and a queue by priority class*; ``poison`` requests that crash engines*
   ``errors``         errors in the route's dialect (OpenAI or Anthropic), sanitized (``client_mistakes``: engine
                      500s that are the request's fault)
   ``health``         every probe of a backend, on a client of its own; ``metrics`` the Prometheus series
