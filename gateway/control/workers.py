@@ -32,7 +32,6 @@ from gateway.control import channel
 from gateway.control.snapshot import RoutingState, capture_state
 from gateway.core.state import GatewayState
 from gateway.edge.auth import KeyHolder
-from gateway.tenants.keys import limited_keys
 from gateway.tenants.quotas import Quotas
 from launch.procgroup import set_parent_death_signal
 
@@ -179,7 +178,7 @@ class WorkerSupervisor:
     def publish(self) -> bool:
         """Take the routing state now; when it differs from the last one sent, number it and send it to every
         connected worker. Returns True when something new went out. The named keys' quotas likewise."""
-        quotas = (self.quotas.snapshot(limited_keys(self.keys.policy.client.values())), dict(self.quotas.absorbed))
+        quotas = (self.quotas.snapshot(self.keys.policy.limited), dict(self.quotas.absorbed))
         if quotas != self._quotas_sent:
             self._quotas_sent = quotas
             for worker in self.workers:
@@ -276,7 +275,7 @@ class WorkerSupervisor:
                 elif message[0] == "report":
                     _, applied, synced, in_flight, lost, upstream, usage = message
                     if usage is not None:
-                        self.quotas.absorb(worker.index, *usage, limited_keys(self.keys.policy.client.values()))
+                        self.quotas.absorb(worker.index, *usage, self.keys.policy.limited)
                     worker.applied, worker.synced, worker.in_flight = applied, synced, in_flight
                     self._note_lost(lost)
                     for model, identity, shape in upstream:

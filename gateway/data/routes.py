@@ -71,10 +71,18 @@ def _model_route(state: GatewayState, body: dict[str, Any], endpoint: ProxiedRou
     """The model named in the body (or the default model, where the route lets the name be left out); a model the
     caller's key may not use answers as if it did not exist (404: other tenants' models stay unknown to it)."""
     route = _named_route(state, body, endpoint)
-    if tenant is not None and not tenant.may_use(route.names):
-        name = body.get("model") or "default"
-        raise GatewayError(404, f"The model {name!r} does not exist; see GET /v1/models", code="model_not_found", param="model")
+    if not _may_use(tenant, route):
+        raise _unknown_model(body.get("model") or "default")
     return route
+
+
+def _may_use(tenant: Tenant | None, route: ModelRoute) -> bool:
+    """Whether the caller's key may use (and so see) ``route``: every model for plain keys and open gateways."""
+    return tenant is None or tenant.may_use(route.names)
+
+
+def _unknown_model(name: str) -> GatewayError:
+    return GatewayError(404, f"The model {name!r} does not exist; see GET /v1/models", code="model_not_found", param="model")
 
 
 def _named_route(state: GatewayState, body: dict[str, Any], endpoint: ProxiedRoute) -> ModelRoute:
@@ -90,7 +98,7 @@ def _named_route(state: GatewayState, body: dict[str, Any], endpoint: ProxiedRou
         return route
     route = state.registry.resolve(name)
     if route is None:
-        raise GatewayError(404, f"The model {name!r} does not exist; see GET /v1/models", code="model_not_found", param="model")
+        raise _unknown_model(name)
     return route
 
 
@@ -199,15 +207,11 @@ def unexpected_error_response(scope: Scope, error: BaseException, dialect: Diale
 @api_routes.get("/v1/models")
 async def list_models(request: Request) -> Response:
     state = _state(request)
-    routes = _visible_routes(state, request.scope.get(TENANT_SCOPE_KEY))
+    tenant: Tenant | None = request.scope.get(TENANT_SCOPE_KEY)
+    routes = [route for route in state.registry.routes() if _may_use(tenant, route)]
     await _probes(state).fill_context_lengths([backend for route in routes for backend in route.replicas])
     data = [card for route in routes for card in _cards(route, state)]
     return _json({"object": "list", "data": data})
-
-
-def _visible_routes(state: GatewayState, tenant: Tenant | None) -> list[ModelRoute]:
-    """The models the caller's key may use (every model for plain keys)."""
-    return [route for route in state.registry.routes() if tenant is None or tenant.may_use(route.names)]
 
 
 @api_routes.get("/v1/models/{model_id:path}")
@@ -215,7 +219,7 @@ async def get_model(model_id: str, request: Request) -> Response:
     state = _state(request)
     route = state.registry.resolve(model_id)
     tenant: Tenant | None = request.scope.get(TENANT_SCOPE_KEY)
-    if route is None or (tenant is not None and not tenant.may_use(route.names)):
+    if route is None or not _may_use(tenant, route):
         raise GatewayError(404, f"The model {model_id!r} does not exist", code="model_not_found", param="model")
     await _probes(state).fill_context_lengths([route.backend])
     return _json(next(card for card in _cards(route, state) if card["id"] == model_id))

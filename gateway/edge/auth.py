@@ -25,10 +25,11 @@ from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from gateway.config import KeyLimits
 from gateway.core.context import request_info
 from gateway.core.endpoints import dialect_for_path
 from gateway.core.errors import Dialect, GatewayError, error_response
-from gateway.tenants.keys import TENANT_SCOPE_KEY, Tenant, digest_of, key_owner, tenant_table
+from gateway.tenants.keys import TENANT_SCOPE_KEY, Tenant, digest_of, key_owner, limited_keys, tenant_table
 
 __all__ = ["OPEN_OWNER", "OWNER_SCOPE_KEY", "TENANT_SCOPE_KEY", "AuthMiddleware", "KeyHolder", "KeyPolicy", "key_owner", "key_policy"]
 
@@ -49,10 +50,14 @@ class KeyPolicy:
     client: Mapping[bytes, Tenant] = field(default_factory=dict)  # a dict: the policy travels to worker processes (pickle)
     admin: tuple[bytes, ...] = ()
     open_paths: frozenset[str] = frozenset()
+    # name -> limits of the named keys with limits (what worker processes count together), derived once
+    limited: dict[str, KeyLimits] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.client, Mapping):  # plain keys given as such (tests, embedders)
-            object.__setattr__(self, "client", tenant_table(self.client))
+        # plain keys given as such (tests, embedders) become their table
+        table = self.client if isinstance(self.client, Mapping) else tenant_table(self.client)
+        object.__setattr__(self, "client", dict(table))
+        object.__setattr__(self, "limited", limited_keys(table.values()))
 
 
 class KeyHolder:
@@ -72,7 +77,7 @@ class AuthMiddleware:
         holder: KeyHolder | None = None,
     ) -> None:
         self.app = app
-        self.holder = holder or KeyHolder(KeyPolicy(tenant_table(keys), (), frozenset(open_paths)))
+        self.holder = holder or KeyHolder(KeyPolicy(tuple(keys), (), frozenset(open_paths)))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -143,5 +148,4 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
 
 def key_policy(client: tuple[bytes, ...] | Mapping[bytes, Tenant], admin: tuple[bytes, ...], open_paths: Iterable[str]) -> KeyPolicy:
     """``client``: plain keys, or the tenant table of plain and named keys (:func:`gateway.tenants.keys.tenants_of`)."""
-    table = client if isinstance(client, Mapping) else tenant_table(client)
-    return KeyPolicy(dict(table), admin, frozenset(open_paths))
+    return KeyPolicy(client, admin, frozenset(open_paths))  # type: ignore[arg-type]

@@ -24,6 +24,7 @@ from gateway.core.endpoints import dialect_for_path, route_label
 from gateway.core.errors import GatewayError, error_response
 from gateway.core.metrics import Metrics
 from gateway.edge.connection import HTTP_CYCLE
+from gateway.tenants.keys import UNNAMED
 from gateway.tenants.ledger import Ledger, UsageRow
 
 _GOOD_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
@@ -92,7 +93,7 @@ class RequestContextMiddleware:
         if info.replica is not None:
             m.child(m.replica_requests, model, str(info.replica)).inc()
         status = info.status or 0
-        key = info.key_name or "unnamed"
+        key = info.key_name or UNNAMED
         m.child(m.key_requests, key, model, _STATUS_CLASSES[status // 100 if status < 600 else 0]).inc()
         if info.prompt_tokens:
             m.child(m.key_tokens, key, model, "prompt").inc(info.prompt_tokens)
