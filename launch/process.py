@@ -103,6 +103,11 @@ class EngineStartCancelled(EngineError):
 ProgressCallback = Callable[[str, float], None]
 
 
+def bearer(api_key: str | None) -> dict[str, str]:
+    """The header that sends ``api_key`` to an engine, a router or a url upstream (none without a key)."""
+    return {"authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 def new_engine_key() -> str:
     """A random API key for one engine: only the process that launched it knows it.
 
@@ -188,7 +193,7 @@ class EngineProcess:
 
     def auth_headers(self) -> dict[str, str]:
         """Headers a request to this engine needs (its API key, if it has one)."""
-        return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return bearer(self.api_key)
 
     def crash_exception(self) -> str | None:
         """The exception an engine that crashed logged last (e.g. ``IndexError: index out of range``).

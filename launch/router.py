@@ -26,7 +26,7 @@ from launch.argv import ROUTER_ENV, ROUTER_MODULE, router_args
 from launch.config import RouterConfig
 from launch.logpump import pump_output
 from launch.ports import pick_free_port
-from launch.process import LOG_TAIL_LINES, EngineExited, EngineStartTimeout
+from launch.process import LOG_TAIL_LINES, EngineExited, EngineStartTimeout, bearer
 from launch.procgroup import popen_group, stop_group
 
 
@@ -134,7 +134,7 @@ class RouterProcess:
     # ------------------------------------------------------------------ its worker list
     def _auth(self) -> dict[str, str]:
         """The router's own API (``/workers``) takes the key it was started with, as the engines do."""
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return bearer(self.api_key)
 
     def workers(self, client: httpx.Client | None = None) -> dict[str, str]:
         """``{url: worker id}`` as the router knows them now."""

@@ -46,7 +46,7 @@ from launch.engine_dir import (
     read_json,
     write_private_json,
 )
-from launch.process import EngineStartCancelled, EngineStartTimeout
+from launch.process import EngineStartCancelled, EngineStartTimeout, bearer
 from launch.procgroup import pid_alive
 
 HOST_MODULE = "launch.engine_host"
@@ -130,7 +130,7 @@ class SharedEngine:
         return not self.closed and bool(pid) and pid_alive(pid)
 
     def auth_headers(self) -> dict[str, str]:
-        return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return bearer(self.api_key)
 
     # ----------------------------------------------------------------- life cycle
     def wait_ready(self, timeout_s: float, stop_when: Callable[[], bool] | None = None) -> None:

@@ -18,7 +18,7 @@ import time
 from typing import Any, ClassVar
 
 from launch.model_info import vocab_size as model_vocab_size
-from launch.process import EngineProcess
+from launch.process import EngineProcess, bearer
 from launch.router import RouterProcess
 
 
@@ -173,7 +173,7 @@ class UrlBackend(Backend):
         return f"url:{self._url}"  # it outlives the gateway, and so do the responses it stores
 
     def upstream_headers(self) -> dict[str, str]:
-        return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return bearer(self.api_key)
 
     def _where(self) -> str:
         return f"external {self.url}"
@@ -198,7 +198,7 @@ class RouterBackend(Backend):
         return True
 
     def upstream_headers(self) -> dict[str, str]:
-        return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return bearer(self.api_key)
 
     def _process_problem(self) -> str | None:
         if not self.router.running:
