@@ -42,6 +42,7 @@ from gateway.edge.quota import QuotaMiddleware
 from gateway.tenants.keys import tenants_of
 from gateway.tenants.ledger import open_ledger
 from gateway.tenants.quotas import Quotas
+from gateway.ui.routes import ui_routes
 from launch.config import DeploymentConfig
 from launch.preflight import preflight_all
 
@@ -165,6 +166,7 @@ def create_app(
     app.state.startup_error = None
     app.state.controller = controller
     app.include_router(api_routes)
+    app.include_router(ui_routes)
     app.include_router(admin_forwarder(link) if link is not None else admin_routes)
     if link is None:  # a worker forwards /admin/usage to the control process too
         app.include_router(usage_routes)

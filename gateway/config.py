@@ -233,6 +233,11 @@ class GatewaySettings(_Strict):
     cors_allow_origins: list[str] = Field(default_factory=list, description="CORS origins (empty: CORS off).")
     shutdown_grace_s: float = Field(30.0, ge=0, description="In-flight requests may finish this long on SIGTERM.")
     log_requests: bool = Field(True, description="One structured log line per request.")
+    status_page: bool = Field(
+        True,
+        description="The status page and playground at / (static files: what they show comes from the API with the keys the "
+        "browser's user enters; admin parts need an admin key). false: / answers 404.",
+    )
     keys: list[NamedKey] = Field(default_factory=list, description="Named client keys (tenants), each with its models and limits.")
     keys_env: str | None = Field(None, description="Environment variable holding more named keys: a JSON or YAML list like keys.")
     keys_file: Path | None = Field(None, description="YAML file with more named keys (a list like keys; each gives key_sha256, not the key).")

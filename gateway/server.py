@@ -27,6 +27,7 @@ from gateway.app import app_from_config
 from gateway.config import GatewaySettings, gateway_settings
 from gateway.control.controller import StartAborted
 from gateway.control.workers import ADMIN_SOCKET, METRICS_DIR, WorkerPlan
+from gateway.core.endpoints import listening_note
 from gateway.edge.connection import guarded_protocol
 from launch.config import ConfigError, load_config
 from launch.ports import pick_free_port, port_is_free
@@ -103,6 +104,13 @@ class GatewayServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+def _log_listening(server: uvicorn.Server, app: FastAPI) -> None:
+    settings = app.state.gateway.settings
+    bound = [sock.getsockname() for srv in server.servers for sock in (srv.sockets or ())]
+    port = bound[0][1] if bound else settings.port
+    logger.info("gateway: listening on {}", listening_note(settings.host, port, settings.status_page))
+
+
 class _HideStartupTraceback(logging.Filter):
     """A failed engine start is reported once, as one clear error, not as uvicorn's lifespan traceback."""
 
@@ -176,6 +184,8 @@ def serve_app(
         check_port_free(settings, source)
     raise_open_file_limit(settings.http.max_connections)
     server = GatewayServer(uvicorn_config(app, settings, log_level="debug" if verbose else "info", uds=uds))
+    if uds is None:  # the control process of workers has no port: its supervisor says where they listen
+        server.on_started = lambda: _log_listening(server, app)
     hide = _HideStartupTraceback(app)
     logging.getLogger("uvicorn.error").addFilter(hide)
     # uvicorn re-raises the signal that stopped it once it has shut down; with these handlers in

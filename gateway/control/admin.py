@@ -20,6 +20,7 @@ from gateway.control.workers import WorkerSupervisor
 from gateway.core.backends import Backend, EngineBackend, RouterBackend, UrlBackend
 from gateway.core.errors import GatewayError, error_body
 
+LOG_TAIL_LINES = 20  # of an engine that is not ready, in GET /admin/models
 admin_routes = APIRouter(prefix="/admin", include_in_schema=False)  # not listed in /openapi.json to client keys
 
 
@@ -128,14 +129,15 @@ def describe(controller: Controller) -> dict[str, Any]:
     for route in controller.registry.routes():
         replicas = [_replica(controller, route.name, backend) for backend in route.replicas]
         ready = sum(1 for replica in replicas if replica["state"] == "ready")
+        restarting = any(replica["state"] == "restarting" for replica in replicas)
         if route.drained:
             state = "drained"
-        elif executor.lock(route.name).locked():
+        elif restarting and not ready:
+            state = "restarting"  # the watchdog holds the model's lock while it restarts: not a swap
+        elif executor.lock(route.name).locked() and not restarting:
             state = "swapping"
         elif ready:
             state = "ready" if ready == len(replicas) else "degraded"
-        elif any(replica["state"] == "restarting" for replica in replicas):
-            state = "restarting"
         elif all(replica["state"] == "failed" for replica in replicas):
             state = "failed"
         else:
@@ -171,7 +173,10 @@ def describe(controller: Controller) -> dict[str, Any]:
             }  # fmt: skip
         models.append(item)
     config_file = str(controller.config_path) if controller.config_path else None
-    return {"config_file": config_file, "models": models, "last_reload": reload_report(controller.last_reload)}
+    return {
+        "config_file": config_file, "models": models, "last_reload": reload_report(controller.last_reload),
+        "events": controller.state.events.newest_first(),
+    }  # fmt: skip
 
 
 def _in_flight(controller: Controller, model: str, backend: Backend) -> int:
@@ -210,4 +215,6 @@ def _replica(controller: Controller, model: str, backend: Backend) -> dict[str, 
             "log_file": str(engine.log_file) if engine.log_file else None,
             "gpus": engine.config.env.get("CUDA_VISIBLE_DEVICES"),
         }
+        if state != "ready":  # what its log said last: why it is down, or how far its start got
+            item["log_tail"] = engine.log_tail(LOG_TAIL_LINES)
     return item

@@ -179,6 +179,7 @@ class Controller:
                 policy = key_policy(tenants_of(new_settings, str(new.source)), new_settings.resolved_admin_keys(str(new.source)), new_settings.open_paths)
             except ConfigError as error:
                 self.state.metrics.reloads.labels("invalid").inc()
+                self.state.events.record("reload", None, False, f"{trigger}: invalid config, nothing changed: {_first_line(error)}")
                 logger.error("reload ({}): invalid config, nothing changed:\n{}", trigger, error)
                 self.last_reload = ReloadOutcome(trigger, str(self.config_path), error=str(error))
                 raise ReloadInvalid(str(error)) from None
@@ -191,8 +192,10 @@ class Controller:
             outcome = await self._apply(new, settings, plan, trigger, started=started)
             self.last_reload = outcome
             self.state.metrics.reloads.labels("ok" if outcome.ok else "partial").inc()
+            changes = {k: v for k, v in plan.summary().items() if k != "unchanged"}
+            self.state.events.record("reload", None, outcome.ok, f"{trigger}: {_summary(changes)}")
             for name, result in outcome.results.items():
-                self.state.metrics.swaps.labels(name, "ok" if result.ok else "failed").inc()
+                self._note_swap(name, result)
                 if not result.ok:
                     tail = "\n".join(f"    {line}" for line in result.log_tail[-30:])
                     logger.error("reload ({}): model {}: {}; it keeps its previous backend\n{}", trigger, name, result.error, tail)
@@ -251,12 +254,18 @@ class Controller:
             first = route.backend
             port = first.engine.config.port if isinstance(first, EngineBackend) else 0
             result = await self.executor.swap(name, builds, chosen, fixed_port=port)
-        self.state.metrics.swaps.labels(name, "ok" if result.ok else "failed").inc()
+        self._note_swap(name, result)
         if result.ok:
             self.last_errors.pop(name, None)
         else:
             self.last_errors[name] = result.error or "failed"
         return result
+
+    def _note_swap(self, name: str, result: SwapResult) -> None:
+        self.state.metrics.swaps.labels(name, "ok" if result.ok else "failed").inc()
+        took = f" in {result.start_s:.1f}s" if result.start_s is not None else ""
+        detail = f"{result.policy}: new backend ready{took}" if result.ok else f"{result.policy}: {result.error or 'failed'}; the old backend serves on"
+        self.state.events.record("swap", name, result.ok, detail)
 
     def _managed_route(self, name: str) -> ModelRoute:
         route = self.registry.route(name) or self.registry.resolve(name)
@@ -286,3 +295,12 @@ def _digest(path: Path) -> str | None:
         return hashlib.sha256(path.read_bytes()).hexdigest()
     except OSError:
         return None
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
+def _summary(changes: dict[str, list[str]]) -> str:
+    """``{"added": ["a"], "swapped": ["b"]}`` -> ``added a; swapped b`` (no change: ``no change``)."""
+    return "; ".join(f"{action} {', '.join(names)}" for action, names in changes.items()) or "no change"

@@ -132,6 +132,7 @@ class Watchdog:
             cause = backend.engine.crash_exception()  # the tail may hold only the frames, or what failed on shutdown
             crashed = f"; it crashed: {cause}" if cause is not None else ""
             logger.error("model {}: {} (pid {}){}; last lines of its log:\n{}", name, reason, backend.engine.pid, crashed, tail)
+            self.state.events.record("engine_down", name, False, f"{backend.describe()}: {reason}{crashed}")
             if backend.engine.running and cause is not None:
                 await self.executor.end_crashed(backend)  # unhealthy because it crashed: end it now
             if backend.engine.running:
@@ -223,10 +224,12 @@ class Watchdog:
                 health.last_error = error.message
                 tail = "\n".join(f"    {line}" for line in error.log_tail[-20:])
                 logger.error("model {}: restart failed: {}\n{}", name, error.message, tail)
+                self.state.events.record("restart", name, False, f"attempt {health.attempts}: {error.message}")
                 backend.failure = f"engine is down; restart {health.attempts} failed, retrying"
                 return
         outage = time.monotonic() - (health.down_since or started)
         logger.info("model {}: back in rotation at {} after {:.1f}s down", name, new.url, outage)
+        self.state.events.record("restart", name, True, f"back in rotation at {new.url} after {outage:.1f}s down")
         self.health[(name, new.replica)] = ModelHealth(
             backend=new, attempts=health.attempts, restarts=health.restarts, last_restart_at=time.monotonic(), last_error=health.last_error
         )

@@ -30,6 +30,7 @@ from prometheus_client import multiprocess
 
 from gateway.control import channel
 from gateway.control.snapshot import RoutingState, capture_state
+from gateway.core.endpoints import listening_note
 from gateway.core.state import GatewayState
 from gateway.edge.auth import KeyHolder
 from gateway.tenants.quotas import Quotas
@@ -111,7 +112,8 @@ class WorkerSupervisor:
             for wait in waits:
                 wait.cancel()
         self._tasks = [asyncio.create_task(self._publish_loop()), asyncio.create_task(self._watch_loop())]
-        logger.info("gateway: {} worker processes listening on http://{}:{} (pids {})", self.count, self.host, self.port,
+        logger.info("gateway: {} worker processes listening on {} (pids {})", self.count,
+                    listening_note(self.host, self.port, self.state.settings.status_page),
                     ", ".join(str(w.proc.pid) for w in self.workers if w.proc))  # fmt: skip
 
     async def stop(self, grace_s: float) -> None:

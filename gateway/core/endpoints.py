@@ -105,8 +105,25 @@ GATEWAY_ROUTES: tuple[tuple[str, str, str], ...] = (
     ("GET", "/health", "Liveness of the gateway (HEAD too)"),
     ("GET", "/ready", "200 when every model's engine is healthy, else 503 naming the ones that are not (HEAD too)"),
     ("GET", "/metrics", "Prometheus metrics"),
+    ("GET", "/", "The status page and playground, for a browser (`gateway.status_page`)"),
 )
 ADMIN_PREFIX = "/admin/"
+STATUS_PAGE = "/"
+UI_PREFIX = "/ui/"  # the status page's scripts and styles
+
+
+def listening_note(host: str, port: int, status_page: bool) -> str:
+    """``http://host:port``, and where a browser finds the status page (what the "listening" log line says)."""
+    url = f"http://{host}:{port}"
+    if not status_page:
+        return url
+    browse = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+    return f"{url} (status page and playground: http://{browse}:{port}{STATUS_PAGE})"
+
+
+def is_status_page(path: str) -> bool:
+    """The page and its files: static, no secrets in them, so served without a key (what they fetch needs one)."""
+    return path == STATUS_PAGE or path.startswith(UI_PREFIX)
 
 
 def dialect_for_path(path: str) -> Dialect:
@@ -127,6 +144,8 @@ def route_label(path: str) -> str:
         return "/v1/models/{model}"
     if path.startswith(ADMIN_PREFIX):
         return "/admin"  # one label for the admin API (its paths carry model names)
+    if path.startswith(UI_PREFIX):
+        return "/ui"
     return "other"
 
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from gateway.config import GatewaySettings
 from gateway.core.backends import Backend
+from gateway.core.events import EventLog
 from gateway.core.health import HealthProbes
 from gateway.core.metrics import Metrics
 from gateway.core.poison import Quarantine
@@ -50,6 +51,7 @@ class GatewayState:
     responses: ResponseIndex = field(default_factory=ResponseIndex)
     peers: Peers | None = None  # set in the control process of worker processes: a drain counts their requests too
     ledger: Ledger | None = None  # the usage ledger (set by the app factory, started and closed by the lifespan)
+    events: EventLog = field(default_factory=EventLog)  # the last reloads, swaps and restarts (status page, admin API)
 
     def in_flight(self, model: str | None, backend: Backend) -> int:
         """Requests on ``backend`` of ``model`` now: this process's and, with worker processes, theirs."""

@@ -27,7 +27,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.config import KeyLimits
 from gateway.core.context import request_info
-from gateway.core.endpoints import dialect_for_path
+from gateway.core.endpoints import dialect_for_path, is_status_page
 from gateway.core.errors import Dialect, GatewayError, error_response
 from gateway.tenants.keys import TENANT_SCOPE_KEY, Tenant, digest_of, key_owner, limited_keys, tenant_table
 
@@ -90,7 +90,7 @@ class AuthMiddleware:
             message = "the admin API is off: configure gateway.admin_keys (or admin_keys_env / admin_keys_file)"
             await error_response(GatewayError(403, message, code="admin_api_disabled"))(scope, receive, send)
             return
-        if not admin and (not policy.client or path in policy.open_paths):
+        if not admin and (not policy.client or path in policy.open_paths or is_status_page(path)):
             if not policy.client:
                 scope[OWNER_SCOPE_KEY] = OPEN_OWNER
             await self.app(scope, receive, send)

@@ -42,6 +42,8 @@ def test_serve_tiny_cpu_readme_examples_and_graceful_sigterm(tiny_model_dir: Pat
         check.watch(server.pid)
         server.wait_http("/ready", timeout_s=300)
         base = server.url
+        log = (tmp_path / "serve.log").read_text()
+        assert f"gateway: listening on {base} (status page and playground: {base}/)" in log, log[-2000:]
         engine_pids = [pid for pid in child_pids(server.pid) if "sglang.launch_server" in cmdline(pid)]
         assert len(engine_pids) == 1, "the gateway should have started one engine process"
         check.watch(engine_pids[0])

@@ -12,7 +12,8 @@ engine configs of ``ENGINES``, and rewrites and reloads the YAML to say so with 
     a second reload sent at the same time finds nothing left to do;
 (h) a request crashes the engine (its vocabulary hidden from the gateway, so the token-id check cannot
     stop it): the engine is restarted without backoff, and the same request is refused afterwards;
-(i) the managed engine refuses requests that do not carry its own key.
+(i) the managed engine refuses requests that do not carry its own key;
+(j) the status page, in a real browser, follows a SIGKILLed engine to its restart (and its playground streams).
 
 Both engines keep Responses API state, so the module also shows that stored responses are read,
 cancelled and continued on the engine that created them (that they are gone, 404, once that engine was
@@ -34,6 +35,9 @@ outage length) are printed (run with ``-s`` to see them).
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -51,6 +55,7 @@ from gateway.core.backends import EngineBackend
 from launch.config import load_config
 from launch.process import EngineProcess
 from launch.procgroup import group_pids
+from tests.browser import browser_missing, chromium_page
 from tests.gateway.helpers import (
     KEY,
     GatewayServer,
@@ -59,6 +64,7 @@ from tests.gateway.helpers import (
 )
 from tests.leaks import LeakCheck
 from tests.load import ThreadedLoad
+from tests.servers import REPO
 
 ADMIN = "swap-admin-key"
 PROMPT = [{"role": "user", "content": "Say something."}]
@@ -413,3 +419,73 @@ def test_i_managed_engine_refuses_requests_without_its_key(rig: SwapRig) -> None
     through = httpx.post(rig.server.url + "/v1/chat/completions", json={"model": "tiny", "messages": PROMPT, "max_tokens": 2}, headers=auth(KEY), timeout=60)
     assert through.status_code == 200
     assert httpx.get(rig.server.url + "/get_model_info", headers=auth(KEY), timeout=30).status_code == 404
+
+
+def test_j_status_page_in_a_browser_follows_a_killed_engine(rig: SwapRig, tmp_path: Path) -> None:
+    """The status page in real headless Chromium, against this module's gateway and real engine: without keys it
+    lists the models as ready and shows no admin part (the admin API stays 401 to it); with the client key the
+    playground streams an answer that grows in the page over several frames; with the admin key it shows the
+    engine, and a SIGKILLed engine as restarting, then ready again on a new process, with both events listed.
+    Screenshots: to ``tmp_path``; also to ``docs/images/`` with ``SGLANG_GATEWAY_SCREENSHOTS=docs``."""
+    missing = browser_missing()
+    if missing:
+        pytest.skip(missing)
+    old_pid = rig.model()["engine"]["pid"]
+    shots = REPO / "docs" / "images" if os.environ.get("SGLANG_GATEWAY_SCREENSHOTS") == "docs" else tmp_path
+    shots.mkdir(parents=True, exist_ok=True)
+    with chromium_page(viewport={"width": 1200, "height": 1000}) as page:
+        page.goto(rig.server.url + "/")
+        tiny_state = page.locator('#models-body tr[data-model="tiny"] td.state')
+        expect_text(tiny_state, "ready")  # from /ready, which needs no key
+        assert page.locator('#models-body tr[data-model="other"]').count() == 1
+        assert page.locator("section#engines").is_hidden() and page.locator("section#events").is_hidden()
+        assert page.evaluate("fetch('/admin/models').then(r => r.status)") == 401
+        assert "enter a client key" in page.text_content("#models-note")
+
+        page.fill("#client-key", KEY)
+        page.click("#keys button[type=submit]")
+        page.select_option("#pg-model", "tiny")
+        page.fill("#pg-prompt", "Say something.")
+        page.fill("#pg-temperature", "0")
+        page.fill("#pg-max-tokens", "400")  # ~0.1 s of the tiny model: several frames
+        # the answer's length at every animation frame until it is done
+        page.evaluate("""() => { window.lengths = []; const answer = document.getElementById('pg-answer');
+            const sample = () => { window.lengths.push(answer.textContent.length); if (!answer.dataset.done) requestAnimationFrame(sample); };
+            requestAnimationFrame(sample); }""")
+        page.click("#pg-send")
+        page.wait_for_selector("#pg-answer[data-done]", timeout=120_000)
+        assert page.text_content("#pg-error") == ""
+        lengths = page.evaluate("window.lengths")
+        partial = {n for n in lengths if 0 < n < lengths[-1]}
+        assert len(partial) >= 2, f"the answer did not grow token by token over frames: frame lengths {lengths[:80]}"
+        stats = page.text_content("#pg-stats")
+        assert re.search(r"TTFT \d+ ms · \d+ tokens · [\d.]+ tokens/s", stats), stats
+        expect_text(page.locator('#models-body tr[data-model="tiny"] td:nth-child(8)'), re.compile(r"^\d+"))  # errors: from /metrics
+        assert page.locator("section#engines").is_hidden(), "a client key must not open the admin parts"
+        page.screenshot(path=str(shots / "playground.png"), full_page=True)
+
+        page.fill("#admin-key", ADMIN)
+        page.click("#keys button[type=submit]")
+        engine_row = page.locator('#engines-body tr[data-model="tiny"]')
+        expect_text(engine_row.locator("td:nth-child(4)"), str(old_pid))
+        page.screenshot(path=str(shots / "status-page.png"), full_page=True)
+
+        os.kill(old_pid, signal.SIGKILL)
+        expect_text(tiny_state, "restarting", timeout_s=60)
+        new = rig.wait_ready_after(old_pid)  # the new engine is watched for leaks
+        expect_text(tiny_state, "ready", timeout_s=30)
+        expect_text(engine_row.locator("td:nth-child(4)"), str(new["engine"]["pid"]))
+        events = page.text_content("#events-list")
+        assert "engine_down tiny failed" in events and "restart tiny ok" in events, events
+        assert not page.problems, page.problems
+
+
+def expect_text(locator: Any, wanted: str | re.Pattern[str], timeout_s: float = 30) -> None:
+    """Until ``locator``'s text is ``wanted`` (or matches it): the page refreshes every few seconds."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = (locator.text_content(timeout=timeout_s * 1000) or "").strip() if locator.count() else None
+        if text is not None and (wanted.search(text) if isinstance(wanted, re.Pattern) else text == wanted):
+            return
+        assert time.monotonic() < deadline, f"{locator}: {text!r}, not {wanted!r}, after {timeout_s}s"
+        time.sleep(0.2)

@@ -200,6 +200,9 @@ def test_c_engine_that_cannot_start_leaves_the_old_one_serving(rig: SwapRig) -> 
     failed = [o for o in load.outcomes if o.kind != "ok"]
     assert not failed, failed[:3]
     assert changes(counters, rig.metrics()) == {"reloads_partial": 1, "swaps_failed": 1}
+    swap, reload = rig.admin("GET", "/admin/models").json()["events"][:2]  # newest first: the status page's list
+    assert (swap["kind"], swap["model"], swap["ok"]) == ("swap", "tiny", False) and "old backend serves on" in swap["detail"], swap
+    assert (reload["kind"], reload["ok"]) == ("reload", False) and reload["detail"] == "admin: engine_changed tiny", reload
     report(
         "(c) engine that cannot start",
         requests=len(load.outcomes), failed=len(failed), reload_s=round(took, 1),
@@ -236,6 +239,8 @@ def test_d_sigkilled_engine_is_restarted_and_requests_get_503_meanwhile(rig: Swa
         assert body["models"]["tiny"]["ready"] is False and body["models"]["other"]["ready"] is True
         assert "tiny" in body["error"]["message"] and "other" not in body["error"]["message"]
         assert rig.chat("other").status_code == 200  # the other model is served meanwhile
+        down = rig.model()
+        assert down["state"] == "restarting" and down["replicas"][0]["log_tail"], down  # why it is down, for the status page
         metrics = httpx.get(rig.server.url + "/metrics", headers=auth(KEY)).text
         assert prometheus_value(metrics, "gateway_engine_up", {"model": "tiny"}) == 0
         assert prometheus_value(metrics, "gateway_engine_up", {"model": "other"}) == 1
@@ -244,6 +249,11 @@ def test_d_sigkilled_engine_is_restarted_and_requests_get_503_meanwhile(rig: Swa
         load.wait_for_requests(6, back)
     after = rig.model()
     assert after["restarts"] == before["restarts"] + 1 and after["engine"]["pid"] != pid
+    assert "log_tail" not in after["replicas"][0]
+    restart, down_event = rig.admin("GET", "/admin/models").json()["events"][:2]
+    assert (down_event["kind"], down_event["model"], down_event["ok"]) == ("engine_down", "tiny", False), down_event
+    assert "exited with code -9" in down_event["detail"], down_event
+    assert (restart["kind"], restart["ok"]) == ("restart", True) and "back in rotation" in restart["detail"], restart
     metrics = httpx.get(rig.server.url + "/metrics", headers=auth(KEY)).text
     assert prometheus_value(metrics, "gateway_engine_up", {"model": "tiny"}) == 1
     assert prometheus_value(metrics, "gateway_in_flight_requests", {"model": "tiny"}) == 0
