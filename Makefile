@@ -7,7 +7,7 @@ CONFIG ?= configs/tiny-cpu.yaml
 TINY_MODEL := .cache/tiny-model
 PYTEST_ARGS ?=
 
-.PHONY: env tiny-model serve launch check test test-random mutation lint bench clean
+.PHONY: env tiny-model serve launch check test test-random screenshots mutation lint bench clean
 
 env:
 	@scripts/bootstrap.sh
@@ -39,6 +39,10 @@ test: tiny-model
 # The seed is printed at the top; PYTEST_ARGS='--randomly-seed=N' replays an order.
 test-random: tiny-model
 	$(PY) -m pytest --durations=25 -p randomly $(XDIST) $(PYTEST_ARGS)
+
+# The status page's screenshots in docs/images/, taken by its browser test (tests/gateway/test_swap.py (j)).
+screenshots: tiny-model
+	SGLANG_GATEWAY_SCREENSHOTS=docs $(PY) -m pytest -q tests/gateway/test_swap.py -k test_j
 
 # Mutation testing of the modules that decide without I/O (mutmut, one mutant at a time; minutes, so not part of
 # `make test`). Its own environment (.cache/mutation-venv, built on first use), a fresh mutants/ each run, a score per

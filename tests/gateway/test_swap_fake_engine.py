@@ -239,8 +239,10 @@ def test_d_sigkilled_engine_is_restarted_and_requests_get_503_meanwhile(rig: Swa
         assert body["models"]["tiny"]["ready"] is False and body["models"]["other"]["ready"] is True
         assert "tiny" in body["error"]["message"] and "other" not in body["error"]["message"]
         assert rig.chat("other").status_code == 200  # the other model is served meanwhile
-        down = rig.model()
-        assert down["state"] == "restarting" and down["replicas"][0]["log_tail"], down  # why it is down, for the status page
+        while (down := rig.model())["state"] != "restarting":  # "unavailable" until the watchdog's next look
+            assert time.monotonic() < deadline and down["state"] == "unavailable", down
+            time.sleep(0.05)
+        assert down["replicas"][0]["log_tail"], down  # why it is down, for the status page
         metrics = httpx.get(rig.server.url + "/metrics", headers=auth(KEY)).text
         assert prometheus_value(metrics, "gateway_engine_up", {"model": "tiny"}) == 0
         assert prometheus_value(metrics, "gateway_engine_up", {"model": "other"}) == 1
