@@ -40,9 +40,9 @@ test: tiny-model
 test-random: tiny-model
 	$(PY) -m pytest --durations=25 -p randomly $(XDIST) $(PYTEST_ARGS)
 
-# The status page's screenshots in docs/images/, taken by its browser test (tests/gateway/test_swap.py (j)).
+# The status page's screenshots in docs/images/, taken by its browser test (tests/gateway/test_swap.py (h)).
 screenshots: tiny-model
-	SGLANG_GATEWAY_SCREENSHOTS=docs $(PY) -m pytest -q tests/gateway/test_swap.py -k test_j
+	SGLANG_GATEWAY_SCREENSHOTS=docs $(PY) -m pytest -q tests/gateway/test_swap.py -k test_h_
 
 # Mutation testing of the modules that decide without I/O (mutmut, one mutant at a time; minutes, so not part of
 # `make test`). Its own environment (.cache/mutation-venv, built on first use), a fresh mutants/ each run, a score per
