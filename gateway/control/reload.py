@@ -19,6 +19,7 @@ LIVE_SETTINGS = frozenset(
     {
         *GATEWAY_KEY_SETTINGS, *GATEWAY_PER_MODEL_SETTINGS,
         "open_paths", "limits", "drain_timeout_s", "swap_default", "swap_retry_after_s", "watchdog", "health_timeout_s", "balancing",
+        "status_page",
     }
 )  # fmt: skip
 

@@ -92,8 +92,8 @@ def test_a_change_of_replicas_is_an_engine_change() -> None:
 
 def test_gateway_keys_live_or_restart_required() -> None:
     models = {"a": {"url": "http://h:1"}}
-    plan = _plan(models, models, {"port": 8000, "api_keys": ["k1"]}, {"port": 9000, "api_keys": ["k2"], "drain_timeout_s": 5})
-    assert set(plan.settings_changed) == {"api_keys", "drain_timeout_s"}
+    plan = _plan(models, models, {"port": 8000, "api_keys": ["k1"]}, {"port": 9000, "api_keys": ["k2"], "drain_timeout_s": 5, "status_page": False})
+    assert set(plan.settings_changed) == {"api_keys", "drain_timeout_s", "status_page"}
     assert plan.restart_required == ("port",)
     assert not plan.is_noop
 
