@@ -257,7 +257,7 @@ class GatewaySettings(_Strict):
     request_bounds: RequestBounds = Field(default_factory=RequestBounds, description="Fan-out and grammar bounds of one request.")
     usage: UsageSettings = Field(default_factory=UsageSettings, description="The usage ledger (one row per request).")
     extension_fields: dict[str, list[str]] = Field(
-        default_factory=dict, description="Per model, the SGLang extension fields clients may send (off by default; see the README)."
+        default_factory=dict, description="Per model, the SGLang extension fields clients may send (off by default; see docs/security.md)."
     )
     state_dir: Path | None = Field(
         None,

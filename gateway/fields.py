@@ -25,7 +25,7 @@ from dataclasses import dataclass
 class Extension:
     """An SGLang extension field, off unless enabled per model."""
 
-    why: str  # what it does, and why it is off by default (the README's table)
+    why: str  # what it does, and why it is off by default (the table of docs/security.md)
     routes: frozenset[str]  # the proxied paths whose engine route reads it
 
 
@@ -116,7 +116,7 @@ def extensions_for(path: str) -> frozenset[str]:
 
 
 def extension_table() -> str:
-    """The README's table of extension fields (a test checks the README holds exactly this)."""
+    """The table of extension fields in docs/security.md (a test checks that page holds exactly this)."""
     lines = ["| field | routes | what it does, and why it is off |", "|---|---|---|"]
     for name, extension in EXTENSIONS.items():
         routes = ", ".join(f"`{path}`" for path in sorted(extension.routes))

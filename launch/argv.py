@@ -194,8 +194,8 @@ def _without_config_flag(args: list[str]) -> list[str]:
 
 
 def engine_reference_table() -> str:
-    """The README's engine section reference: every key, its default, its flags and what it means (a test
-    checks the README holds exactly this)."""
+    """The engine section reference of docs/configuration.md: every key, its default, its flags and what it means
+    (a test checks that page holds exactly this)."""
     lines = ["| key | default | SGLang flag | meaning |", "|---|---|---|---|"]
     for key, field in EngineConfig.model_fields.items():
         flag = ENGINE_FLAGS.get(key)

@@ -1,7 +1,7 @@
 """GPU stack profiles: SGLang, torch, CUDA and FlashInfer versions known to install and run together.
 
 Everything that installs or pins the GPU stack reads this table: the wheel-pinned requirements of a
-logged MLflow model, the GPU environment of ``scripts/bootstrap.sh``, the README, and the preflight
+logged MLflow model, the GPU environment of ``scripts/bootstrap.sh``, docs/gpu.md, and the preflight
 that compares a profile with the serving host's driver. A combination that is not in the table is
 refused (:class:`UnknownGpuProfile`, listing the profiles) instead of being written down and failing
 in a serving container after a long build.
@@ -13,7 +13,7 @@ package registry's 0.5.19 still pulls ``cuda-python>=13.0`` plus a ``cuda-tile``
 registry does not serve. A CUDA 12 host therefore needs a driver upgrade, which the refusal says.
 
 Stdlib only, and no import of the rest of ``launch``: ``python launch/gpu_profiles.py requirements``
-runs before any environment exists (the bootstrap and the README's install use it that way).
+runs before any environment exists (the bootstrap and the README's GPU install use it that way).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The hot path (:class:`gateway.app.GatewayAPI`) dispatches proxied POSTs by this table; the FastAPI routes
 (and so ``/openapi.json``) are generated from it; authentication reads each route's dialect (Anthropic
-clients send ``x-api-key``); metrics label requests with the route's path; the README's endpoint table is
+clients send ``x-api-key``); metrics label requests with the route's path; the endpoint table of docs/serving.md is
 checked against :func:`endpoint_table`. Adding a model-serving route of the engine is one line in
 :data:`PROXIED` (plus a request schema in :mod:`gateway.core.schemas` and its test).
 """
@@ -31,7 +31,7 @@ class ProxiedRoute:
     path: str
     schema: type[schemas.Loose]
     summary: str
-    serves: str  # which kind of model answers it, for the README
+    serves: str  # which kind of model answers it, for docs/serving.md
     dialect: Dialect = Dialect.OPENAI
     stream: StreamKind | None = StreamKind.DATA  # None: never streams
     token_ids: tuple[str, ...] = ()  # body fields that carry token ids: lists, lists of lists, or a dict keyed by ids (checked against the vocabulary)
@@ -96,7 +96,7 @@ INVOCATIONS = ProxiedRoute(
 RESPONSE_BY_ID = "/v1/responses/{response_id}"
 RESPONSE_CANCEL = "/v1/responses/{response_id}/cancel"
 
-# Served by the gateway itself: (method, path, summary), for the README and the metrics labels.
+# Served by the gateway itself: (method, path, summary), for docs/serving.md and the metrics labels.
 GATEWAY_ROUTES: tuple[tuple[str, str, str], ...] = (
     ("GET", RESPONSE_BY_ID, "A stored response, from the engine that created it"),
     ("POST", RESPONSE_CANCEL, "Cancel a background response, on the engine that runs it"),
@@ -153,7 +153,7 @@ _GATEWAY_PATHS = frozenset(path for _, path, _ in GATEWAY_ROUTES if "{" not in p
 
 
 def endpoint_table() -> str:
-    """The README's endpoint table (a test checks the README holds exactly this)."""
+    """The endpoint table of docs/serving.md (a test checks that page holds exactly this)."""
     lines = ["| Method and path | What it does | Model kind |", "|---|---|---|"]
     lines += [f"| `POST {route.path}` | {route.summary} | {route.serves} |" for route in (*PROXIED, INVOCATIONS)]
     lines += [f"| `{method} {path}` | {summary} | – |" for method, path, summary in GATEWAY_ROUTES]

@@ -388,7 +388,7 @@ def check_extensions(body: dict[str, Any], path: str, enabled: frozenset[str], m
         if name not in enabled:
             raise GatewayError(
                 400, f"{name!r} is an SGLang extension field that is off for model {model!r} (the operator can enable "
-                f"it with gateway.extension_fields.{model}: see the README's security section)",
+                f"it with gateway.extension_fields.{model}: see docs/security.md, SGLang extension fields)",
                 code="extension_field_disabled", param=name,
             )  # fmt: skip
 

@@ -1,5 +1,5 @@
-"""The README's Databricks custom LLM serving recipe stays true to the code: it logs the entrypoint flavour
-with a GPU stack profile that exists, registers with the packed environment, and shows the command and
+"""The Databricks custom LLM serving recipe of docs/databricks.md stays true to the code: it logs the entrypoint
+flavour with a GPU stack profile that exists, registers with the packed environment, and shows the command and
 port the flavour writes. No engine, no network (the recipe needs a Databricks workspace to run)."""
 
 from __future__ import annotations
@@ -8,7 +8,9 @@ import ast
 
 from launch.gpu_profiles import select_profile
 from model_code.entrypoint import COMMAND, DEFAULT_PORT, PORT_ENV
-from tests.docs.readme_blocks import README, marked_blocks
+from tests.docs.readme_blocks import DOCS, marked_blocks
+
+RECIPE_PAGE = DOCS / "databricks.md"  # holds the recipe and what it logs
 
 
 def _calls(code: str, name: str) -> list[ast.Call]:
@@ -35,6 +37,6 @@ def test_the_recipe_logs_the_entrypoint_flavour_and_registers_with_env_pack() ->
 
 
 def test_the_command_and_port_shown_are_the_ones_written() -> None:
-    text = README.read_text()
+    text = RECIPE_PAGE.read_text()
     assert f"`entrypoint: {COMMAND}`" in text
     assert f"`gateway.port: ${{{PORT_ENV}:-{DEFAULT_PORT}}}`" in text

@@ -1,6 +1,7 @@
-"""The README's GPU stack statements stay true: the profile table lists the profiles of
-``launch/gpu_profiles.py`` as they are, and the Databricks recipe logs with a profile that exists (and
-that tests/model_code/test_gpu_stack_resolves.py resolves against the registry). No engine, no network."""
+"""The documentation's GPU stack statements stay true: the profile table of docs/gpu.md lists the profiles of
+``launch/gpu_profiles.py`` as they are, and the Databricks recipe of docs/databricks.md logs with a profile that
+exists (and that tests/model_code/test_gpu_stack_resolves.py resolves against the registry), whose driver it
+names. No engine, no network."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import ast
 import pytest
 
 from launch.gpu_profiles import DEFAULT_PROFILE, PROFILES, GpuProfile, select_profile
-from tests.docs.readme_blocks import README, marked_blocks
+from tests.docs.readme_blocks import DOCS, marked_blocks
+
+PROFILES_PAGE = DOCS / "gpu.md"  # holds the profile table
+RECIPE_PAGE = DOCS / "databricks.md"  # holds the recipe and the driver it needs
 
 
 def _row(profile: GpuProfile) -> str:
@@ -30,7 +34,8 @@ def _row(profile: GpuProfile) -> str:
 
 @pytest.mark.parametrize("profile", PROFILES, ids=lambda p: p.name)
 def test_profile_table_row(profile: GpuProfile) -> None:
-    assert _row(profile) in README.read_text().splitlines()
+    rows = PROFILES_PAGE.read_text().splitlines()
+    assert _row(profile) in rows, f"docs/gpu.md's profile table has no row for {profile.name}: paste {_row(profile)}"
 
 
 def test_databricks_recipe_logs_with_a_known_profile() -> None:
@@ -45,7 +50,7 @@ def test_databricks_recipe_logs_with_a_known_profile() -> None:
     given = {k.arg: ast.literal_eval(k.value) for k in calls[0].keywords if k.arg in ("profile", "cuda", "python")}
     assert "profile" in given, "the recipe names its GPU stack profile"
     profile = select_profile(given["profile"], cuda=given.get("cuda"), python=given.get("python"))
-    prose = " ".join(README.read_text().split())
+    prose = " ".join(RECIPE_PAGE.read_text().split())
     assert (
         f"`{profile.name}` runs on an NVIDIA driver that supports CUDA {profile.cuda} (>= {profile.min_driver})"
         in prose

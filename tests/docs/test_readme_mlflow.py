@@ -1,4 +1,4 @@
-"""The README's MLflow notebook tour, run as written: log, load (starts an engine), predict,
+"""The MLflow notebook tour of docs/mlflow.md, run as written: log, load (starts an engine), predict,
 predict_stream, structured output, batch with a schema, close.
 
 Run in a temporary directory (the tour writes ``mlflow.db`` where it runs); only the two relative
@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.docs.readme_blocks import README, marked_blocks
+from tests.docs.readme_blocks import REPO, marked_blocks
 
 
 @pytest.mark.usefixtures("starts_engine")
 def test_readme_notebook_tour(tiny_model_dir: Path, tmp_path: Path) -> None:
     (block,) = marked_blocks("mlflow")
-    code = block.code.replace('"configs/tiny-cpu.yaml"', repr(str(README.parent / "configs" / "tiny-cpu.yaml")))
+    code = block.code.replace('"configs/tiny-cpu.yaml"', repr(str(REPO / "configs" / "tiny-cpu.yaml")))
     code = code.replace('".cache/tiny-model"', repr(str(tiny_model_dir)))
     assert code != block.code
     # the tour sets its own tracking store: no MLFLOW_* of an earlier test (experiment id...) may leak in

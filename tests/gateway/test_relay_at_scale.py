@@ -3,7 +3,7 @@
 The real CPU engine runs a handful of requests at once; a GPU engine runs hundreds, each fed one event per
 decode step. The fake does exactly that with no model, so that the gateway's ceilings (connections, pools,
 limits) show up here rather than on a GPU host: a thousand concurrent streams through the default settings
-all complete, and a deliberately small configured pool answers what the README says, never a 504.
+all complete, and a deliberately small configured pool answers what docs/configuration.md says, never a 504.
 """
 
 from __future__ import annotations

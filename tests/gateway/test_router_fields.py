@@ -2,7 +2,7 @@
 
 Chain: client -> gateway (``url:`` the router) -> sglang-router 0.3.2 (real process) -> a FAKE recording worker.
 The fake stands in for the engine because the real one cannot report the body it received; it answers the
-router's start-up probes and records every POST. What this module asserts is what README's "Past one machine"
+router's start-up probes and records every POST. What this module asserts is what docs/scaling.md ("Past one machine")
 lists (fields kept, renamed, dropped; routes the router answers itself or does not serve). No engine starts.
 """
 

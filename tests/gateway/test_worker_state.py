@@ -89,7 +89,7 @@ def test_a_shape_quarantined_by_the_control_is_refused_by_the_worker() -> None:
 
 
 def test_limiter_is_per_worker() -> None:
-    """Each worker's route has a limiter of the full ``max_concurrent`` (the README's per-worker semantics)."""
+    """Each worker's route has a limiter of the full ``max_concurrent`` (the per-worker semantics of docs/serving.md)."""
     worker = Registry()
     apply_state(capture_state(GatewaySettings(limits=LimitSettings(max_concurrent=3)), KEYS, control_registry(), Quarantine()), worker, Quarantine(), GatewaySettings())
     limiter = worker.route("a").limiter  # type: ignore[union-attr]

@@ -1,4 +1,4 @@
-"""Every socket a real engine listens on is on loopback (README, Security: "engines listen on loopback").
+"""Every socket a real engine listens on is on loopback (docs/security.md, "Engine sockets").
 
 Read from /proc, whoever in the engine opened it: the HTTP server, the scheduler's ZMQ ports, torch's
 TCPStore (which binds every interface unless the gateway's SGLang plugin binds it), gloo, NCCL.

@@ -1,6 +1,6 @@
 """The container contract of Databricks custom LLM serving, played here with the real CPU engine.
 
-What the platform is documented (or, where noted in the README, inferred) to do with a model logged
+What the platform is documented (or, where docs/databricks.md notes it, inferred) to do with a model logged
 with ``log_model(flavor="entrypoint")``: read the command from the ``MLmodel`` metadata, download the
 model's artifacts, run the command in the artifacts folder (port 8080 there; a free port here through
 ``SGLANG_GATEWAY_PORT``), wait until ``GET /v1/models`` answers 200, forward OpenAI chat bodies to

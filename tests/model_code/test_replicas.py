@@ -71,10 +71,10 @@ def test_each_replica_has_its_own_shared_engine_key_and_one_replica_keeps_its_ke
     assert key_dir_for(*specs[0]) == key_dir_for("tiny", one.engine)
 
 
-def test_the_readme_replicas_config_is_a_model_config():
+def test_the_docs_replicas_config_is_a_model_config():
     (block,) = marked_blocks("mlflow-replicas")
     scope: dict[str, Any] = {}
-    exec(block.code, scope)  # the README's own example
+    exec(block.code, scope)  # docs/mlflow.md's own example
     target = resolve_target(scope["config"])
     assert target.entry.replicas == 2 and target.engine is not None
 
