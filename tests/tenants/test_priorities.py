@@ -1,6 +1,8 @@
 """Priority classes in a model's queue, through the gateway: with the model's one slot taken, a request of a key
 with a higher class waiting behind 20 queued requests of a lower class is served next. Upstream: the benchmarks'
-FAKE decode loop (one token per stream every 20 ms), so requests hold their slot for a known time."""
+FAKE decode loop (one token per stream every 20 ms), so requests hold their slot for a known time. The class reaches
+an engine that schedules by priority: one the gateway launched (a FAKE engine process), and a ``url:`` model's server
+that says it does."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import pytest
 import yaml
 
 from benchmarks import processes
-from tests.fake_engine import fake_engine_python
+from tests.fake_engine import fake_engine_python, running_fake_engine
 from tests.gateway.helpers import serve
 from tests.leaks import leaves_nothing
 from tests.servers import CLI, ServerProcess
@@ -98,3 +100,23 @@ def test_an_engine_with_priority_scheduling_gets_the_keys_class(tmp_path: Path, 
             assert priority(BATCH, priority=3) == 3  # a named key without a class: as sent
         finally:
             assert server.stop(signal.SIGTERM, grace_s=30) == 0, server.log(3000)
+
+
+def test_a_url_models_server_with_priority_scheduling_gets_the_class(tmp_path: Path) -> None:
+    # A FAKE engine run by someone else (it answers with the priority it received), behind two url models: one says
+    # its server schedules by priority, the other does not.
+    with running_fake_engine(tmp_path) as engine:
+        models = {"m": {"url": engine, "enable_priority_scheduling": True}, "other": {"url": engine, "served_model_name": "m"}}
+        keys = [{"name": "chat", "key": CHAT, "priority": 5}, {"name": "any", "key": BATCH}]
+        with serve(models, {"api_keys": [PLAIN], "keys": keys}) as server:
+
+            def priority(key: str, model: str = "m", **extra: Any) -> Any:
+                body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, **extra}
+                headers = {"authorization": f"Bearer {key}"}
+                response = httpx.post(server.url + "/v1/chat/completions", json=body, headers=headers, timeout=60)
+                assert response.status_code == 200, response.text
+                return response.json()["fake_priority"]
+
+            assert priority(CHAT) == 5 and priority(CHAT, priority=99) == 5  # the key's class, not the client's
+            assert priority(PLAIN, priority=2) == 2 and priority(BATCH) is None  # keys without a class: as sent
+            assert priority(CHAT, "other") is None and priority(CHAT, "other", priority=7) == 7  # not a priority scheduler
