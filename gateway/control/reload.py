@@ -18,7 +18,7 @@ from launch.config import GATEWAY_KEY_SETTINGS, GATEWAY_PER_MODEL_SETTINGS, Depl
 # Gateway keys a running gateway applies on reload; any other changed key needs a restart.
 LIVE_SETTINGS = frozenset(
     {
-        *GATEWAY_KEY_SETTINGS, *GATEWAY_PER_MODEL_SETTINGS,
+        *GATEWAY_KEY_SETTINGS, *GATEWAY_PER_MODEL_SETTINGS, "priority_classes",
         "open_paths", "limits", "drain_timeout_s", "swap_default", "swap_retry_after_s", "watchdog", "health_timeout_s", "balancing",
     }
 )  # fmt: skip
