@@ -29,11 +29,10 @@ from gateway.data.bounds import check_bounds
 from gateway.data.proxy import call_backend
 from gateway.edge.auth import request_owner
 from gateway.tenants.keys import TENANT_SCOPE_KEY, Tenant
-from gateway.tenants.priority import PRIORITY_HEADER, asked_priority
+from gateway.tenants.priority import request_priority
 
 api_routes = APIRouter()  # a FastAPI router (not SGLang's router): the data plane's routes
 RESPONSE_ID_PREFIX = "resp_"  # SGLang refuses (400) a stored-response id without it
-_PRIORITY_HEADER = PRIORITY_HEADER.encode()
 
 
 def _state(request: Request) -> GatewayState:
@@ -54,7 +53,7 @@ async def _proxied(request: Request, endpoint: ProxiedRoute) -> Response:
     info: RequestInfo = request_info(request.scope) or RequestInfo("-", request.method, endpoint.path)
     path = endpoint.upstream_path
     tenant: Tenant | None = request.scope.get(TENANT_SCOPE_KEY)
-    priority = _priority(request.scope, tenant)
+    priority = request_priority(request.scope, tenant)  # a proxied route is never an open path: None is no client keys
     body = parse_body(await request.body(), endpoint.schema, path)
     grammar_size = check_bounds(path, body, state.settings.request_bounds)
     route = _model_route(state, body, endpoint, tenant)
@@ -68,20 +67,6 @@ async def _proxied(request: Request, endpoint: ProxiedRoute) -> Response:
         route, endpoint, body, info, request.receive, balancing=balancing, pinned=pinned, owner=owner, grammar_size=grammar_size,
         priority=priority,
     )
-
-
-def _priority(scope: Scope, tenant: Tenant | None) -> int | None:
-    """The request's priority class: the one its ``x-gateway-priority`` header picks, else its key's (None: none)."""
-    asked = None
-    for name, value in scope["headers"]:
-        if name == _PRIORITY_HEADER:  # ASGI servers give header names in lower case
-            asked = value.decode("latin-1").strip()
-            break
-    if not asked:
-        return tenant.priority if tenant is not None else None
-    if tenant is None:  # no client keys (a proxied route is never an open path)
-        return asked_priority(None, None, asked, keyed=False)
-    return asked_priority(tenant.name, tenant.priorities, asked)
 
 
 def _model_route(state: GatewayState, body: dict[str, Any], endpoint: ProxiedRoute, tenant: Tenant | None = None) -> ModelRoute:

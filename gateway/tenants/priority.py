@@ -13,11 +13,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from gateway.config import class_number
 from gateway.core.errors import GatewayError
 
+if TYPE_CHECKING:
+    from gateway.tenants.keys import Tenant  # which imports this module
+
 PRIORITY_HEADER = "x-gateway-priority"
+_HEADER_NAME = PRIORITY_HEADER.encode()
 
 
 @dataclass(frozen=True)
@@ -64,3 +69,18 @@ def asked_priority(key: str | None, choice: PriorityChoice | None, asked: str, *
             403, f"{PRIORITY_HEADER}: key {key!r} may not use priority class {asked!r}; it may use: {allowed}", code="priority_not_allowed"
         )
     return number
+
+
+def request_priority(scope: Mapping[str, Any], tenant: Tenant | None) -> int | None:
+    """A request's priority class: the one its header picks (refused as :func:`asked_priority` says), else its key's
+    (None: none). ``tenant``: the caller's (None: a gateway without client keys)."""
+    asked = None
+    for name, value in scope["headers"]:
+        if name == _HEADER_NAME:  # ASGI servers give header names in lower case
+            asked = value.decode("latin-1").strip()
+            break
+    if not asked:
+        return tenant.priority if tenant is not None else None
+    if tenant is None:
+        return asked_priority(None, None, asked, keyed=False)
+    return asked_priority(tenant.name, tenant.priorities, asked)
