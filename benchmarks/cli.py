@@ -19,11 +19,13 @@ from typing import Annotated, Any
 import typer
 
 from benchmarks import processes, report
+from benchmarks import tenants as tenant_rig
 from benchmarks.apis import APIS, parse_apis
 from benchmarks.drive import drive, profile_gateway
 from benchmarks.loadgen import Workload
 from benchmarks.report import console
-from benchmarks.stats import evaluate_targets
+from benchmarks.stats import evaluate_targets, evaluate_tenant_targets
+from benchmarks.tenants import KEYED
 
 app = typer.Typer(
     name="benchmarks",
@@ -184,6 +186,14 @@ def compare_command(
             "stalls a server without TCP_NODELAY (the router) on its delayed ACKs.",
         ),
     ] = False,
+    tenants: Annotated[
+        bool,
+        typer.Option(
+            "--tenants/--no-tenants",
+            help="Also run a gateway with one named key (limits that never bite) and the usage ledger (SQLite in the "
+            "results directory), the load sending that key: keys+ledger vs the plain gateway (ledger off) in one run.",
+        ),
+    ] = False,
     out: Out = None,
     plot: Annotated[bool, typer.Option(help="Write plot-<api>.png.")] = True,
 ) -> None:
@@ -222,18 +232,27 @@ def compare_command(
             direct_url, router_proc = stack.enter_context(processes.router([direct_url], out_dir))
             upstream_label = f"router({upstream_label})"
             console.print(f"sglang-router at {direct_url} (pid {router_proc.pid}) in front of the upstream")
-        gateway_url, gateway_child = stack.enter_context(processes.gateway(direct_url, out_dir, env))
+        plain = tenant_rig.plain_settings(out_dir) if tenants else None
+        gateway_url, gateway_child = stack.enter_context(processes.gateway(direct_url, out_dir, env, plain))
         console.print(
             f"direct: {direct_url}   gateway: {gateway_url} (pid {gateway_child.pid}, {' '.join(gateway_child.argv)})"
         )
+        urls = {"direct": direct_url, "gateway": gateway_url}
         groups: dict[str, dict[str, int]] = {"direct": {}, "gateway": {"gateway": gateway_child.pid}}
-        if upstream_proc is not None:
-            groups["direct"]["upstream"] = groups["gateway"]["upstream"] = upstream_proc.pid
-        if router_proc is not None:
-            groups["direct"]["router"] = groups["gateway"]["router"] = router_proc.pid
+        if tenants:  # its own config and log next to the plain gateway's
+            keyed_url, keyed_child = stack.enter_context(
+                processes.gateway(direct_url, out_dir / KEYED, env, tenant_rig.keyed_settings(out_dir))
+            )
+            console.print(f"{KEYED}: {keyed_url} (pid {keyed_child.pid}; a named key, the ledger in {out_dir})")
+            urls[KEYED], groups[KEYED] = keyed_url, {"gateway": keyed_child.pid}
+        for name in urls:
+            if upstream_proc is not None:
+                groups[name]["upstream"] = upstream_proc.pid
+            if router_proc is not None:
+                groups[name]["router"] = router_proc.pid
         for workload in workloads:
             levels = drive(
-                {"direct": direct_url, "gateway": gateway_url},
+                urls,
                 workload,
                 levels_list,
                 requests,
@@ -241,13 +260,15 @@ def compare_command(
                 rounds=rounds,
                 warmup=warmup,
                 max_seconds=max_seconds,
+                target_headers={KEYED: tenant_rig.headers()} if tenants else None,
                 cpu_groups=groups,
                 quickack=quickack,
             )
+            by_level = {int(k): v for k, v in levels.items()}
             measured[workload.api] = {
                 "workload": {**workload.__dict__, "path": workload.path},
                 "levels": levels,
-                "targets": evaluate_targets(upstream_label, {int(k): v for k, v in levels.items()}),
+                "targets": evaluate_targets(upstream_label, by_level) + (evaluate_tenant_targets(by_level) if tenants else []),
             }
             (out_dir / "levels.json").write_text(
                 json.dumps(measured, indent=2, default=str)
@@ -268,24 +289,30 @@ def compare_command(
                 console.print(f"[red]profiling failed:[/] {error}")
                 profile_report = {"error": str(error)}
     summary = report.api_summary_rows(measured)
+    targets = ["direct", "gateway", *([KEYED] if tenants else [])]
     result = {
-        "title": f"gateway vs direct ({upstream_label})",
+        "title": f"gateway vs direct ({upstream_label})" + (", keys+ledger vs plain gateway" if tenants else ""),
         "kind": "compare",
         "upstream": upstream_label,
         "machine": info,
         "requests_per_level": requests,
         "rounds": rounds,
-        "targets_measured": ["direct", "gateway"],
+        "targets_measured": targets,
         "apis": measured,
         "summary": summary,
         "profile": profile_report,
         "gateway_env": env,
         "client_quickack": quickack,
     }
+    if tenants:  # read once the keyed gateway stopped (it writes its last rows on SIGTERM)
+        result["tenants"] = {"summary": report.tenant_summary_rows(measured, KEYED), "ledger_rows": tenant_rig.ledger_rows(out_dir)}
     for name, entry in measured.items():
-        report.print_levels(entry["levels"], ["direct", "gateway"], title=f"{name}: per level")
+        report.print_levels(entry["levels"], targets, title=f"{name}: per level")
         report.print_targets(entry["targets"], title=f"{name}: targets")
     report.print_api_summary(summary)
+    if tenants:
+        report.print_tenant_summary(result["tenants"]["summary"])
+        console.print(f"usage ledger rows ({KEYED}, by key:status): {result['tenants']['ledger_rows']}")
     if profile_report and "error" not in profile_report:
         report.print_profile(profile_report)
     report.save(result, out_dir, plot)

@@ -41,6 +41,7 @@ def drive(
     max_seconds: float = 60.0,
     between_levels: Callable[[int], None] | None = None,
     headers: dict[str, str] | None = None,
+    target_headers: dict[str, dict[str, str]] | None = None,
     cpu_groups: dict[str, dict[str, int]] | None = None,
     quickack: bool = False,
     hooks: BatchHooks | None = None,
@@ -48,6 +49,7 @@ def drive(
     """Run every level against every target; with several targets, batches alternate (ABBA order per round).
 
     A target is a base URL, or several that its requests are spread over (round robin, see ``run_batch``).
+    ``headers``: sent with every request; ``target_headers``: per target, sent instead (a key only one target needs).
     ``cpu_groups``: per target, the process groups whose CPU time each of its batches is charged with.
     ``quickack``: the client acknowledges every read at once (see ``benchmarks.loadgen.Connection``).
     ``hooks``: called before every batch (warm-up too) and after every measured one.
@@ -69,7 +71,7 @@ def drive(
                 target=name,
                 max_seconds=max_seconds,
                 on_done=lambda: progress.advance(task),
-                headers=headers,
+                headers=(target_headers or {}).get(name, headers),
                 quickack=quickack,
             )
         )
@@ -114,7 +116,7 @@ def drive(
 
 
 def _versus(direct: list[BatchResult], other: list[BatchResult]) -> dict[str, Any]:
-    """other/direct per figure, with the median of per-round req/s ratios."""
+    """other/direct (or other/any baseline) per figure, with the median of per-round req/s ratios."""
     vs = compare(summarize(direct), summarize(other))
     # rounds run back to back (ABBA): the median of per-round ratios resists load spikes on a shared machine
     pairs = [
@@ -128,12 +130,16 @@ def _versus(direct: list[BatchResult], other: list[BatchResult]) -> dict[str, An
 
 def _level_entry(names: list[str], batches: dict[str, list[BatchResult]]) -> dict[str, Any]:
     """Summaries per target, ratios of every other target against ``direct`` (``vs``: the gateway's, when the
-    targets are direct and gateway), and each round's req/s."""
+    targets are direct and gateway) and of every other gateway against the plain ``gateway`` (``vs_gateway``: what
+    its settings cost), and each round's req/s."""
     entry: dict[str, Any] = {name: summarize(batches[name]) for name in names}
     if "direct" in entry and len(names) > 1:
         entry["vs_direct"] = {name: _versus(batches["direct"], batches[name]) for name in names if name != "direct"}
         if "gateway" in entry:
             entry["vs"] = entry["vs_direct"]["gateway"]
+    others = [name for name in names if name not in ("direct", "gateway")]
+    if "gateway" in entry and others:
+        entry["vs_gateway"] = {name: _versus(batches["gateway"], batches[name]) for name in others}
     entry["rounds"] = {
         name: [round(len([s for s in b.samples if s.ok]) / b.wall_s, 1) if b.wall_s else 0 for b in batches[name]]
         for name in names

@@ -110,14 +110,22 @@ def print_levels(levels: dict[str, dict[str, Any]], targets: list[str], title: s
                 cpu,
             )
         if "vs" in entry:
-            cells = []
-            for key, _, _ in FIGURES:
-                vs = entry["vs"][key]
-                ratio = fmt(vs["ratio"], 3) if vs["ratio"] is not None else "-"
-                extra = f" (paired {vs['paired_median_ratio']:.3f})" if vs.get("paired_median_ratio") else ""
-                cells.append(ratio + extra + (f" ({vs['added_ms']:+.2f})" if vs.get("added_ms") is not None else ""))
-            table.add_row(level, "[bold]gw/direct[/]", *cells, "")
+            table.add_row(level, "[bold]gw/direct[/]", *_ratio_cells(entry["vs"]), "")
+        for name, vs in entry.get("vs_gateway", {}).items():
+            if name in targets:
+                table.add_row(level, f"[bold]{name}/gw[/]", *_ratio_cells(vs), "")
     out_console.print(table)
+
+
+def _ratio_cells(vs: dict[str, Any]) -> list[str]:
+    """One cell per figure: the ratio, the paired median of req/s, the added ms of latencies."""
+    cells = []
+    for key, _, _ in FIGURES:
+        one = vs[key]
+        ratio = fmt(one["ratio"], 3) if one["ratio"] is not None else "-"
+        extra = f" (paired {one['paired_median_ratio']:.3f})" if one.get("paired_median_ratio") else ""
+        cells.append(ratio + extra + (f" ({one['added_ms']:+.2f})" if one.get("added_ms") is not None else ""))
+    return cells
 
 
 def api_summary_rows(apis: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -142,6 +150,52 @@ def api_summary_rows(apis: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                 }
             )
     return rows
+
+
+def tenant_summary_rows(apis: dict[str, dict[str, Any]], target: str) -> list[dict[str, Any]]:
+    """Per API and level: ``target`` (the gateway with keys and the ledger) against the plain gateway."""
+    rows = []
+    for api, measured in apis.items():
+        for level, entry in measured["levels"].items():
+            vs = entry.get("vs_gateway", {}).get(target)
+            if vs is None:
+                continue
+            rows.append(
+                {
+                    "api": api,
+                    "c": int(level),
+                    "req_s_ratio": vs["req_s"]["ratio"],
+                    "req_s_paired_median_ratio": vs["req_s"].get("paired_median_ratio"),
+                    "added_latency_p50_ms": vs["latency_p50_ms"].get("added_ms"),
+                    "added_ttft_p50_ms": vs["ttft_p50_ms"].get("added_ms"),
+                    "plain_cpu_ms_per_req": entry["gateway"].get("cpu_ms_per_req", {}).get("gateway"),
+                    "keyed_cpu_ms_per_req": entry[target].get("cpu_ms_per_req", {}).get("gateway"),
+                    "errors": entry[target]["errors"],
+                }
+            )
+    return rows
+
+
+def print_tenant_summary(rows: list[dict[str, Any]]) -> None:
+    table = Table(title="keys + ledger / plain gateway per API")
+    for column in (
+        "API", "c", "req/s ratio (paired median)", "added p50 latency ms", "added p50 TTFT ms",
+        "plain gateway CPU ms/req", "keys+ledger CPU ms/req", "errors",
+    ):  # fmt: skip
+        table.add_column(column, justify="right")
+    for row in rows:
+        paired = row["req_s_paired_median_ratio"]
+        table.add_row(
+            row["api"],
+            str(row["c"]),
+            fmt(row["req_s_ratio"], 3) + (f" ({paired:.3f})" if paired is not None else ""),
+            fmt(row["added_latency_p50_ms"], 3),
+            fmt(row["added_ttft_p50_ms"], 3),
+            fmt(row["plain_cpu_ms_per_req"], 3),
+            fmt(row["keyed_cpu_ms_per_req"], 3),
+            str(row["errors"]),
+        )
+    out_console.print(table)
 
 
 def print_api_summary(rows: list[dict[str, Any]]) -> None:

@@ -136,3 +136,23 @@ def evaluate_targets(upstream: str, levels: dict[int, dict[str, Any]]) -> list[d
                     )
                 )
     return checks
+
+
+TENANT_ADDED_P50_MS = 0.1  # keys + ledger: at most this much p50 latency at c=1 over the plain gateway
+TENANT_REQ_S_KEPT = 0.97  # ... and req/s at c=64 within noise of it (paired median of the rounds' ratios)
+
+
+def evaluate_tenant_targets(levels: dict[int, dict[str, Any]], target: str = "gateway-keys") -> list[dict[str, Any]]:
+    """Issue 23's bar for named keys + the usage ledger, against the plain gateway of the same run (``vs_gateway``)."""
+    checks: list[dict[str, Any]] = []
+    for c, entry in sorted(levels.items()):
+        vs = entry.get("vs_gateway", {}).get(target)
+        if vs is None:
+            continue
+        if c == 1:
+            checks.append(_check("keys+ledger c=1: added p50 latency", vs["latency_p50_ms"].get("added_ms"), TENANT_ADDED_P50_MS, at_most=True, unit="ms"))
+            checks.append(_check("keys+ledger c=1: added p50 TTFT", vs["ttft_p50_ms"].get("added_ms"), TENANT_ADDED_P50_MS, at_most=True, unit="ms"))
+        if c == 64:
+            kept = vs["req_s"].get("paired_median_ratio") or vs["req_s"]["ratio"]
+            checks.append(_check("keys+ledger c=64: req/s kept (paired median)", kept, TENANT_REQ_S_KEPT, at_most=False, unit="x"))
+    return checks

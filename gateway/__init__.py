@@ -38,6 +38,7 @@ A map, by folder; each folder may import those listed after it, never those befo
 
 ``tenants/`` (keys that mean tenants)
   ``keys``           client keys by SHA-256 -> tenants (name, models, limits, priority class)
+  ``priority``       the classes a key's holder may pick per request (``x-gateway-priority``), and the refusals
   ``quotas``         per-key buckets and budgets on an injected clock; summed over worker processes*
   ``ledger``         the usage ledger: one row per request, buffered, written in batches off the event loop*;
                      ``ledger_schema`` its tables and versioned schema (SQLite or PostgreSQL); ``usage_query`` totals

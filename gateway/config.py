@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
@@ -106,6 +107,29 @@ class KeyLimits(_Strict):
 
 _KEY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+MIN_CLASS, MAX_CLASS = -1000, 1000  # priority classes (SGLang's priority is any int32; a smaller range reads better)
+_CLASS_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,31}$")  # starts with a letter: never read as a number
+_CLASS_NUMBER = re.compile(r"^[+-]?[0-9]{1,4}$")
+
+
+def class_number(value: int | str, classes: Mapping[str, int]) -> int | None:
+    """The priority class ``value`` stands for: a number in range (or its digits), or a name of ``classes``
+    (``gateway.priority_classes``); None when it is neither."""
+    if isinstance(value, str):
+        if value in classes:
+            return classes[value]
+        if not _CLASS_NUMBER.match(value):
+            return None
+        value = int(value)
+    return value if MIN_CLASS <= value <= MAX_CLASS else None
+
+
+def _class_value(value: object) -> object:
+    """A priority class as the YAML gives it: a number in range or a name (which classes exist is checked with the
+    whole section); one message for anything else (pydantic's union would give one line per member)."""
+    if isinstance(value, bool) or not isinstance(value, int | str) or (isinstance(value, int) and not MIN_CLASS <= value <= MAX_CLASS):
+        raise ValueError(f"a priority class is a number from {MIN_CLASS} to {MAX_CLASS} or a name of gateway.priority_classes (got {value!r})")
+    return value
 
 
 class NamedKey(_Strict):
@@ -117,10 +141,16 @@ class NamedKey(_Strict):
     key_sha256: str | None = Field(None, description="SHA-256 of the key, hex (sglang-gateway hash-key prints it): the key is never stored.")
     models: list[str] | None = Field(None, description="Models (names or aliases) it may use; others answer 404 as if absent (unset: all).")
     limits: KeyLimits = Field(default_factory=KeyLimits, description="Its limits.")
-    priority: int | None = Field(
-        None, ge=-1000, le=1000,
-        description="Priority class: higher is admitted first from a model's queue, and sent as the request's priority to an "
-        "engine with enable_priority_scheduling (unset: 0 in the queue, the request's own priority upstream).",
+    priority: int | str | None = Field(
+        None,
+        description="Priority class (-1000..1000, or a name of gateway.priority_classes): higher is admitted first from a "
+        "model's queue, and sent as the request's priority to an engine that schedules by it (enable_priority_scheduling) "
+        "(unset: 0 in the queue, the request's own priority upstream).",
+    )
+    allowed_priorities: list[int | str] | None = Field(
+        None,
+        description="Classes its holder may pick per request with the x-gateway-priority header (numbers or names of "
+        "gateway.priority_classes); its own priority is always one of them (unset: the header is refused).",
     )
 
     @field_validator("name")
@@ -129,6 +159,26 @@ class NamedKey(_Strict):
         if not _KEY_NAME.match(value):
             raise ValueError(f"a key name is 1-64 letters, digits and . _ @ - (got {value!r})")
         return value
+
+    @field_validator("priority", mode="before")
+    @classmethod
+    def _priority_value(cls, value: object) -> object:
+        return value if value is None else _class_value(value)
+
+    @field_validator("allowed_priorities", mode="before")
+    @classmethod
+    def _allowed_values(cls, value: object) -> object:
+        if isinstance(value, list):
+            if not value:
+                raise ValueError("list at least one class (or leave allowed_priorities out: the header is then refused)")
+            for item in value:
+                _class_value(item)
+        return value
+
+    def priority_classes(self) -> list[tuple[str, int | str]]:
+        """(setting, class) of every class this key names: its own, then the ones its holder may pick."""
+        own = [("priority", self.priority)] if self.priority is not None else []
+        return own + [("allowed_priorities", value) for value in self.allowed_priorities or ()]
 
     @field_validator("key_sha256")
     @classmethod
@@ -239,6 +289,11 @@ class GatewaySettings(_Strict):
         "browser's user enters; admin parts need an admin key). false: / answers 404.",
     )
     keys: list[NamedKey] = Field(default_factory=list, description="Named client keys (tenants), each with its models and limits.")
+    priority_classes: dict[str, int] = Field(
+        default_factory=dict,
+        description="Names of priority classes (name: number, -1000..1000, higher first) that keys' priority and "
+        "allowed_priorities and the x-gateway-priority header may use in place of the number, e.g. {batch: -1, interactive: 5}.",
+    )
     keys_env: str | None = Field(None, description="Environment variable holding more named keys: a JSON or YAML list like keys.")
     keys_file: Path | None = Field(None, description="YAML file with more named keys (a list like keys; each gives key_sha256, not the key).")
     admin_keys: list[SecretStr] = Field(default_factory=list, description="Bearer keys of the /admin API (none: it is off).")
@@ -279,6 +334,16 @@ class GatewaySettings(_Strict):
         if self.workers != "auto":
             return int(self.workers)
         return auto_workers(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
+    @field_validator("priority_classes")
+    @classmethod
+    def _class_names(cls, value: dict[str, int]) -> dict[str, int]:
+        for name, number in value.items():
+            if not _CLASS_NAME.match(name):
+                raise ValueError(f"a class name is 1-32 letters, digits, _ and -, starting with a letter (got {name!r})")
+            if not MIN_CLASS <= number <= MAX_CLASS:
+                raise ValueError(f"{name}: a priority class is a number from {MIN_CLASS} to {MAX_CLASS} (got {number})")
+        return value
 
     @field_validator("api_keys", "admin_keys")
     @classmethod
@@ -438,7 +503,7 @@ def gateway_settings(deployment: DeploymentConfig, **overrides: object) -> Gatew
 
 
 def _check_named_keys(settings: GatewaySettings, deployment: DeploymentConfig, source: str, plain: tuple[bytes, ...], admin: tuple[bytes, ...]) -> None:
-    """Named keys name models of the file, and are neither plain client keys nor admin keys."""
+    """Named keys name models of the file and priority classes that exist, and are neither plain client keys nor admin keys."""
     named = settings.resolved_named_keys(source)
     known = {label for name, entry in deployment.models.items() for label in (name, *entry.aliases)}
     others = {hashlib.sha256(key).digest(): kind for kinds, kind in ((plain, "gateway.api_keys"), (admin, "gateway.admin_keys")) for key in kinds}
@@ -446,5 +511,11 @@ def _check_named_keys(settings: GatewaySettings, deployment: DeploymentConfig, s
         unknown = sorted(set(entry.models or ()) - known)
         if unknown:
             raise ConfigError(f"{source}: gateway.keys ({entry.name}).models: {unknown[0]!r} is no model or alias of this file")
+        for setting, value in entry.priority_classes():
+            if class_number(value, settings.priority_classes) is None:
+                named = ", ".join(settings.priority_classes) or "none is named"
+                raise ConfigError(
+                    f"{source}: gateway.keys ({entry.name}).{setting}: {value!r} is no class of gateway.priority_classes ({named})"
+                )
         if digest in others:
             raise ConfigError(f"{source}: gateway.keys ({entry.name}): its key is also in {others[digest]}")

@@ -241,6 +241,11 @@ class ModelEntry(_Strict):
     vocab_size: int | None = Field(
         None, gt=0, description="Vocabulary size of the external model: token ids outside it are refused with 400."
     )
+    enable_priority_scheduling: bool = Field(
+        False,
+        description="The external server runs SGLang's priority scheduling (--enable-priority-scheduling): the gateway "
+        "sends it each request's priority class as the request's priority, as for an engine with that key.",
+    )
     aliases: list[str] = Field(default_factory=list, description="Other names clients may use.")
     replicas: int = Field(1, ge=1, le=64, description="Independent engines of this engine section behind the one name.")
     replica_gpus: list[list[int]] | None = Field(
@@ -261,10 +266,11 @@ class ModelEntry(_Strict):
     def _one_source(self) -> ModelEntry:
         if (self.engine is None) == (self.url is None):
             raise ValueError("give exactly one of 'engine' (launched here) or 'url' (run elsewhere)")
-        if self.engine is not None and (self.served_model_name or self.api_key or self.vocab_size):
+        if self.engine is not None and (self.served_model_name or self.api_key or self.vocab_size or self.enable_priority_scheduling):
             raise ValueError(
-                "served_model_name, api_key and vocab_size belong to a 'url' model "
-                "(an engine's name is engine.served_model_name; its vocabulary is read from the model's files)"
+                "served_model_name, api_key, vocab_size and enable_priority_scheduling belong to a 'url' model "
+                "(an engine's name is engine.served_model_name, its scheduling engine.enable_priority_scheduling; "
+                "its vocabulary is read from the model's files)"
             )
         if self.engine is None and (self.replicas != 1 or self.replica_gpus is not None or self.router is not None):
             raise ValueError("replicas, replica_gpus and router need an 'engine' section (a 'url' model is one upstream)")

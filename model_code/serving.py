@@ -70,6 +70,17 @@ class ServedModel:
         return dict(section) if isinstance(section, Mapping) else {}
 
     @property
+    def schedules_by_priority(self) -> bool:
+        """Whether the model's engines run SGLang's priority scheduling (its engine section's, or its url entry's,
+        ``enable_priority_scheduling``): a server in front of them may then send each request's priority class."""
+        from model_code.target import resolve_target
+
+        target = resolve_target(getattr(self.pyfunc_model, "model_config", None))
+        if target.engine is not None:
+            return target.engine.enable_priority_scheduling
+        return target.deployment.models[target.name].enable_priority_scheduling
+
+    @property
     def model_name(self) -> str | None:
         """The engine's served model name (the YAML key)."""
         client = getattr(self.python_model, "client", None)

@@ -25,6 +25,8 @@ What it does, SGLang's way (what the gateway relies on, nothing more):
 
 Its command line keeps ``sglang.launch_server`` (after this file's path), so
 ``tests.model_code.helpers.engine_children`` counts it as an engine of this process.
+
+:func:`running_fake_engine` runs it on its own, as the server behind a ``url:`` model (no key).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ import sys
 import time
 import traceback
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +68,20 @@ def fake_engine_python(directory: Path) -> Path:
     )
     wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
     return wrapper
+
+
+@contextmanager
+def running_fake_engine(directory: Path, served_name: str = "m") -> Iterator[str]:
+    """The fake run on its own (no key) until the block ends: its base URL, for a ``url:`` model."""
+    from tests.servers import server_process  # not imported when this file runs as the engine
+
+    model = directory / "fake-model"
+    model.mkdir(parents=True, exist_ok=True)
+    (model / "config.json").write_text("{}")
+    argv = [sys.executable, str(HERE), "-m", "sglang.launch_server", "--model-path", str(model), "--port", "{port}"]
+    argv += ["--served-model-name", served_name]
+    with server_process(argv, log_path=directory / "fake-engine.log", ready_path="/health", timeout_s=60) as server:
+        yield server.url
 
 
 def _args(argv: list[str]) -> argparse.Namespace:

@@ -219,6 +219,7 @@ def _effective(new: DeploymentConfig, plan: ReloadPlan, results: dict[str, SwapR
                 served_model_name=old.served_model_name,
                 api_key=old.api_key,
                 vocab_size=old.vocab_size,
+                enable_priority_scheduling=old.enable_priority_scheduling,
                 aliases=list(change.new.aliases),
                 replicas=old.replicas,
                 replica_gpus=old.replica_gpus,

@@ -3,7 +3,8 @@
 Kept apart from the code that applies it so every case (unchanged, added, removed, engine changed,
 only aliases or limits changed) is unit-tested without starting anything. "Engine changed" covers
 anything that needs a new backend: a different ``engine:`` section, a different ``url`` /
-``served_model_name`` / ``api_key``, or a switch between ``engine`` and ``url``.
+``served_model_name`` / ``api_key`` / ``vocab_size`` / ``enable_priority_scheduling``, or a switch between
+``engine`` and ``url``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from launch.config import GATEWAY_KEY_SETTINGS, GATEWAY_PER_MODEL_SETTINGS, Depl
 # Gateway keys a running gateway applies on reload; any other changed key needs a restart.
 LIVE_SETTINGS = frozenset(
     {
-        *GATEWAY_KEY_SETTINGS, *GATEWAY_PER_MODEL_SETTINGS,
+        *GATEWAY_KEY_SETTINGS, *GATEWAY_PER_MODEL_SETTINGS, "priority_classes",
         "open_paths", "limits", "drain_timeout_s", "swap_default", "swap_retry_after_s", "watchdog", "health_timeout_s", "balancing",
         "status_page",
     }
@@ -107,7 +108,8 @@ def _backend_diff(before: ModelEntry, after: ModelEntry) -> list[str]:
         old, new = before.engine.model_dump(), after.engine.model_dump()
         replicas = [key for key in ("replicas", "replica_gpus", "router") if getattr(before, key) != getattr(after, key)]
         return [f"engine.{key}" for key in new if old.get(key) != new[key]] + replicas
-    return [key for key in ("url", "served_model_name", "api_key", "vocab_size") if getattr(before, key) != getattr(after, key)]
+    url_keys = ("url", "served_model_name", "api_key", "vocab_size", "enable_priority_scheduling")
+    return [key for key in url_keys if getattr(before, key) != getattr(after, key)]
 
 
 def _route_diff(

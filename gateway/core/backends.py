@@ -158,11 +158,17 @@ class UrlBackend(Backend):
     kind = "url"
 
     def __init__(
-        self, served_name: str, url: str, *, api_key: str | None = None, vocab_size: int | None = None, replica: int = 0
-    ) -> None:
+        self, served_name: str, url: str, *, api_key: str | None = None, vocab_size: int | None = None, replica: int = 0,
+        priority_scheduling: bool = False,
+    ) -> None:  # fmt: skip
         super().__init__(served_name, replica=replica, vocab_size=vocab_size)
         self._url = url
         self.api_key = api_key  # sent upstream as a bearer token; never logged or listed
+        self._priority_scheduling = priority_scheduling  # the config says so: the gateway cannot ask the server
+
+    @property
+    def schedules_by_priority(self) -> bool:
+        return self._priority_scheduling
 
     @property
     def url(self) -> str:

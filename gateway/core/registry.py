@@ -154,7 +154,10 @@ def build_registry(
 def url_backend(name: str, entry: ModelEntry) -> UrlBackend:
     """The backend of a ``url:`` model: its upstream name defaults to the model's name here."""
     assert entry.url is not None
-    return UrlBackend(entry.served_model_name or name, entry.url, api_key=entry.api_key, vocab_size=entry.vocab_size)
+    return UrlBackend(
+        entry.served_model_name or name, entry.url, api_key=entry.api_key, vocab_size=entry.vocab_size,
+        priority_scheduling=entry.enable_priority_scheduling,
+    )  # fmt: skip
 
 
 def with_url_replicas(route: ModelRoute, upstreams: Sequence[tuple[str, str | None]]) -> ModelRoute:
@@ -162,7 +165,10 @@ def with_url_replicas(route: ModelRoute, upstreams: Sequence[tuple[str, str | No
     run by someone else (the replicas of a served MLflow model), balanced like an engine section's replicas."""
     first = route.backend
     backends = tuple(
-        UrlBackend(first.served_name, url, api_key=api_key, vocab_size=first.vocab_size, replica=index)
+        UrlBackend(
+            first.served_name, url, api_key=api_key, vocab_size=first.vocab_size, replica=index,
+            priority_scheduling=first.schedules_by_priority,
+        )  # fmt: skip
         for index, (url, api_key) in enumerate(upstreams)
     )
     return replace(route, replicas=backends)

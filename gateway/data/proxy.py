@@ -99,8 +99,8 @@ class Proxy:
         that must answer (it holds the state the request continues). ``owner``: the client key's identity
         (:func:`gateway.edge.auth.request_owner`), recorded as the owner of a Responses API response it creates.
         ``grammar_size``: :func:`gateway.data.bounds.grammar_bytes` of ``body`` when the caller measured it already.
-        ``priority``: the caller's key's class: its place in the model's queue, and the request's ``priority`` on an
-        engine that schedules by it (there the key's class replaces whatever the client sent).
+        ``priority``: the request's class (its ``x-gateway-priority`` header's, else its key's): its place in the model's
+        queue, and the request's ``priority`` on an engine that schedules by it (there it replaces whatever the client sent).
         """
         path = endpoint.upstream_path
         problem = token_id_problem(endpoint.token_ids, body, route.backend.vocab_size)

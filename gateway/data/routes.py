@@ -29,6 +29,7 @@ from gateway.data.bounds import check_bounds
 from gateway.data.proxy import call_backend
 from gateway.edge.auth import request_owner
 from gateway.tenants.keys import TENANT_SCOPE_KEY, Tenant
+from gateway.tenants.priority import request_priority
 
 api_routes = APIRouter()  # a FastAPI router (not SGLang's router): the data plane's routes
 RESPONSE_ID_PREFIX = "resp_"  # SGLang refuses (400) a stored-response id without it
@@ -51,9 +52,10 @@ async def _proxied(request: Request, endpoint: ProxiedRoute) -> Response:
     state = _state(request)
     info: RequestInfo = request_info(request.scope) or RequestInfo("-", request.method, endpoint.path)
     path = endpoint.upstream_path
+    tenant: Tenant | None = request.scope.get(TENANT_SCOPE_KEY)
+    priority = request_priority(request.scope, tenant)  # a proxied route is never an open path: None is no client keys
     body = parse_body(await request.body(), endpoint.schema, path)
     grammar_size = check_bounds(path, body, state.settings.request_bounds)
-    tenant: Tenant | None = request.scope.get(TENANT_SCOPE_KEY)
     route = _model_route(state, body, endpoint, tenant)
     info.model = route.name
     check_extensions(body, path, state.settings.extensions_for(route.name), route.name)
@@ -63,7 +65,7 @@ async def _proxied(request: Request, endpoint: ProxiedRoute) -> Response:
     balancing = state.settings.balancing_for(route.name)
     return await state.proxy.forward(
         route, endpoint, body, info, request.receive, balancing=balancing, pinned=pinned, owner=owner, grammar_size=grammar_size,
-        priority=tenant.priority if tenant is not None else None,
+        priority=priority,
     )
 
 

@@ -7,6 +7,11 @@ Databricks serving answers. The model's calls are blocking (the ``openai`` clien
 worker threads; a failure after the 200 ends the stream with an OpenAI-shaped error event. Each
 request holds a slot of the model's concurrency limiter (the one its OpenAI routes use) until its
 answer or stream ends; over the limit it gets 429 like them.
+
+Named keys hold here as on the OpenAI routes: a key that may not use the model gets the same 404, its request
+waits in the model's queue by its priority class (``x-gateway-priority`` included), and the usage the model
+reports is recorded on the request (its log line, the usage ledger, the key's token limits). The class does not
+reach the engine: the model's own client sends the request.
 """
 
 from __future__ import annotations
@@ -22,8 +27,11 @@ from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response, StreamingResponse
 
+from gateway.core.context import RequestInfo, request_info
 from gateway.core.errors import GatewayError, sanitize_message, sse_error_event
-from gateway.core.limits import ConcurrencyLimiter
+from gateway.core.registry import ModelRoute
+from gateway.tenants.keys import TENANT_SCOPE_KEY, Tenant
+from gateway.tenants.priority import request_priority
 
 DONE_EVENT = b"data: [DONE]\n\n"
 
@@ -36,10 +44,11 @@ def _as_gateway_error(error: Exception) -> GatewayError:
     return GatewayError(status, sanitize_message(message))
 
 
-def invocations_router(served: Any, limiter: Callable[[], ConcurrencyLimiter] | None = None) -> APIRouter:
+def invocations_router(served: Any, route: Callable[[], ModelRoute | None] | None = None) -> APIRouter:
     """Routes for ``served`` (a ``model_code.serving.ServedModel``): ``/invocations`` and ``/ping``.
 
-    ``limiter`` gives the model's current limiter (looked up per request: a reload may replace it).
+    ``route`` gives the model's current route (looked up per request: a reload may replace it): its limiter,
+    and the names a key's ``models`` are checked against.
     """
     from model_code.serving import wants_stream
 
@@ -59,13 +68,21 @@ def invocations_router(served: Any, limiter: Callable[[], ConcurrencyLimiter] | 
             raise GatewayError(400, "request body is not valid JSON") from None
         if not isinstance(body, dict):
             raise GatewayError(400, f"request body must be a JSON object, got {type(body).__name__}")
-        slots = limiter() if limiter is not None else None
+        tenant: Tenant | None = request.scope.get(TENANT_SCOPE_KEY)
+        priority = request_priority(request.scope, tenant)
+        current = route() if route is not None else None
+        if current is not None and tenant is not None and not tenant.may_use(current.names):
+            raise GatewayError(404, f"The model {name!r} does not exist", code="model_not_found", param="model")
+        info = request_info(request.scope)
+        if info is not None:
+            info.model = name
+        slots = current.limiter if current is not None else None
         if slots is not None:
-            await slots.acquire(name)
+            await slots.acquire(name, priority or 0)
         release = _Once(slots.release if slots is not None else None)
         try:
             if wants_stream(body):
-                chunks = await _first_chunk(served, body, release)
+                chunks = await _first_chunk(served, body, release, info)
                 streamed, release = release, _Once(None)  # the stream releases its slot when it ends
                 return StreamingResponse(
                     _sse(chunks),
@@ -77,6 +94,7 @@ def invocations_router(served: Any, limiter: Callable[[], ConcurrencyLimiter] | 
                 result = await run_in_threadpool(served.predict, body)
             except Exception as error:  # model_code raises typed errors with status_code
                 raise _as_gateway_error(error) from None
+            _note_usage(info, result)
             return Response(orjson.dumps(result, default=_jsonable), media_type="application/json")
         finally:
             release()
@@ -84,11 +102,13 @@ def invocations_router(served: Any, limiter: Callable[[], ConcurrencyLimiter] | 
     return router
 
 
-async def _first_chunk(served: Any, body: dict[str, Any], release: Callable[[], None]) -> AsyncIterator[Any]:
+async def _first_chunk(
+    served: Any, body: dict[str, Any], release: Callable[[], None], info: RequestInfo | None = None
+) -> AsyncIterator[Any]:
     """Start the stream and fetch its first chunk before the 200, so early errors get a real status.
 
     ``release`` (the limiter slot) is called when the stream ends, fails or is abandoned; on an early
-    error the caller releases it.
+    error the caller releases it. The usage chunks report is recorded on ``info`` as they pass.
     """
     chunks = _ThreadedStream(lambda: served.predict_stream(body))
     try:
@@ -101,6 +121,7 @@ async def _first_chunk(served: Any, body: dict[str, Any], release: Callable[[], 
         try:
             item = first
             while item is not _END:
+                _note_usage(info, item)
                 yield item
                 item = await chunks.next()
         finally:  # also on client disconnect: the producer closes the model's generator
@@ -108,6 +129,25 @@ async def _first_chunk(served: Any, body: dict[str, Any], release: Callable[[], 
             release()
 
     return rest()
+
+
+def _note_usage(info: RequestInfo | None, item: Any) -> None:
+    """Record the usage an answer or a stream chunk reports (a ChatAgent's or ChatModel's ``usage``; a Responses
+    event's ``response.usage``), which the key's token limits and the usage ledger read from the request."""
+    if info is None:
+        return
+    data = item if isinstance(item, dict) else _jsonable_or_none(item)
+    if isinstance(data, dict):
+        response = data.get("response")
+        usage = data.get("usage") or (response.get("usage") if isinstance(response, dict) else None)
+        info.set_usage(usage)
+
+
+def _jsonable_or_none(item: Any) -> Any:
+    try:
+        return _jsonable(item)
+    except TypeError:
+        return None
 
 
 class _Once:

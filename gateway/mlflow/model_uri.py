@@ -5,10 +5,11 @@ then serves the gateway's OpenAI endpoints in front of those engines (balanced o
 like the replicas of a YAML model) plus ``POST /invocations`` with the Databricks request shapes,
 streaming when the body has ``"stream": true`` (the model balances those requests itself).
 
-The server's settings are the ``gateway:`` section of the deployment (API keys, limits, timeouts,
-CORS...): the logged ``model_config``'s, overridden key by key by the one of ``--gateway-config FILE``,
-then by ``--host`` / ``--port``. ``/invocations`` shares the model's concurrency limit with the
-OpenAI routes (one engine behind both).
+The server's settings are the ``gateway:`` section of the deployment (API keys, named keys, limits,
+timeouts, CORS...): the logged ``model_config``'s, overridden key by key by the one of ``--gateway-config
+FILE``, then by ``--host`` / ``--port``. ``/invocations`` shares the model's concurrency limit with the
+OpenAI routes (one engine behind both), and named keys hold on both. An engine logged with
+``enable_priority_scheduling`` gets each request's priority class from the OpenAI routes.
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ def app_for_served_model(
     entry: dict[str, Any] = {"url": base_url, "aliases": [] if name == "default" else ["default"]}
     if api_key:
         entry["api_key"] = api_key
+    if getattr(served, "schedules_by_priority", False):  # the model's engines take each request's priority class
+        entry["enable_priority_scheduling"] = True
     logged = _absolute_key_files(getattr(served, "gateway_section", None) or {}, Path.cwd())
     section = {**logged, **(gateway_section or {})}
     deployment = parse_config({"models": {name: entry}, GATEWAY_SECTION: section}, source)
@@ -86,7 +89,7 @@ def app_for_served_model(
     if route is not None and len(upstreams) > 1:  # replicas: the gateway balances over the model's own engines
         registry.put(with_url_replicas(route, upstreams))
     app = create_app(settings, registry)
-    app.include_router(invocations_router(served, limiter=lambda: registry.route(name).limiter))
+    app.include_router(invocations_router(served, route=lambda: registry.route(name)))
     return app, settings
 
 

@@ -12,7 +12,8 @@ import hashlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from gateway.config import GatewaySettings, KeyLimits, NamedKey
+from gateway.config import GatewaySettings, KeyLimits, NamedKey, class_number
+from gateway.tenants.priority import PriorityChoice
 
 TENANT_SCOPE_KEY = "gateway.tenant"
 UNNAMED = "unnamed"  # the metrics label of plain api_keys (and of an open gateway)
@@ -38,6 +39,7 @@ class Tenant:
     models: frozenset[str] | None = None  # names and aliases it may use (None: all)
     limits: KeyLimits = field(default_factory=KeyLimits)
     priority: int | None = None  # its class: the model's queue serves higher first; sent upstream when the engine schedules by it
+    priorities: PriorityChoice | None = None  # the classes the x-gateway-priority header may pick (None: the header is refused)
 
     @property
     def label(self) -> str:
@@ -52,18 +54,24 @@ class Tenant:
         return self.models is None or not self.models.isdisjoint(names)
 
 
-def tenant_table(plain: Iterable[bytes], named: Iterable[tuple[NamedKey, bytes]] = ()) -> Mapping[bytes, Tenant]:
-    """SHA-256 of each client key -> its tenant. ``named``: (NamedKey, digest) as the settings resolve them."""
+def tenant_table(
+    plain: Iterable[bytes], named: Iterable[tuple[NamedKey, bytes]] = (), classes: Mapping[str, int] | None = None
+) -> Mapping[bytes, Tenant]:
+    """SHA-256 of each client key -> its tenant. ``named``: (NamedKey, digest) as the settings resolve them, their
+    priority classes checked against ``classes`` (``gateway.priority_classes``) already."""
+    classes = classes or {}
     table: dict[bytes, Tenant] = {hashlib.sha256(key).digest(): Tenant(None, key_owner(key)) for key in plain}
     for entry, digest in named:
         models = frozenset(entry.models) if entry.models is not None else None
-        table[digest] = Tenant(entry.name, f"tenant:{entry.name}", models, entry.limits, entry.priority)
+        priority = class_number(entry.priority, classes) if entry.priority is not None else None
+        choice = PriorityChoice.of(entry.priority, entry.allowed_priorities, classes) if entry.allowed_priorities else None
+        table[digest] = Tenant(entry.name, f"tenant:{entry.name}", models, entry.limits, priority, choice)
     return table
 
 
 def tenants_of(settings: GatewaySettings, source: str = "config") -> Mapping[bytes, Tenant]:
     """The tenants of ``settings``' client keys (plain and named)."""
-    return tenant_table(settings.resolved_keys(source), settings.resolved_named_keys(source))
+    return tenant_table(settings.resolved_keys(source), settings.resolved_named_keys(source), settings.priority_classes)
 
 
 def limited_keys(tenants: Iterable[Tenant]) -> dict[str, KeyLimits]:

@@ -101,6 +101,27 @@ def test_compare_cli_end_to_end_for_every_api(tmp_path: Path) -> None:
     assert all((out / f"plot-{api}.png").stat().st_size > 0 for api in APIS)
 
 
+def test_compare_with_tenants_runs_a_keyed_gateway_with_the_ledger_next_to_the_plain_one(tmp_path: Path) -> None:
+    out = tmp_path / "result"
+    proc = _bench(
+        "compare", "--upstream", "stub", "--tenants", "-c", "1,2", "-n", "6", "--rounds", "2", "--warmup", "2",
+        "--output-tokens", "4", "--max-seconds", "30", "--no-plot", "--out", str(out),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads((out / "result.json").read_text())
+    assert result["targets_measured"] == ["direct", "gateway", "gateway-keys"]
+    for entry in result["apis"]["chat"]["levels"].values():
+        assert entry["gateway-keys"]["requests"] == 6 and entry["gateway-keys"]["errors"] == 0, entry["gateway-keys"]
+        assert entry["vs_gateway"]["gateway-keys"]["req_s"]["ratio"] > 0 and "gateway" in entry["gateway-keys"]["cpu_ms_per_req"]
+    checks = {check["target"] for check in result["apis"]["chat"]["targets"]}
+    assert {"keys+ledger c=1: added p50 latency", "stub c=1: added p50 latency"} <= checks
+    assert [(row["api"], row["c"]) for row in result["tenants"]["summary"]] == [("chat", 1), ("chat", 2)]
+    # every request of the load (warm-ups too) was the named key's, and has its ledger row
+    assert result["tenants"]["ledger_rows"]["bench:200"] == 2 * (2 + 6), result["tenants"]
+    assert (out / "gateway-state").is_dir() and not (out / "gateway-state" / "usage.sqlite3").exists()  # the plain one: no ledger
+    assert "gateway-keys/gw" in proc.stdout and "keys + ledger / plain gateway per API" in proc.stdout
+
+
 def test_run_cli_plain_answers_and_a_bad_api_name(tmp_path: Path) -> None:
     with processes.fake_upstream("raw", tmp_path) as (url, _):
         out = tmp_path / "run"

@@ -62,17 +62,18 @@ def test_default_limit_change_touches_every_model_without_override() -> None:
 
 
 def test_url_model_upstream_changes_are_backend_changes() -> None:
-    old = {"a": {"url": "http://h:1"}, "b": {"url": "http://h:1"}, "c": {"url": "http://h:1"}, "d": {"url": "http://h:1"}}
+    old = {name: {"url": "http://h:1"} for name in "abcde"}
     new = {
         "a": {"url": "http://h:2"},
         "b": {"url": "http://h:1", "served_model_name": "upstream-b"},
         "c": {"url": "http://h:1", "api_key": "k"},
         "d": {"engine": ENGINE},
+        "e": {"url": "http://h:1", "enable_priority_scheduling": True},  # its backend sends priorities, or not
     }
     plan = _plan(old, new)
     assert all(change.action is Action.ENGINE_CHANGED for change in plan.changes)
-    assert [c.details for c in plan.changes] == [("url",), ("served_model_name",), ("api_key",), ("engine",)]
-    assert [c.needs_engine_start for c in plan.changes] == [False, False, False, True]
+    assert [c.details for c in plan.changes] == [("url",), ("served_model_name",), ("api_key",), ("engine",), ("enable_priority_scheduling",)]
+    assert [c.needs_engine_start for c in plan.changes] == [False, False, False, True, False]
 
 
 def test_swap_policy_per_model_and_default() -> None:

@@ -1,0 +1,56 @@
+"""The cost of tenants: ``compare --tenants`` runs a second gateway with a named key and the usage ledger, next to
+the plain one, in the same run (batches alternate over direct, gateway and gateway-keys).
+
+- ``gateway``: the plain gateway, no key, no ledger: what the gateway costs without tenants;
+- ``gateway-keys``: the same upstream behind a gateway that requires one named key with every limit set so high
+  that none bites (requests and tokens per minute, requests in flight, day and month budgets: every quota path
+  runs, none refuses), and writes the usage ledger to SQLite in the results directory; the load generator sends
+  that key.
+
+The report gives gateway-keys against the plain gateway (its targets: :func:`benchmarks.stats.evaluate_tenant_targets`)
+and counts the ledger's rows after the run (one per request sent, warm-ups included, when nothing was lost).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+from gateway.tenants.ledger_schema import usage_rows
+
+KEYED = "gateway-keys"  # the target's name in the results
+KEY = "sk-bench-tenant-0123456789abcdef"  # loopback only, for the run's own gateway
+NEVER = 10**15  # a limit no benchmark reaches
+LEDGER_FILE = "usage-ledger.sqlite3"
+
+
+def plain_settings(out_dir: Path) -> dict[str, Any]:
+    """The plain gateway of a tenants run: the ledger off (the default writes one), state in the results directory."""
+    return {"usage.enabled": False, "state_dir": str(out_dir / "gateway-state")}
+
+
+def keyed_settings(out_dir: Path) -> dict[str, Any]:
+    """The gateway with one named key whose limits never bite, and the usage ledger in ``out_dir``."""
+    limits = {name: NEVER for name in ("requests_per_minute", "tokens_per_minute", "max_concurrent", "tokens_per_day", "tokens_per_month")}
+    return {
+        "keys": [{"name": "bench", "key": KEY, "limits": limits}],
+        "usage.enabled": True,
+        "usage.database_url": f"sqlite:///{out_dir / LEDGER_FILE}",
+        "state_dir": str(out_dir / "gateway-keys-state"),
+    }
+
+
+def headers() -> dict[str, str]:
+    """What the load generator sends to the keyed gateway."""
+    return {"authorization": f"Bearer {KEY}"}
+
+
+def ledger_rows(out_dir: Path) -> dict[str, int] | None:
+    """Rows the keyed gateway wrote (read once it stopped: it writes its buffer on SIGTERM), by key name and status."""
+    path = out_dir / LEDGER_FILE
+    if not path.exists():
+        return None
+    with sqlite3.connect(path) as db:
+        found = db.execute(f"SELECT key_name, status, COUNT(*) FROM {usage_rows.name} GROUP BY key_name, status").fetchall()
+    return {f"{key}:{status}": count for key, status, count in found}
