@@ -128,6 +128,18 @@ def _ratio_cells(vs: dict[str, Any]) -> list[str]:
     return cells
 
 
+def _compared(api: str, level: str, vs: dict[str, Any]) -> dict[str, Any]:
+    """What a row says of one target against another: req/s ratio (paired median too), added p50 TTFT and latency."""
+    return {
+        "api": api,
+        "c": int(level),
+        "req_s_ratio": vs["req_s"]["ratio"],
+        "req_s_paired_median_ratio": vs["req_s"].get("paired_median_ratio"),
+        "added_ttft_p50_ms": vs["ttft_p50_ms"].get("added_ms"),
+        "added_latency_p50_ms": vs["latency_p50_ms"].get("added_ms"),
+    }
+
+
 def api_summary_rows(apis: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """Per API and level: the figures the benchmark README tabulates (gateway/direct)."""
     rows = []
@@ -138,12 +150,7 @@ def api_summary_rows(apis: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             vs, gateway, direct = entry["vs"], entry["gateway"], entry["direct"]
             rows.append(
                 {
-                    "api": api,
-                    "c": int(level),
-                    "req_s_ratio": vs["req_s"]["ratio"],
-                    "req_s_paired_median_ratio": vs["req_s"].get("paired_median_ratio"),
-                    "added_ttft_p50_ms": vs["ttft_p50_ms"].get("added_ms"),
-                    "added_latency_p50_ms": vs["latency_p50_ms"].get("added_ms"),
+                    **_compared(api, level, vs),
                     "gateway_cpu_ms_per_req": gateway.get("cpu_ms_per_req", {}).get("gateway"),
                     "upstream_cpu_ms_per_req": direct.get("cpu_ms_per_req", {}).get("upstream"),
                     "errors": direct["errors"] + gateway["errors"],
@@ -162,12 +169,7 @@ def tenant_summary_rows(apis: dict[str, dict[str, Any]], target: str) -> list[di
                 continue
             rows.append(
                 {
-                    "api": api,
-                    "c": int(level),
-                    "req_s_ratio": vs["req_s"]["ratio"],
-                    "req_s_paired_median_ratio": vs["req_s"].get("paired_median_ratio"),
-                    "added_latency_p50_ms": vs["latency_p50_ms"].get("added_ms"),
-                    "added_ttft_p50_ms": vs["ttft_p50_ms"].get("added_ms"),
+                    **_compared(api, level, vs),
                     "plain_cpu_ms_per_req": entry["gateway"].get("cpu_ms_per_req", {}).get("gateway"),
                     "keyed_cpu_ms_per_req": entry[target].get("cpu_ms_per_req", {}).get("gateway"),
                     "errors": entry[target]["errors"],
@@ -177,50 +179,33 @@ def tenant_summary_rows(apis: dict[str, dict[str, Any]], target: str) -> list[di
 
 
 def print_tenant_summary(rows: list[dict[str, Any]]) -> None:
-    table = Table(title="keys + ledger / plain gateway per API")
-    for column in (
-        "API", "c", "req/s ratio (paired median)", "added p50 latency ms", "added p50 TTFT ms",
-        "plain gateway CPU ms/req", "keys+ledger CPU ms/req", "errors",
-    ):  # fmt: skip
-        table.add_column(column, justify="right")
-    for row in rows:
-        paired = row["req_s_paired_median_ratio"]
-        table.add_row(
-            row["api"],
-            str(row["c"]),
-            fmt(row["req_s_ratio"], 3) + (f" ({paired:.3f})" if paired is not None else ""),
-            fmt(row["added_latency_p50_ms"], 3),
-            fmt(row["added_ttft_p50_ms"], 3),
-            fmt(row["plain_cpu_ms_per_req"], 3),
-            fmt(row["keyed_cpu_ms_per_req"], 3),
-            str(row["errors"]),
-        )
-    out_console.print(table)
+    measures = (
+        ("added p50 latency ms", "added_latency_p50_ms"), ("added p50 TTFT ms", "added_ttft_p50_ms"),
+        ("plain gateway CPU ms/req", "plain_cpu_ms_per_req"), ("keys+ledger CPU ms/req", "keyed_cpu_ms_per_req"),
+    )  # fmt: skip
+    _print_per_api("keys + ledger / plain gateway per API", rows, measures, digits=3)
 
 
 def print_api_summary(rows: list[dict[str, Any]]) -> None:
-    table = Table(title="gateway/direct per API")
-    for column in (
-        "API",
-        "c",
-        "req/s ratio (paired median)",
-        "added p50 TTFT ms",
-        "added p50 latency ms",
-        "gateway CPU ms/req",
-        "upstream CPU ms/req",
-        "errors",
-    ):
+    measures = (
+        ("added p50 TTFT ms", "added_ttft_p50_ms"), ("added p50 latency ms", "added_latency_p50_ms"),
+        ("gateway CPU ms/req", "gateway_cpu_ms_per_req"), ("upstream CPU ms/req", "upstream_cpu_ms_per_req"),
+    )  # fmt: skip
+    _print_per_api("gateway/direct per API", rows, measures, digits=2)
+
+
+def _print_per_api(title: str, rows: list[dict[str, Any]], measures: tuple[tuple[str, str], ...], digits: int) -> None:
+    """One row per API and concurrency: the req/s ratio (with its paired median), ``measures`` (heading, key), errors."""
+    table = Table(title=title)
+    for column in ("API", "c", "req/s ratio (paired median)", *(heading for heading, _ in measures), "errors"):
         table.add_column(column, justify="right")
     for row in rows:
         paired = row["req_s_paired_median_ratio"]
         table.add_row(
             row["api"],
             str(row["c"]),
-            fmt(row["req_s_ratio"], 2) + (f" ({paired:.2f})" if paired is not None else ""),
-            fmt(row["added_ttft_p50_ms"], 2),
-            fmt(row["added_latency_p50_ms"], 2),
-            fmt(row["gateway_cpu_ms_per_req"], 2),
-            fmt(row["upstream_cpu_ms_per_req"], 2),
+            fmt(row["req_s_ratio"], digits) + (f" ({paired:.{digits}f})" if paired is not None else ""),
+            *(fmt(row[key], digits) for _, key in measures),
             str(row["errors"]),
         )
     out_console.print(table)
