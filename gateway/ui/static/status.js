@@ -69,9 +69,10 @@
     else if (metrics && metrics.status === 401) notes.push("client key refused");
     const adminView = admin && admin.status === 200 ? admin.body : null;
     if (keys.admin && !adminView) notes.push(admin ? `admin key refused (${admin.status})` : "admin API unreachable");
-    renderModels(ready && ready.body, models && models.status === 200 ? models.body : null, traffic, adminView);
+    const cards = models && models.status === 200 ? models.body : null;
+    renderModels(ready && ready.body, cards, traffic, adminView);
     renderAdmin(adminView, workers && workers.status === 200 ? workers.body : null);
-    window.GatewayPlayground?.offerModels(modelNames(ready && ready.body, models && models.status === 200 ? models.body : null));
+    window.GatewayPlayground?.offerModels(modelNames(ready && ready.body, cards));
     $("models-note").textContent = notes.join("; ");
     $("refreshed").textContent = ready ? `refreshed ${new Date().toLocaleTimeString()}` : "the gateway does not answer";
   }
