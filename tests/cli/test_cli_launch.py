@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from launch.procgroup import group_pids
-from launch.shm import SHM_DIR
+from launch.shm import ORPHAN_MIN_AGE_S, SHM_DIR
 from tests.fake_engine import fake_engine_python
 from tests.leaks import leaves_nothing, unused_shm_files
 from tests.servers import CLI, REPO, ServerProcess
@@ -91,6 +91,10 @@ def test_launch_killed_takes_its_engine_along_and_ctrl_c_leaves_nothing(tiny_mod
             # Only on a machine shared with other checkouts: another engine's stop removed them first.
             pytest.skip("another process on this machine removed the dead engine's files before the next start")
         assert orphans, "the dead engine's files are gone or still in use before the next start"
+        # The start-up sweep leaves files younger than ORPHAN_MIN_AGE_S alone (a process may still be setting
+        # one up): on a loaded machine the next start can come sooner than that after the engine's last write.
+        youngest = max(path.stat().st_mtime for path in orphans)
+        time.sleep(max(0.0, youngest + ORPHAN_MIN_AGE_S + 0.5 - time.time()))
 
         fake = yaml.safe_load((REPO / "configs" / "tiny-cpu.yaml").read_text())
         fake["models"]["tiny"]["engine"].update(model_path=str(tiny_model_dir), python=str(fake_engine_python(tmp_path)))
