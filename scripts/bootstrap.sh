@@ -128,8 +128,8 @@ layer="recipe $LAYER_RECIPE, on $venv (created $(stat -c %y "$venv/pyvenv.cfg"))
 if [ -L .venv ]; then rm .venv; fi
 layer_ok() {
   [ "$(cat .venv/.layer 2>/dev/null)" = "$layer" ] && [ -x .venv/bin/sglang-gateway ] || return 1
-  # Asked from / : run from the checkout, `import gateway` would find the checkout itself, installed or not.
-  [ "$(cd / && "$root/.venv/bin/python" -c 'import importlib.util as u; print(u.find_spec("gateway").origin)' 2>/dev/null)" \
+  # -I: what .venv itself finds; the current directory (the checkout, installed or not) or a PYTHONPATH would answer.
+  [ "$(.venv/bin/python -I -c 'import importlib.util as u; print(u.find_spec("gateway").origin)' 2>/dev/null)" \
     = "$root/gateway/__init__.py" ]
 }
 if ! layer_ok; then
