@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # Create or refresh the project's virtual environment, idempotently.
 #
-# The environment lives in a cache keyed by a hash of everything that decides its contents
-# (pyproject.toml, requirements/*.txt, this script, the GPU/CPU flavour), so a second run, or
-# another clone of the repository on the same machine, reuses it in seconds. `.venv` in the
-# repository is a symlink to it.
+# The dependencies live in a shared environment, cached under a hash of everything that decides its
+# contents (pyproject.toml's dependency lists, requirements/*.txt, the python version, the GPU/CPU
+# flavour), so a second run, or another clone of the repository on the same machine, reuses it in
+# seconds. It holds dependencies only, never this project. `.venv` in the checkout is a small
+# environment of the checkout's own, layered on the shared one (a .pth file puts the shared
+# site-packages on its path): the checkout is installed there (editable), so no checkout ever runs
+# another's code, and deleting one breaks no other. `scripts/bootstrap.sh --where` prints the shared
+# environment's path and builds nothing.
 #
 #   GPU machine (nvidia-smi sees a GPU): one GPU stack profile of launch/gpu_profiles.py, pinned
 #     (SGLang, torch, sglang-kernel, FlashInfer wheels); SGLANG_GATEWAY_GPU_PROFILE=name picks one.
@@ -40,6 +44,7 @@ key=$( {
 } | sha256sum | cut -c1-16)
 cache=${SGLANG_GATEWAY_VENV_CACHE:-$HOME/.cache/sglang-gateway}
 venv="$cache/venv-$flavor-$key"
+if [ "${1:-}" = --where ]; then echo "$venv"; exit 0; fi
 
 # sglang's requirements that the CPU environment leaves out on purpose: PyPI has only CUDA builds of its
 # kernels and GPU tools (they fail to import without a GPU driver; launch/cpu_shim stands in for the two ops
@@ -97,20 +102,79 @@ if [ ! -f "$venv/.complete" ]; then
   echo "bootstrap: environment ready in $(( $(date +%s) - start ))s, $(du -sh "$venv" | cut -f1)" >&2
 fi
 
+# An environment cached before checkouts had a .venv of their own has one checkout installed in it (editable,
+# pointing at whichever ran `make` last): take it out, so that the shared environment holds dependencies only.
+cache_site=$(echo "$venv"/lib/python3*/site-packages)
+for dist in "$cache_site"/sglang_gateway-*.dist-info; do
+  [ -d "$dist" ] || continue
+  was=$(sed -n 's|.*"url": *"file://\([^"]*\)".*|\1|p' "$dist/direct_url.json" 2>/dev/null || true)
+  echo "bootstrap: uninstalling sglang-gateway${was:+ (of $was)} from the shared environment $venv: each checkout now installs itself in its own .venv" >&2
+  pip_quiet "$venv/bin/python" -m pip --disable-pip-version-check uninstall -q -y sglang-gateway
+  break
+done
+
 # Mark it used, and drop environments of this cache that no run has used for a week.
 touch "$venv/.complete"
 find "$cache" -maxdepth 2 -name .complete -path "$cache/venv-*" -mtime +7 2>/dev/null | while read -r stale; do
   rm -rf "$(dirname "$stale")"
 done
 
-# Point .venv at it, and install this checkout (editable, no dependencies: seconds) if it is not the one installed.
-# -qq: setuptools' notice that an editable install is one is not news here; errors still show and fail.
-if [ "$(readlink .venv 2>/dev/null)" != "$venv" ]; then
+# .venv: this checkout's own environment on top of the shared one (seconds to build). Rebuilt when what it was
+# built from changed (the shared environment, even one rebuilt under the same path; the checkout's path; the
+# steps below: bump LAYER_RECIPE) or when it no longer finds this checkout's code.
+LAYER_RECIPE=1
+layer="recipe $LAYER_RECIPE, on $venv (created $(stat -c %y "$venv/pyvenv.cfg")), for $root"
+# The .venv of before was a symlink to the shared environment: remove the link, never what it points to.
+if [ -L .venv ]; then rm .venv; fi
+layer_ok() {
+  [ "$(cat .venv/.layer 2>/dev/null)" = "$layer" ] && [ -x .venv/bin/sglang-gateway ] || return 1
+  # -I: what .venv itself finds; the current directory (the checkout, installed or not) or a PYTHONPATH would answer.
+  [ "$(.venv/bin/python -I -c 'import importlib.util as u; print(u.find_spec("gateway").origin)' 2>/dev/null)" \
+    = "$root/gateway/__init__.py" ]
+}
+if ! layer_ok; then
   rm -rf .venv
-  ln -s "$venv" .venv
-fi
-# Asked from / : run from the checkout, `import launch` would find the checkout itself, installed or not.
-installed=$(cd / && "$venv/bin/python" -c 'import launch, os; print(os.path.dirname(os.path.dirname(os.path.abspath(launch.__file__))))' 2>/dev/null || true)
-if [ "$installed" != "$root" ] || [ ! -x "$venv/bin/sglang-gateway" ]; then
-  pip_quiet "$venv/bin/python" -m pip --disable-pip-version-check install -qq --no-deps --no-build-isolation -e "$root"
+  # The shared environment's interpreter gives the same base python; no pip of its own: the shared one serves.
+  "$venv/bin/python" -m venv --without-pip .venv
+  # addsitedir, not a bare path line: the shared site-packages' own .pth files run too (setuptools' distutils
+  # shim). site.PREFIXES: site.getsitepackages() names it as well, where tools look for files of installed
+  # packages (cuda-python's library finder, launch/preflight.py's CUDA toolkit search, torch's profiler). The
+  # name sorts after the checkout's own __editable__ .pth: its code comes first, even before a checkout's
+  # install that an older bootstrap put back into the shared environment.
+  .venv/bin/python - "$venv" "$cache_site" <<'EOF'
+import sys, sysconfig
+prefix, site_dir = sys.argv[1:]
+with open(f"{sysconfig.get_path('purelib')}/_shared_environment.pth", "w") as pth:
+    pth.write(f"import site; site.PREFIXES.append({prefix!r}); site.addsitedir({site_dir!r})\n")
+EOF
+  # The shared environment's commands (pytest, ruff, mlflow, ...) as .venv/bin/<name>, run by .venv's python so
+  # that they see this checkout: a script started by the shared python is copied with .venv's python instead (in
+  # pip's /bin/sh form past the kernel's 127-byte #! limit); anything else is linked.
+  .venv/bin/python - "$venv/bin" "$root/.venv/bin" <<'EOF'
+import os, sys
+shared, own = sys.argv[1:]
+old, new = f"{shared}/python", f"{own}/python"
+for name in sorted(os.listdir(shared)):
+    source, target = f"{shared}/{name}", f"{own}/{name}"
+    if name.startswith(("activate", "Activate", "python")) or os.path.lexists(target) or not os.path.isfile(source):
+        continue
+    with open(source, "rb") as f:
+        lines = (b"#!" + f.read() if f.read(2) == b"#!" else b"").split(b"\n")  # binaries (ruff) are not read
+    sh_form = len(lines) > 3 and lines[0] == b"#!/bin/sh" and lines[2] == b"' '''"
+    if lines[0].startswith(f"#!{old}".encode()):
+        body = lines[1:]
+    elif sh_form and lines[1].startswith(f"'''exec' \"{old}".encode()):
+        body = lines[3:]
+    else:
+        os.symlink(source, target)
+        continue
+    launcher = [f"#!{new}"] if len(new) < 126 else ["#!/bin/sh", f"'''exec' \"{new}\" \"$0\" \"$@\"", "' '''"]
+    with open(target, "wb") as f:
+        f.write(b"\n".join([line.encode() for line in launcher] + body))
+    os.chmod(target, 0o755)
+EOF
+  # -qq: setuptools' notice that an editable install is one is not news here; errors still show and fail.
+  pip_quiet .venv/bin/python -m pip --disable-pip-version-check install -qq --no-deps --no-build-isolation -e "$root"
+  echo "$layer" > .venv/.layer
+  layer_ok || { echo "bootstrap: .venv was built but does not find this checkout's code ($root/gateway)" >&2; exit 1; }
 fi
