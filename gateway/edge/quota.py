@@ -59,29 +59,31 @@ class QuotaMiddleware:
             quota.finish(used, self.quotas.clock())
 
 
+def _names(template: str) -> dict[str, tuple[bytes, bytes, bytes]]:
+    return {what: tuple(name.format(what=what).encode() for name in template.split()) for what in ("requests", "tokens")}
+
+
+# (limit, remaining, reset) header names per limit, encoded once: the headers go on every answer to a limited key
+_OPENAI_NAMES = _names("x-ratelimit-limit-{what} x-ratelimit-remaining-{what} x-ratelimit-reset-{what}")
+_ANTHROPIC_NAMES = _names("anthropic-ratelimit-{what}-limit anthropic-ratelimit-{what}-remaining anthropic-ratelimit-{what}-reset")
+
+
 def rate_limit_headers(quota: KeyQuota, now: float, dialect: Dialect) -> list[tuple[bytes, bytes]]:
     """The headers that tell a client where its key stands (only for the limits it has)."""
-    rows: list[tuple[str, int, int, float]] = []  # (what, limit, remaining, seconds until full)
-    if quota.requests is not None:
-        rows.append(("requests", quota.requests.capacity, quota.requests.remaining, quota.requests.full_in_s()))
-    if quota.tokens is not None:
-        rows.append(("tokens", quota.tokens.capacity, quota.tokens.remaining, quota.tokens.full_in_s()))
-    headers = []
-    for what, limit, remaining, reset_s in rows:
-        if dialect is Dialect.ANTHROPIC:
-            at = dt.datetime.fromtimestamp(now + reset_s, dt.UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
-            headers += [
-                (f"anthropic-ratelimit-{what}-limit", str(limit)),
-                (f"anthropic-ratelimit-{what}-remaining", str(remaining)),
-                (f"anthropic-ratelimit-{what}-reset", at),
-            ]
+    anthropic = dialect is Dialect.ANTHROPIC
+    names = _ANTHROPIC_NAMES if anthropic else _OPENAI_NAMES
+    headers: list[tuple[bytes, bytes]] = []
+    for what, bucket in (("requests", quota.requests), ("tokens", quota.tokens)):
+        if bucket is None:
+            continue
+        reset_s = bucket.full_in_s()
+        if anthropic:
+            reset = dt.datetime.fromtimestamp(now + reset_s, dt.UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
         else:
-            headers += [
-                (f"x-ratelimit-limit-{what}", str(limit)),
-                (f"x-ratelimit-remaining-{what}", str(remaining)),
-                (f"x-ratelimit-reset-{what}", duration(reset_s)),
-            ]
-    return [(name.encode(), value.encode()) for name, value in headers]
+            reset = duration(reset_s)
+        limit_name, remaining_name, reset_name = names[what]
+        headers += [(limit_name, b"%d" % bucket.capacity), (remaining_name, b"%d" % bucket.remaining), (reset_name, reset.encode())]
+    return headers
 
 
 def duration(seconds: float) -> str:

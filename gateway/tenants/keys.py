@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from gateway.config import GatewaySettings, KeyLimits, NamedKey, class_number
 from gateway.tenants.priority import PriorityChoice
@@ -45,8 +46,9 @@ class Tenant:
     def label(self) -> str:
         return self.name or UNNAMED
 
-    @property
+    @cached_property
     def limited(self) -> bool:
+        """Whether any limit is set (read on every request: computed once, the tenant is immutable)."""
         return self.limits != KeyLimits()
 
     def may_use(self, names: Iterable[str]) -> bool:

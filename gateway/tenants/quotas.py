@@ -30,38 +30,39 @@ from gateway.config import KeyLimits
 Clock = Callable[[], float]
 
 
-@dataclass
+@dataclass(slots=True)
 class Bucket:
     """``capacity`` units, refilled at ``capacity`` per ``period_s``; the level may go below zero (charged after).
 
     ``scale``: the part of it this process holds (1/N in each of N worker processes): its level, top and refill
-    are that part of the key's, while ``remaining`` speaks for the whole key."""
+    are that part of the key's, while ``remaining`` speaks for the whole key. ``top`` and ``per_s`` are kept as
+    fields (set from ``capacity``): every request of a limited key reads them."""
 
     capacity: int
     at: float  # when the level was last brought up to date
     period_s: float = 60.0
     scale: float = 1.0
     level: float = field(default=math.nan)  # starts full
+    top: float = field(init=False, repr=False)  # this process's part of the capacity
+    per_s: float = field(init=False, repr=False)  # refill rate of that part
 
     def __post_init__(self) -> None:
+        self._set_rates()
         if math.isnan(self.level):
             self.level = self.top
 
-    @property
-    def top(self) -> float:
-        return self.capacity * self.scale
-
-    @property
-    def per_s(self) -> float:
-        return self.top / self.period_s
+    def _set_rates(self) -> None:
+        self.top = self.capacity * self.scale
+        self.per_s = self.top / self.period_s
 
     def refill(self, now: float) -> None:
         if now > self.at:
             self.level = min(self.top, self.level + (now - self.at) * self.per_s)
-        self.at = max(self.at, now)
+            self.at = now
 
     def resize(self, capacity: int) -> None:
         self.capacity = capacity
+        self._set_rates()
         self.level = min(self.level, self.top)
 
     @property
@@ -102,11 +103,15 @@ class Budget:
     period: str
     used: int = 0
     since: float = 0.0  # the current period's start
+    until: float = field(default=-math.inf, repr=False)  # the next period's start (when ``since`` was computed)
 
     def roll(self, now: float) -> None:
+        if self.since <= now < self.until:  # the hot path: still in the same period (no calendar arithmetic)
+            return
         start = period_start(now, self.period)
         if start != self.since:
             self.since, self.used = start, 0
+        self.until = next_period_start(now, self.period)
 
 
 @dataclass(frozen=True)
@@ -149,6 +154,7 @@ class KeyQuota:
     def update(self, limits: KeyLimits, now: float) -> None:
         """Take new limits (a reload), keeping what was used under the old ones."""
         if limits == self.limits:
+            self.limits = limits  # the same limits: the next look at them is an identity check
             return
         self.limits = limits
         self.requests = _bucket(self.requests, limits.requests_per_minute, now, self.share)
@@ -241,7 +247,7 @@ class Quotas:
         quota = self._by_name.get(name)
         if quota is None:
             quota = self._by_name[name] = KeyQuota(limits, self.clock(), self.share)
-        elif quota.limits != limits:
+        elif quota.limits is not limits:  # a reload made new limits (an equal model keeps the quota as it is)
             quota.update(limits, self.clock())
         return quota
 

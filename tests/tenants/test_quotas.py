@@ -29,6 +29,22 @@ def test_periods_follow_the_utc_calendar() -> None:
     assert next_period_start(JAN_1, "month") == JAN_1 + 31 * 86400  # 2026-02-01
 
 
+def test_a_spent_budget_lasts_until_its_period_ends_and_not_a_second_longer() -> None:
+    quota = KeyQuota(KeyLimits(tokens_per_day=100, tokens_per_month=250), JAN_1 + 10)
+    assert quota.admit(JAN_1 + 10) is None
+    quota.finish(100, JAN_1 + 20)
+    for now in (JAN_1 + 30, JAN_1 + 86399.5):
+        refused = quota.admit(now)
+        assert refused is not None and refused.code == "insufficient_quota" and "per day" in refused.message
+        assert refused.retry_after_s == JAN_1 + 86400 - now
+    assert quota.admit(JAN_1 + 86400) is None  # the next UTC day: a fresh daily budget, the month keeps counting
+    quota.finish(150, JAN_1 + 86400)
+    assert quota.day is not None and quota.day.used == 150 and quota.month is not None and quota.month.used == 250
+    refused = quota.admit(JAN_1 + 2 * 86400)
+    assert refused is not None and "per month" in refused.message
+    assert quota.admit(JAN_1 + 31 * 86400) is None  # February
+
+
 def test_admission_order_and_what_finish_gives_back() -> None:
     quota = KeyQuota(KeyLimits(max_concurrent=2, requests_per_minute=10, tokens_per_minute=100), JAN_1)
     assert quota.admit(JAN_1) is None and quota.admit(JAN_1) is None
