@@ -31,6 +31,7 @@ from sqlalchemy import create_engine, select
 
 from gateway.config import UsageSettings, gateway_settings
 from gateway.core.context import RequestInfo
+from gateway.tenants import ledger as ledger_module
 from gateway.tenants.ledger import Ledger, UsageRow
 from gateway.tenants.ledger_schema import LATEST, SchemaError, migrate, open_engine, schema_version, usage_rows
 from gateway.tenants.usage_query import UsageReader, parse_query
@@ -395,6 +396,40 @@ def test_a_database_of_a_newer_schema_is_left_alone_and_the_rows_wait(tmp_path: 
         return await ledger.flush(), ledger.buffered
 
     assert asyncio.run(run()) == (False, 1)
+
+
+def test_sqlite_rows_read_back_as_sqlalchemy_writes_them_and_a_big_batch_is_written_whole(tmp_path: Path) -> None:
+    """The SQLite writer's many-rows INSERT (:mod:`gateway.tenants.ledger`) stores what SQLAlchemy's own insert of
+    the same rows stores (times, flags, NULLs, truncation), also past one statement's rows."""
+    full = UsageRow(
+        time.time(), "team-b", "m", "/v1/" + "r" * 400, 7, 3, 5, 499, 12.5, 0.25, "full-1", 2, True, "cut: " + "e" * 400
+    )
+    rows = [full, *(_row(f"big-{index}") for index in range(2 * ledger_module.SQLITE_ROWS_PER_STATEMENT + 10))]
+    url = f"sqlite:///{tmp_path / 'usage.sqlite3'}"
+
+    async def run() -> bool:
+        ledger = Ledger(UsageSettings(batch_rows=len(rows)), url)
+        for row in rows:
+            ledger.record(row)
+        return await ledger.flush()
+
+    assert asyncio.run(run())
+    reference = open_engine(f"sqlite:///{tmp_path / 'reference.sqlite3'}", write=True)
+    written = open_engine(url, write=False)
+    try:
+        migrate(reference)
+        with reference.begin() as conn:
+            conn.execute(usage_rows.insert(), [ledger_module._values(row) for row in rows])
+        columns = [column for column in usage_rows.columns if column.name != "id"]
+        with reference.connect() as a, written.connect() as b:
+            expected = a.execute(select(*columns).order_by(usage_rows.c.id)).all()
+            got = b.execute(select(*columns).order_by(usage_rows.c.id)).all()
+        assert len(got) == len(rows) and got == expected
+        assert got[0].stream is True and got[0].at.tzinfo is None and abs(got[0].at.replace(tzinfo=UTC).timestamp() - full.at) < 1e-5
+        assert got[1].cached_tokens is None and got[1].stream is False
+    finally:
+        reference.dispose()
+        written.dispose()
 
 
 def test_two_writers_share_one_sqlite_file(tmp_path: Path) -> None:
