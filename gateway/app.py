@@ -126,7 +126,8 @@ def create_app(
         try:
             await ledger.start()  # one row per request, written off the hot path (a database down fails no request)
             async with session:
-                state.proxy = Proxy(session, state.metrics, state.quarantine, state.responses, streams)
+                waker = controller.residency if link is None else None  # residency runs in one process (gateway.config)
+                state.proxy = Proxy(session, state.metrics, state.quarantine, state.responses, streams, waker)
                 if link is not None:  # a worker: no engines of its own
                     await link.start(state, keys)
                     link.apply(link.version, link.first)

@@ -253,6 +253,12 @@ class UsageSettings(_Strict):
         return SecretStr(url)
 
 
+class ResidencyGroup(_Strict):
+    """Models that share GPUs: how many of them may run at once."""
+
+    max_resident: int = Field(1, ge=1, description="Engines of the group's models running at once.")
+
+
 class GatewaySettings(_Strict):
     """Every key of the ``gateway:`` section."""
 
@@ -283,6 +289,9 @@ class GatewaySettings(_Strict):
     cors_allow_origins: list[str] = Field(default_factory=list, description="CORS origins (empty: CORS off).")
     shutdown_grace_s: float = Field(30.0, ge=0, description="In-flight requests may finish this long on SIGTERM.")
     log_requests: bool = Field(True, description="One structured log line per request.")
+    residency_groups: dict[str, ResidencyGroup] = Field(
+        default_factory=dict, description="Groups of models that share GPUs (models.<name>.residency.group), by name."
+    )
     status_page: bool = Field(
         True,
         description="The status page and playground at / (static files: what they show comes from the API with the keys the "
@@ -486,6 +495,7 @@ def gateway_settings(deployment: DeploymentConfig, **overrides: object) -> Gatew
             f"{source}: models.{followers[0]}.engine.node_rank: a machine with node_rank > 0 serves no HTTP; "
             "start it with `sglang-gateway launch` and serve the engine from the machine with node_rank 0"
         )
+    settings = _check_residency(settings, deployment, source)
     for key in GATEWAY_PER_MODEL_SETTINGS:
         unknown = sorted(set(getattr(settings, key)) - set(deployment.models))
         if unknown:
@@ -500,6 +510,21 @@ def gateway_settings(deployment: DeploymentConfig, **overrides: object) -> Gatew
         raise ConfigError(f"{source}: gateway.admin_keys: an admin key must not also be a client key")
     _check_named_keys(settings, deployment, source, plain, admin)
     return settings
+
+
+def _check_residency(settings: GatewaySettings, deployment: DeploymentConfig, source: str) -> GatewaySettings:
+    """Residency groups named by models exist; residency runs in one process (``workers: auto`` becomes 1)."""
+    resident = {name: entry.residency for name, entry in deployment.models.items() if entry.residency is not None}
+    for name, residency in resident.items():
+        if residency.group is not None and residency.group not in settings.residency_groups:
+            known = ", ".join(settings.residency_groups) or "none is defined"
+            raise ConfigError(f"{source}: models.{name}.residency.group: {residency.group!r} is not in gateway.residency_groups ({known})")
+    if not resident:
+        return settings
+    if settings.workers != "auto" and int(settings.workers) > 1:
+        first = next(iter(resident))
+        raise ConfigError(f"{source}: models.{first}.residency: needs gateway.workers: 1 (models that start and stop on demand are served by one process)")
+    return settings.model_copy(update={"workers": 1})
 
 
 def _check_named_keys(settings: GatewaySettings, deployment: DeploymentConfig, source: str, plain: tuple[bytes, ...], admin: tuple[bytes, ...]) -> None:

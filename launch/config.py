@@ -229,6 +229,20 @@ class RouterConfig(_Strict):
         return self.python or sys.executable
 
 
+class ResidencyConfig(_Strict):
+    """When a launched model's engine runs: from boot (the default), or only while it is used."""
+
+    on_demand: bool = Field(False, description="Start the engine at the model's first request instead of at boot.")
+    idle_stop_s: float | None = Field(
+        None, gt=0, description="Stop the engine after this many seconds without a request (the next request starts it again)."
+    )
+    group: str | None = Field(
+        None,
+        description="A group of gateway.residency_groups (models sharing GPUs): at most its max_resident run at once; "
+        "the least recently used idle one is stopped to make room.",
+    )
+
+
 class ModelEntry(_Strict):
     """A model the deployment serves: launched here (``engine``) or reached at ``url``."""
 
@@ -253,6 +267,9 @@ class ModelEntry(_Strict):
     )
     router: RouterConfig | None = Field(
         None, description="Put SGLang's router in front of the replicas (instead of the gateway's own balancing)."
+    )
+    residency: ResidencyConfig | None = Field(
+        None, description="Start the engine on demand, stop it when idle, share GPUs with a group (docs/residency.md)."
     )
 
     @field_validator("url")
@@ -280,6 +297,8 @@ class ModelEntry(_Strict):
             raise ValueError(f"replicas: {self.replicas} engines cannot share engine.port {self.engine.port}; leave it 0 (free ports)")
         if self.replica_gpus is not None:
             self._check_replica_gpus(self.replica_gpus)
+        if self.residency is not None and (self.engine is None or self.router is not None):
+            raise ValueError("residency needs an 'engine' section without a router (a 'url' model runs elsewhere)")
         return self
 
     def _check_replica_gpus(self, gpus: list[list[int]]) -> None:

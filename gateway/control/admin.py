@@ -15,9 +15,10 @@ from starlette.responses import Response
 
 from gateway.config import SwapPolicy
 from gateway.control.controller import Controller, ReloadInvalid, ReloadOutcome
+from gateway.control.residency import SLEEPING, STARTING
 from gateway.control.swap import describe_backend
 from gateway.control.workers import WorkerSupervisor
-from gateway.core.backends import Backend, EngineBackend, RouterBackend, UrlBackend
+from gateway.core.backends import Backend, DormantBackend, EngineBackend, RouterBackend, UrlBackend
 from gateway.core.errors import GatewayError, error_body
 
 LOG_TAIL_LINES = 20  # of an engine that is not ready, in GET /admin/models
@@ -130,8 +131,11 @@ def describe(controller: Controller) -> dict[str, Any]:
         replicas = [_replica(controller, route.name, backend) for backend in route.replicas]
         ready = sum(1 for replica in replicas if replica["state"] == "ready")
         restarting = any(replica["state"] == "restarting" for replica in replicas)
+        residency = controller.residency.status(route.name)
         if route.drained:
             state = "drained"
+        elif residency in (STARTING, SLEEPING):
+            state = residency
         elif restarting and not ready:
             state = "restarting"  # the watchdog holds the model's lock while it restarts: not a swap
         elif executor.lock(route.name).locked() and not restarting:
@@ -161,6 +165,7 @@ def describe(controller: Controller) -> dict[str, Any]:
             "retiring": [describe_backend(old) for old in executor.drainer.retiring.get(route.name, [])],
             "replicas": replicas,
             "ready_replicas": ready,
+            "residency": residency,  # resident / sleeping / starting; None without a residency section
         }
         if "engine" in first:
             item["engine"] = first["engine"]
@@ -188,6 +193,8 @@ def _replica(controller: Controller, model: str, backend: Backend) -> dict[str, 
     reason = backend.unavailable_reason()
     if reason is None:
         state = "ready"
+    elif isinstance(backend, DormantBackend):
+        state = "sleeping"
     elif health is not None and health.gave_up:
         state = "failed"
     elif controller.watchdog.restarting(model, backend.replica):

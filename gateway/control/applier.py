@@ -21,8 +21,9 @@ from loguru import logger
 
 from gateway.config import GatewaySettings, SwapPolicy
 from gateway.control.reload import Action, ModelChange, ReloadPlan
+from gateway.control.residency import dormant, starts_asleep
 from gateway.control.swap import BackendFactory, SwapError, SwapExecutor, SwapResult, describe_backend
-from gateway.core.backends import Backend, EngineBackend, RouterBackend
+from gateway.core.backends import Backend, DormantBackend, EngineBackend, RouterBackend
 from gateway.core.limits import ConcurrencyLimiter
 from gateway.core.registry import ModelRoute, url_backend
 from gateway.core.state import GatewayState
@@ -54,7 +55,11 @@ class DeploymentApplier:
         ``fail_fast`` (a boot): the first failed start makes the others give up."""
         self.state.settings = settings
         removed = self._apply_routes(new, settings)
-        work = [self._spawn(self._apply_backend(change, settings)) for change in plan.changes if _needs_backend(change)]
+        work = [
+            self._spawn(self._apply_backend(change, settings))
+            for change in plan.changes
+            if _needs_backend(change) and not self._stays_asleep(change.name)
+        ]
         work += [
             self._spawn(self._retire(name, backend))
             for name, route in removed
@@ -82,18 +87,25 @@ class DeploymentApplier:
                     routes.append(
                         ModelRoute(name, url_backend(name, entry), tuple(entry.aliases), ConcurrencyLimiter(limits))
                     )
+                elif starts_asleep(entry):  # an on-demand engine: listed at once, started by its first request
+                    routes.append(ModelRoute(name, dormant(name, entry.replicas), tuple(entry.aliases), ConcurrencyLimiter(limits)))
                 continue  # an added engine joins when ready
             limiter = route.limiter if route.limiter.settings == limits else ConcurrencyLimiter(limits)
             routes.append(replace(route, aliases=tuple(entry.aliases), limiter=limiter))
         self.registry.replace(routes)
         return [(name, route) for name, route in current.items() if name not in new.models]
 
+    def _stays_asleep(self, name: str) -> bool:
+        """An asleep model's changed engine is not started: its next request starts the new one."""
+        route = self.registry.route(name)
+        return route is not None and route.asleep
+
     async def _apply_backend(self, change: ModelChange, settings: GatewaySettings) -> SwapResult:
         name, entry = change.name, change.new
         assert entry is not None
         async with self.executor.lock(name):
             try:
-                builds = self._builds(name, entry)
+                builds = self.builds(name, entry)
             except ConfigError as error:
                 return SwapResult(name, change.swap_policy, error=str(error))
             if self.registry.route(name) is None:  # added (or its earlier addition failed)
@@ -169,7 +181,7 @@ class DeploymentApplier:
             for backend in replicas if isinstance(backend, EngineBackend)
         ]  # fmt: skip
 
-    def _builds(self, name: str, entry: ModelEntry) -> list[BackendFactory]:
+    def builds(self, name: str, entry: ModelEntry) -> list[BackendFactory]:
         """One backend maker per replica of ``entry`` (ConfigError when its replicas do not fit the GPUs)."""
         if entry.engine is None:
 
@@ -183,6 +195,8 @@ class DeploymentApplier:
         return [partial(start, name, config, replica=index, api_key=key) for index, config in enumerate(configs)]
 
     async def _retire(self, name: str, backend: Backend) -> None:  # a removed model's replica (or router)
+        if isinstance(backend, DormantBackend):
+            return  # an asleep model: no engine to drain or stop
         if isinstance(backend, RouterBackend):
             await self.executor.fleet.stop_router(backend)
             return
@@ -224,6 +238,7 @@ def _effective(new: DeploymentConfig, plan: ReloadPlan, results: dict[str, SwapR
                 replicas=old.replicas,
                 replica_gpus=old.replica_gpus,
                 router=old.router,
+                residency=change.new.residency,
             )
     return new.model_copy(update={"models": models})
 

@@ -24,6 +24,7 @@ from loguru import logger
 from gateway.config import GatewaySettings, SwapPolicy, gateway_settings
 from gateway.control.applier import DeploymentApplier, empty_deployment, resolve_policy
 from gateway.control.reload import ReloadPlan, plan_reload
+from gateway.control.residency import Residency
 from gateway.control.swap import SwapError, SwapExecutor, SwapResult
 from gateway.control.watchdog import Watchdog
 from gateway.core.backends import EngineBackend
@@ -98,6 +99,7 @@ class Controller:
         self._loop: asyncio.AbstractEventLoop | None = None
         in_force = empty_deployment(deployment) if boot and deployment is not None else deployment
         self.applier = DeploymentApplier(state, executor, self._spawn, in_force)
+        self.residency = Residency(state, self.applier, executor)  # models that start on demand and sleep when idle
 
     # ------------------------------------------------------------------ lifecycle
     async def boot(self) -> None:
@@ -127,6 +129,7 @@ class Controller:
         """Begin supervision (and file watching); called by the lifespan once the engines are ready."""
         self._loop = asyncio.get_running_loop()
         self._spawn(self.watchdog.run())
+        self._spawn(self.residency.run())
         if self.watch and self.config_path is not None:
             self._spawn(self._watch_file(self.config_path))
 
@@ -271,6 +274,8 @@ class Controller:
         route = self.registry.route(name) or self.registry.resolve(name)
         if route is None:
             raise GatewayError(404, f"no model named {name!r}", code="model_not_found", param="name")
+        if route.asleep:
+            raise GatewayError(409, f"model {route.name!r} is asleep (residency): its next request starts its engine with the config in force; nothing to swap", code="model_asleep")
         if not self.executor.owns(route.backend):
             raise GatewayError(400, f"model {route.name!r} is not served by an engine this gateway launched; nothing to swap", code="not_managed")
         return route

@@ -20,7 +20,7 @@ LIVE_SETTINGS = frozenset(
     {
         *GATEWAY_KEY_SETTINGS, *GATEWAY_PER_MODEL_SETTINGS, "priority_classes",
         "open_paths", "limits", "drain_timeout_s", "swap_default", "swap_retry_after_s", "watchdog", "health_timeout_s", "balancing",
-        "status_page",
+        "status_page", "residency_groups",
     }
 )  # fmt: skip
 
@@ -120,4 +120,6 @@ def _route_diff(
         out.append("aliases")
     if old_settings.limits_for(name) != new_settings.limits_for(name):
         out.append("limits")
+    if before.residency != after.residency:
+        out.append("residency")
     return out

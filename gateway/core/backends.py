@@ -152,6 +152,23 @@ class EngineBackend(Backend):
         return f"engine {self.engine.name} at {self.url}"
 
 
+class DormantBackend(Backend):
+    """The place of an engine that is not running by design (residency: on demand, stopped when idle): a request
+    for its model wakes it (:mod:`gateway.control.residency`); the watchdog has nothing to restart."""
+
+    kind = "dormant"
+
+    @property
+    def url(self) -> str:
+        return ""
+
+    def _process_problem(self) -> str | None:
+        return "asleep (its engine starts at the next request)"
+
+    def _where(self) -> str:
+        return "no engine (asleep)"
+
+
 class UrlBackend(Backend):
     """An engine someone else runs (a ``url:`` model, or a replica of a served MLflow model)."""
 

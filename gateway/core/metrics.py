@@ -19,6 +19,7 @@ from gateway.core.registry import Registry
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_COLD_START_BUCKETS = (1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1200)
 
 
 class Metrics:
@@ -50,6 +51,11 @@ class Metrics:
         self.key_requests = Counter("gateway_key_requests", "Requests by client key, model and status class (2xx, 4xx...).", ["key", "model", "status_class"], registry=r)
         self.key_tokens = Counter("gateway_key_tokens", "Tokens reported by the engines' usage, by client key.", ["key", "model", "kind"], registry=r)
         self.usage_rows_dropped = Counter("gateway_usage_rows_dropped", "Usage ledger rows dropped: the database was unreachable and the buffer full.", registry=r)
+        self.cold_starts = Counter("gateway_cold_starts", "Engines started for a waiting request (residency), by model.", ["model"], registry=r)
+        self.cold_start_seconds = Histogram(
+            "gateway_cold_start_seconds", "From a request finding its model asleep to its engine ready.", ["model"], buckets=_COLD_START_BUCKETS, registry=r
+        )
+        self.residency_stops = Counter("gateway_residency_stops", "Engines stopped by residency, by model and reason (idle / evicted).", ["model", "reason"], registry=r)
         r.register(_EngineUp(registry))
         r.register(_ReplicasReady(registry))
         self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}

@@ -15,7 +15,7 @@ from gateway.core.events import EventLog
 from gateway.core.health import HealthProbes
 from gateway.core.metrics import Metrics
 from gateway.core.poison import Quarantine
-from gateway.core.registry import Registry
+from gateway.core.registry import ModelRoute, Registry
 from gateway.core.responses_index import ResponseIndex
 
 if TYPE_CHECKING:  # the data plane's forwarder, set by the lifespan; core does not import the data plane
@@ -36,6 +36,24 @@ class Peers(Protocol):
 
     async def upstream_shapes(self, model: str, identity: str, timeout_s: float) -> list[str]:
         """The shapes of the requests the workers have upstream on that backend now (suspects of a freeze)."""
+        ...
+
+
+class Waker(Protocol):
+    """The residency of models whose engines start on demand (:mod:`gateway.control.residency`), as the data plane
+    sees it: a request enters before it is sent (waking an asleep model) and leaves once it holds its backend."""
+
+    def manages(self, model: str) -> bool: ...
+
+    async def enter(self, route: ModelRoute) -> ModelRoute:
+        """Count a request of ``route``'s model (it is used now); when asleep, wait until its engine is up (its new
+        route), or raise GatewayError (503 with Retry-After) when it could not start in time."""
+        ...
+
+    def leave(self, model: str) -> None: ...
+
+    def status(self, model: str) -> str | None:
+        """``resident``, ``sleeping`` or ``starting`` (None: the model has no residency section)."""
         ...
 
 

@@ -30,6 +30,7 @@ from gateway.core.metrics import Metrics
 from gateway.core.poison import Quarantine, request_shape, token_id_problem
 from gateway.core.registry import ModelRoute
 from gateway.core.responses_index import ResponseIndex
+from gateway.core.state import Waker
 from gateway.data.balancer import pick
 from gateway.data.bounds import grammar_bytes
 from gateway.data.lease import Lease
@@ -56,8 +57,10 @@ class Proxy:
         quarantine: Quarantine | None = None,
         responses: ResponseIndex | None = None,
         streams: StreamPool | None = None,
+        waker: Waker | None = None,
     ) -> None:
         self.session = session
+        self.waker = waker  # models whose engines start on demand: a request for one asleep waits for it
         self.streams = streams if streams is not None else StreamPool(5.0, 600.0)
         self.max_connections: int | None = getattr(session.connector, "limit", 0) or None
         self._plain_busy = 0  # plain requests upstream now (the session's connections they hold)
@@ -102,6 +105,19 @@ class Proxy:
         ``priority``: the request's class (its ``x-gateway-priority`` header's, else its key's): its place in the model's
         queue, and the request's ``priority`` on an engine that schedules by it (there it replaces whatever the client sent).
         """
+        waker = self.waker
+        if waker is None or not waker.manages(route.name):
+            return await self._forward(route, endpoint, body, info, receive, balancing, pinned, owner, grammar_size, priority)
+        route = await waker.enter(route)  # counted until it holds its backend: an idle model is never stopped under it
+        try:
+            return await self._forward(route, endpoint, body, info, receive, balancing, pinned, owner, grammar_size, priority)
+        finally:
+            waker.leave(route.name)
+
+    async def _forward(
+        self, route: ModelRoute, endpoint: ProxiedRoute, body: dict[str, Any], info: RequestInfo, receive: Receive | None,
+        balancing: BalancingSettings | None, pinned: Backend | None, owner: str, grammar_size: int | None, priority: int | None,
+    ) -> Response:  # fmt: skip
         path = endpoint.upstream_path
         problem = token_id_problem(endpoint.token_ids, body, route.backend.vocab_size)
         if problem is not None:

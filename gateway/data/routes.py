@@ -250,6 +250,8 @@ async def ready(request: Request) -> Response:
 
 
 async def _model_readiness(state: GatewayState, route: ModelRoute) -> tuple[str, dict[str, Any]]:
+    if route.asleep:  # residency: its engine starts at its next request, which the gateway takes now
+        return route.name, {"ready": True, "asleep": True}
     probes = _probes(state)
     reasons = await asyncio.gather(*(probes.not_ready(backend, state.settings.health_timeout_s) for backend in route.replicas))
     healthy = sum(1 for reason in reasons if reason is None)
@@ -275,6 +277,9 @@ async def metrics(request: Request) -> Response:
 
 def _cards(route: ModelRoute, state: GatewayState) -> list[dict[str, Any]]:
     backend = route.backend
+    waker = state.proxy.waker if state.proxy is not None else None
+    residency = waker.status(route.name) if waker is not None else None
+    extra = {"status": residency} if residency is not None else {}  # resident / sleeping / starting (an extension field)
     return [
         {
             "id": name,
@@ -285,6 +290,7 @@ def _cards(route: ModelRoute, state: GatewayState) -> list[dict[str, Any]]:
             "parent": None if name == route.name else route.name,
             "max_model_len": backend.context_length,
             "context_length": backend.context_length,
+            **extra,
         }
         for name in route.names
     ]

@@ -27,7 +27,7 @@ def test_the_setting_names_read_outside_the_gateway_package_are_its_own() -> Non
     assert set(GATEWAY_KEY_SETTINGS) == {name for name in fields if name.startswith(("api_keys", "admin_keys", "keys"))}
     assert set(GATEWAY_KEY_FILE_SETTINGS) == {name for name in GATEWAY_KEY_SETTINGS if name.endswith("_file")}
     mappings = {name for name, field in fields.items() if get_origin(field.annotation) is dict}
-    assert set(GATEWAY_PER_MODEL_SETTINGS) == mappings - {"priority_classes"}  # the one mapping not keyed by model
+    assert set(GATEWAY_PER_MODEL_SETTINGS) == mappings - {"priority_classes", "residency_groups"}  # the mappings not keyed by model
 
 
 def test_defaults_and_cli_overrides() -> None:

@@ -1,0 +1,215 @@
+"""Engines that run only while they are used: started at a model's first request (``residency.on_demand``),
+stopped after ``residency.idle_stop_s`` without one, and at most ``max_resident`` models of a residency group
+(``gateway.residency_groups``, models sharing GPUs) running at once, the least recently used idle one stopped to
+make room.
+
+An asleep model keeps its route (names, aliases, limiter) with a :class:`DormantBackend` in each replica's place. A
+request for it enters here and waits while its engine starts: one start however many wait, bounded for each by its
+``queue_timeout_s``. A stop takes the engine out of the registry first (no new request reaches it), then stops it,
+so the watchdog never takes a deliberate stop for a failure. Only an idle model is stopped: no request in flight,
+none waiting. On CPU and on GPUs alike a sleep is a stop and a wake a cold start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from loguru import logger
+
+from gateway.control.fleet import SwapError
+from gateway.core.backends import Backend, DormantBackend, EngineBackend
+from gateway.core.errors import GatewayError
+from gateway.core.registry import ModelRoute
+from gateway.core.state import GatewayState
+from launch.config import DeploymentConfig, ModelEntry, ResidencyConfig
+
+if TYPE_CHECKING:
+    from gateway.control.applier import DeploymentApplier
+    from gateway.control.swap import SwapExecutor
+
+CHECK_INTERVAL_S = 0.5  # how often idle models are looked for
+ROOM_POLL_S = 0.1  # how often a start waiting for room in its group looks again
+STARTING, SLEEPING, RESIDENT = "starting", "sleeping", "resident"
+
+
+def dormant(route_name: str, replicas: int) -> tuple[Backend, ...]:
+    """The replicas of an asleep model."""
+    return tuple(DormantBackend(route_name, replica=index) for index in range(replicas))
+
+
+def starts_asleep(entry: ModelEntry) -> bool:
+    """A model whose engine is not started at boot (or when it is added by a reload)."""
+    return entry.engine is not None and entry.residency is not None and entry.residency.on_demand
+
+
+class Residency:
+    """Wakes asleep models for their requests and puts idle ones to sleep (the control process's; one process)."""
+
+    def __init__(self, state: GatewayState, applier: DeploymentApplier, executor: SwapExecutor) -> None:
+        self.state = state
+        self.registry = state.registry
+        self.applier = applier
+        self.executor = executor
+        self.metrics = state.metrics
+        self._seen: DeploymentConfig | None = None
+        self._config: dict[str, ResidencyConfig] = {}  # models with a residency section, as the deployment in force says
+        self._last_used: dict[str, float] = {}  # monotonic time of each model's last request (or of its start)
+        self._pending: dict[str, int] = {}  # requests entered and not yet holding their backend
+        self._waking: dict[str, asyncio.Task[None]] = {}
+        self._groups: dict[str, asyncio.Lock] = {}  # one start at a time per group: room is counted once
+
+    # ------------------------------------------------------------------ what the data plane calls
+    def manages(self, model: str) -> bool:
+        return model in self._configs()
+
+    async def enter(self, route: ModelRoute) -> ModelRoute:
+        name = route.name
+        self._pending[name] = self._pending.get(name, 0) + 1
+        self._last_used[name] = time.monotonic()
+        if not route.asleep:
+            return route
+        try:
+            return await self._wait_awake(name)
+        except BaseException:
+            self.leave(name)
+            raise
+
+    def leave(self, model: str) -> None:
+        self._pending[model] = max(0, self._pending.get(model, 0) - 1)
+        self._last_used[model] = time.monotonic()
+
+    def status(self, model: str) -> str | None:
+        """``starting``, ``sleeping`` or ``resident`` for a model with a residency section (None for the others)."""
+        if not self.manages(model):
+            return None
+        if model in self._waking:
+            return STARTING
+        route = self.registry.route(model)
+        return SLEEPING if route is None or route.asleep else RESIDENT
+
+    # ------------------------------------------------------------------ waking
+    async def _wait_awake(self, name: str) -> ModelRoute:
+        task = self._waking.get(name)
+        if task is None:
+            logger.info("model {}: asleep; starting its engine for a waiting request", name)
+            task = self._waking[name] = asyncio.create_task(self._wake(name), name=f"wake-{name}")
+            task.add_done_callback(lambda done: self._waking.pop(name, None) if self._waking.get(name) is done else None)
+        limits = self.state.settings.limits_for(name)
+        try:
+            await asyncio.wait_for(asyncio.shield(task), limits.queue_timeout_s)
+        except TimeoutError:
+            raise GatewayError(
+                503, f"model {name!r} is starting for waiting requests and was not ready within {limits.queue_timeout_s:g}s "
+                "(queue_timeout_s); retry later", code="model_starting", headers={"Retry-After": str(limits.retry_after_s)},
+            ) from None  # fmt: skip
+        except SwapError as error:
+            raise GatewayError(
+                503, f"model {name!r} could not start: {error.message}", code="engine_unavailable",
+                headers={"Retry-After": str(limits.retry_after_s)},
+            ) from None  # fmt: skip
+        route = self.registry.route(name)
+        if route is None or route.asleep:
+            raise GatewayError(503, f"model {name!r} was stopped again before this request got to it; retry", code="engine_unavailable",
+                               headers={"Retry-After": str(limits.retry_after_s)})  # fmt: skip
+        return route
+
+    async def _wake(self, name: str) -> None:
+        asked = time.monotonic()
+        config = self._configs().get(name)
+        group = config.group if config is not None else None
+        lock = self._groups.setdefault(group, asyncio.Lock()) if group is not None else None
+        async with self.executor.lock(name):
+            if lock is not None:
+                await lock.acquire()
+            try:
+                route = self.registry.route(name)
+                entry = self._entry(name)
+                if route is None or entry is None:
+                    raise SwapError(name, "the model was removed")
+                if not route.asleep:
+                    return
+                if group is not None:
+                    await self._make_room(name, group)
+                replicas = await self.executor.build_all(name, self.applier.builds(name, entry))
+                current = self.registry.route(name)
+                if current is None:
+                    await asyncio.gather(*(self.executor.drainer.retire(name, backend) for backend in replicas))
+                    raise SwapError(name, "the model was removed while its engine started")
+                self.registry.put(replace(current, replicas=tuple(replicas)))
+            finally:
+                if lock is not None:
+                    lock.release()
+        waited = time.monotonic() - asked
+        self._last_used[name] = time.monotonic()
+        self.metrics.child(self.metrics.cold_starts, name).inc()
+        self.metrics.child(self.metrics.cold_start_seconds, name).observe(waited)
+        where = ", ".join(backend.describe() for backend in replicas)
+        logger.info("model {}: started for a waiting request in {:.1f}s: {}", name, waited, where)
+        self.state.events.record("wake", name, True, f"started for a waiting request in {waited:.1f}s")
+
+    async def _make_room(self, name: str, group: str) -> None:
+        """Stop the least recently used idle model of ``group`` until one more fits (waits while all are busy)."""
+        while True:
+            groups = self.state.settings.residency_groups
+            cap = groups[group].max_resident if group in groups else 1
+            members = [m for m, c in self._configs().items() if c.group == group and m != name]
+            awake = [m for m in members if (route := self.registry.route(m)) is not None and not route.asleep]
+            if len(awake) < cap:
+                return
+            idle = [m for m in awake if self._idle(m) and not self.executor.lock(m).locked()]
+            if idle:
+                victim = min(idle, key=lambda m: self._last_used.get(m, 0.0))
+                await self.sleep(victim, "evicted", f"to make room for {name} in group {group}")
+                continue
+            if not self._pending.get(name):
+                raise SwapError(name, f"no request waits any more for a place in group {group}")
+            await asyncio.sleep(ROOM_POLL_S)
+
+    # ------------------------------------------------------------------ sleeping
+    async def sleep(self, name: str, reason: str, why: str) -> bool:
+        """Take ``name``'s engines out of the registry, then stop them; False when it was not running."""
+        route = self.registry.route(name)
+        if route is None or route.asleep:
+            return False
+        self.registry.put(replace(route, replicas=dormant(name, len(route.replicas))))
+        logger.info("model {}: stopping its engine ({})", name, why)
+        for backend in route.replicas:
+            if isinstance(backend, EngineBackend):
+                await self.executor.fleet.stop_engine(backend.engine, forget=True)
+        self.metrics.child(self.metrics.residency_stops, name, reason).inc()
+        self.state.events.record("sleep", name, True, why)
+        return True
+
+    async def run(self) -> None:
+        """Stop models idle for their ``idle_stop_s`` (the controller runs this for the gateway's lifetime)."""
+        while True:
+            await asyncio.sleep(CHECK_INTERVAL_S)
+            now = time.monotonic()
+            for name, config in list(self._configs().items()):
+                if config.idle_stop_s is None or not self._idle(name) or self.executor.lock(name).locked():
+                    continue
+                if now - self._last_used.get(name, now) >= config.idle_stop_s:
+                    await self.sleep(name, "idle", f"no request for {config.idle_stop_s:g}s")
+
+    # ------------------------------------------------------------------ helpers
+    def _idle(self, name: str) -> bool:
+        route = self.registry.route(name)
+        return route is not None and not self._pending.get(name) and name not in self._waking and route.in_flight == 0
+
+    def _entry(self, name: str) -> ModelEntry | None:
+        deployment = self.applier.deployment
+        return deployment.models.get(name) if deployment is not None else None
+
+    def _configs(self) -> dict[str, ResidencyConfig]:
+        deployment = self.applier.deployment
+        if deployment is not self._seen:  # a boot or reload made another deployment the one in force
+            self._seen = deployment
+            models = deployment.models if deployment is not None else {}
+            self._config = {name: entry.residency for name, entry in models.items() if entry.residency is not None and entry.engine is not None}
+            now = time.monotonic()
+            for name in self._config:
+                self._last_used.setdefault(name, now)  # idle_stop_s counts from the boot (or the reload that added it)
+        return self._config
