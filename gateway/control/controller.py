@@ -99,7 +99,7 @@ class Controller:
         self._loop: asyncio.AbstractEventLoop | None = None
         in_force = empty_deployment(deployment) if boot and deployment is not None else deployment
         self.applier = DeploymentApplier(state, executor, self._spawn, in_force)
-        self.residency = Residency(state, self.applier, executor)  # models that start on demand and sleep when idle
+        self.residency = Residency(state, self.applier, executor, self._spawn)  # models that start on demand and sleep when idle
 
     # ------------------------------------------------------------------ lifecycle
     async def boot(self) -> None:

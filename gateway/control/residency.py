@@ -27,7 +27,7 @@ from gateway.core.state import GatewayState
 from launch.config import DeploymentConfig, ModelEntry, ResidencyConfig
 
 if TYPE_CHECKING:
-    from gateway.control.applier import DeploymentApplier
+    from gateway.control.applier import DeploymentApplier, Spawn
     from gateway.control.swap import SwapExecutor
 
 CHECK_INTERVAL_S = 0.5  # how often idle models are looked for
@@ -48,8 +48,9 @@ def starts_asleep(entry: ModelEntry) -> bool:
 class Residency:
     """Wakes asleep models for their requests and puts idle ones to sleep (the control process's; one process)."""
 
-    def __init__(self, state: GatewayState, applier: DeploymentApplier, executor: SwapExecutor) -> None:
+    def __init__(self, state: GatewayState, applier: DeploymentApplier, executor: SwapExecutor, spawn: Spawn) -> None:
         self.state = state
+        self._spawn = spawn  # the controller's: a start is not cut by the client that asked for it, and ends at shutdown
         self.registry = state.registry
         self.applier = applier
         self.executor = executor
@@ -95,7 +96,7 @@ class Residency:
         task = self._waking.get(name)
         if task is None:
             logger.info("model {}: asleep; starting its engine for a waiting request", name)
-            task = self._waking[name] = asyncio.create_task(self._wake(name), name=f"wake-{name}")
+            task = self._waking[name] = self._spawn(self._wake(name))
             task.add_done_callback(lambda done: self._waking.pop(name, None) if self._waking.get(name) is done else None)
         limits = self.state.settings.limits_for(name)
         try:

@@ -41,6 +41,7 @@ from gateway.data.stream_pool import (
     UpstreamPoolFull,
 )
 from gateway.data.upstream_errors import UPSTREAM_ERRORS, router_lost_its_worker, transport_error
+from gateway.data.waking import WakingStreamResponse
 from gateway.edge.auth import OPEN_OWNER
 
 T = TypeVar("T")
@@ -108,6 +109,13 @@ class Proxy:
         waker = self.waker
         if waker is None or not waker.manages(route.name):
             return await self._forward(route, endpoint, body, info, receive, balancing, pinned, owner, grammar_size, priority)
+        if route.asleep and endpoint.stream is not None and body.get("stream") is True:  # keep-alives while it starts
+            info.stream = True
+
+            def forward_woken(woken: ModelRoute) -> Coroutine[Any, Any, Response]:
+                return self._forward(woken, endpoint, body, info, receive, balancing, pinned, owner, grammar_size, priority)
+
+            return WakingStreamResponse(waker, route, forward_woken, endpoint.stream, info)
         route = await waker.enter(route)  # counted until it holds its backend: an idle model is never stopped under it
         try:
             return await self._forward(route, endpoint, body, info, receive, balancing, pinned, owner, grammar_size, priority)

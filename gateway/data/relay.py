@@ -32,7 +32,7 @@ from gateway.edge.connection import HTTP_CYCLE
 _MAX_PENDING = 4 * 1024 * 1024  # an SSE event larger than this is forwarded unsplit, unscanned
 
 
-_SSE_HEADERS = [
+SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
@@ -128,7 +128,7 @@ class SSEProxyResponse(Response):
         watch = asyncio.ensure_future(wait_disconnect(receive))
         watch.add_done_callback(on_watch_done)
         try:
-            await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+            await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
             cycle = scope.get("extensions", {}).get(HTTP_CYCLE)
             writer = _TransportWriter(cycle, self.upstream) if cycle is not None else _MessageWriter(send, self.upstream)
             await self._pump(writer, send)

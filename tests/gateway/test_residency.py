@@ -8,6 +8,7 @@ fakes the gateway launches exactly as real ones (their own process groups, ports
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -169,8 +170,14 @@ def test_a_group_of_one_alternates_its_models_stopping_the_idle_one_before_start
         assert rig.events("wake", "sleep") == [
             ("wake", "a"), ("sleep", "a"), ("wake", "b"), ("sleep", "b"), ("wake", "a"), ("sleep", "a"), ("wake", "b"),
         ]  # fmt: skip
+        rig.chat("b")  # resident: no start, no stop
+        body = {"model": "a", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
+        with httpx.stream("POST", rig.server.url + "/v1/chat/completions", headers=auth(), json=body, timeout=30) as streamed:
+            events = streamed.read().decode().split("\n\n")
+        assert events[0] == ": model a is starting for this request" and events[-2] == "data: [DONE]", events
+        assert any('"content"' in event for event in events[1:-2]), events
         assert rig.metric("gateway_residency_stops_total", model="a", reason="evicted") == 2
-        assert rig.metric("gateway_cold_starts_total", model="b") == 2
+        assert rig.metric("gateway_cold_starts_total", model="b") == 2 and rig.metric("gateway_cold_starts_total", model="a") == 3
 
 
 def test_a_busy_group_member_is_not_stopped_and_a_wait_past_queue_timeout_is_503(tiny_model_dir: Path, fake_python: Path, tmp_path: Path) -> None:
@@ -192,6 +199,13 @@ def test_a_busy_group_member_is_not_stopped_and_a_wait_past_queue_timeout_is_503
                                  json={"model": "b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})  # fmt: skip
             assert refused.status_code == 503 and refused.json()["error"]["code"] == "model_starting", refused.text
             assert refused.headers["retry-after"] and "queue_timeout_s" in refused.json()["error"]["message"]
+            body = {"model": "b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
+            with httpx.stream("POST", rig.server.url + "/v1/chat/completions", headers=auth(), json=body, timeout=30) as streamed:
+                assert streamed.status_code == 200  # at once: the keep-alive comment, then the failure as an event
+                events = streamed.read().decode().split("\n\n")
+            assert events[0] == ": model b is starting for this request", events
+            error = json.loads(events[-2].removeprefix("data: "))["error"]
+            assert error["code"] == "model_starting" and "queue_timeout_s" in error["message"], events
             chunks = running.result(timeout=60)
         assert chunks and chunks[-1].choices[0].finish_reason is not None  # the stream of a ran to its end
         assert rig.models()["a"]["state"] == "ready"
