@@ -33,6 +33,7 @@ SLOWEST_MODULES = (
     "tests/model_code/test_shared_serving.py",
     "tests/launch/test_shared_engine.py",
     "tests/model_code/test_gpu_stack_resolves.py",
+    "tests/gateway/test_residency_engine.py",
     "tests/gateway/test_replicas.py",
     "tests/model_code/test_managed_engine.py",
     "tests/model_code/test_entrypoint_container.py",

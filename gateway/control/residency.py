@@ -64,7 +64,11 @@ class Residency:
 
     # ------------------------------------------------------------------ what the data plane calls
     def manages(self, model: str) -> bool:
-        return model in self._configs()
+        """A model with a residency section, or one asleep (a reload took its section away: its request wakes it)."""
+        if model in self._configs():
+            return True
+        route = self.registry.route(model)
+        return route is not None and route.asleep
 
     async def enter(self, route: ModelRoute) -> ModelRoute:
         name = route.name

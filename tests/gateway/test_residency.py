@@ -25,6 +25,7 @@ from gateway.app import app_from_config
 from gateway.config import gateway_settings
 from launch.config import ConfigError, load_config, parse_config
 from launch.procgroup import group_pids
+from tests.docs.readme_blocks import marked_blocks
 from tests.fake_engine import fake_engine_python
 from tests.gateway.helpers import KEY, GatewayServer, auth, prometheus_value
 from tests.leaks import LeakCheck
@@ -230,6 +231,15 @@ def test_a_reload_of_an_asleep_model_keeps_it_asleep_and_its_next_request_starts
         rig.path.write_text(yaml.safe_dump(data, sort_keys=False))
         assert rig.admin("POST", "/admin/reload").status_code == 200  # an asleep model removed: nothing to drain
         assert set(rig.models()) == {"a"}
+        data["models"]["c"] = {"engine": _engine(tiny_model_dir, fake_python), "residency": {"on_demand": True}}
+        rig.path.write_text(yaml.safe_dump(data, sort_keys=False))
+        assert rig.admin("POST", "/admin/reload").status_code == 200
+        del data["models"]["c"]["residency"]  # asleep, and no longer on demand: its next request still starts it
+        rig.path.write_text(yaml.safe_dump(data, sort_keys=False))
+        assert rig.admin("POST", "/admin/reload").status_code == 200
+        assert rig.models()["c"]["state"] == "sleeping"
+        assert rig.chat("c")
+        assert rig.models()["c"]["state"] == "ready"
 
 
 @pytest.mark.parametrize(
@@ -251,3 +261,14 @@ def test_residency_settings_are_checked_with_a_message_naming_the_key(models: di
 def test_workers_auto_is_one_process_with_residency() -> None:
     deployment = parse_config({"models": {"a": {"engine": {"model_path": "/m"}, "residency": {"on_demand": True}}}, "gateway": {"workers": "auto"}})
     assert gateway_settings(deployment).worker_count() == 1
+
+
+def test_the_documented_residency_config_is_valid_and_means_what_the_page_says() -> None:
+    (block,) = marked_blocks("residency-config")
+    deployment = parse_config(yaml.safe_load(block.code), "docs/residency.md")
+    settings = gateway_settings(deployment)
+    residency = {name: entry.residency for name, entry in deployment.models.items()}
+    assert {name: (r.on_demand, r.group) for name, r in residency.items() if r} == {"day-model": (True, "gpu0"), "night-model": (True, "gpu0")}
+    assert residency["night-model"] is not None and residency["night-model"].idle_stop_s == 900
+    assert settings.residency_groups["gpu0"].max_resident == 1 and settings.limits.queue_timeout_s == 300
+    assert settings.worker_count() == 1

@@ -1,0 +1,66 @@
+"""Residency end to end on real SGLang CPU engines: two tiny models in one group capped at one running engine.
+
+The control-plane cases (idle stops and restarts, a busy member, reloads, errors, keep-alives) run on FAKE engines
+in tests/gateway/test_residency.py; this one proves the same on the real engine, at two engine starts.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from launch.procgroup import group_pids
+from tests.gateway.helpers import auth
+from tests.gateway.test_residency import gateway
+from tests.gateway.test_swap import report
+
+
+def _engine(model_dir: Path) -> dict[str, Any]:
+    return {"model_path": str(model_dir), "device": "cpu", "dtype": "float32", "max_total_tokens": 2048, "skip_server_warmup": True, "startup_timeout_s": 300}
+
+
+@pytest.mark.usefixtures("starts_engine")
+def test_two_real_engines_take_turns_in_a_group_of_one(tiny_model_dir: Path, tmp_path: Path) -> None:
+    group = {"on_demand": True, "group": "gpu0"}
+    models = {
+        "a": {"engine": _engine(tiny_model_dir), "residency": group},
+        "b": {"engine": _engine(tiny_model_dir), "residency": {**group, "idle_stop_s": 3}},
+    }
+    settings = {"residency_groups": {"gpu0": {"max_resident": 1}}, "limits": {"queue_timeout_s": 300}}
+    with gateway(tmp_path, models, **settings) as rig:
+        assert {name: m["state"] for name, m in rig.models().items()} == {"a": "sleeping", "b": "sleeping"}
+        with ThreadPoolExecutor(3) as pool:  # concurrent first requests: one start
+            answers = list(pool.map(lambda index: rig.chat("a", stream=index == 0), range(3)))
+        assert all(answers), answers
+        assert rig.metric("gateway_cold_starts_total", model="a") == 1
+        a = rig.models()["a"]
+        assert a["state"] == "ready" and a["engine"]["running"], a
+        a_pid = a["engine"]["pid"]
+
+        t0 = time.monotonic()
+        assert rig.chat("b", stream=True)  # a is idle: stopped, then b started (a group of one)
+        waited = time.monotonic() - t0
+        now = rig.models()
+        assert now["a"]["state"] == "sleeping" and now["b"]["state"] == "ready", now
+        assert not group_pids(a_pid), "a's engine still runs beside b's"
+        b_started = time.time() - now["b"]["engine"]["uptime_s"]
+        stopped = next(e for e in rig.admin("GET", "/admin/models").json()["events"] if e["kind"] == "sleep" and e["model"] == "a")
+        assert stopped["at"] <= b_started + 0.5, (stopped, b_started)  # a was gone before b's engine started
+        start_s = rig.metric("gateway_cold_start_seconds_sum", model="b")
+        assert 0 < start_s <= waited <= start_s + 15, (start_s, waited)  # the wait is the start (and a's stop)
+        report("residency: a real engine's cold start in a group of one", cold_start_s=round(start_s, 1), request_waited_s=round(waited, 1))
+
+        b_pid = now["b"]["engine"]["pid"]
+        deadline = time.monotonic() + 30
+        while rig.models()["b"]["state"] != "sleeping" or group_pids(b_pid):  # idle_stop_s: 3
+            assert time.monotonic() < deadline, rig.models()["b"]
+            time.sleep(0.25)
+        assert rig.metric("gateway_residency_stops_total", model="b", reason="idle") == 1
+        assert rig.metric("gateway_engine_restarts_total", model="b") == 0
+        ready = httpx.get(rig.server.url + "/ready", headers=auth(), timeout=30)
+        assert ready.status_code == 200, ready.text  # both asleep: the gateway still takes their requests
