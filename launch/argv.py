@@ -96,6 +96,8 @@ ENGINE_FLAGS: dict[str, EngineFlag] = {
     "skip_server_warmup": _switch("--skip-server-warmup"),
     "enable_metrics": _switch("--enable-metrics"),
     "enable_priority_scheduling": _switch("--enable-priority-scheduling"),
+    "enable_memory_saver": _switch("--enable-memory-saver"),
+    "enable_weights_cpu_backup": _switch("--enable-weights-cpu-backup"),
     "enable_response_store": _switch("--enable-response-store"),
     "sleep_on_idle": _switch("--sleep-on-idle"),
     # SGLang 0.5.23 deprecates --disable-cuda-graph in favour of per-phase backends (only said on cuda)

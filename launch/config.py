@@ -126,6 +126,12 @@ class EngineConfig(_Strict):
         False, description="Keep Responses API results in the engine (GET /v1/responses/{id}, previous_response_id)."
     )
     enable_metrics: bool = Field(True, description="Expose the engine's Prometheus /metrics.")
+    enable_memory_saver: bool = Field(
+        False, description="Let the engine release and take back its GPU memory at run time (set by residency sleep: memory_saver)."
+    )
+    enable_weights_cpu_backup: bool = Field(
+        False, description="Keep a CPU copy of the weights, so that a memory release needs no reload (set with enable_memory_saver)."
+    )
     enable_priority_scheduling: bool = Field(
         False, description="Schedule by each request's priority (higher first); the gateway passes a named key's priority."
     )
@@ -241,6 +247,11 @@ class ResidencyConfig(_Strict):
         description="A group of gateway.residency_groups (models sharing GPUs): at most its max_resident run at once; "
         "the least recently used idle one is stopped to make room.",
     )
+    sleep: Literal["stop", "memory_saver"] = Field(
+        "stop",
+        description="How an idle engine sleeps: stop (its process ends; a wake is a cold start) or memory_saver (GPU only: "
+        "the process stays and releases its weights and KV cache through SGLang's API; a wake takes them back in seconds).",
+    )
 
 
 class ModelEntry(_Strict):
@@ -272,6 +283,16 @@ class ModelEntry(_Strict):
         None, description="Start the engine on demand, stop it when idle, share GPUs with a group (docs/residency.md)."
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _memory_saver_keys(cls, data: Any) -> Any:
+        """``residency.sleep: memory_saver`` sets the engine keys SGLang's memory saver needs (unless given)."""
+        if isinstance(data, dict):
+            residency, engine = data.get("residency"), data.get("engine")
+            if isinstance(residency, dict) and residency.get("sleep") == "memory_saver" and isinstance(engine, dict):
+                data = {**data, "engine": {"enable_memory_saver": True, "enable_weights_cpu_backup": True, **engine}}
+        return data
+
     @field_validator("url")
     @classmethod
     def _url(cls, value: str | None) -> str | None:
@@ -299,6 +320,11 @@ class ModelEntry(_Strict):
             self._check_replica_gpus(self.replica_gpus)
         if self.residency is not None and (self.engine is None or self.router is not None):
             raise ValueError("residency needs an 'engine' section without a router (a 'url' model runs elsewhere)")
+        if self.residency is not None and self.residency.sleep == "memory_saver" and self.engine is not None:
+            if self.engine.device != "cuda":
+                raise ValueError("residency.sleep: memory_saver needs device: cuda (SGLang's memory saver frees GPU memory; on cpu a sleep is a stop)")
+            if not (self.engine.enable_memory_saver and self.engine.enable_weights_cpu_backup):
+                raise ValueError("residency.sleep: memory_saver needs engine.enable_memory_saver and enable_weights_cpu_backup (leave them unset)")
         return self
 
     def _check_replica_gpus(self, gpus: list[list[int]]) -> None:

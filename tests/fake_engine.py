@@ -20,6 +20,10 @@ What it does, SGLang's way (what the gateway relies on, nothing more):
 - a chat message whose content is :data:`CRASH`: it logs a traceback and exits 70 while the request is in
   flight, as an engine a request crashes does; one whose content is :data:`FREEZE`: it blocks its event loop
   (nothing answers, ``/health`` included, until it is killed), as an engine stuck on a request does;
+- with ``--enable-memory-saver``: ``POST /release_memory_occupation`` and ``/resume_memory_occupation`` (key needed),
+  as SGLang's; while released, a chat request answers 500 (SGLang's engine has no weights then). Each of
+  these calls and each chat request is appended to the file ``FAKE_ENGINE_CALLS`` names (``release``,
+  ``resume``, ``chat``, ``chat-while-released``), so a test reads their order;
 - a ``--model-path`` whose ``config.json`` is not valid JSON: it logs a traceback and exits 1 after a moment,
   as SGLang does for a broken model directory.
 
@@ -50,6 +54,7 @@ CRASH = "FAKE_ENGINE_CRASH"  # a chat message with this content makes the fake d
 FREEZE = "FAKE_ENGINE_FREEZE"  # ... makes it freeze under the request: its event loop blocked, /health unanswered
 TOKEN_S = float(os.environ.get("FAKE_ENGINE_TOKEN_S", "0.01"))  # time per generated piece
 START_S = float(os.environ.get("FAKE_ENGINE_START_S", "0"))  # how long it takes to listen
+CALLS = os.environ.get("FAKE_ENGINE_CALLS")  # a file the memory calls and chat requests are appended to
 HERE = Path(__file__).resolve()
 
 
@@ -93,6 +98,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--served-model-name")
     parser.add_argument("--max-total-tokens", type=int, default=4096)
     parser.add_argument("--config")
+    parser.add_argument("--enable-memory-saver", action="store_true")
     parsed, _ = parser.parse_known_args(argv)  # SGLang's other flags mean nothing to a fake
     return parsed
 
@@ -105,7 +111,13 @@ def _chunk(model: str, created: int, cid: str, delta: dict[str, Any], finish: st
     return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
-def build_app(model: str, api_key: str | None, context_length: int) -> Any:
+def _note(call: str) -> None:
+    if CALLS:
+        with open(CALLS, "a") as calls:
+            calls.write(call + "\n")
+
+
+def build_app(model: str, api_key: str | None, context_length: int, memory_saver: bool = False) -> Any:
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -113,6 +125,7 @@ def build_app(model: str, api_key: str | None, context_length: int) -> Any:
 
     responses: dict[str, dict[str, Any]] = {}
     running = [0]
+    released = [False]
 
     def refused(request: Request) -> Response | None:
         if api_key and request.headers.get("authorization") != f"Bearer {api_key}":
@@ -136,6 +149,9 @@ def build_app(model: str, api_key: str | None, context_length: int) -> Any:
         if (no := refused(request)) is not None:
             return no
         body = await request.json()
+        _note("chat-while-released" if released[0] else "chat")
+        if released[0]:
+            return JSONResponse({"error": {"message": "memory released (FAKE)", "type": "server_error", "code": 500}}, 500)
         if any(message.get("content") == CRASH for message in body.get("messages", ())):
             await asyncio.sleep(0.2)  # the request is in flight when the engine dies
             try:
@@ -170,10 +186,23 @@ def build_app(model: str, api_key: str | None, context_length: int) -> Any:
                     yield _chunk(model, created, cid, {"content": TOKEN})
                 yield _chunk(model, created, cid, {}, "length")
                 yield b"data: [DONE]\n\n"
+                _note("chat-end")
             finally:
                 running[0] -= 1
 
         return StreamingResponse(events(), media_type="text/event-stream")
+
+    def memory(release: bool) -> Any:
+        async def call(request: Request) -> Response:
+            if (no := refused(request)) is not None:
+                return no
+            if not memory_saver:
+                return JSONResponse({"error": {"message": "memory saver is off (FAKE)", "code": 400}}, 400)
+            _note("release" if release else "resume")
+            released[0] = release
+            return JSONResponse({"success": True})
+
+        return call
 
     async def create_response(request: Request) -> Response:
         if (no := refused(request)) is not None:
@@ -210,6 +239,8 @@ def build_app(model: str, api_key: str | None, context_length: int) -> Any:
             Route("/v1/chat/completions", chat, methods=["POST"]),
             Route("/v1/responses", create_response, methods=["POST"]),
             Route("/v1/responses/{rid}", get_response),
+            Route("/release_memory_occupation", memory(True), methods=["POST"]),
+            Route("/resume_memory_occupation", memory(False), methods=["POST"]),
         ]
     )
 
@@ -232,7 +263,7 @@ def main(argv: list[str]) -> int:
         api_key = (yaml.safe_load(Path(args.config).read_text()) or {}).get("api-key")
     import uvicorn
 
-    app = build_app(args.served_model_name or args.model_path, api_key, args.max_total_tokens)
+    app = build_app(args.served_model_name or args.model_path, api_key, args.max_total_tokens, args.enable_memory_saver)
     # SIGTERM ends it within a second, streams or not (as SGLang's does; uvicorn alone would wait for them).
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False, timeout_graceful_shutdown=1)
     return 0

@@ -17,6 +17,7 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+import httpx
 from loguru import logger
 
 from gateway.control.fleet import SwapError
@@ -33,6 +34,20 @@ if TYPE_CHECKING:
 CHECK_INTERVAL_S = 0.5  # how often idle models are looked for
 ROOM_POLL_S = 0.1  # how often a start waiting for room in its group looks again
 STARTING, SLEEPING, RESIDENT = "starting", "sleeping", "resident"
+
+
+RELEASE, RESUME = "/release_memory_occupation", "/resume_memory_occupation"  # SGLang 0.5.23 (needs --enable-memory-saver)
+ENGINE_CALL_TIMEOUT_S = 120.0  # taking back the weights of a large model from CPU memory takes a while
+
+
+async def _engine_call(backend: EngineBackend, path: str) -> str | None:
+    """POST ``path`` to the engine with every memory tag (weights, KV cache, CUDA graphs); None, or what failed."""
+    try:
+        async with httpx.AsyncClient(timeout=ENGINE_CALL_TIMEOUT_S) as client:
+            answer = await client.post(backend.url + path, json={}, headers=backend.upstream_headers())
+    except httpx.HTTPError as error:
+        return f"{path}: {type(error).__name__}"
+    return None if answer.status_code == 200 else f"{path}: HTTP {answer.status_code}"
 
 
 def dormant(route_name: str, replicas: int) -> tuple[Backend, ...]:
@@ -138,12 +153,16 @@ class Residency:
                     return
                 if group is not None:
                     await self._make_room(name, group)
-                replicas = await self.executor.build_all(name, self.applier.builds(name, entry))
-                current = self.registry.route(name)
-                if current is None:
-                    await asyncio.gather(*(self.executor.drainer.retire(name, backend) for backend in replicas))
-                    raise SwapError(name, "the model was removed while its engine started")
-                self.registry.put(replace(current, replicas=tuple(replicas)))
+                how = "started"
+                if not await self._resume(name, route):
+                    replicas = await self.executor.build_all(name, self.applier.builds(name, entry))
+                    current = self.registry.route(name)
+                    if current is None:
+                        await asyncio.gather(*(self.executor.drainer.retire(name, backend) for backend in replicas))
+                        raise SwapError(name, "the model was removed while its engine started")
+                    self.registry.put(replace(current, replicas=tuple(replicas)))
+                else:
+                    how = "resumed"
             finally:
                 if lock is not None:
                     lock.release()
@@ -151,9 +170,28 @@ class Residency:
         self._last_used[name] = time.monotonic()
         self.metrics.child(self.metrics.cold_starts, name).inc()
         self.metrics.child(self.metrics.cold_start_seconds, name).observe(waited)
-        where = ", ".join(backend.describe() for backend in replicas)
-        logger.info("model {}: started for a waiting request in {:.1f}s: {}", name, waited, where)
-        self.state.events.record("wake", name, True, f"started for a waiting request in {waited:.1f}s")
+        route = self.registry.route(name)
+        where = ", ".join(backend.describe() for backend in route.replicas) if route is not None else "-"
+        logger.info("model {}: {} for a waiting request in {:.1f}s: {}", name, how, waited, where)
+        self.state.events.record("wake", name, True, f"{how} for a waiting request in {waited:.1f}s")
+
+    async def _resume(self, name: str, route: ModelRoute) -> bool:
+        """Engines asleep with their memory released take it back (True); False: there are none, or one could not
+        (those are stopped, and the caller starts new ones)."""
+        engines = [backend for backend in route.replicas if isinstance(backend, EngineBackend)]
+        if not engines or len(engines) != len(route.replicas):
+            return False
+        failed = await asyncio.gather(*(_engine_call(backend, RESUME) for backend in engines))
+        if all(error is None for error in failed):
+            for backend in engines:
+                backend.asleep = False  # last: only an engine holding its memory again takes requests
+            return True
+        problem = next(error for error in failed if error is not None)
+        logger.error("model {}: an engine could not take its memory back ({}); starting new engines", name, problem)
+        self.registry.put(replace(route, replicas=dormant(name, len(route.replicas))))
+        for backend in engines:
+            await self.executor.fleet.stop_engine(backend.engine, forget=True)
+        return False
 
     async def _make_room(self, name: str, group: str) -> None:
         """Stop the least recently used idle model of ``group`` until one more fits (waits while all are busy)."""
@@ -175,18 +213,37 @@ class Residency:
 
     # ------------------------------------------------------------------ sleeping
     async def sleep(self, name: str, reason: str, why: str) -> bool:
-        """Take ``name``'s engines out of the registry, then stop them; False when it was not running."""
+        """Put ``name`` to sleep (it is idle: no request in flight or waiting); False when it was asleep already.
+
+        ``sleep: stop``: its engines leave the registry, then stop. ``sleep: memory_saver``: each engine is marked
+        asleep (no request reaches it), then releases its GPU memory through SGLang's API, its process kept; an
+        engine that cannot release is stopped instead (logged)."""
         route = self.registry.route(name)
         if route is None or route.asleep:
             return False
+        config = self._configs().get(name)
+        engines = [backend for backend in route.replicas if isinstance(backend, EngineBackend)]
+        if config is not None and config.sleep == "memory_saver" and len(engines) == len(route.replicas):
+            for backend in engines:
+                backend.asleep = True  # first: from now on a request wakes it instead of reaching it
+            logger.info("model {}: releasing its engines' GPU memory ({})", name, why)
+            released = await asyncio.gather(*(_engine_call(backend, RELEASE) for backend in engines))
+            if all(error is None for error in released):
+                self._count_sleep(name, reason, f"{why}; GPU memory released, processes kept")
+                return True
+            problem = next(error for error in released if error is not None)
+            logger.error("model {}: an engine could not release its memory ({}); stopping the engines instead", name, problem)
+            why = f"{why}; release failed ({problem}), stopped"
         self.registry.put(replace(route, replicas=dormant(name, len(route.replicas))))
         logger.info("model {}: stopping its engine ({})", name, why)
-        for backend in route.replicas:
-            if isinstance(backend, EngineBackend):
-                await self.executor.fleet.stop_engine(backend.engine, forget=True)
+        for backend in engines:
+            await self.executor.fleet.stop_engine(backend.engine, forget=True)
+        self._count_sleep(name, reason, why)
+        return True
+
+    def _count_sleep(self, name: str, reason: str, why: str) -> None:
         self.metrics.child(self.metrics.residency_stops, name, reason).inc()
         self.state.events.record("sleep", name, True, why)
-        return True
 
     async def run(self) -> None:
         """Stop models idle for their ``idle_stop_s`` (the controller runs this for the gateway's lifetime)."""
@@ -194,6 +251,9 @@ class Residency:
             await asyncio.sleep(CHECK_INTERVAL_S)
             now = time.monotonic()
             for name, config in list(self._configs().items()):
+                route = self.registry.route(name)
+                if route is not None and route.in_flight:
+                    self._last_used[name] = now  # in use: idle_stop_s counts from its last request's end
                 if config.idle_stop_s is None or not self._idle(name) or self.executor.lock(name).locked():
                     continue
                 if now - self._last_used.get(name, now) >= config.idle_stop_s:

@@ -68,7 +68,10 @@ class Watchdog:
                 await self.check_all(settings)
 
     async def check_all(self, settings: GatewaySettings) -> None:
-        owned = [(r.name, b) for r in self.registry.routes() for b in r.replicas if isinstance(b, EngineBackend) and self.executor.owns(b)]
+        owned = [
+            (r.name, b) for r in self.registry.routes() for b in r.replicas
+            if isinstance(b, EngineBackend) and self.executor.owns(b) and not b.asleep  # asleep by design: residency's
+        ]  # fmt: skip
         await asyncio.gather(*(self._check(name, backend, settings) for name, backend in owned))
         for route in self.registry.routes():  # SGLang's router in front of replicas: restarted when it died
             front = route.front

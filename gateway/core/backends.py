@@ -37,6 +37,9 @@ class Backend:
         # drained by a stop-first swap, or found dead/unhealthy by the watchdog.
         self.failure: str | None = None
         self.retry_after_s: int | None = None  # Retry-After for 503s caused by ``failure``
+        # Asleep by design (residency): a request wakes it. Its engine is stopped (DormantBackend) or, with SGLang's
+        # memory saver, running with its GPU memory released; the watchdog leaves it alone either way.
+        self.asleep = False
         self.created_at = time.time()
         self._vocab_size = vocab_size
         # Shapes of requests whose upstream connection broke (the engine died under them, most
@@ -90,8 +93,12 @@ class Backend:
         return {}
 
     def unavailable_reason(self) -> str | None:
-        """Why requests cannot go upstream now (a failure set on it, or its process down), else None."""
-        return self.failure if self.failure is not None else self._process_problem()
+        """Why requests cannot go upstream now (a failure set on it, asleep, or its process down), else None."""
+        if self.failure is not None:
+            return self.failure
+        if self.asleep:
+            return "asleep (its engine wakes at the next request)"
+        return self._process_problem()
 
     def _process_problem(self) -> str | None:
         return None
@@ -158,12 +165,13 @@ class DormantBackend(Backend):
 
     kind = "dormant"
 
+    def __init__(self, served_name: str, *, replica: int = 0) -> None:
+        super().__init__(served_name, replica=replica)
+        self.asleep = True
+
     @property
     def url(self) -> str:
         return ""
-
-    def _process_problem(self) -> str | None:
-        return "asleep (its engine starts at the next request)"
 
     def _where(self) -> str:
         return "no engine (asleep)"

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 from gateway.config import GatewaySettings, LimitSettings
-from gateway.core.backends import Backend, DormantBackend, EngineBackend, UrlBackend
+from gateway.core.backends import Backend, EngineBackend, UrlBackend
 from gateway.core.limits import ConcurrencyLimiter
 from launch.config import DeploymentConfig, ModelEntry
 from launch.process import EngineProcess
@@ -54,7 +54,7 @@ class ModelRoute:
     @property
     def asleep(self) -> bool:
         """Its engine is stopped by design (residency): a request wakes it."""
-        return all(isinstance(backend, DormantBackend) for backend in self.replicas)
+        return all(backend.asleep for backend in self.replicas)
 
     @property
     def in_flight(self) -> int:

@@ -21,9 +21,21 @@ import openai
 import pytest
 import yaml
 
-from gateway.app import app_from_config
+from gateway.app import app_from_config, create_app
 from gateway.config import gateway_settings
-from launch.config import ConfigError, load_config, parse_config
+from gateway.core.backends import EngineBackend
+from gateway.core.registry import ModelRoute, Registry
+from launch.argv import build_argv
+from launch.config import (
+    ConfigError,
+    DeploymentConfig,
+    EngineConfig,
+    ModelEntry,
+    ResidencyConfig,
+    load_config,
+    parse_config,
+)
+from launch.process import EngineProcess
 from launch.procgroup import group_pids
 from tests.docs.readme_blocks import marked_blocks
 from tests.fake_engine import fake_engine_python
@@ -272,3 +284,40 @@ def test_the_documented_residency_config_is_valid_and_means_what_the_page_says()
     assert residency["night-model"] is not None and residency["night-model"].idle_stop_s == 900
     assert settings.residency_groups["gpu0"].max_resident == 1 and settings.limits.queue_timeout_s == 300
     assert settings.worker_count() == 1
+
+
+def test_memory_saver_sleep_drains_releases_then_resumes_before_serving(tiny_model_dir: Path, fake_python: Path, tmp_path: Path) -> None:
+    """``sleep: memory_saver`` (GPU only: the config refuses it on cpu) against a FAKE engine that records SGLang's
+    memory calls: an idle engine is drained (a stream longer than idle_stop_s runs to its end first), releases its
+    memory with its process kept, and takes it back before the next request reaches it. The deployment in force is
+    built past validation (model_construct) to run the GPU path on this CPU machine; the fake ignores the device."""
+    calls = tmp_path / "calls.txt"
+    env = {"FAKE_ENGINE_START_S": "0", "FAKE_ENGINE_TOKEN_S": "0.5", "FAKE_ENGINE_CALLS": str(calls)}
+    config = EngineConfig(model_path=str(tiny_model_dir), device="cpu", python=str(fake_python), env=env, enable_memory_saver=True, enable_weights_cpu_backup=True)
+    assert "--enable-memory-saver" in build_argv(config, port=1) and "--enable-weights-cpu-backup" in build_argv(config, port=1)
+    residency = ResidencyConfig(sleep="memory_saver", idle_stop_s=1.0)
+    entry = ModelEntry.model_construct(engine=config, residency=residency, aliases=[], replicas=1, replica_gpus=None, router=None, url=None)
+    settings = gateway_settings(parse_config({"models": {"a": {"url": "http://127.0.0.1:1"}}, "gateway": {"api_keys": [KEY], "admin_keys": [ADMIN]}}))
+    leaks = LeakCheck()
+    with EngineProcess("a", config, log_dir=tmp_path / "logs") as engine:
+        leaks.watch(engine.pid)
+        app = create_app(settings, Registry([ModelRoute("a", EngineBackend("a", engine))]))
+        app.state.controller.applier.deployment = DeploymentConfig.model_construct(models={"a": entry}, gateway={}, source=None)
+        server = GatewayServer(app, settings).start()
+        rig = Rig(tmp_path / "none.yaml", server, leaks)
+        try:
+            streamed = rig.chat("a", stream=True)  # 4 pieces at 0.5 s: 2 s, past idle_stop_s
+            assert streamed.count("tok") == 4, streamed
+            asleep = rig.wait_state("a", "sleeping")
+            assert asleep["engine"]["running"] and asleep["engine"]["pid"] == engine.pid, asleep  # the process is kept
+            assert rig.cards()["a"]["status"] == "sleeping"
+            assert rig.chat("a") == "tok " * 4
+            assert rig.models()["a"]["state"] == "ready"
+            assert calls.read_text().split() == ["chat", "chat-end", "release", "resume", "chat"]
+            assert rig.metric("gateway_residency_stops_total", model="a", reason="idle") == 1
+            assert rig.metric("gateway_cold_starts_total", model="a") == 1 and rig.metric("gateway_engine_restarts_total", model="a") == 0
+            events = [e for e in rig.admin("GET", "/admin/models").json()["events"] if e["kind"] in ("wake", "sleep")]
+            assert "GPU memory released, processes kept" in events[-1]["detail"] and events[0]["detail"].startswith("resumed"), events
+        finally:
+            server.stop()
+    leaks.assert_nothing_left()

@@ -146,6 +146,8 @@ FULL = dict(
     sleep_on_idle=True,
     enable_response_store=True,
     enable_priority_scheduling=True,
+    enable_memory_saver=True,
+    enable_weights_cpu_backup=True,
 )
 MISSPELLED = ["--model-path", "org/m", "--disable-cuda-graphs"]
 VARIANTS: dict[str, EngineConfig] = {
