@@ -18,7 +18,7 @@ from gateway.control.controller import Controller, ReloadInvalid, ReloadOutcome
 from gateway.control.residency import SLEEPING, STARTING
 from gateway.control.swap import describe_backend
 from gateway.control.workers import WorkerSupervisor
-from gateway.core.backends import Backend, DormantBackend, EngineBackend, RouterBackend, UrlBackend
+from gateway.core.backends import Backend, EngineBackend, RouterBackend, UrlBackend
 from gateway.core.errors import GatewayError, error_body
 
 LOG_TAIL_LINES = 20  # of an engine that is not ready, in GET /admin/models
@@ -193,7 +193,7 @@ def _replica(controller: Controller, model: str, backend: Backend) -> dict[str, 
     reason = backend.unavailable_reason()
     if reason is None:
         state = "ready"
-    elif isinstance(backend, DormantBackend):
+    elif backend.asleep:  # residency: its engine stopped (a DormantBackend), or running with its memory released
         state = "sleeping"
     elif health is not None and health.gave_up:
         state = "failed"

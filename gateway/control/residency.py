@@ -168,8 +168,8 @@ class Residency:
                     lock.release()
         waited = time.monotonic() - asked
         self._last_used[name] = time.monotonic()
-        self.metrics.child(self.metrics.cold_starts, name).inc()
-        self.metrics.child(self.metrics.cold_start_seconds, name).observe(waited)
+        self.metrics.child(self.metrics.wakes, name, how).inc()
+        self.metrics.child(self.metrics.wake_seconds, name).observe(waited)
         route = self.registry.route(name)
         where = ", ".join(backend.describe() for backend in route.replicas) if route is not None else "-"
         logger.info("model {}: {} for a waiting request in {:.1f}s: {}", name, how, waited, where)

@@ -19,7 +19,7 @@ from gateway.core.registry import Registry
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
-_COLD_START_BUCKETS = (1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1200)
+_WAKE_BUCKETS = (0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1200)
 
 
 class Metrics:
@@ -51,13 +51,15 @@ class Metrics:
         self.key_requests = Counter("gateway_key_requests", "Requests by client key, model and status class (2xx, 4xx...).", ["key", "model", "status_class"], registry=r)
         self.key_tokens = Counter("gateway_key_tokens", "Tokens reported by the engines' usage, by client key.", ["key", "model", "kind"], registry=r)
         self.usage_rows_dropped = Counter("gateway_usage_rows_dropped", "Usage ledger rows dropped: the database was unreachable and the buffer full.", registry=r)
-        self.cold_starts = Counter("gateway_cold_starts", "Engines started for a waiting request (residency), by model.", ["model"], registry=r)
-        self.cold_start_seconds = Histogram(
-            "gateway_cold_start_seconds", "From a request finding its model asleep to its engine ready.", ["model"], buckets=_COLD_START_BUCKETS, registry=r
-        )
+        self.wakes = Counter("gateway_model_wakes", "Asleep models woken for a waiting request (residency), by model and how: started / resumed.", ["model", "how"], registry=r)
+        self.wake_seconds = Histogram(
+            "gateway_model_wake_seconds", "From a request finding its model asleep to its engine ready (a cold start, or a memory resume).", ["model"],
+            buckets=_WAKE_BUCKETS, registry=r,
+        )  # fmt: skip
         self.residency_stops = Counter("gateway_residency_stops", "Engines stopped by residency, by model and reason (idle / evicted).", ["model", "reason"], registry=r)
         r.register(_EngineUp(registry))
         r.register(_ReplicasReady(registry))
+        r.register(_Resident(registry))
         self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
 
     def exposition(self) -> bytes:
@@ -68,6 +70,7 @@ class Metrics:
         MultiProcessCollector(summed, path=self.multiprocess_dir)
         summed.register(_EngineUp(self.models))
         summed.register(_ReplicasReady(self.models))
+        summed.register(_Resident(self.models))
         return generate_latest(summed)
 
     def child(self, metric: Any, *labels: str) -> Any:
@@ -110,4 +113,22 @@ class _ReplicasReady(Collector):
         family = GaugeMetricFamily(self._NAME, self._HELP, labels=["model"])
         for route in self.models.routes():
             family.add_metric([route.name], float(len(route.available())))
+        yield family
+
+
+class _Resident(Collector):
+    """1 for a model whose engine is up or starting as configured, 0 while it is asleep (residency), at scrape time."""
+
+    _NAME, _HELP = "gateway_model_resident", "0 while the model is asleep (residency: its engine stopped or its memory released), else 1."
+
+    def __init__(self, models: Registry) -> None:
+        self.models = models
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily(self._NAME, self._HELP, labels=["model"])
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(self._NAME, self._HELP, labels=["model"])
+        for route in self.models.routes():
+            family.add_metric([route.name], 0.0 if route.asleep else 1.0)
         yield family

@@ -54,9 +54,9 @@ def fake_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
 class Rig:
     """One gateway over fake engines, from a YAML file the test may rewrite and reload."""
 
-    def __init__(self, path: Path, server: GatewayServer, leaks: LeakCheck) -> None:
+    def __init__(self, path: Path, server: GatewayServer, leaks: LeakCheck, timeout_s: float = 60) -> None:
         self.path, self.server, self.leaks = path, server, leaks
-        self.sdk = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+        self.sdk = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=timeout_s)
 
     def admin(self, method: str, path: str) -> httpx.Response:
         return httpx.request(method, self.server.url + path, headers=auth(ADMIN), timeout=60)
@@ -102,14 +102,15 @@ def _engine(tiny_model_dir: Path, python: Path, **more: Any) -> dict[str, Any]:
 
 
 @contextmanager
-def gateway(tmp_path: Path, models: dict[str, Any], **settings: Any) -> Iterator[Rig]:
+def gateway(tmp_path: Path, models: dict[str, Any], timeout_s: float = 60, **settings: Any) -> Iterator[Rig]:
+    """A gateway of ``models`` (``timeout_s``: its clients' wait for an answer, cold starts included)."""
     path = tmp_path / "deploy.yaml"
     gateway_section = {"api_keys": [KEY], "admin_keys": [ADMIN], "log_requests": False, **settings}
     path.write_text(yaml.safe_dump({"models": models, "gateway": gateway_section}, sort_keys=False))
     leaks = LeakCheck()
     app, gateway_config = app_from_config(load_config(path), log_dir=tmp_path / "logs")
     server = GatewayServer(app, gateway_config).start(timeout_s=60)
-    rig = Rig(path, server, leaks)
+    rig = Rig(path, server, leaks, timeout_s)
     try:
         rig.models()
         yield rig
@@ -125,7 +126,7 @@ def test_an_on_demand_model_starts_at_its_first_request_once_however_many_wait(t
         asleep = rig.models()["a"]
         assert asleep["state"] == "sleeping" and asleep["residency"] == "sleeping" and "engine" not in asleep, asleep
         assert asleep["replicas"][0]["state"] == "sleeping"
-        assert rig.cards()["a"]["status"] == "sleeping"
+        assert rig.cards()["a"]["status"] == "sleeping" and rig.metric("gateway_model_resident", model="a") == 0
         ready = httpx.get(rig.server.url + "/ready", timeout=30)
         assert ready.status_code == 200 and ready.json()["models"]["a"] == {"ready": True, "asleep": True}, ready.text
         t0 = time.monotonic()
@@ -134,11 +135,11 @@ def test_an_on_demand_model_starts_at_its_first_request_once_however_many_wait(t
         waited = time.monotonic() - t0
         assert all(answers), answers
         assert waited >= FAKE_START_S, waited  # they waited for the start, which they did not do six times:
-        assert rig.metric("gateway_cold_starts_total", model="a") == 1
-        assert rig.metric("gateway_cold_start_seconds_count", model="a") == 1
+        assert rig.metric("gateway_model_wakes_total", model="a", how="started") == 1
+        assert rig.metric("gateway_model_wake_seconds_count", model="a") == 1
         awake = rig.models()["a"]
         assert awake["state"] == "ready" and awake["residency"] == "resident" and awake["engine"]["running"], awake
-        assert rig.cards()["a"]["status"] == "resident"
+        assert rig.cards()["a"]["status"] == "resident" and rig.metric("gateway_model_resident", model="a") == 1
         assert rig.events("wake", "sleep") == [("wake", "a")]
         swap = rig.admin("POST", "/admin/models/a/swap")
         assert swap.status_code == 200, swap.text  # a running on-demand engine swaps like any other
@@ -190,7 +191,7 @@ def test_a_group_of_one_alternates_its_models_stopping_the_idle_one_before_start
         assert events[0] == ": model a is starting for this request" and events[-2] == "data: [DONE]", events
         assert any('"content"' in event for event in events[1:-2]), events
         assert rig.metric("gateway_residency_stops_total", model="a", reason="evicted") == 2
-        assert rig.metric("gateway_cold_starts_total", model="b") == 2 and rig.metric("gateway_cold_starts_total", model="a") == 3
+        assert rig.metric("gateway_model_wakes_total", model="b", how="started") == 2 and rig.metric("gateway_model_wakes_total", model="a", how="started") == 3
 
 
 def test_a_busy_group_member_is_not_stopped_and_a_wait_past_queue_timeout_is_503(tiny_model_dir: Path, fake_python: Path, tmp_path: Path) -> None:
@@ -309,13 +310,15 @@ def test_memory_saver_sleep_drains_releases_then_resumes_before_serving(tiny_mod
             streamed = rig.chat("a", stream=True)  # 4 pieces at 0.5 s: 2 s, past idle_stop_s
             assert streamed.count("tok") == 4, streamed
             asleep = rig.wait_state("a", "sleeping")
+            assert asleep["replicas"][0]["state"] == "sleeping" and rig.metric("gateway_model_resident", model="a") == 0
             assert asleep["engine"]["running"] and asleep["engine"]["pid"] == engine.pid, asleep  # the process is kept
             assert rig.cards()["a"]["status"] == "sleeping"
             assert rig.chat("a") == "tok " * 4
-            assert rig.models()["a"]["state"] == "ready"
+            assert rig.models()["a"]["state"] == "ready" and rig.metric("gateway_model_resident", model="a") == 1
             assert calls.read_text().split() == ["chat", "chat-end", "release", "resume", "chat"]
             assert rig.metric("gateway_residency_stops_total", model="a", reason="idle") == 1
-            assert rig.metric("gateway_cold_starts_total", model="a") == 1 and rig.metric("gateway_engine_restarts_total", model="a") == 0
+            assert rig.metric("gateway_model_wakes_total", model="a", how="resumed") == 1 and rig.metric("gateway_engine_restarts_total", model="a") == 0
+            assert rig.metric("gateway_model_wakes_total", model="a", how="started") == 0
             events = [e for e in rig.admin("GET", "/admin/models").json()["events"] if e["kind"] in ("wake", "sleep")]
             assert "GPU memory released, processes kept" in events[-1]["detail"] and events[0]["detail"].startswith("resumed"), events
         finally:

@@ -32,12 +32,12 @@ def test_two_real_engines_take_turns_in_a_group_of_one(tiny_model_dir: Path, tmp
         "b": {"engine": _engine(tiny_model_dir), "residency": {**group, "idle_stop_s": 3}},
     }
     settings = {"residency_groups": {"gpu0": {"max_resident": 1}}, "limits": {"queue_timeout_s": 300}}
-    with gateway(tmp_path, models, **settings) as rig:
+    with gateway(tmp_path, models, timeout_s=300, **settings) as rig:  # a cold start on a loaded 2-core machine: 30-90 s
         assert {name: m["state"] for name, m in rig.models().items()} == {"a": "sleeping", "b": "sleeping"}
         with ThreadPoolExecutor(3) as pool:  # concurrent first requests: one start
             answers = list(pool.map(lambda index: rig.chat("a", stream=index == 0), range(3)))
         assert all(answers), answers
-        assert rig.metric("gateway_cold_starts_total", model="a") == 1
+        assert rig.metric("gateway_model_wakes_total", model="a", how="started") == 1
         a = rig.models()["a"]
         assert a["state"] == "ready" and a["engine"]["running"], a
         a_pid = a["engine"]["pid"]
@@ -51,7 +51,7 @@ def test_two_real_engines_take_turns_in_a_group_of_one(tiny_model_dir: Path, tmp
         b_started = time.time() - now["b"]["engine"]["uptime_s"]
         stopped = next(e for e in rig.admin("GET", "/admin/models").json()["events"] if e["kind"] == "sleep" and e["model"] == "a")
         assert stopped["at"] <= b_started + 0.5, (stopped, b_started)  # a was gone before b's engine started
-        start_s = rig.metric("gateway_cold_start_seconds_sum", model="b")
+        start_s = rig.metric("gateway_model_wake_seconds_sum", model="b")
         assert 0 < start_s <= waited <= start_s + 15, (start_s, waited)  # the wait is the start (and a's stop)
         report("residency: a real engine's cold start in a group of one", cold_start_s=round(start_s, 1), request_waited_s=round(waited, 1))
 
