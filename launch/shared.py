@@ -170,7 +170,12 @@ class SharedEngine:
                         log_file=host_log,
                         log_tail=log_tail(host_log),
                     )
-                if self._ensure_host():
+                try:
+                    started = self._ensure_host()
+                except HostExitedEarly as error:  # killed as it came up: the next host takes over, as after a later death
+                    logger.warning("engine {}: {}; starting another", self.name, error)
+                    started = True
+                if started:
                     takeovers += 1
                     saw_attempt = True
                 continue
@@ -261,6 +266,10 @@ class SharedEngine:
             return True
 
 
+class HostExitedEarly(SharedEngineError):
+    """The host process ended before it held ``host.lock`` (killed as it started, or it cannot run at all)."""
+
+
 def spawn_host(key_dir: Path, timeout_s: float = HOST_START_TIMEOUT_S) -> subprocess.Popen[bytes]:
     """Start ``python -m launch.engine_host KEY_DIR`` detached (own session); return once it holds ``host.lock``."""
     log_path = key_dir / HOST_LOG
@@ -284,7 +293,7 @@ def spawn_host(key_dir: Path, timeout_s: float = HOST_START_TIMEOUT_S) -> subpro
     deadline = time.monotonic() + timeout_s
     while not host_alive(key_dir):
         if proc.poll() is not None:
-            raise SharedEngineError(
+            raise HostExitedEarly(
                 f"the engine host exited with code {proc.returncode} before starting",
                 log_file=log_path,
                 log_tail=log_tail(log_path),

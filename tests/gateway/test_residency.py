@@ -43,7 +43,7 @@ from tests.gateway.helpers import KEY, GatewayServer, auth, prometheus_value
 from tests.leaks import LeakCheck
 
 ADMIN = "residency-admin-key"
-FAKE_START_S = 1.0
+FAKE_START_S = 0.5
 
 
 @pytest.fixture(scope="module")
