@@ -98,37 +98,41 @@ class _EngineUp(Collector):
         yield family
 
 
-class _ReplicasReady(Collector):
+class _PerModelGauge(Collector):
+    """A gauge with one value per model, computed from its route at scrape time (``value``)."""
+
+    _NAME: str
+    _HELP: str
+
+    def __init__(self, models: Registry) -> None:
+        self.models = models
+
+    def value(self, route: Any) -> float:
+        raise NotImplementedError
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily(self._NAME, self._HELP, labels=["model"])
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(self._NAME, self._HELP, labels=["model"])
+        for route in self.models.routes():
+            family.add_metric([route.name], self.value(route))
+        yield family
+
+
+class _ReplicasReady(_PerModelGauge):
     """How many replicas of each model can take requests, computed at scrape time."""
 
     _NAME, _HELP = "gateway_replicas_ready", "Replicas of the model that can take requests now."
 
-    def __init__(self, models: Registry) -> None:
-        self.models = models
-
-    def describe(self) -> Iterator[GaugeMetricFamily]:
-        yield GaugeMetricFamily(self._NAME, self._HELP, labels=["model"])
-
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        family = GaugeMetricFamily(self._NAME, self._HELP, labels=["model"])
-        for route in self.models.routes():
-            family.add_metric([route.name], float(len(route.available())))
-        yield family
+    def value(self, route: Any) -> float:
+        return float(len(route.available()))
 
 
-class _Resident(Collector):
+class _Resident(_PerModelGauge):
     """1 for a model whose engine is up or starting as configured, 0 while it is asleep (residency), at scrape time."""
 
     _NAME, _HELP = "gateway_model_resident", "0 while the model is asleep (residency: its engine stopped or its memory released), else 1."
 
-    def __init__(self, models: Registry) -> None:
-        self.models = models
-
-    def describe(self) -> Iterator[GaugeMetricFamily]:
-        yield GaugeMetricFamily(self._NAME, self._HELP, labels=["model"])
-
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        family = GaugeMetricFamily(self._NAME, self._HELP, labels=["model"])
-        for route in self.models.routes():
-            family.add_metric([route.name], 0.0 if route.asleep else 1.0)
-        yield family
+    def value(self, route: Any) -> float:
+        return 0.0 if route.asleep else 1.0
