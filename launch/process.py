@@ -321,7 +321,7 @@ class EngineProcess:
         self._known_shm |= owned_shm_files(proc.pid)
         if proc.poll() is None:
             logger.info("engine {}: stopping (pid {})", self.name, proc.pid)
-        stop_group(proc, grace, label=f"engine {self.name}")
+        stop_group(proc, grace, label=f"engine {self.name}", leader_first=True)  # SGLang stops its own schedulers
         self._join_reader()
         self._remove_secret_file()
         leftovers = set(self._known_shm)

@@ -80,17 +80,32 @@ def wait_group(proc: subprocess.Popen[Any], timeout_s: float) -> bool:
 
 
 def stop_group(
-    proc: subprocess.Popen[Any], grace_s: float, *, first: signal.Signals = signal.SIGTERM, label: str = "process"
-) -> int | None:
+    proc: subprocess.Popen[Any], grace_s: float, *, first: signal.Signals = signal.SIGTERM, label: str = "process",
+    leader_first: bool = False,
+) -> int | None:  # fmt: skip
     """Stop the group led by ``proc``: ``first`` (SIGTERM), SIGKILL after ``grace_s``; returns the exit code.
 
     SIGCONT follows the first signal, so a group that was stopped (SIGSTOP, a debugger) handles it
-    now instead of at the SIGKILL.
+    now instead of at the SIGKILL. ``leader_first``: ``first`` goes to the leader alone, which stops its own
+    children (SGLang's server shuts its schedulers down cleanly; a scheduler signalled directly dies, its server
+    takes that for a crash and waits 5 s for diagnostics); whatever of the group outlives the leader gets ``first``
+    next, all within ``grace_s``.
     """
+    deadline = time.monotonic() + grace_s
+    if leader_first and proc.poll() is None:
+        try:
+            os.kill(proc.pid, first)
+        except ProcessLookupError:
+            pass
+        signal_group(proc.pid, signal.SIGCONT)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            pass
     if proc.poll() is None or group_alive(proc.pid):
         signal_group(proc.pid, first)
         signal_group(proc.pid, signal.SIGCONT)
-        if not wait_group(proc, grace_s):
+        if not wait_group(proc, max(0.0, deadline - time.monotonic())):
             logger.warning("{}: still running {:.0f}s after {}; sending SIGKILL", label, grace_s, first.name)
             signal_group(proc.pid, signal.SIGKILL)
             wait_group(proc, 10.0)

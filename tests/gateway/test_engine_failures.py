@@ -107,16 +107,19 @@ def test_an_upstream_lost_mid_stream_ends_each_dialects_stream_with_its_error_ev
     event framed like their own events, and the gateway counts each one."""
     relay = CuttingRelay(tiny_engine.url)
     with relay as relay_url, serve({"tiny": {"url": relay_url}}) as gw:
+        # 600 tokens each: all three fit the engine's KV cache at once (4096 tokens; SGLang reserves part of each
+        # request's max_tokens to admit it, and three of 1900 left the third queued behind the others for minutes
+        # on a loaded machine). Each answer is still far longer than the 1500 bytes the relay lets through.
         raw = {"model": "tiny", "stream": True, "temperature": 0}
         streams = {
-            "chat": BackgroundStream(gw.url + "/v1/chat/completions", {**raw, "messages": HELLO, "max_tokens": 1900, "ignore_eos": True}),
-            "responses": BackgroundStream(gw.url + "/v1/responses", {**raw, "input": "Tell me a story.", "max_output_tokens": 1900}),
-            "messages": BackgroundStream(gw.url + "/v1/messages", {**raw, "messages": HELLO, "max_tokens": 1900}),
+            "chat": BackgroundStream(gw.url + "/v1/chat/completions", {**raw, "messages": HELLO, "max_tokens": 600, "ignore_eos": True}),
+            "responses": BackgroundStream(gw.url + "/v1/responses", {**raw, "input": "Tell me a story.", "max_output_tokens": 600}),
+            "messages": BackgroundStream(gw.url + "/v1/messages", {**raw, "messages": HELLO, "max_tokens": 600}),
         }
         before = gateway_metric(gw, "gateway_stream_errors_total", {"model": "tiny"})
         relay.arm()
         BackgroundStream.start_together(*streams.values())  # each has its 200 and first line; the rest is held
-        wait_for(lambda: relay.holding == 3, 60, "the relay to hold all three answers")
+        wait_for(lambda: relay.holding == 3, 120, "the relay to hold all three answers")
         relay.cut()
         lines = {name: stream.finish() for name, stream in streams.items()}
         assert gateway_metric(gw, "gateway_stream_errors_total", {"model": "tiny"}) == before + 3

@@ -162,7 +162,7 @@ def test_413_by_content_length_and_by_streamed_size(tiny_engine: EngineProcess) 
 def test_429_concurrency_limit_with_retry_after(tiny_engine: EngineProcess) -> None:
     limits = {"limits": {"max_concurrent": 1, "retry_after_s": 3}}
     with serve({"tiny": {"url": tiny_engine.url}}, limits) as gw, httpx.Client(base_url=gw.url, timeout=60) as http:
-        body = {"model": "tiny", "messages": HELLO, "max_tokens": 200, "temperature": 0, "stream": True, "ignore_eos": True}
+        body = {"model": "tiny", "messages": HELLO, "max_tokens": 2000, "temperature": 0, "stream": True, "ignore_eos": True}
         with http.stream("POST", CHAT, json=body) as holding:
             assert holding.status_code == 200
             chunks = holding.iter_raw()

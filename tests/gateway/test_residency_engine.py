@@ -57,10 +57,11 @@ def test_two_real_engines_take_turns_in_a_group_of_one(tiny_model_dir: Path, tmp
 
         b_pid = now["b"]["engine"]["pid"]
         deadline = time.monotonic() + 30
-        while rig.models()["b"]["state"] != "sleeping" or group_pids(b_pid):  # idle_stop_s: 3
+        while not rig.metric("gateway_residency_stops_total", model="b", reason="idle"):  # idle_stop_s: 3; counted once stopped
             assert time.monotonic() < deadline, rig.models()["b"]
             time.sleep(0.25)
         assert rig.metric("gateway_residency_stops_total", model="b", reason="idle") == 1
+        assert rig.models()["b"]["state"] == "sleeping" and not group_pids(b_pid), rig.models()["b"]
         assert rig.metric("gateway_engine_restarts_total", model="b") == 0
         ready = httpx.get(rig.server.url + "/ready", headers=auth(), timeout=30)
         assert ready.status_code == 200, ready.text  # both asleep: the gateway still takes their requests
