@@ -24,8 +24,9 @@ from benchmarks.apis import APIS, parse_apis
 from benchmarks.drive import drive, profile_gateway
 from benchmarks.loadgen import Workload
 from benchmarks.report import console
-from benchmarks.stats import evaluate_targets, evaluate_tenant_targets
+from benchmarks.stats import evaluate_targets, evaluate_tenant_targets, evaluate_tracing_targets
 from benchmarks.tenants import KEYED
+from benchmarks.tracing import TRACED, OTLPSink, traced_settings
 
 app = typer.Typer(
     name="benchmarks",
@@ -194,6 +195,14 @@ def compare_command(
             "results directory), the load sending that key: keys+ledger vs the plain gateway (ledger off) in one run.",
         ),
     ] = False,
+    tracing: Annotated[
+        bool,
+        typer.Option(
+            "--tracing/--no-tracing",
+            help="Also run a gateway with gateway.tracing on (every request sampled, OTLP/HTTP to a sink in this "
+            "process): traced vs the plain gateway in one run.",
+        ),
+    ] = False,
     out: Out = None,
     plot: Annotated[bool, typer.Option(help="Write plot-<api>.png.")] = True,
 ) -> None:
@@ -239,6 +248,14 @@ def compare_command(
         )
         urls = {"direct": direct_url, "gateway": gateway_url}
         groups: dict[str, dict[str, int]] = {"direct": {}, "gateway": {"gateway": gateway_child.pid}}
+        sink = None
+        if tracing:  # its own config and log next to the plain gateway's
+            sink = stack.enter_context(OTLPSink())
+            traced_url, traced_child = stack.enter_context(
+                processes.gateway(direct_url, out_dir / TRACED, env, traced_settings(sink.url, out_dir))
+            )
+            console.print(f"{TRACED}: {traced_url} (pid {traced_child.pid}; spans to {sink.url})")
+            urls[TRACED], groups[TRACED] = traced_url, {"gateway": traced_child.pid}
         if tenants:  # its own config and log next to the plain gateway's
             keyed_url, keyed_child = stack.enter_context(
                 processes.gateway(direct_url, out_dir / KEYED, env, tenant_rig.keyed_settings(out_dir))
@@ -268,7 +285,9 @@ def compare_command(
             measured[workload.api] = {
                 "workload": {**workload.__dict__, "path": workload.path},
                 "levels": levels,
-                "targets": evaluate_targets(upstream_label, by_level) + (evaluate_tenant_targets(by_level) if tenants else []),
+                "targets": evaluate_targets(upstream_label, by_level)
+                + (evaluate_tenant_targets(by_level) if tenants else [])
+                + (evaluate_tracing_targets(by_level) if tracing else []),
             }
             (out_dir / "levels.json").write_text(
                 json.dumps(measured, indent=2, default=str)
@@ -289,7 +308,7 @@ def compare_command(
                 console.print(f"[red]profiling failed:[/] {error}")
                 profile_report = {"error": str(error)}
     summary = report.api_summary_rows(measured)
-    targets = ["direct", "gateway", *([KEYED] if tenants else [])]
+    targets = ["direct", "gateway", *([TRACED] if tracing else []), *([KEYED] if tenants else [])]
     result = {
         "title": f"gateway vs direct ({upstream_label})" + (", keys+ledger vs plain gateway" if tenants else ""),
         "kind": "compare",
@@ -304,12 +323,17 @@ def compare_command(
         "gateway_env": env,
         "client_quickack": quickack,
     }
+    if sink is not None:  # read once the traced gateway stopped (it exports what is queued on SIGTERM)
+        result["tracing"] = {"summary": report.tenant_summary_rows(measured, TRACED), "spans_exported": sink.span_count()}
     if tenants:  # read once the keyed gateway stopped (it writes its last rows on SIGTERM)
         result["tenants"] = {"summary": report.tenant_summary_rows(measured, KEYED), "ledger_rows": tenant_rig.ledger_rows(out_dir)}
     for name, entry in measured.items():
         report.print_levels(entry["levels"], targets, title=f"{name}: per level")
         report.print_targets(entry["targets"], title=f"{name}: targets")
     report.print_api_summary(summary)
+    if sink is not None:
+        report.print_tenant_summary(result["tracing"]["summary"], "traced / plain gateway per API", "traced CPU ms/req")
+        console.print(f"spans exported ({TRACED}, by name): {result['tracing']['spans_exported']}")
     if tenants:
         report.print_tenant_summary(result["tenants"]["summary"])
         console.print(f"usage ledger rows ({KEYED}, by key:status): {result['tenants']['ledger_rows']}")

@@ -178,12 +178,15 @@ def tenant_summary_rows(apis: dict[str, dict[str, Any]], target: str) -> list[di
     return rows
 
 
-def print_tenant_summary(rows: list[dict[str, Any]]) -> None:
+def print_tenant_summary(
+    rows: list[dict[str, Any]], title: str = "keys + ledger / plain gateway per API", heading: str = "keys+ledger CPU ms/req"
+) -> None:
+    """A second gateway (``keyed_cpu_ms_per_req``: its CPU) against the plain one: keys + ledger, or tracing."""
     measures = (
         ("added p50 latency ms", "added_latency_p50_ms"), ("added p50 TTFT ms", "added_ttft_p50_ms"),
-        ("plain gateway CPU ms/req", "plain_cpu_ms_per_req"), ("keys+ledger CPU ms/req", "keyed_cpu_ms_per_req"),
+        ("plain gateway CPU ms/req", "plain_cpu_ms_per_req"), (heading, "keyed_cpu_ms_per_req"),
     )  # fmt: skip
-    _print_per_api("keys + ledger / plain gateway per API", rows, measures, digits=3)
+    _print_per_api(title, rows, measures, digits=3)
 
 
 def print_api_summary(rows: list[dict[str, Any]]) -> None:

@@ -156,3 +156,17 @@ def evaluate_tenant_targets(levels: dict[int, dict[str, Any]], target: str = "ga
             kept = vs["req_s"].get("paired_median_ratio") or vs["req_s"]["ratio"]
             checks.append(_check("keys+ledger c=64: req/s kept (paired median)", kept, TENANT_REQ_S_KEPT, at_most=False, unit="x"))
     return checks
+
+
+TRACING_ADDED_P50_MS = 0.2  # tracing on, every request sampled: at most this much p50 latency at c=1 over the plain gateway
+
+
+def evaluate_tracing_targets(levels: dict[int, dict[str, Any]], target: str = "gateway-traced") -> list[dict[str, Any]]:
+    """Issue 27's bar for tracing at ratio 1.0, against the plain gateway of the same run (``vs_gateway``)."""
+    checks: list[dict[str, Any]] = []
+    entry = levels.get(1, {})
+    vs = entry.get("vs_gateway", {}).get(target)
+    if vs is not None:
+        checks.append(_check("tracing c=1: added p50 latency", vs["latency_p50_ms"].get("added_ms"), TRACING_ADDED_P50_MS, at_most=True, unit="ms"))
+        checks.append(_check("tracing c=1: added p50 TTFT", vs["ttft_p50_ms"].get("added_ms"), TRACING_ADDED_P50_MS, at_most=True, unit="ms"))
+    return checks

@@ -32,6 +32,7 @@ from gateway.core.metrics import Metrics
 from gateway.core.registry import Registry
 from gateway.core.responses_index import open_response_index
 from gateway.core.state import GatewayState
+from gateway.core.tracing import Tracing
 from gateway.data.proxy import Proxy
 from gateway.data.routes import add_proxied_route, api_routes, note_error, proxied_endpoint, unexpected_error_response
 from gateway.data.stream_pool import StreamPool
@@ -107,6 +108,9 @@ def create_app(
     state = GatewayState(settings=settings, registry=registry, metrics=Metrics(registry))
     ledger = state.ledger = open_ledger(settings, state.metrics.usage_rows_dropped)
     keys = KeyHolder(key_policy(tenants_of(settings), settings.resolved_admin_keys(), settings.open_paths))
+    # Spans in the process that records the request: a worker, or the only process (the control process of
+    # workers only forwards). Exported from the SDK's own thread; the lifespan flushes them at shutdown.
+    tracing = Tracing(settings.tracing) if settings.tracing.enabled and workers is None else None
     executor = SwapExecutor(state, log_dir=log_dir)
     controller = Controller(state, keys, executor, deployment=deployment, overrides=overrides, watch=watch, boot=boot)
 
@@ -127,7 +131,7 @@ def create_app(
             await ledger.start()  # one row per request, written off the hot path (a database down fails no request)
             async with session:
                 waker = controller.residency if link is None else None  # residency runs in one process (gateway.config)
-                state.proxy = Proxy(session, state.metrics, state.quarantine, state.responses, streams, waker)
+                state.proxy = Proxy(session, state.metrics, state.quarantine, state.responses, streams, waker, tracing)
                 if link is not None:  # a worker: no engines of its own
                     await link.start(state, keys)
                     link.apply(link.version, link.first)
@@ -160,6 +164,8 @@ def create_app(
             await state.probes.aclose()
             await asyncio.to_thread(state.responses.close)  # writes what is pending
             await ledger.close()  # after the last request (uvicorn's graceful shutdown ran first): writes every row
+            if tracing is not None:
+                await asyncio.to_thread(tracing.shutdown)  # exports the spans still queued
 
     # No trailing-slash redirects: a 307 built from the client's Host header is not an API answer.
     app = GatewayAPI(title="sglang-gateway", lifespan=lifespan, docs_url=None, redoc_url=None, redirect_slashes=False)
@@ -200,6 +206,7 @@ def create_app(
             {
                 "metrics": state.metrics, "log_requests": settings.log_requests,
                 "worker": link.index if link is not None else None, "record": workers is None, "ledger": ledger,
+                "tracing": tracing,
             },
         )  # fmt: skip
     )

@@ -253,6 +253,32 @@ class UsageSettings(_Strict):
         return SecretStr(url)
 
 
+class TracingSettings(_Strict):
+    """OpenTelemetry spans per request, exported over OTLP (off by default); the standard ``OTEL_*`` variables
+    fill what is unset here (docs/tracing.md)."""
+
+    enabled: bool = Field(False, description="Export one trace per request (a server span, its queue wait, each upstream attempt).")
+    endpoint: str | None = Field(
+        None,
+        description="The collector: http://host:4318 (http/protobuf; a URL with a path is the full traces URL) or "
+        "host:4317 (grpc). Unset: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, OTEL_EXPORTER_OTLP_ENDPOINT, then localhost.",
+    )
+    protocol: Literal["http/protobuf", "grpc"] | None = Field(
+        None, description="OTLP transport (unset: OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, else http/protobuf)."
+    )
+    headers: dict[str, SecretStr] = Field(
+        default_factory=dict, description="Headers sent to the collector, e.g. an authorization token (plus OTEL_EXPORTER_OTLP_HEADERS)."
+    )
+    service_name: str | None = Field(None, description="service.name of the gateway's spans (unset: OTEL_SERVICE_NAME, else sglang-gateway).")
+    sample_ratio: float | None = Field(
+        None, ge=0.0, le=1.0,
+        description="Share of new traces recorded (unset: OTEL_TRACES_SAMPLER_ARG, else 1.0); a client's traceparent decides for its own.",
+    )  # fmt: skip
+    engines: bool = Field(
+        False, description="Managed engines export their own spans (SGLang --enable-trace) to the same collector, under the gateway's."
+    )
+
+
 class ResidencyGroup(_Strict):
     """Models that share GPUs: how many of them may run at once."""
 
@@ -320,6 +346,7 @@ class GatewaySettings(_Strict):
     model_balancing: dict[str, BalancingSettings] = Field(default_factory=dict, description="Per-model overrides of balancing.")
     request_bounds: RequestBounds = Field(default_factory=RequestBounds, description="Fan-out and grammar bounds of one request.")
     usage: UsageSettings = Field(default_factory=UsageSettings, description="The usage ledger (one row per request).")
+    tracing: TracingSettings = Field(default_factory=TracingSettings, description="OpenTelemetry traces over OTLP (off by default).")
     extension_fields: dict[str, list[str]] = Field(
         default_factory=dict, description="Per model, the SGLang extension fields clients may send (off by default; see docs/security.md)."
     )

@@ -20,6 +20,7 @@ from pydantic.fields import FieldInfo
 
 from launch.config import CPU_DEFAULT_MAX_TOTAL_TOKENS, EngineConfig, RouterConfig
 from launch.engine_net import socket_env
+from launch.tracing import PROTOCOL_ENV
 
 SGLANG_MODULE = "sglang.launch_server"
 CPU_SHIM_DIR = Path(__file__).resolve().parent / "cpu_shim"
@@ -88,6 +89,8 @@ ENGINE_FLAGS: dict[str, EngineFlag] = {
     "attention_backend": _value("--attention-backend"),
     "device": _value("--device"),
     "random_seed": _value("--random-seed"),
+    "otlp_traces_endpoint": _value("--otlp-traces-endpoint"),
+    "otlp_service_name": _value("--otlp-service-name"),
     "cuda_graph_max_bs": _value("--cuda-graph-max-bs-decode"),
     "port": _value("--port"),  # the port the launcher picked (``port: 0`` picks a free one)
     "served_model_name": _value("--served-model-name"),  # default: the model's name in the YAML
@@ -99,13 +102,14 @@ ENGINE_FLAGS: dict[str, EngineFlag] = {
     "enable_memory_saver": _switch("--enable-memory-saver"),
     "enable_weights_cpu_backup": _switch("--enable-weights-cpu-backup"),
     "enable_response_store": _switch("--enable-response-store"),
+    "enable_trace": _switch("--enable-trace"),
     "sleep_on_idle": _switch("--sleep-on-idle"),
     # SGLang 0.5.23 deprecates --disable-cuda-graph in favour of per-phase backends (only said on cuda)
     "cuda_graph": EngineFlag(("--cuda-graph-backend-decode", "--cuda-graph-backend-prefill"), Passed.OFF),
 }
 # The keys of ``EngineConfig`` that are not SGLang flags (the launcher's own: environment, interpreter,
 # verbatim flags, start-up wait).
-NOT_FLAGS: frozenset[str] = frozenset({"env", "python", "extra_args", "startup_timeout_s"})
+NOT_FLAGS: frozenset[str] = frozenset({"env", "python", "extra_args", "startup_timeout_s", "otlp_traces_protocol"})
 
 CPU_ENGINE_ENV = "SGLANG_USE_CPU_ENGINE"
 # Secrets never go on the command line (``/proc/PID/cmdline`` is world-readable): they go in a YAML
@@ -246,6 +250,8 @@ def build_env(engine: EngineConfig, base: dict[str, str] | None = None) -> Engin
         if not real_sgl_kernel_importable(engine.python_executable):
             env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CPU_SHIM_DIR), env.get("PYTHONPATH", "")) if p)
             uses_shim = True
+    if engine.otlp_traces_protocol is not None:
+        env[PROTOCOL_ENV] = engine.otlp_traces_protocol  # SGLang's exporter reads only this
     env.update(engine.env)
     env.update(socket_env(engine, env))
     return EngineEnv(env, uses_shim)

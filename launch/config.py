@@ -26,6 +26,8 @@ from pydantic import (
     model_validator,
 )
 
+from launch.tracing import engine_tracing_keys
+
 Device = Literal["cuda", "cpu"]
 DType = Literal["auto", "half", "float16", "bfloat16", "float", "float32"]
 GrammarBackend = Literal["xgrammar", "outlines", "llguidance", "none"]
@@ -136,6 +138,16 @@ class EngineConfig(_Strict):
         False, description="Schedule by each request's priority (higher first); the gateway passes a named key's priority."
     )
     random_seed: int | None = Field(None, description="Engine random seed (unset: SGLang picks one).")
+    enable_trace: bool = Field(
+        False, description="Export the engine's own OpenTelemetry spans (set for every engine by gateway.tracing.engines)."
+    )
+    otlp_traces_endpoint: str | None = Field(
+        None, description="Where the engine sends its spans: host:port (grpc) or a .../v1/traces URL (http/protobuf)."
+    )
+    otlp_traces_protocol: Literal["grpc", "http/protobuf"] | None = Field(
+        None, description="OTLP protocol of the engine's exporter (unset: SGLang's, grpc)."
+    )
+    otlp_service_name: str | None = Field(None, description="service.name of the engine's spans (unset: sglang).")
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables for the engine process.")
     python: str | None = Field(
         None, description="Python executable that runs SGLang, e.g. a separate venv (unset: this interpreter)."
@@ -349,6 +361,20 @@ class DeploymentConfig(_Strict):
     models: dict[str, ModelEntry] = Field(min_length=1)
     gateway: dict[str, Any] = Field(default_factory=dict, description="Validated by the gateway package.")
     source: Path | None = Field(None, exclude=True, description="The file this was read from.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _engines_traced(cls, data: Any) -> Any:
+        """``gateway.tracing.engines``: every managed engine exports its spans to the gateway's collector (an engine
+        that says ``enable_trace`` itself keeps its own keys)."""
+        if not isinstance(data, dict) or not isinstance(data.get("gateway"), dict) or not isinstance(data.get("models"), dict):
+            return data
+        models = {}
+        for name, entry in data["models"].items():
+            engine = entry.get("engine") if isinstance(entry, dict) else None
+            keys = engine_tracing_keys(data["gateway"], str(name)) if isinstance(engine, dict) and "enable_trace" not in engine else {}
+            models[name] = {**entry, "engine": {**engine, **keys}} if keys else entry
+        return {**data, "models": models}
 
     @field_validator("models")
     @classmethod

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gateway.core.tracing import RequestTrace
 
 SCOPE_KEY = "gateway.request"
 
@@ -24,7 +27,9 @@ class RequestInfo:
     completion_tokens: int | None = None
     cached_tokens: int | None = None  # prompt tokens the engine served from its prefix cache, when it says
     error: str | None = None  # short reason for failures (never a key or a body)
+    error_code: str | None = None  # the error's code in the answer (invalid_request, engine_unavailable...)
     key_name: str | None = None  # the named key (tenant) that called; None for plain keys and an open gateway
+    trace: RequestTrace | None = None  # what its spans need (gateway.core.tracing); None with tracing off
 
     def set_usage(self, usage: Any) -> None:
         """Take token counts from an OpenAI (``prompt_tokens``/``completion_tokens``) or a Responses /

@@ -31,6 +31,7 @@ from gateway.core.poison import Quarantine, request_shape, token_id_problem
 from gateway.core.registry import ModelRoute
 from gateway.core.responses_index import ResponseIndex
 from gateway.core.state import Waker
+from gateway.core.tracing import Tracing, finish_reasons, request_params
 from gateway.data.balancer import pick
 from gateway.data.bounds import grammar_bytes
 from gateway.data.lease import Lease
@@ -59,8 +60,10 @@ class Proxy:
         responses: ResponseIndex | None = None,
         streams: StreamPool | None = None,
         waker: Waker | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.session = session
+        self.tracing = tracing  # OpenTelemetry spans (gateway.core.tracing); None: off, and nothing noted
         self.waker = waker  # models whose engines start on demand: a request for one asleep waits for it
         self.streams = streams if streams is not None else StreamPool(5.0, 600.0)
         self.max_connections: int | None = getattr(session.connector, "limit", 0) or None
@@ -131,7 +134,14 @@ class Proxy:
         if problem is not None:
             raise GatewayError(400, problem, code="invalid_token_ids", param=problem.split(":", 1)[0])
         limiter = route.limiter
-        await limiter.acquire(route.name, priority or 0)
+        trace = info.trace
+        if trace is not None:
+            trace.params = request_params(body)
+            queued = time.perf_counter()
+            await limiter.acquire(route.name, priority or 0)
+            trace.queued = (queued, time.perf_counter())
+        else:
+            await limiter.acquire(route.name, priority or 0)
         lease = Lease(limiter)
         handed_over = False
         try:
@@ -159,11 +169,15 @@ class Proxy:
                 if self.quarantine:
                     self.quarantine.check(route.name, request_shape(path, body))
                 headers = {"Content-Type": "application/json", "X-Request-Id": info.request_id, **backend.upstream_headers()}
+                if trace is not None and self.tracing is not None:
+                    headers.update(self.tracing.attempt(trace, backend.served_name, backend.url, info.replica))
                 try:
                     finished, result = await _unless_disconnected(
                         self._exchange(lease, backend, path, payload, headers, streamed), None if streamed else receive
                     )
                 except UPSTREAM_ERRORS as error:
+                    if trace is not None and trace.attempts:
+                        trace.attempts[-1].ended, trace.attempts[-1].error = time.perf_counter(), type(error).__name__
                     lease.note_if_lost(error)
                     lease.let_go()
                     if pinned is None and failed is None and _another(route, backend):
@@ -180,6 +194,12 @@ class Proxy:
                 return Response(b"", status_code=499)  # nobody is listening; 499 only shows in logs/metrics
             assert result is not None
             upstream, content = result
+            if trace is not None and trace.attempts:
+                attempt = trace.attempts[-1]
+                attempt.first_byte = time.perf_counter()  # a plain answer's head comes with its body; a stream's at once
+                if not streamed:
+                    attempt.ended = attempt.first_byte
+                    trace.finish_reasons = finish_reasons(content or b"")
             if upstream.status != 200:
                 raise upstream_error(upstream.status, content or b"", body)
             if not streamed:

@@ -22,6 +22,7 @@ from starlette.types import Message, Receive, Scope, Send
 from gateway.core.context import RequestInfo
 from gateway.core.errors import GatewayError, StreamKind, sanitize_message, sse_error_event, upstream_error
 from gateway.core.metrics import Metrics
+from gateway.core.tracing import finish_reasons
 from gateway.data.lease import Lease
 from gateway.data.stream_pool import (
     StreamExchange,
@@ -190,8 +191,13 @@ class SSEProxyResponse(Response):
             failure = GatewayError(
                 502, f"the stream from the engine of {self.model} stopped before its end", code="upstream_stream_incomplete"
             )
+        trace = self.info.trace
+        if trace is not None and trace.attempts:
+            trace.attempts[-1].ended = time.perf_counter()
+            trace.finish_reasons = finish_reasons(b"".join((*self._last, tail)))
         if failure is not None:
             self.info.error = failure.log_detail or failure.message
+            self.info.error_code = failure.code
             self.metrics.child(self.metrics.stream_errors, self.model).inc()
             tail += sse_error_event(failure, self.kind, self._events)
         await send({"type": "http.response.body", "body": tail, "more_body": False})
@@ -259,6 +265,7 @@ class SSEProxyResponse(Response):
             status = detail.get("code") if isinstance(detail.get("code"), int) else 500
             sanitized = upstream_error(status, orjson.dumps({"error": {**detail, "message": sanitize_message(detail.get("message"))}}), self.request)
             self.info.error = sanitized.log_detail or sanitized.message
+            self.info.error_code = sanitized.code
             return sse_error_event(sanitized).rstrip(b"\n")
         return line
 

@@ -196,6 +196,7 @@ def note_error(scope: Scope, error: GatewayError | str) -> None:
     if info is not None and info.error is None:
         message = error if isinstance(error, str) else error.log_detail or error.message
         info.error = message[:300]
+        info.error_code = None if isinstance(error, str) else error.code
 
 
 def unexpected_error_response(scope: Scope, error: BaseException, dialect: Dialect = Dialect.OPENAI) -> Response:

@@ -23,6 +23,7 @@ from gateway.core.context import SCOPE_KEY, RequestInfo
 from gateway.core.endpoints import dialect_for_path, route_label
 from gateway.core.errors import GatewayError, error_response
 from gateway.core.metrics import Metrics
+from gateway.core.tracing import Tracing
 from gateway.edge.connection import HTTP_CYCLE
 from gateway.tenants.keys import UNNAMED
 from gateway.tenants.ledger import Ledger, UsageRow
@@ -38,9 +39,10 @@ class RequestContextMiddleware:
 
     def __init__(
         self, app: ASGIApp, metrics: Metrics, log_requests: bool = True, worker: int | None = None, record: bool = True,
-        ledger: Ledger | None = None,
+        ledger: Ledger | None = None, tracing: Tracing | None = None,
     ) -> None:  # fmt: skip
         self.app = app
+        self.tracing = tracing  # one trace per request (gateway.core.tracing), begun here and exported by _record
         self.metrics = metrics
         self.log_requests = log_requests
         self.ledger = ledger
@@ -56,6 +58,8 @@ class RequestContextMiddleware:
         incoming = _header(scope, b"x-request-id")
         request_id = incoming if incoming and _GOOD_ID.match(incoming) else secrets.token_hex(16)
         info = RequestInfo(request_id=request_id, method=scope["method"], path=scope["path"])
+        if self.tracing is not None:
+            info.trace = self.tracing.begin(_header(scope, b"traceparent"), _header(scope, b"tracestate"), info.started)
         scope[SCOPE_KEY] = info
 
         async def send_with_id(message: Message) -> None:
@@ -78,7 +82,10 @@ class RequestContextMiddleware:
                 self._record(info)
 
     def _record(self, info: RequestInfo) -> None:
-        elapsed = time.perf_counter() - info.started
+        ended = time.perf_counter()
+        elapsed = ended - info.started
+        if self.tracing is not None:
+            self.tracing.finish(info, ended)
         model = info.model or "-"
         route = route_label(info.path)
         m = self.metrics

@@ -41,7 +41,7 @@ class QuotaMiddleware:
             error = GatewayError(429, f"key {tenant.name!r}: {refusal.message}; retry in {retry}s", code=refusal.code, headers=headers)
             info = request_info(scope)
             if info is not None:
-                info.error = refusal.code
+                info.error = info.error_code = refusal.code
             await error_response(error, dialect)(scope, receive, send)
             return
         extra = rate_limit_headers(quota, now, dialect)

@@ -148,6 +148,10 @@ FULL = dict(
     enable_priority_scheduling=True,
     enable_memory_saver=True,
     enable_weights_cpu_backup=True,
+    enable_trace=True,
+    otlp_traces_endpoint="collector:4317",
+    otlp_traces_protocol="grpc",
+    otlp_service_name="sglang-served",
 )
 MISSPELLED = ["--model-path", "org/m", "--disable-cuda-graphs"]
 VARIANTS: dict[str, EngineConfig] = {
