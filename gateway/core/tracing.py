@@ -31,9 +31,9 @@ from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, Trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from gateway.config import TracingSettings
-from launch.config import ConfigError
 from gateway.core.context import RequestInfo
 from gateway.core.endpoints import route_label
+from launch.config import ConfigError
 from launch.tracing import resolved_protocol, traces_endpoint
 
 DEFAULT_SERVICE_NAME = "sglang-gateway"

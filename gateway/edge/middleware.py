@@ -31,6 +31,9 @@ from gateway.tenants.ledger import Ledger, UsageRow
 _GOOD_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
+# Probes and scrapes (a Kubernetes probe every few seconds) would bury the requests' traces.
+UNTRACED_PATHS = frozenset({"/health", "/ready", "/metrics"})
+
 _STATUS_CLASSES = ("other", "1xx", "2xx", "3xx", "4xx", "5xx")
 
 
@@ -58,7 +61,7 @@ class RequestContextMiddleware:
         incoming = _header(scope, b"x-request-id")
         request_id = incoming if incoming and _GOOD_ID.match(incoming) else secrets.token_hex(16)
         info = RequestInfo(request_id=request_id, method=scope["method"], path=scope["path"])
-        if self.tracing is not None:
+        if self.tracing is not None and scope["path"] not in UNTRACED_PATHS:
             info.trace = self.tracing.begin(_header(scope, b"traceparent"), _header(scope, b"tracestate"), info.started)
         scope[SCOPE_KEY] = info
 

@@ -122,6 +122,25 @@ def test_compare_with_tenants_runs_a_keyed_gateway_with_the_ledger_next_to_the_p
     assert "gateway-keys/gw" in proc.stdout and "keys + ledger / plain gateway per API" in proc.stdout
 
 
+def test_compare_with_tracing_runs_a_traced_gateway_whose_spans_all_reach_the_sink(tmp_path: Path) -> None:
+    out = tmp_path / "result"
+    proc = _bench(
+        "compare", "--upstream", "stub", "--tracing", "-c", "1", "-n", "6", "--rounds", "2", "--warmup", "2",
+        "--output-tokens", "4", "--max-seconds", "30", "--no-plot", "--out", str(out),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads((out / "result.json").read_text())
+    assert result["targets_measured"] == ["direct", "gateway", "gateway-traced"]
+    entry = result["apis"]["chat"]["levels"]["1"]
+    assert entry["gateway-traced"]["requests"] == 6 and entry["gateway-traced"]["errors"] == 0, entry["gateway-traced"]
+    assert "tracing c=1: added p50 latency" in {check["target"] for check in result["apis"]["chat"]["targets"]}
+    # every request of the load (warm-ups too) was exported: its server span, queue wait and upstream attempt;
+    # the benchmark's readiness probes (GET /ready) are not traced
+    spans = result["tracing"]["spans_exported"]
+    assert spans == {"POST /v1/chat/completions": 2 + 6, "gateway.queue": 8, "chat bench": 8}, spans
+    assert "traced / plain gateway per API" in proc.stdout
+
+
 def test_run_cli_plain_answers_and_a_bad_api_name(tmp_path: Path) -> None:
     with processes.fake_upstream("raw", tmp_path) as (url, _):
         out = tmp_path / "run"
