@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextvars import copy_context
 from typing import Any
 
 from mlflow.entities import SpanType
@@ -159,7 +160,10 @@ def _run_batch(
     with ThreadPoolExecutor(
         max_workers=max(1, min(workers, len(texts) or 1)), thread_name_prefix="sglang-batch"
     ) as pool:
-        results = list(pool.map(one, texts))  # map keeps the input order and re-raises the first error
+        # each prompt in a copy of this context: its request carries the batch's trace context (model_code.trace_context)
+        contexts = [copy_context() for _ in texts]
+        results = list(pool.map(lambda context, text: context.run(one, text), contexts, texts))
+        # map keeps the input order and re-raises the first error
 
     try:
         import pandas as pd

@@ -26,6 +26,7 @@ from model_code.errors import BadRequestError, EngineUnavailableError, from_open
 from model_code.params import build_request
 from model_code.replica_set import Replica, ReplicaSet
 from model_code.target import LOG_TIME_TEXT, ModelCodeSettings, in_log_time, resolve_target
+from model_code.trace_context import outgoing_headers
 
 
 def usage_dict(usage: Any) -> dict[str, int] | None:
@@ -106,7 +107,9 @@ class EngineClient:
         replica = self._take()
         for attempt in (1, 2):
             try:
-                return replica.openai().chat.completions.create(model=self.model, messages=messages, **kwargs)
+                return replica.openai().chat.completions.create(
+                    model=self.model, messages=messages, extra_headers=outgoing_headers(), **kwargs
+                )
             except openai.APIConnectionError as error:
                 refused = error
             except openai.OpenAIError as error:
@@ -129,7 +132,12 @@ class EngineClient:
             received = False
             try:
                 stream = replica.openai().chat.completions.create(
-                    model=self.model, messages=messages, stream=True, stream_options={"include_usage": True}, **kwargs
+                    model=self.model,
+                    messages=messages,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                    extra_headers=outgoing_headers(),
+                    **kwargs,
                 )
                 with stream:
                     for chunk in stream:

@@ -42,7 +42,6 @@ COMMAND = f"python -u -m gateway.cli serve {DEPLOYMENT_FILE}"
 REGISTER_HINT = "mlflow.register_model(info.model_uri, name, env_pack='databricks_model_serving')"
 
 
-
 def check_options(
     settings: Mapping[str, Any], input_example: Any, registered_model_name: str | None, metadata: Mapping[str, Any]
 ) -> None:

@@ -11,6 +11,9 @@ serving layer expects.
 
 ``mode``: ``on`` (default), ``off``, or ``sampled`` (a random share ``sample_ratio`` of the calls).
 Exporting the trace is MLflow's work, on its own background thread (or into the serving buffer).
+
+The engine requests of a call carry the caller's W3C trace context, or a new one for a traced call
+(:mod:`model_code.trace_context`); the span records its trace id to be joined with the gateway's.
 """
 
 from __future__ import annotations
@@ -27,10 +30,12 @@ from mlflow.entities import SpanEvent, SpanStatusCode
 from mlflow.tracing.constant import SpanAttributeKey
 
 from model_code.target import TracingMode
+from model_code.trace_context import TraceLink, link_for, sending
 
 T = TypeVar("T")
 Usage = Mapping[str, int]
 FIRST_CHUNK_ATTRIBUTE = "sglang.time_to_first_chunk_ms"
+_END = object()
 
 
 @dataclass(frozen=True)
@@ -57,15 +62,19 @@ def traced_call(
     usage_of: Callable[[T], Usage | None],
 ) -> T:
     """``call()``, plus one span for it when ``policy`` samples this call."""
-    if not policy.sampled():
-        return call()
+    traced = policy.sampled()
+    link = link_for(traced)
+    if not traced:
+        with sending(link):
+            return call()
     start = time.time_ns()
     try:
-        result = call()
+        with sending(link):
+            result = call()
     except Exception as error:
-        record_span(name, span_type, inputs, start, error=error)
+        record_span(name, span_type, inputs, start, error=error, link=link)
         raise
-    record_span(name, span_type, inputs, start, outputs=result, usage=usage_of(result))
+    record_span(name, span_type, inputs, start, outputs=result, usage=usage_of(result), link=link)
     return result
 
 
@@ -79,25 +88,44 @@ def traced_stream(
     usage_of: Callable[[list[T]], Usage | None],
 ) -> Iterator[T]:
     """The chunks as they come, plus one span for the whole stream (also when the caller stops early)."""
-    if not policy.sampled():
-        yield from chunks
+    traced = policy.sampled()
+    link = link_for(traced)
+    if not traced:
+        yield from _sent_with(link, chunks)
         return
     start = time.time_ns()
     first: int | None = None
     received: list[T] = []
     try:
-        for chunk in chunks:
+        for chunk in _sent_with(link, chunks):
             if first is None:
                 first = time.time_ns()
             received.append(chunk)
             yield chunk
     except GeneratorExit:  # the caller closed the stream: record what it got
-        _record_stream(name, span_type, inputs, start, first, received, reduce, usage_of)
+        _record_stream(name, span_type, inputs, start, first, received, reduce, usage_of, link)
         raise
     except Exception as error:
-        record_span(name, span_type, inputs, start, error=error, first_chunk_ns=first)
+        record_span(name, span_type, inputs, start, error=error, first_chunk_ns=first, link=link)
         raise
-    _record_stream(name, span_type, inputs, start, first, received, reduce, usage_of)
+    _record_stream(name, span_type, inputs, start, first, received, reduce, usage_of, link)
+
+
+def _sent_with(link: TraceLink | None, chunks: Iterable[T]) -> Iterator[T]:
+    """``chunks``, each pulled with ``link`` as the outgoing context: the engine request goes out in the first
+    pull, and the context is not left set in the caller's between chunks."""
+    iterator = iter(chunks)
+    try:
+        while True:
+            with sending(link):
+                chunk = next(iterator, _END)
+            if chunk is _END:
+                return
+            yield chunk  # type: ignore[misc]
+    finally:
+        close = getattr(iterator, "close", None)
+        if close is not None:  # a caller that stops early ends the engine stream now, not at garbage collection
+            close()
 
 
 def _record_stream(
@@ -109,13 +137,14 @@ def _record_stream(
     received: list[Any],
     reduce: Callable[[list[Any]], Any],
     usage_of: Callable[[list[Any]], Usage | None],
+    link: TraceLink | None,
 ) -> None:
     try:
         outputs, usage = reduce(received), usage_of(received)
     except Exception:  # tracing must never break a prediction
         logger.opt(exception=True).debug("could not reduce the stream for its trace")
         outputs, usage = None, None
-    record_span(name, span_type, inputs, start, outputs=outputs, usage=usage, first_chunk_ns=first)
+    record_span(name, span_type, inputs, start, outputs=outputs, usage=usage, first_chunk_ns=first, link=link)
 
 
 def record_span(
@@ -128,10 +157,12 @@ def record_span(
     usage: Usage | None = None,
     error: BaseException | None = None,
     first_chunk_ns: int | None = None,
+    link: TraceLink | None = None,
 ) -> None:
-    """One finished span from ``start_ns`` to now, child of the caller's active span (if any)."""
+    """One finished span from ``start_ns`` to now, child of the caller's active span (if any), with the
+    trace id its engine requests carried (``link``)."""
     try:
-        attributes: dict[str, Any] = {}
+        attributes: dict[str, Any] = link.attributes() if link is not None else {}
         if usage:
             attributes[SpanAttributeKey.CHAT_USAGE] = chat_usage(usage)
         if first_chunk_ns is not None:

@@ -1,18 +1,20 @@
 """Traces recorded after the call (``model_code.tracing``), against a local sqlite tracking store: no engine.
 
 The traced functions here are plain callables (the flavours' use of them is covered with the real
-engine in ``test_flavors_url.py``): what is checked is the span each produces, and when.
+engine in ``test_flavors_url.py``): what is checked is the span each produces, and when, and the trace
+context the calls' engine requests would carry (the gateway's spans joined to them: ``test_trace_join.py``).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import mlflow
 import pytest
 from mlflow.entities import SpanType
 
-from model_code import tracing
+from model_code import trace_context, tracing
 from model_code.tracing import TracePolicy, traced_call, traced_stream
 
 USAGE = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
@@ -109,3 +111,51 @@ def test_off_and_sampled(experiment, monkeypatch):
     for _ in range(4):
         traced_call(sampled, "predict", SpanType.AGENT, {}, lambda: 1, lambda _: None)
     assert _trace_count(experiment) == count + 2
+
+
+def _traceparent(headers: dict[str, str] | None) -> tuple[str, str, str]:
+    assert headers is not None, "the call sent no trace context"
+    version, trace_id, span_id, flags = headers["traceparent"].split("-")
+    assert version == "00" and len(trace_id) == 32 and len(span_id) == 16
+    return trace_id, span_id, flags
+
+
+def test_engine_requests_carry_the_callers_mlflow_span_and_the_span_records_it(experiment):
+    with mlflow.start_span("notebook cell") as cell:
+        sent = traced_call(TracePolicy(), "predict", SpanType.AGENT, {}, trace_context.outgoing_headers, lambda _: None)
+        otel = cell._span.get_span_context()
+    trace_id, span_id, flags = _traceparent(sent)
+    assert (trace_id, span_id, flags) == (format(otel.trace_id, "032x"), format(otel.span_id, "016x"), "01")
+    assert trace_context.outgoing_headers() is None  # set around the call only
+    predict = next(span for span in _last_trace().data.spans if span.name == "predict")
+    assert predict.attributes[trace_context.TRACE_ID_ATTRIBUTE] == trace_id
+    assert predict.attributes[trace_context.PARENT_SPAN_ATTRIBUTE] == span_id
+
+
+def test_a_traced_call_without_a_caller_starts_a_trace_and_an_untraced_one_sends_nothing(experiment):
+    def pulled() -> Iterator[dict[str, str] | None]:  # what an engine stream sends: read when first pulled
+        yield trace_context.outgoing_headers()
+        yield trace_context.outgoing_headers()
+
+    first, second = traced_stream(TracePolicy(), "predict_stream", SpanType.AGENT, {}, pulled(), len, lambda _: None)
+    assert first == second and trace_context.outgoing_headers() is None  # not left set in the caller between chunks
+    trace_id, span_id, flags = _traceparent(first)
+    assert flags == "01"
+    [span] = _last_trace().data.spans
+    assert span.attributes[trace_context.TRACE_ID_ATTRIBUTE] == trace_id
+    assert span.attributes[trace_context.PARENT_SPAN_ATTRIBUTE] == span_id
+    again = traced_call(TracePolicy(), "predict", SpanType.AGENT, {}, trace_context.outgoing_headers, lambda _: None)
+    assert _traceparent(again)[0] != trace_id  # each call its own trace
+
+    off = traced_call(TracePolicy("off"), "predict", SpanType.AGENT, {}, trace_context.outgoing_headers, lambda _: None)
+    assert off is None
+
+
+def test_an_opentelemetry_callers_context_is_continued_when_mlflow_has_none(experiment):
+    from opentelemetry.sdk.trace import TracerProvider
+
+    tracer = TracerProvider().get_tracer("app")
+    with tracer.start_as_current_span("app request") as app_span:
+        context = app_span.get_span_context()
+        sent = traced_call(TracePolicy("off"), "predict", SpanType.AGENT, {}, trace_context.outgoing_headers, lambda _: None)
+    assert _traceparent(sent) == (format(context.trace_id, "032x"), format(context.span_id, "016x"), "01")
