@@ -6,20 +6,17 @@ it exactly as to a collector; nothing of the SDK is mocked.
 
 from __future__ import annotations
 
-import gzip
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-    ExportTraceServiceRequest,
-    ExportTraceServiceResponse,
-)
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+
+from benchmarks.tracing import OTLPHTTPServer
 
 
 @dataclass(frozen=True)
@@ -45,46 +42,19 @@ def _value(value: AnyValue) -> Any:
     return getattr(value, kind) if kind is not None else None
 
 
-class OTLPReceiver:
-    """``with OTLPReceiver() as receiver:``; ``receiver.endpoint`` is its base URL (``http://127.0.0.1:port``)."""
+class OTLPReceiver(OTLPHTTPServer):
+    """``with OTLPReceiver() as receiver:``; ``receiver.endpoint`` is its base URL (``http://127.0.0.1:port``).
+    Each export is decoded as it arrives (:class:`benchmarks.tracing.OTLPHTTPServer` serves the protocol)."""
 
     def __init__(self) -> None:
+        super().__init__()
+        self.endpoint = self.url
         self.spans: list[Span] = []
         self.requests = 0
         self._lock = threading.Lock()
-        receiver = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                if self.headers.get("Content-Encoding") == "gzip":
-                    body = gzip.decompress(body)
-                if self.path != "/v1/traces":
-                    self.send_error(404)
-                    return
-                receiver._take(ExportTraceServiceRequest.FromString(body))
-                answer = ExportTraceServiceResponse().SerializeToString()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", str(len(answer)))
-                self.end_headers()
-                self.wfile.write(answer)
-
-            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (http.server's name)
-                pass
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
-        self._thread = threading.Thread(target=self._server.serve_forever, name="otlp-receiver", daemon=True)
-
-    def __enter__(self) -> OTLPReceiver:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(5)
+    def take(self, body: bytes) -> None:
+        self._take(ExportTraceServiceRequest.FromString(body))
 
     def _take(self, request: ExportTraceServiceRequest) -> None:
         spans = []

@@ -19,12 +19,13 @@ import time
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
+from urllib.parse import urlsplit
 
 from opentelemetry import trace as trace_api
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
-from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
@@ -121,7 +122,9 @@ class Tracing:
             found = trace_api.get_current_span(context).get_span_context()
             parent = found if found.is_valid else None
         trace_id = parent.trace_id if parent is not None else self.ids.generate_trace_id()
-        sampled = self.sampler.should_sample(context if parent is not None else None, trace_id, "request").decision.is_sampled()
+        sampled = self.sampler.should_sample(
+            context if parent is not None else None, trace_id, "request"
+        ).decision.is_sampled()
         state = tracestate if parent is not None else None
         now = time.time_ns() - int((time.perf_counter() - started) * 1e9)
         return RequestTrace(trace_id, self.ids.generate_span_id(), parent, sampled, state, now, started)
@@ -141,7 +144,7 @@ class Tracing:
         trace = info.trace
         if trace is None or not trace.sampled:
             return
-        for span in request_spans(info, trace, ended, self.resource, self.scope):
+        for span in request_spans(info, trace, ended, self.resource, self.scope, self.ids):
             self.processor.on_end(span)
 
     def shutdown(self) -> None:
@@ -149,7 +152,14 @@ class Tracing:
         self.processor.shutdown()
 
 
-def request_spans(info: RequestInfo, trace: RequestTrace, ended: float, resource: Resource, scope: InstrumentationScope) -> list[ReadableSpan]:
+def request_spans(
+    info: RequestInfo,
+    trace: RequestTrace,
+    ended: float,
+    resource: Resource,
+    scope: InstrumentationScope,
+    ids: IdGenerator,
+) -> list[ReadableSpan]:
     """The server span, its queue wait and one client span per upstream attempt."""
     flags = TraceFlags(TraceFlags.SAMPLED)
     state = TraceState.from_header([trace.tracestate]) if trace.tracestate else None
@@ -197,33 +207,64 @@ def request_spans(info: RequestInfo, trace: RequestTrace, ended: float, resource
     name = f"{info.method} {route}"
     spans = [
         ReadableSpan(
-            name, server, trace.parent, resource, attributes, events, kind=SpanKind.SERVER, status=span_status,
-            start_time=trace.wall_ns, end_time=trace.ns(ended), instrumentation_scope=scope,
-        )  # fmt: skip
+            name,
+            server,
+            trace.parent,
+            resource,
+            attributes,
+            events,
+            kind=SpanKind.SERVER,
+            status=span_status,
+            start_time=trace.wall_ns,
+            end_time=trace.ns(ended),
+            instrumentation_scope=scope,
+        )
     ]
-    ids = RandomIdGenerator()
     if trace.queued is not None:
         start, end = trace.queued
         queue = SpanContext(trace.trace_id, ids.generate_span_id(), False, flags, state)
         spans.append(
             ReadableSpan(
-                "gateway.queue", queue, server, resource, {"gen_ai.request.model": info.model or ""}, (),
-                kind=SpanKind.INTERNAL, start_time=trace.ns(start), end_time=trace.ns(end), instrumentation_scope=scope,
-            )  # fmt: skip
+                "gateway.queue",
+                queue,
+                server,
+                resource,
+                {"gen_ai.request.model": info.model or ""},
+                (),
+                kind=SpanKind.INTERNAL,
+                start_time=trace.ns(start),
+                end_time=trace.ns(end),
+                instrumentation_scope=scope,
+            )
         )
     for index, attempt in enumerate(trace.attempts):
-        spans.append(_attempt_span(attempt, index, info, trace, server, ended, operation, resource, scope, flags, state))
+        spans.append(
+            _attempt_span(attempt, index, info, trace, server, ended, operation, resource, scope, flags, state)
+        )
     return spans
 
 
 def _attempt_span(
-    attempt: Attempt, index: int, info: RequestInfo, trace: RequestTrace, server: SpanContext, ended: float,
-    operation: str | None, resource: Resource, scope: InstrumentationScope, flags: TraceFlags, state: TraceState | None,
-) -> ReadableSpan:  # fmt: skip
-    host, _, port = attempt.url.split("://", 1)[-1].split("/", 1)[0].rpartition(":")
-    attributes: dict[str, Any] = {"gen_ai.request.model": attempt.model, "server.address": host, "gateway.attempt": index}
-    if port.isdigit():
-        attributes["server.port"] = int(port)
+    attempt: Attempt,
+    index: int,
+    info: RequestInfo,
+    trace: RequestTrace,
+    server: SpanContext,
+    ended: float,
+    operation: str | None,
+    resource: Resource,
+    scope: InstrumentationScope,
+    flags: TraceFlags,
+    state: TraceState | None,
+) -> ReadableSpan:
+    address = urlsplit(attempt.url)
+    attributes: dict[str, Any] = {
+        "gen_ai.request.model": attempt.model,
+        "server.address": address.hostname or "",
+        "gateway.attempt": index,
+    }
+    if address.port is not None:
+        attributes["server.port"] = address.port
     if operation is not None:
         attributes["gen_ai.operation.name"] = operation
         attributes["gen_ai.provider.name"] = "sglang"
@@ -242,9 +283,18 @@ def _attempt_span(
     name = f"{operation} {attempt.model}" if operation is not None else f"POST {attempt.model}"
     context = SpanContext(trace.trace_id, attempt.span_id, False, flags, state)
     return ReadableSpan(
-        name, context, server, resource, attributes, events, kind=SpanKind.CLIENT, status=status,
-        start_time=trace.ns(attempt.started), end_time=trace.ns(end), instrumentation_scope=scope,
-    )  # fmt: skip
+        name,
+        context,
+        server,
+        resource,
+        attributes,
+        events,
+        kind=SpanKind.CLIENT,
+        status=status,
+        start_time=trace.ns(attempt.started),
+        end_time=trace.ns(end),
+        instrumentation_scope=scope,
+    )
 
 
 _FINISH = re.compile(rb'"(?:finish_reason|stop_reason)":\s*"([A-Za-z_]{1,32})"')
@@ -292,7 +342,9 @@ def _env_ratio() -> float:
     except ValueError:
         ratio = -1.0
     if not 0.0 <= ratio <= 1.0:
-        raise ConfigError(f"OTEL_TRACES_SAMPLER_ARG: a sampling ratio is a number from 0 to 1 (got {text!r}); or set gateway.tracing.sample_ratio")
+        raise ConfigError(
+            f"OTEL_TRACES_SAMPLER_ARG: a sampling ratio is a number from 0 to 1 (got {text!r}); or set gateway.tracing.sample_ratio"
+        )
     return ratio
 
 

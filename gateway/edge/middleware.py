@@ -58,11 +58,13 @@ class RequestContextMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        incoming = _header(scope, b"x-request-id")
+        traced = self.tracing is not None and scope["path"] not in UNTRACED_PATHS
+        found = _headers(scope, _TRACED_HEADERS if traced else _ID_HEADER)
+        incoming = found.get(b"x-request-id")
         request_id = incoming if incoming and _GOOD_ID.match(incoming) else secrets.token_hex(16)
         info = RequestInfo(request_id=request_id, method=scope["method"], path=scope["path"])
-        if self.tracing is not None and scope["path"] not in UNTRACED_PATHS:
-            info.trace = self.tracing.begin(_header(scope, b"traceparent"), _header(scope, b"tracestate"), info.started)
+        if traced:
+            info.trace = self.tracing.begin(found.get(b"traceparent"), found.get(b"tracestate"), info.started)  # type: ignore[union-attr]
         scope[SCOPE_KEY] = info
 
         async def send_with_id(message: Message) -> None:
@@ -175,7 +177,7 @@ class BodyLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = _header(scope, b"content-length")
+        declared = _headers(scope, _LENGTH_HEADER).get(b"content-length")
         if declared is not None:
             if not declared.isdigit():
                 error = GatewayError(400, "invalid Content-Length header", code="invalid_header")
@@ -214,8 +216,14 @@ class BodyLimitMiddleware:
                 return await receive()
         except TimeoutError:
             # The rest of the body may still come: close the connection rather than parse it as a request.
-            message = f"not complete within {self.deadline_s:g}s" if left < self.timeout_s else f"not received within {self.timeout_s:g}s"
-            raise GatewayError(408, f"request body {message}", code="request_timeout", headers={"Connection": "close"}) from None
+            message = (
+                f"not complete within {self.deadline_s:g}s"
+                if left < self.timeout_s
+                else f"not received within {self.timeout_s:g}s"
+            )
+            raise GatewayError(
+                408, f"request body {message}", code="request_timeout", headers={"Connection": "close"}
+            ) from None
 
     def _too_large(self) -> GatewayError:
         return GatewayError(413, f"request body is larger than {self.max_bytes} bytes", code="request_too_large")
@@ -229,13 +237,23 @@ class JSONCORSMiddleware(CORSMiddleware):
         if response.status_code < 400:
             return response
         reason = bytes(response.body).decode("utf-8", errors="replace")  # "Disallowed CORS origin, method"
-        error = GatewayError(response.status_code, reason.replace("Disallowed CORS", "CORS preflight refused:"), code="cors_refused")
+        error = GatewayError(
+            response.status_code, reason.replace("Disallowed CORS", "CORS preflight refused:"), code="cors_refused"
+        )
         headers = {k: v for k, v in response.headers.items() if k.lower() not in ("content-length", "content-type")}
         return error_response(GatewayError(error.status, error.message, code=error.code, headers=headers))
 
 
-def _header(scope: Scope, name: bytes) -> str | None:
+_ID_HEADER = frozenset({b"x-request-id"})
+_LENGTH_HEADER = frozenset({b"content-length"})
+_TRACED_HEADERS = frozenset({b"x-request-id", b"traceparent", b"tracestate"})
+
+
+def _headers(scope: Scope, names: frozenset[bytes]) -> dict[bytes, str]:
+    """The first value of each header of ``names`` the request has, in one pass over its headers."""
+    found: dict[bytes, str] = {}
     for key, value in scope.get("headers", []):
-        if key.lower() == name:
-            return value.decode("latin-1").strip()
-    return None
+        key = key.lower()
+        if key in names and key not in found:
+            found[key] = value.decode("latin-1").strip()
+    return found

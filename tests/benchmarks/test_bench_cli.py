@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import httpx
 import orjson
@@ -101,14 +102,20 @@ def test_compare_cli_end_to_end_for_every_api(tmp_path: Path) -> None:
     assert all((out / f"plot-{api}.png").stat().st_size > 0 for api in APIS)
 
 
-def test_compare_with_tenants_runs_a_keyed_gateway_with_the_ledger_next_to_the_plain_one(tmp_path: Path) -> None:
-    out = tmp_path / "result"
+def _compare_on_stub(out: Path, option: str, levels: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    """``compare`` against the stub with ``option`` (a third target next to the plain gateway): 6 requests a level
+    in 2 rounds, 2 warm-ups; its output and its result.json."""
     proc = _bench(
-        "compare", "--upstream", "stub", "--tenants", "-c", "1,2", "-n", "6", "--rounds", "2", "--warmup", "2",
+        "compare", "--upstream", "stub", option, "-c", levels, "-n", "6", "--rounds", "2", "--warmup", "2",
         "--output-tokens", "4", "--max-seconds", "30", "--no-plot", "--out", str(out),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    result = json.loads((out / "result.json").read_text())
+    return proc, json.loads((out / "result.json").read_text())
+
+
+def test_compare_with_tenants_runs_a_keyed_gateway_with_the_ledger_next_to_the_plain_one(tmp_path: Path) -> None:
+    out = tmp_path / "result"
+    proc, result = _compare_on_stub(out, "--tenants", "1,2")
     assert result["targets_measured"] == ["direct", "gateway", "gateway-keys"]
     for entry in result["apis"]["chat"]["levels"].values():
         assert entry["gateway-keys"]["requests"] == 6 and entry["gateway-keys"]["errors"] == 0, entry["gateway-keys"]
@@ -123,13 +130,7 @@ def test_compare_with_tenants_runs_a_keyed_gateway_with_the_ledger_next_to_the_p
 
 
 def test_compare_with_tracing_runs_a_traced_gateway_whose_spans_all_reach_the_sink(tmp_path: Path) -> None:
-    out = tmp_path / "result"
-    proc = _bench(
-        "compare", "--upstream", "stub", "--tracing", "-c", "1", "-n", "6", "--rounds", "2", "--warmup", "2",
-        "--output-tokens", "4", "--max-seconds", "30", "--no-plot", "--out", str(out),
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    result = json.loads((out / "result.json").read_text())
+    proc, result = _compare_on_stub(tmp_path / "result", "--tracing", "1")
     assert result["targets_measured"] == ["direct", "gateway", "gateway-traced"]
     entry = result["apis"]["chat"]["levels"]["1"]
     assert entry["gateway-traced"]["requests"] == 6 and entry["gateway-traced"]["errors"] == 0, entry["gateway-traced"]

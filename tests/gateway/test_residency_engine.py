@@ -1,7 +1,9 @@
 """Residency end to end on real SGLang CPU engines: two tiny models in one group capped at one running engine.
 
 The control-plane cases (idle stops and restarts, a busy member, reloads, errors, keep-alives) run on FAKE engines
-in tests/gateway/test_residency.py; this one proves the same on the real engine, at two engine starts.
+in tests/gateway/test_residency.py; this one proves the same on the real engine, at three engine starts: concurrent first requests start a once, a
+request for b stops a first, b stops when idle, and after a YAML edit of the asleep b its next request starts the
+new config.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
+import yaml
 
 from launch.procgroup import group_pids
 from tests.gateway.helpers import auth
@@ -65,3 +68,15 @@ def test_two_real_engines_take_turns_in_a_group_of_one(tiny_model_dir: Path, tmp
         assert rig.metric("gateway_engine_restarts_total", model="b") == 0
         ready = httpx.get(rig.server.url + "/ready", headers=auth(), timeout=30)
         assert ready.status_code == 200, ready.text  # both asleep: the gateway still takes their requests
+
+        # a YAML edit of the asleep b: it stays asleep, and its next request starts the new config
+        data = yaml.safe_load(rig.path.read_text())
+        data["models"]["b"]["engine"]["served_model_name"] = "b-v2"
+        rig.path.write_text(yaml.safe_dump(data, sort_keys=False))
+        reload = rig.admin("POST", "/admin/reload")
+        assert reload.status_code == 200 and reload.json()["models"]["b"]["ok"], reload.text
+        assert rig.models()["b"]["state"] == "sleeping"
+        answer = rig.sdk.chat.completions.create(model="b", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        assert answer.model == "b-v2" and answer.choices[0].message.content  # the engine the request woke: the new one
+        assert rig.models()["b"]["state"] == "ready" and rig.metric("gateway_model_wakes_total", model="b", how="started") == 2
+        assert rig.metric("gateway_engine_restarts_total", model="b") == 0  # deliberate stops and starts, no failure

@@ -1,15 +1,17 @@
 """The SGLang plugin that keeps the engine's torch TCPStore off the network (``launch/engine_plugin``), without an
-engine: torch's store factory with and without it, and SGLang finding it on the engine's path."""
+engine: torch's store factory with and without it, and SGLang finding it on the engine's path; and its hook that
+makes the engine act on SIGTERM at once (``prompt_sigterm``)."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import os
 import socket
 import subprocess
 import sys
 from datetime import timedelta
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -78,6 +80,8 @@ PROBE = """
 import os, sys
 from sglang.srt.plugins import load_plugins
 load_plugins()
+from sglang.srt.managers.tokenizer_manager import TokenizerManager
+print("sigterm watchdog hooked:", hasattr(TokenizerManager.sigterm_watchdog, "__wrapped__"))
 import torch.distributed as dist
 from launch.proc_sockets import listening_sockets
 port = int(sys.argv[1])
@@ -95,6 +99,30 @@ def test_sglang_loads_the_plugin_from_the_engine_path_and_rendezvous_stays_on_lo
         [sys.executable, "-c", PROBE, str(port)], env=env, capture_output=True, text=True, timeout=300, check=False
     )
     assert probe.returncode == 0, probe.stderr[-3000:]
-    found = probe.stdout.strip().splitlines()[-1]
+    *_, hooked, found = probe.stdout.strip().splitlines()
     print("listening:", found)
     assert found == "[('127.0.0.1', False), ('127.0.0.1', True)]", (found, probe.stderr[-3000:])
+    assert hooked == "sigterm watchdog hooked: True"  # the same entry point: prompt_sigterm
+
+
+def test_the_sigterm_watchdog_runs_sglangs_own_once_the_flag_is_set(plugin: ModuleType) -> None:
+    """SGLang's watchdog (drain, ShutdownReq, exit) runs only after its SIGTERM flag is set, as before, and then
+    finds the flag set: the hook only watches the flag more often than SGLang's 5-second sleep."""
+    from sglang_gateway_engine_plugin import prompt_sigterm
+
+    manager = SimpleNamespace(gracefully_exit=False)
+    ran: list[tuple[Any, bool]] = []
+
+    async def original(target: Any) -> str:
+        ran.append((target, target.gracefully_exit))
+        return "shut down"
+
+    async def scenario() -> str:
+        watchdog = asyncio.ensure_future(prompt_sigterm.watch_sigterm_promptly(original, manager))
+        await asyncio.sleep(3 * prompt_sigterm.POLL_S)
+        assert not ran and not watchdog.done()  # no SIGTERM yet: SGLang's watchdog has not started
+        manager.gracefully_exit = True  # what SGLang's SIGTERM handler does
+        return await asyncio.wait_for(watchdog, 30)
+
+    assert asyncio.run(scenario()) == "shut down"
+    assert ran == [(manager, True)]

@@ -13,6 +13,8 @@ How it gets in: SGLang 0.5.23 loads the ``sglang.srt.plugins`` entry points at t
 processes (``sglang.srt.plugins.load_plugins``: server, scheduler, detokenizer, DP controller) and its
 ``HookRegistry`` wraps any dotted target. This directory, with its ``.dist-info``, is on the *engine's*
 ``PYTHONPATH`` only (``launch/engine_net.py``); it imports nothing of the gateway.
+
+The same entry point also makes the engine act on SIGTERM at once (:mod:`.prompt_sigterm`).
 """
 
 from __future__ import annotations
@@ -30,10 +32,14 @@ TARGET = "torch.distributed.rendezvous._create_c10d_store"
 
 
 def register() -> None:
-    """The entry point SGLang calls: wrap torch's store factory (applied by SGLang right after)."""
+    """The entry point SGLang calls: wrap torch's store factory, and SGLang's SIGTERM watchdog
+    (:mod:`.prompt_sigterm`); SGLang applies the hooks right after."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    from sglang_gateway_engine_plugin import prompt_sigterm
+
     HookRegistry.register(TARGET, serve_store_on_its_address, HookType.AROUND)
+    prompt_sigterm.register()
 
 
 def listen_address(hostname: str, port: int) -> tuple[socket.AddressFamily, tuple[Any, ...]]:
