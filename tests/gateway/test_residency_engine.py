@@ -74,7 +74,9 @@ def test_two_real_engines_take_turns_in_a_group_of_one(tiny_model_dir: Path, tmp
         data["models"]["b"]["engine"]["served_model_name"] = "b-v2"
         rig.path.write_text(yaml.safe_dump(data, sort_keys=False))
         reload = rig.admin("POST", "/admin/reload")
-        assert reload.status_code == 200 and reload.json()["models"]["b"]["ok"], reload.text
+        assert reload.status_code == 200 and reload.json()["ok"], reload.text
+        item = reload.json()["models"]["b"]
+        assert item["action"] == "engine_changed" and item["changed"] == ["engine.served_model_name"], item
         assert rig.models()["b"]["state"] == "sleeping"
         answer = rig.sdk.chat.completions.create(model="b", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
         assert answer.model == "b-v2" and answer.choices[0].message.content  # the engine the request woke: the new one
