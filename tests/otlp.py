@@ -1,7 +1,7 @@
-"""A real OTLP/HTTP trace receiver in the test process: the collector's ``POST /v1/traces`` with the protobuf
-``ExportTraceServiceRequest`` of ``opentelemetry-proto`` (what Jaeger, Tempo and the OpenTelemetry Collector
-accept), decoded into plain :class:`Span` records for assertions. Exporters (the gateway's, SGLang's) talk to
-it exactly as to a collector; nothing of the SDK is mocked.
+"""Real OTLP trace receivers in the test process: the collector's ``POST /v1/traces`` (OTLP/HTTP) and its gRPC
+``TraceService/Export``, both with the protobuf ``ExportTraceServiceRequest`` of ``opentelemetry-proto`` (what
+Jaeger, Tempo and the OpenTelemetry Collector accept), decoded into plain :class:`Span` records for assertions.
+Exporters (the gateway's, SGLang's) talk to them exactly as to a collector; nothing of the SDK is mocked.
 """
 
 from __future__ import annotations
@@ -42,19 +42,14 @@ def _value(value: AnyValue) -> Any:
     return getattr(value, kind) if kind is not None else None
 
 
-class OTLPReceiver(OTLPHTTPServer):
-    """``with OTLPReceiver() as receiver:``; ``receiver.endpoint`` is its base URL (``http://127.0.0.1:port``).
-    Each export is decoded as it arrives (:class:`benchmarks.tracing.OTLPHTTPServer` serves the protocol)."""
+class SpanLog:
+    """The spans received so far, decoded into :class:`Span` records, for assertions (thread-safe)."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.endpoint = self.url
+        self.endpoint = ""  # where exporters send (set by the receiver that serves the log)
         self.spans: list[Span] = []
         self.requests = 0
         self._lock = threading.Lock()
-
-    def take(self, body: bytes) -> None:
-        self._take(ExportTraceServiceRequest.FromString(body))
 
     def _take(self, request: ExportTraceServiceRequest) -> None:
         spans = []
@@ -94,7 +89,49 @@ class OTLPReceiver(OTLPHTTPServer):
             time.sleep(0.1)
 
 
+class OTLPReceiver(SpanLog, OTLPHTTPServer):
+    """OTLP/HTTP: ``with OTLPReceiver() as receiver:``; ``receiver.endpoint`` is its base URL
+    (``http://127.0.0.1:port``). Each export is decoded as it arrives (:class:`benchmarks.tracing.OTLPHTTPServer`
+    serves the protocol)."""
+
+    def __init__(self) -> None:
+        SpanLog.__init__(self)
+        OTLPHTTPServer.__init__(self)
+        self.endpoint = self.url
+
+    def take(self, body: bytes) -> None:
+        self._take(ExportTraceServiceRequest.FromString(body))
+
+
 @contextmanager
 def otlp_receiver() -> Iterator[OTLPReceiver]:
     with OTLPReceiver() as receiver:
         yield receiver
+
+
+@contextmanager
+def otlp_grpc_receiver() -> Iterator[SpanLog]:
+    """OTLP/gRPC: the collector's ``TraceService/Export`` (grpcio, the service of ``opentelemetry-proto``) on a free
+    loopback port; ``receiver.endpoint`` is ``http://127.0.0.1:port`` (plain text, as a collector's 4317)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
+
+    receiver = SpanLog()
+
+    class TraceService(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request: ExportTraceServiceRequest, context: Any) -> ExportTraceServiceResponse:  # noqa: N802
+            receiver._take(request)
+            return ExportTraceServiceResponse()
+
+    server = grpc.server(ThreadPoolExecutor(2, thread_name_prefix="otlp-grpc"))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(TraceService(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    receiver.endpoint = f"http://127.0.0.1:{port}"
+    try:
+        yield receiver
+    finally:
+        server.stop(grace=None)

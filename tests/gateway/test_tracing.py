@@ -15,7 +15,7 @@ import openai
 
 from launch.process import EngineProcess
 from tests.gateway.helpers import KEY, auth, serve
-from tests.otlp import Span, otlp_receiver
+from tests.otlp import Span, otlp_grpc_receiver, otlp_receiver
 
 SERVER, CLIENT, INTERNAL = 2, 3, 1
 HELLO = [{"role": "user", "content": "Say something."}]
@@ -119,3 +119,19 @@ def test_sampling_at_zero_exports_nothing_but_a_sampled_client_trace_is_kept(tin
             client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=2, extra_headers={"traceparent": sampled})
     assert {span.trace_id for span in otlp.spans} == {client_trace}, [(span.name, span.trace_id) for span in otlp.spans]
     assert _one(otlp.spans, kind=SERVER).parent_id == client_span
+
+
+def test_spans_go_over_grpc_to_a_collectors_trace_service() -> None:
+    """``protocol: grpc``: the same spans through OTLP/gRPC (no engine needed: a request for an unknown model is
+    answered by the gateway alone, and traced)."""
+    client_trace, client_span = secrets.token_hex(16), secrets.token_hex(8)
+    with otlp_grpc_receiver() as otlp:
+        with serve({"tiny": {"url": "http://127.0.0.1:9"}}, _tracing(otlp.endpoint, protocol="grpc", service_name="gw-grpc")) as gw:
+            missing = httpx.post(
+                gw.url + "/v1/chat/completions", json={"model": "nope", "messages": HELLO}, timeout=30,
+                headers={**auth(), "traceparent": f"00-{client_trace}-{client_span}-01"},
+            )  # fmt: skip
+            assert missing.status_code == 404
+    server = _one(otlp.of_trace(client_trace), kind=SERVER)
+    assert server.service == "gw-grpc" and server.parent_id == client_span and server.name == "POST /v1/chat/completions"
+    assert server.attributes["error.type"] == "model_not_found" and server.attributes["gateway.key_name"] == "team-a"
