@@ -31,9 +31,10 @@ import yaml
 
 from launch.ports import pick_free_port
 from launch.procgroup import group_pids
-from launch.shm import SHM_DIR, owned_shm_files, shm_in_use
+from launch.shm import owned_shm_files
 from model_code import log_model
 from model_code.entrypoint import PORT_ENV
+from tests.leaks import LeakCheck
 from tests.model_code.helpers import engine_children
 
 pytestmark = pytest.mark.engine
@@ -88,7 +89,7 @@ def container(artifacts_folder: tuple[str, Path], tmp_path: Path) -> Iterator[di
         }
     )
     log_path = tmp_path / "container.log"
-    shm_before = set(SHM_DIR.iterdir()) if SHM_DIR.is_dir() else set()
+    leaks = LeakCheck()
     with open(log_path, "wb") as log:
         started = time.monotonic()
         proc = subprocess.Popen(
@@ -99,7 +100,7 @@ def container(artifacts_folder: tuple[str, Path], tmp_path: Path) -> Iterator[di
         "url": f"http://127.0.0.1:{port}",
         "log": log_path,
         "started": started,
-        "shm_before": shm_before,
+        "leaks": leaks,
     }
     try:
         yield running
@@ -184,6 +185,7 @@ def test_the_logged_entrypoint_serves_like_a_custom_llm_container(container: dic
     assert proc.wait(timeout=120) == 0, log_path.read_text()[-3000:]
     assert not group_pids(proc.pid) and not group_pids(engines[0])
     assert not [path for path in engine_shm if path.exists()]
-    leftovers = (set(SHM_DIR.iterdir()) - container["shm_before"]) - shm_in_use()
-    assert not leftovers, leftovers
+    for pgid in (proc.pid, *engines):
+        container["leaks"].watch(pgid)
+    container["leaks"].assert_nothing_left()  # waits out files of other tests' engines mid-stop
     assert "gateway: stopped by SIGTERM" in log_path.read_text()
