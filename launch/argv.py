@@ -32,6 +32,7 @@ class Passed(StrEnum):
     VALUE = "value"  # "--flag VALUE" when set (and not SGLang's own default, ``EngineFlag.omit``)
     SWITCH = "switch"  # a bare "--flag" when true
     OFF = "off"  # "--flag disabled" for each of its flags when false
+    LIST = "list"  # "--flag V1 V2 ..." when not empty (a mapping: "--flag K1=V1 K2=V2")
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,9 @@ class EngineFlag:
             return [self.flags[0]] if value else []
         if self.passed is Passed.OFF:
             return [part for flag in self.flags for part in (flag, "disabled")] if value is False else []
+        if self.passed is Passed.LIST:
+            items = [f"{key}={item}" for key, item in value.items()] if isinstance(value, dict) else list(value or ())
+            return [self.flags[0], *map(str, items)] if items else []
         return [] if value is None or value == self.omit else [self.flags[0], str(value)]
 
 
@@ -61,6 +65,10 @@ def _value(flag: str, omit: object = None) -> EngineFlag:
 
 def _switch(flag: str) -> EngineFlag:
     return EngineFlag((flag,), Passed.SWITCH)
+
+
+def _list(flag: str) -> EngineFlag:
+    return EngineFlag((flag,), Passed.LIST)
 
 
 # Every key of ``EngineConfig`` that becomes flags, in command-line order (a test checks that each key is here
@@ -89,6 +97,13 @@ ENGINE_FLAGS: dict[str, EngineFlag] = {
     "attention_backend": _value("--attention-backend"),
     "device": _value("--device"),
     "random_seed": _value("--random-seed"),
+    "lora_paths": _list("--lora-paths"),
+    "max_lora_rank": _value("--max-lora-rank"),
+    "lora_target_modules": _list("--lora-target-modules"),
+    "max_loras_per_batch": _value("--max-loras-per-batch"),
+    "max_loaded_loras": _value("--max-loaded-loras"),
+    "lora_eviction_policy": _value("--lora-eviction-policy"),
+    "lora_backend": _value("--lora-backend"),
     "otlp_traces_endpoint": _value("--otlp-traces-endpoint"),
     "otlp_service_name": _value("--otlp-service-name"),
     "cuda_graph_max_bs": _value("--cuda-graph-max-bs-decode"),
@@ -103,6 +118,7 @@ ENGINE_FLAGS: dict[str, EngineFlag] = {
     "enable_weights_cpu_backup": _switch("--enable-weights-cpu-backup"),
     "enable_response_store": _switch("--enable-response-store"),
     "enable_trace": _switch("--enable-trace"),
+    "enable_lora": _switch("--enable-lora"),
     "sleep_on_idle": _switch("--sleep-on-idle"),
     # SGLang 0.5.23 deprecates --disable-cuda-graph in favour of per-phase backends (only said on cuda)
     "cuda_graph": EngineFlag(("--cuda-graph-backend-decode", "--cuda-graph-backend-prefill"), Passed.OFF),
@@ -129,6 +145,8 @@ def effective_engine(engine: EngineConfig) -> EngineConfig:
         updates["max_total_tokens"] = CPU_DEFAULT_MAX_TOTAL_TOKENS
     if engine.sleep_on_idle is None:
         updates["sleep_on_idle"] = True
+    if engine.enable_lora and engine.lora_backend is None:
+        updates["lora_backend"] = "torch_native"  # SGLang's default kernels need a GPU
     return engine.model_copy(update=updates) if updates else engine
 
 
@@ -211,6 +229,8 @@ def engine_reference_table() -> str:
             spelled = " ".join(f"`{name} disabled`" for name in flag.flags) + " when false"
         elif flag.passed is Passed.SWITCH:
             spelled = f"`{flag.flags[0]}` when true"
+        elif flag.passed is Passed.LIST:
+            spelled = f"`{flag.flags[0]}` followed by each item"
         else:
             spelled = f"`{flag.flags[0]}`"
         meaning = field.description or ""

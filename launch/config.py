@@ -35,6 +35,7 @@ GrammarBackend = Literal["xgrammar", "outlines", "llguidance", "none"]
 # Default KV-cache size on CPU: without it SGLang sizes the cache from free RAM (15 GB, 70 s start).
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 8192
 _HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:]+\]|[^\s:/\[\]]+):\d{1,5}$")  # host:port, [IPv6]:port
+_ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 
 # The names of the ``gateway:`` settings that code outside the gateway package reads too (the section
@@ -138,6 +139,20 @@ class EngineConfig(_Strict):
         False, description="Schedule by each request's priority (higher first); the gateway passes a named key's priority."
     )
     random_seed: int | None = Field(None, description="Engine random seed (unset: SGLang picks one).")
+    enable_lora: bool = Field(False, description="Serve LoRA adapters on this engine (set by the model's adapters).")
+    lora_paths: dict[str, str] = Field(
+        default_factory=dict, description="Adapters loaded at start, name -> path (set from models.<name>.adapters)."
+    )
+    max_lora_rank: int | None = Field(None, gt=0, description="Largest adapter rank (unset: the largest at start).")
+    lora_target_modules: list[str] | None = Field(
+        None, description="Modules adapters may target, e.g. [q_proj, v_proj] or [all] (unset: those at start)."
+    )
+    max_loras_per_batch: int | None = Field(None, gt=0, description="Adapters in one batch (unset: SGLang's, 8).")
+    max_loaded_loras: int | None = Field(None, gt=0, description="Adapters held in memory at once (unset: no limit).")
+    lora_eviction_policy: Literal["lru", "fifo"] | None = Field(
+        None, description="Which loaded adapter makes room for another (unset: SGLang's, lru)."
+    )
+    lora_backend: str | None = Field(None, description="LoRA kernels (unset: SGLang's on cuda, torch_native on cpu).")
     enable_trace: bool = Field(
         False, description="Export the engine's own OpenTelemetry spans (set for every engine by gateway.tracing.engines)."
     )
@@ -190,6 +205,8 @@ class EngineConfig(_Strict):
     def _consistent(self) -> EngineConfig:
         if self.node_rank >= self.nnodes:
             raise ValueError(f"node_rank {self.node_rank} must be below nnodes {self.nnodes}")
+        if self.lora_paths and not self.enable_lora:
+            raise ValueError("lora_paths needs enable_lora: true (models.<name>.adapters sets both)")
         if self.nnodes > 1 and not self.dist_init_addr:
             raise ValueError("nnodes > 1 needs dist_init_addr (host:port of the machine with node_rank 0)")
         if self.dist_init_addr is not None and not _HOST_PORT.match(self.dist_init_addr):
@@ -294,6 +311,32 @@ class ModelEntry(_Strict):
     residency: ResidencyConfig | None = Field(
         None, description="Start the engine on demand, stop it when idle, share GPUs with a group (docs/residency.md)."
     )
+    adapters: dict[str, str] = Field(
+        default_factory=dict,
+        description="LoRA adapters served by this model's engine, name -> path; each is the model '<name>:<adapter>' (docs/adapters.md).",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _adapter_keys(cls, data: Any) -> Any:
+        """``adapters`` set the engine keys that load them at start: ``enable_lora`` and ``lora_paths``."""
+        if isinstance(data, dict) and data.get("adapters") and isinstance(data.get("engine"), dict):
+            engine = data["engine"]
+            if "lora_paths" in engine:
+                raise ValueError("give LoRA adapters once: in adapters (served as '<model>:<adapter>'), not also engine.lora_paths")
+            if isinstance(data["adapters"], dict):
+                data = {**data, "engine": {**engine, "enable_lora": True, "lora_paths": data["adapters"]}}
+        return data
+
+    @field_validator("adapters")
+    @classmethod
+    def _adapter_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, path in value.items():
+            if not _ADAPTER_NAME.match(name):
+                raise ValueError(f"adapter name {name!r}: letters, digits, '_', '.' and '-' only (it becomes '<model>:{name}')")
+            if not str(path).strip():
+                raise ValueError(f"adapter {name!r}: the path is empty")
+        return value
 
     @model_validator(mode="before")
     @classmethod
@@ -322,6 +365,8 @@ class ModelEntry(_Strict):
                 "(an engine's name is engine.served_model_name, its scheduling engine.enable_priority_scheduling; "
                 "its vocabulary is read from the model's files)"
             )
+        if self.engine is None and self.adapters:
+            raise ValueError("adapters need an 'engine' section (the gateway loads them into the engine it starts)")
         if self.engine is None and (self.replicas != 1 or self.replica_gpus is not None or self.router is not None):
             raise ValueError("replicas, replica_gpus and router need an 'engine' section (a 'url' model is one upstream)")
         if self.replicas > 1 and self.engine is not None and self.engine.nnodes > 1:

@@ -15,7 +15,8 @@ What it does, SGLang's way (what the gateway relies on, nothing more):
 - ``GET /v1/models``: the served model name with ``max_model_len``;
 - ``POST /v1/chat/completions``: ``max_tokens`` (default 16) pieces ``"tok "``, streamed (role chunk, one chunk
   per piece every ``FAKE_ENGINE_TOKEN_S``, finish chunk, ``data: [DONE]``) or not; ``model`` is the served name;
-  a plain answer says in ``fake_priority`` the ``priority`` the request came with;
+  a plain answer says in ``fake_priority`` the ``priority`` the request came with, in ``fake_model`` the model it
+  named; a ``model`` of ``<name>:<adapter>`` needs the adapter in ``--lora-paths`` (400 otherwise, as SGLang);
 - ``POST /v1/responses`` (not streamed) and ``GET /v1/responses/{id}``: responses stored in memory;
 - a chat message whose content is :data:`CRASH`: it logs a traceback and exits 70 while the request is in
   flight, as an engine a request crashes does; one whose content is :data:`FREEZE`: it blocks its event loop
@@ -99,6 +100,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--max-total-tokens", type=int, default=4096)
     parser.add_argument("--config")
     parser.add_argument("--enable-memory-saver", action="store_true")
+    parser.add_argument("--lora-paths", nargs="*", default=[])
     parsed, _ = parser.parse_known_args(argv)  # SGLang's other flags mean nothing to a fake
     return parsed
 
@@ -117,7 +119,9 @@ def _note(call: str) -> None:
             calls.write(call + "\n")
 
 
-def build_app(model: str, api_key: str | None, context_length: int, memory_saver: bool = False) -> Any:
+def build_app(
+    model: str, api_key: str | None, context_length: int, memory_saver: bool = False, adapters: tuple[str, ...] = ()
+) -> Any:
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -150,6 +154,9 @@ def build_app(model: str, api_key: str | None, context_length: int, memory_saver
             return no
         body = await request.json()
         _note("chat-while-released" if released[0] else "chat")
+        asked = body.get("model")
+        if isinstance(asked, str) and ":" in asked and asked.split(":", 1)[1] not in adapters:  # SGLang's "<model>:<adapter>"
+            return JSONResponse({"error": {"message": f"adapter of {asked!r} not loaded (FAKE)", "type": "invalid_request_error", "code": 400}}, 400)
         if released[0]:
             return JSONResponse({"error": {"message": "memory released (FAKE)", "type": "server_error", "code": 500}}, 500)
         if any(message.get("content") == CRASH for message in body.get("messages", ())):
@@ -174,6 +181,7 @@ def build_app(model: str, api_key: str | None, context_length: int, memory_saver
             return JSONResponse({
                 "id": cid, "object": "chat.completion", "created": created, "model": model, "usage": usage,
                 "fake_priority": body.get("priority"),  # what the request's priority was, as the engine got it
+                "fake_model": asked,  # the model the request named, as the engine got it
                 "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": "length"}],
             })  # fmt: skip
 
@@ -263,7 +271,8 @@ def main(argv: list[str]) -> int:
         api_key = (yaml.safe_load(Path(args.config).read_text()) or {}).get("api-key")
     import uvicorn
 
-    app = build_app(args.served_model_name or args.model_path, api_key, args.max_total_tokens, args.enable_memory_saver)
+    adapters = tuple(item.split("=", 1)[0] for item in args.lora_paths)  # --lora-paths name=path ...
+    app = build_app(args.served_model_name or args.model_path, api_key, args.max_total_tokens, args.enable_memory_saver, adapters)
     # SIGTERM ends it within a second, streams or not (as SGLang's does; uvicorn alone would wait for them).
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False, timeout_graceful_shutdown=1)
     return 0

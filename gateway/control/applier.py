@@ -88,10 +88,17 @@ class DeploymentApplier:
                         ModelRoute(name, url_backend(name, entry), tuple(entry.aliases), ConcurrencyLimiter(limits))
                     )
                 elif starts_asleep(entry):  # an on-demand engine: listed at once, started by its first request
-                    routes.append(ModelRoute(name, dormant(name, entry.replicas), tuple(entry.aliases), ConcurrencyLimiter(limits)))
+                    routes.append(
+                        ModelRoute(
+                            name, dormant(name, entry.replicas), tuple(entry.aliases), ConcurrencyLimiter(limits),
+                            adapters=tuple(entry.adapters),
+                        )  # fmt: skip
+                    )
                 continue  # an added engine joins when ready
             limiter = route.limiter if route.limiter.settings == limits else ConcurrencyLimiter(limits)
-            routes.append(replace(route, aliases=tuple(entry.aliases), limiter=limiter))
+            # adapters the running engines lack (the YAML added them) are routed once the swap's new engines serve them
+            adapters = tuple(entry.adapters) if route.asleep else tuple(a for a in entry.adapters if a in route.adapters)
+            routes.append(replace(route, aliases=tuple(entry.aliases), limiter=limiter, adapters=adapters))
         self.registry.replace(routes)
         return [(name, route) for name, route in current.items() if name not in new.models]
 
@@ -117,6 +124,9 @@ class DeploymentApplier:
                 policy = resolve_policy(change.swap_policy, entry.replicas)
                 result = await self.executor.swap(name, builds, policy, fixed_port=port)
             if result.ok:
+                route = self.registry.route(name)
+                if route is not None and route.adapters != tuple(entry.adapters):  # the new engines load them all
+                    self.registry.put(replace(route, adapters=tuple(entry.adapters)))
                 try:
                     await self._ensure_router(name, entry)
                 except SwapError as error:
@@ -139,7 +149,7 @@ class DeploymentApplier:
             result.error, result.log_tail, result.cause = error.message, error.log_tail, error.cause
             return result
         limiter = ConcurrencyLimiter(settings.limits_for(name))
-        self.registry.put(ModelRoute(name, tuple(replicas), tuple(entry.aliases), limiter))
+        self.registry.put(ModelRoute(name, tuple(replicas), tuple(entry.aliases), limiter, adapters=tuple(entry.adapters)))
         result.ok, result.new, result.start_s = True, describe_backend(replicas[0]), time.monotonic() - started
         logger.info("model {}: added, served by {}", name, ", ".join(backend.describe() for backend in replicas))
         return result

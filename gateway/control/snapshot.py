@@ -45,6 +45,7 @@ class RouteView:
     replicas: tuple[BackendView, ...]
     front: BackendView | None
     drained: bool
+    adapters: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,7 @@ def capture_state(settings: GatewaySettings, keys: KeyPolicy, registry: Registry
         RouteView(
             name=route.name, aliases=route.aliases, replicas=tuple(backend_view(b) for b in route.replicas),
             front=backend_view(route.front) if route.front is not None else None, drained=route.drained,
+            adapters=route.adapters,
         )  # fmt: skip
         for route in registry.routes()
     )
@@ -153,7 +155,7 @@ def apply_state(state: RoutingState, registry: Registry, quarantine: Quarantine,
         routes.append(
             ModelRoute(
                 view.name, tuple(backend(view.name, b) for b in view.replicas), view.aliases, limiter, view.drained,
-                backend(view.name, view.front) if view.front is not None else None,
+                backend(view.name, view.front) if view.front is not None else None, view.adapters,
             )  # fmt: skip
         )
     registry.replace(routes)

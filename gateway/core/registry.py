@@ -30,6 +30,7 @@ class ModelRoute:
     limiter: ConcurrencyLimiter = field(default_factory=lambda: ConcurrencyLimiter(LimitSettings()))
     drained: bool = False  # set by the admin API: new requests get 503 until undrained
     front: Backend | None = None  # SGLang's router in front of the replicas, when the model asks for one
+    adapters: tuple[str, ...] = ()  # LoRA adapters its engines serve, each the model "<name>:<adapter>"
 
     def __post_init__(self) -> None:
         if isinstance(self.replicas, Backend):
@@ -42,7 +43,19 @@ class ModelRoute:
 
     @property
     def names(self) -> tuple[str, ...]:
-        return (self.name, *self.aliases)
+        """Every name clients may use: the model's, its aliases, and ``<name>:<adapter>`` for each adapter."""
+        return (self.name, *self.aliases, *self.adapter_names)
+
+    @property
+    def adapter_names(self) -> tuple[str, ...]:
+        return tuple(f"{self.name}:{adapter}" for adapter in self.adapters)
+
+    def adapter_for(self, requested: object) -> str | None:
+        """The adapter a request for model ``requested`` selects (None: the base model)."""
+        if isinstance(requested, str) and requested.startswith(self.name + ":"):
+            adapter = requested[len(self.name) + 1 :]
+            return adapter if adapter in self.adapters else None
+        return None
 
     def backend_named(self, identity: str) -> Backend | None:
         """The replica (or the router in front) whose :attr:`Backend.identity` is ``identity``, if still there."""
@@ -152,7 +165,8 @@ def build_registry(
             backend: Backend = EngineBackend(entry.engine.served_model_name or name, engines[name])
         else:
             backend = url_backend(name, entry)
-        routes.append(ModelRoute(name, backend, tuple(entry.aliases), ConcurrencyLimiter(settings.limits_for(name))))
+        limiter = ConcurrencyLimiter(settings.limits_for(name))
+        routes.append(ModelRoute(name, backend, tuple(entry.aliases), limiter, adapters=tuple(entry.adapters)))
     return Registry(routes)
 
 

@@ -130,6 +130,7 @@ class Proxy:
         balancing: BalancingSettings | None, pinned: Backend | None, owner: str, grammar_size: int | None, priority: int | None,
     ) -> Response:  # fmt: skip
         path = endpoint.upstream_path
+        adapter = route.adapter_for(body.get("model"))  # "<model>:<adapter>": SGLang's own spelling, on the served name
         problem = token_id_problem(endpoint.token_ids, body, route.backend.vocab_size)
         if problem is not None:
             raise GatewayError(400, problem, code="invalid_token_ids", param=problem.split(":", 1)[0])
@@ -161,7 +162,7 @@ class Proxy:
                 backend = self._choose(route, body, balancing, pinned, failed, limiter.settings.retry_after_s)
                 lease.take(backend, self.metrics.child(self.metrics.in_flight, route.name))
                 info.replica = backend.replica if len(route.replicas) > 1 and not backend.is_router else None
-                body["model"] = backend.served_name
+                body["model"] = backend.served_name if adapter is None else f"{backend.served_name}:{adapter}"
                 if priority is not None and backend.schedules_by_priority:
                     body["priority"] = priority
                 payload = orjson.dumps(body)

@@ -21,7 +21,8 @@ KEYS = KeyPolicy(client=(b"k1",))
 
 def control_registry() -> Registry:
     a0, a1 = UrlBackend("a", "http://127.0.0.1:1", api_key="up-key"), UrlBackend("a", "http://127.0.0.1:2", replica=1)
-    return Registry([ModelRoute("a", (a0, a1), ("alias-a",)), ModelRoute("b", UrlBackend("served-b", "http://127.0.0.1:3"))])
+    b = UrlBackend("served-b", "http://127.0.0.1:3")
+    return Registry([ModelRoute("a", (a0, a1), ("alias-a",)), ModelRoute("b", b, adapters=("fine-tune",))])
 
 
 @pytest.mark.parametrize(("cpus", "workers"), [(1, 1), (2, 1), (3, 1), (4, 1), (8, 2), (16, 4), (32, 8), (48, 8), (192, 8)])
@@ -45,6 +46,8 @@ def test_a_worker_routes_as_the_control_does() -> None:
     assert [b.identity for b in route.replicas] == [b.identity for b in control.route("a").replicas]  # type: ignore[union-attr]
     assert route.replicas[0].upstream_headers() == {"authorization": "Bearer up-key"}
     assert worker.route("b").backend.served_name == "served-b"  # type: ignore[union-attr]
+    adapter = worker.resolve("b:fine-tune")  # a LoRA adapter of b: routed by the worker too
+    assert adapter is not None and adapter.name == "b" and adapter.adapter_for("b:fine-tune") == "fine-tune"
 
 
 def test_a_new_state_keeps_the_workers_backends_and_limiters_and_takes_their_new_condition() -> None:

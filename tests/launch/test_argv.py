@@ -152,6 +152,14 @@ FULL = dict(
     otlp_traces_endpoint="collector:4317",
     otlp_traces_protocol="grpc",
     otlp_service_name="sglang-served",
+    enable_lora=True,
+    lora_paths={"a1": "/adapters/a1", "a2": "/adapters/a2"},
+    max_lora_rank=16,
+    lora_target_modules=["q_proj", "v_proj"],
+    max_loras_per_batch=4,
+    max_loaded_loras=8,
+    lora_eviction_policy="fifo",
+    lora_backend="triton",
 )
 MISSPELLED = ["--model-path", "org/m", "--disable-cuda-graphs"]
 VARIANTS: dict[str, EngineConfig] = {
@@ -244,6 +252,8 @@ def test_sglang_reads_each_value_where_the_table_says(sglang_parsed: dict[str, d
                 assert got is True, (key, dest, got)
             elif flag.passed is Passed.OFF:
                 assert "disabled" in str(got), (key, dest, got)
+            elif flag.passed is Passed.LIST:  # each item, a mapping's as name=value
+                assert [str(item) for item in got] == flag.argv(values[key])[1:], (key, dest, got)
             else:
                 assert str(got) == str(values[key]), (key, dest, got)
 

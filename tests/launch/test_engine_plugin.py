@@ -126,3 +126,24 @@ def test_the_sigterm_watchdog_runs_sglangs_own_once_the_flag_is_set(plugin: Modu
 
     assert asyncio.run(scenario()) == "shut down"
     assert ran == [(manager, True)]
+
+
+PINNED_PROBE = """
+import torch
+from sglang_gateway_engine_plugin import cpu_pinned_memory
+cpu_pinned_memory.register()
+try:
+    pinned = torch.tensor([1, 2], dtype=torch.int32, pin_memory=True)
+    print("tensor", pinned.tolist(), pinned.is_pinned(), torch.zeros(2).pin_memory().tolist())
+except RuntimeError as error:
+    print("refused", str(error).splitlines()[0])
+"""
+
+
+@pytest.mark.parametrize(("cpu_engine", "expected"), [("1", "tensor [1, 2] False [0.0, 0.0]"), ("", "refused")])
+def test_pinned_memory_is_plain_memory_on_a_cpu_engine_only(cpu_engine: str, expected: str) -> None:
+    """SGLang's LoRA layers ask for pinned tensors, which torch refuses without a GPU; a CPU engine gets plain ones."""
+    env = {**os.environ, "PYTHONPATH": str(ENGINE_PLUGIN_DIR), "SGLANG_USE_CPU_ENGINE": cpu_engine}
+    probe = subprocess.run([sys.executable, "-c", PINNED_PROBE], env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    assert probe.stdout.strip().startswith(expected), probe.stdout

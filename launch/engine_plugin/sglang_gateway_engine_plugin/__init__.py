@@ -36,10 +36,11 @@ def register() -> None:
     (:mod:`.prompt_sigterm`); SGLang applies the hooks right after."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sglang_gateway_engine_plugin import prompt_sigterm
+    from sglang_gateway_engine_plugin import cpu_pinned_memory, prompt_sigterm
 
     HookRegistry.register(TARGET, serve_store_on_its_address, HookType.AROUND)
     prompt_sigterm.register()
+    cpu_pinned_memory.register()
 
 
 def listen_address(hostname: str, port: int) -> tuple[socket.AddressFamily, tuple[Any, ...]]:
