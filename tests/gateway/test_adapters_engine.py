@@ -46,7 +46,8 @@ def served(starts_engine: None, tiny_model_dir: Path, tmp_path_factory: pytest.T
     assert len(set(expected.values())) == 3, expected  # the adapters change the answer: the test can tell them apart
     engine = {"model_path": str(tiny_model_dir), "device": "cpu", "dtype": "float32", "skip_server_warmup": True, "startup_timeout_s": 300}
     models = {"tiny": {"engine": engine, "adapters": {name: str(path) for name, path in paths.items()}}}
-    with gateway(tmp, models, timeout_s=120, watchdog={"interval_s": 0.5}) as rig:
+    # the gateway starts with its engine: on a loaded 2-core machine that takes minutes
+    with gateway(tmp, models, timeout_s=120, start_timeout_s=400, watchdog={"interval_s": 0.5}) as rig:
         yield rig, expected
 
 

@@ -102,14 +102,17 @@ def _engine(tiny_model_dir: Path, python: Path, **more: Any) -> dict[str, Any]:
 
 
 @contextmanager
-def gateway(tmp_path: Path, models: dict[str, Any], timeout_s: float = 60, **settings: Any) -> Iterator[Rig]:
-    """A gateway of ``models`` (``timeout_s``: its clients' wait for an answer, cold starts included)."""
+def gateway(
+    tmp_path: Path, models: dict[str, Any], timeout_s: float = 60, start_timeout_s: float = 60, **settings: Any
+) -> Iterator[Rig]:
+    """A gateway of ``models`` (``timeout_s``: its clients' wait for an answer, cold starts included;
+    ``start_timeout_s``: its own start, which waits for the engines that are not on demand)."""
     path = tmp_path / "deploy.yaml"
     gateway_section = {"api_keys": [KEY], "admin_keys": [ADMIN], "log_requests": False, **settings}
     path.write_text(yaml.safe_dump({"models": models, "gateway": gateway_section}, sort_keys=False))
     leaks = LeakCheck()
     app, gateway_config = app_from_config(load_config(path), log_dir=tmp_path / "logs")
-    server = GatewayServer(app, gateway_config).start(timeout_s=60)
+    server = GatewayServer(app, gateway_config).start(timeout_s=start_timeout_s)
     rig = Rig(path, server, leaks, timeout_s)
     try:
         rig.models()
