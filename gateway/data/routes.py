@@ -57,7 +57,8 @@ async def _proxied(request: Request, endpoint: ProxiedRoute) -> Response:
     body = parse_body(await request.body(), endpoint.schema, path)
     grammar_size = check_bounds(path, body, state.settings.request_bounds)
     route = _model_route(state, body, endpoint, tenant)
-    info.model = route.name
+    # metrics, the request log, the ledger and the trace name an adapter as the client did: "<model>:<adapter>"
+    info.model = body["model"] if route.adapter_for(body.get("model")) is not None else route.name
     check_extensions(body, path, state.settings.extensions_for(route.name), route.name)
     owner = request_owner(request.scope)
     pinned = _continued_response(state, body, route, owner) if endpoint.response_ids else None

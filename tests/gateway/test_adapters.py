@@ -58,3 +58,5 @@ def test_a_reload_adds_and_removes_adapters_and_routes_them_when_the_engine_serv
         gone = _ask(rig, "tiny:a1")
         assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found", gone.text
         assert "tiny:a1" not in rig.cards() and _ask(rig, "tiny:a2").status_code == 200
+        # metrics name the adapter as the client did (its two requests answered above)
+        assert rig.metric("gateway_requests_total", model="tiny:a2", route="/v1/chat/completions", status="200") == 2
