@@ -20,6 +20,7 @@ import httpx
 import openai
 import pytest
 
+from launch import shm
 from launch.config import EngineConfig
 from launch.process import EngineExited, EngineProcess, EngineStartTimeout, new_engine_key
 from launch.procgroup import group_pids
@@ -138,9 +139,13 @@ MAP_AND_WAIT = "import mmap, sys; f = open(sys.argv[1], 'r+b'); m = mmap.mmap(f.
 
 
 @pytest.fixture()
-def engine_style_files() -> Iterator[list[Path]]:
-    """Three engine-named /dev/shm files of 4 KiB (removed at the end if a test left them)."""
-    paths = [SHM_DIR / f"sglang_loads_test_{uuid.uuid4().hex}.shm" for _ in range(3)]
+def engine_style_files(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Path]]:
+    """Three engine-style /dev/shm files of 4 KiB (removed at the end if a test left them).
+
+    Their names match an engine pattern of this process only: the engines other tests (other pytest-xdist
+    workers) stop meanwhile sweep the real patterns, and would otherwise take the unused files of this test."""
+    monkeypatch.setattr(shm, "ENGINE_SHM_PATTERNS", (*shm.ENGINE_SHM_PATTERNS, "gwtest_sweep_*"))
+    paths = [SHM_DIR / f"gwtest_sweep_{uuid.uuid4().hex}.shm" for _ in range(3)]
     for path in paths:
         path.write_bytes(b"\0" * 4096)
         os.utime(path, (time.time() - 60, time.time() - 60))  # made a minute ago
