@@ -128,6 +128,7 @@ ENGINE_FLAGS: dict[str, EngineFlag] = {
 NOT_FLAGS: frozenset[str] = frozenset({"env", "python", "extra_args", "startup_timeout_s", "otlp_traces_protocol"})
 
 CPU_ENGINE_ENV = "SGLANG_USE_CPU_ENGINE"
+CPU_LORA_ENV = "SGLANG_GATEWAY_CPU_LORA"
 # Secrets never go on the command line (``/proc/PID/cmdline`` is world-readable): they go in a YAML
 # file read by SGLang's ``--config`` (keys are flag names without the leading dashes).
 CONFIG_FLAG = "--config"
@@ -267,6 +268,8 @@ def build_env(engine: EngineConfig, base: dict[str, str] | None = None) -> Engin
     uses_shim = False
     if engine.device == "cpu":
         env[CPU_ENGINE_ENV] = "1"
+        if engine.enable_lora:
+            env[CPU_LORA_ENV] = "1"  # the engine plugin's plain memory for SGLang's LoRA layers (cpu_pinned_memory)
         if not real_sgl_kernel_importable(engine.python_executable):
             env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CPU_SHIM_DIR), env.get("PYTHONPATH", "")) if p)
             uses_shim = True

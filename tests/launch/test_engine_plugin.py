@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 
+from launch.argv import CPU_LORA_ENV, build_env
+from launch.config import EngineConfig
 from launch.engine_net import ENGINE_PLUGIN_DIR
 from launch.ports import pick_free_port
 from launch.proc_sockets import listening_sockets
@@ -141,9 +143,16 @@ except RuntimeError as error:
 
 
 @pytest.mark.parametrize(("cpu_engine", "expected"), [("1", "tensor [1, 2] False [0.0, 0.0]"), ("", "refused")])
-def test_pinned_memory_is_plain_memory_on_a_cpu_engine_only(cpu_engine: str, expected: str) -> None:
-    """SGLang's LoRA layers ask for pinned tensors, which torch refuses without a GPU; a CPU engine gets plain ones."""
-    env = {**os.environ, "PYTHONPATH": str(ENGINE_PLUGIN_DIR), "SGLANG_USE_CPU_ENGINE": cpu_engine}
+def test_pinned_memory_is_plain_memory_on_a_cpu_lora_engine_only(cpu_engine: str, expected: str) -> None:
+    """SGLang's LoRA layers ask for pinned tensors, which torch refuses without a GPU; a CPU engine with LoRA (the
+    launcher sets the variable for it, below) gets plain ones."""
+    env = {**os.environ, "PYTHONPATH": str(ENGINE_PLUGIN_DIR), CPU_LORA_ENV: cpu_engine}
     probe = subprocess.run([sys.executable, "-c", PINNED_PROBE], env=env, capture_output=True, text=True, timeout=120, check=False)
     assert probe.returncode == 0, probe.stderr[-2000:]
     assert probe.stdout.strip().startswith(expected), probe.stdout
+
+
+def test_the_launcher_asks_for_plain_memory_only_for_a_cpu_engine_with_lora() -> None:
+    env = lambda **keys: build_env(EngineConfig(model_path="/m", **keys), base={}).variables  # noqa: E731
+    assert env(device="cpu", enable_lora=True)[CPU_LORA_ENV] == "1"
+    assert CPU_LORA_ENV not in env(device="cpu") and CPU_LORA_ENV not in env(enable_lora=True)

@@ -2,8 +2,9 @@
 
 SGLang 0.5.23's LoRA layers and its torch_native LoRA backend ask for pinned tensors
 (``torch.tensor(..., pin_memory=True)``, ``tensor.pin_memory()``) whatever the device, so LoRA fails on the
-CPU engine with "Found no NVIDIA driver on your system". On an engine started with ``device: cpu``
-(``SGLANG_USE_CPU_ENGINE=1``) and no CUDA, these become plain tensors; elsewhere nothing changes.
+CPU engine with "Found no NVIDIA driver on your system". On an engine started with ``device: cpu`` and LoRA on
+(``SGLANG_GATEWAY_CPU_LORA=1``, set by the launcher) and no CUDA, these become plain tensors; elsewhere nothing
+changes (torch's factories stay torch's own).
 """
 
 from __future__ import annotations
@@ -13,12 +14,12 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-CPU_ENGINE_ENV = "SGLANG_USE_CPU_ENGINE"
+CPU_LORA_ENV = "SGLANG_GATEWAY_CPU_LORA"
 FACTORIES = ("tensor", "empty", "zeros", "ones", "full", "arange", "empty_like", "zeros_like")
 
 
 def register() -> None:
-    if os.environ.get(CPU_ENGINE_ENV) != "1":
+    if os.environ.get(CPU_LORA_ENV) != "1":
         return
     import torch
 
