@@ -131,6 +131,8 @@ class Proxy:
     ) -> Response:  # fmt: skip
         path = endpoint.upstream_path
         adapter = route.adapter_for(body.get("model"))  # "<model>:<adapter>": SGLang's own spelling, on the served name
+        if adapter is not None:  # metrics, the request log, the ledger and the trace name it as the client did
+            info.model = body["model"]
         problem = token_id_problem(endpoint.token_ids, body, route.backend.vocab_size)
         if problem is not None:
             raise GatewayError(400, problem, code="invalid_token_ids", param=problem.split(":", 1)[0])

@@ -57,8 +57,7 @@ async def _proxied(request: Request, endpoint: ProxiedRoute) -> Response:
     body = parse_body(await request.body(), endpoint.schema, path)
     grammar_size = check_bounds(path, body, state.settings.request_bounds)
     route = _model_route(state, body, endpoint, tenant)
-    # metrics, the request log, the ledger and the trace name an adapter as the client did: "<model>:<adapter>"
-    info.model = body["model"] if route.adapter_for(body.get("model")) is not None else route.name
+    info.model = route.name  # an adapter's name, "<model>:<adapter>", is set by the proxy that selects it
     check_extensions(body, path, state.settings.extensions_for(route.name), route.name)
     owner = request_owner(request.scope)
     pinned = _continued_response(state, body, route, owner) if endpoint.response_ids else None
