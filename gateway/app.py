@@ -131,7 +131,7 @@ def create_app(
             await ledger.start()  # one row per request, written off the hot path (a database down fails no request)
             async with session:
                 waker = controller.residency if link is None else None  # residency runs in one process (gateway.config)
-                state.proxy = Proxy(session, state.metrics, state.quarantine, state.responses, streams, waker, tracing)
+                state.proxy = Proxy(session, state.metrics, state.quarantine, state.responses, streams, waker, tracing, state.registry)
                 if link is not None:  # a worker: no engines of its own
                     await link.start(state, keys)
                     link.apply(link.version, link.first)

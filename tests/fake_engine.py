@@ -16,7 +16,10 @@ What it does, SGLang's way (what the gateway relies on, nothing more):
 - ``POST /v1/chat/completions``: ``max_tokens`` (default 16) pieces ``"tok "``, streamed (role chunk, one chunk
   per piece every ``FAKE_ENGINE_TOKEN_S``, finish chunk, ``data: [DONE]``) or not; ``model`` is the served name;
   a plain answer says in ``fake_priority`` the ``priority`` the request came with, in ``fake_model`` the model it
-  named; a ``model`` of ``<name>:<adapter>`` needs the adapter in ``--lora-paths`` (400 otherwise, as SGLang);
+  named; a ``model`` of ``<name>:<adapter>`` needs the adapter loaded (400 otherwise, as SGLang): those of
+  ``--lora-paths``, and then as ``POST /load_lora_adapter`` / ``/unload_lora_adapter`` (key needed) change them, as
+  SGLang's do (a path containing ``broken`` fails to load; each call is noted in ``FAKE_ENGINE_CALLS``,
+  ``load <name>`` / ``unload <name>``);
 - ``POST /v1/responses`` (not streamed) and ``GET /v1/responses/{id}``: responses stored in memory;
 - a chat message whose content is :data:`CRASH`: it logs a traceback and exits 70 while the request is in
   flight, as an engine a request crashes does; one whose content is :data:`FREEZE`: it blocks its event loop
@@ -100,6 +103,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--max-total-tokens", type=int, default=4096)
     parser.add_argument("--config")
     parser.add_argument("--enable-memory-saver", action="store_true")
+    parser.add_argument("--enable-lora", action="store_true")
     parser.add_argument("--lora-paths", nargs="*", default=[])
     parsed, _ = parser.parse_known_args(argv)  # SGLang's other flags mean nothing to a fake
     return parsed
@@ -120,7 +124,8 @@ def _note(call: str) -> None:
 
 
 def build_app(
-    model: str, api_key: str | None, context_length: int, memory_saver: bool = False, adapters: tuple[str, ...] = ()
+    model: str, api_key: str | None, context_length: int, memory_saver: bool = False, adapters: tuple[str, ...] = (),
+    lora: bool = False,
 ) -> Any:
     from starlette.applications import Starlette
     from starlette.requests import Request
@@ -128,6 +133,7 @@ def build_app(
     from starlette.routing import Route
 
     responses: dict[str, dict[str, Any]] = {}
+    loaded = set(adapters)  # LoRA adapters served now: those of --lora-paths, then as loaded and unloaded
     running = [0]
     released = [False]
 
@@ -155,7 +161,7 @@ def build_app(
         body = await request.json()
         _note("chat-while-released" if released[0] else "chat")
         asked = body.get("model")
-        if isinstance(asked, str) and ":" in asked and asked.split(":", 1)[1] not in adapters:  # SGLang's "<model>:<adapter>"
+        if isinstance(asked, str) and ":" in asked and asked.split(":", 1)[1] not in loaded:  # SGLang's "<model>:<adapter>"
             return JSONResponse({"error": {"message": f"adapter of {asked!r} not loaded (FAKE)", "type": "invalid_request_error", "code": 400}}, 400)
         if released[0]:
             return JSONResponse({"error": {"message": "memory released (FAKE)", "type": "server_error", "code": 500}}, 500)
@@ -212,6 +218,28 @@ def build_app(
 
         return call
 
+    def lora(load: bool) -> Any:
+        async def call(request: Request) -> Response:
+            if (no := refused(request)) is not None:
+                return no
+            body = await request.json()
+            name = body["lora_name"]
+            _note(f"{'load' if load else 'unload'} {name}")
+            if not lora:
+                error = "LoRA is not enabled. Please set `--enable-lora` to enable LoRA. (FAKE)"
+            elif load and "broken" in body.get("lora_path", ""):
+                error = f"Failed to load LoRA adapter {name}: no adapter_config.json in {body['lora_path']} (FAKE)"
+            elif load and name in loaded:
+                error = f"LoRA adapter {name} is already loaded (FAKE)"
+            elif not load and name not in loaded:
+                error = f"LoRA with name {name} does not exist (FAKE)"
+            else:
+                (loaded.add if load else loaded.discard)(name)
+                return JSONResponse({"success": True, "error_message": None, "loaded_adapters": {n: n for n in loaded}})
+            return JSONResponse({"success": False, "error_message": error, "loaded_adapters": None}, 400)
+
+        return call
+
     async def create_response(request: Request) -> Response:
         if (no := refused(request)) is not None:
             return no
@@ -247,6 +275,8 @@ def build_app(
             Route("/v1/chat/completions", chat, methods=["POST"]),
             Route("/v1/responses", create_response, methods=["POST"]),
             Route("/v1/responses/{rid}", get_response),
+            Route("/load_lora_adapter", lora(True), methods=["POST"]),
+            Route("/unload_lora_adapter", lora(False), methods=["POST"]),
             Route("/release_memory_occupation", memory(True), methods=["POST"]),
             Route("/resume_memory_occupation", memory(False), methods=["POST"]),
         ]
@@ -272,7 +302,9 @@ def main(argv: list[str]) -> int:
     import uvicorn
 
     adapters = tuple(item.split("=", 1)[0] for item in args.lora_paths)  # --lora-paths name=path ...
-    app = build_app(args.served_model_name or args.model_path, api_key, args.max_total_tokens, args.enable_memory_saver, adapters)
+    app = build_app(
+        args.served_model_name or args.model_path, api_key, args.max_total_tokens, args.enable_memory_saver, adapters, args.enable_lora
+    )
     # SIGTERM ends it within a second, streams or not (as SGLang's does; uvicorn alone would wait for them).
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False, timeout_graceful_shutdown=1)
     return 0

@@ -20,6 +20,7 @@ from typing import Any
 from loguru import logger
 
 from gateway.config import GatewaySettings, SwapPolicy
+from gateway.control.adapters import AdapterSync
 from gateway.control.reload import Action, ModelChange, ReloadPlan
 from gateway.control.residency import dormant, starts_asleep
 from gateway.control.swap import BackendFactory, SwapError, SwapExecutor, SwapResult, describe_backend
@@ -117,6 +118,8 @@ class DeploymentApplier:
                 return SwapResult(name, change.swap_policy, error=str(error))
             if self.registry.route(name) is None:  # added (or its earlier addition failed)
                 result = await self._add(name, entry, builds, change.swap_policy, settings)
+            elif change.action is Action.ADAPTERS_CHANGED:  # loaded into and unloaded from the running engines
+                return await AdapterSync(self.state).apply(name, entry, SwapResult(name, change.swap_policy))
             elif change.details == ("router",):  # only the router in front changed: the engines stay
                 result = SwapResult(name, change.swap_policy, ok=True, replicas=len(builds))
             else:
@@ -222,7 +225,9 @@ def resolve_policy(policy: SwapPolicy, replicas: int) -> SwapPolicy:
 
 
 def _needs_backend(change: ModelChange) -> bool:
-    return change.action is Action.ENGINE_CHANGED or (change.action is Action.ADDED and change.needs_engine_start)
+    return change.action in (Action.ENGINE_CHANGED, Action.ADAPTERS_CHANGED) or (
+        change.action is Action.ADDED and change.needs_engine_start
+    )
 
 
 def _effective(new: DeploymentConfig, plan: ReloadPlan, results: dict[str, SwapResult]) -> DeploymentConfig:
@@ -234,6 +239,11 @@ def _effective(new: DeploymentConfig, plan: ReloadPlan, results: dict[str, SwapR
             continue
         if change.old is None:
             models.pop(change.name, None)
+        elif result.lora_paths is not None:  # some adapters failed to load: in force without them (a reload retries)
+            assert change.new is not None and change.new.engine is not None
+            served = {name: path for name, path in change.new.adapters.items() if name in result.lora_paths}
+            engine = change.new.engine.model_copy(update={"lora_paths": result.lora_paths})
+            models[change.name] = change.new.model_copy(update={"adapters": served, "engine": engine})
         else:
             assert change.new is not None
             old = change.old
@@ -249,6 +259,7 @@ def _effective(new: DeploymentConfig, plan: ReloadPlan, results: dict[str, SwapR
                 replica_gpus=old.replica_gpus,
                 router=old.router,
                 residency=change.new.residency,
+                adapters=old.adapters,
             )
     return new.model_copy(update={"models": models})
 

@@ -265,6 +265,10 @@ class Controller:
         return result
 
     def _note_swap(self, name: str, result: SwapResult) -> None:
+        if result.adapters is not None:  # adapters loaded into the running engines: no swap
+            said = ", ".join(f"{adapter} {outcome}" for adapter, outcome in result.adapters.items())
+            self.state.events.record("adapters", name, result.ok, said or "unchanged")
+            return
         self.state.metrics.swaps.labels(name, "ok" if result.ok else "failed").inc()
         took = f" in {result.start_s:.1f}s" if result.start_s is not None else ""
         detail = f"{result.policy}: new backend ready{took}" if result.ok else f"{result.policy}: {result.error or 'failed'}; the old backend serves on"

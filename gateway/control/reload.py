@@ -1,7 +1,7 @@
 """What a config reload changes, per model: a pure function of the old and the new config.
 
 Kept apart from the code that applies it so every case (unchanged, added, removed, engine changed,
-only aliases or limits changed) is unit-tested without starting anything. "Engine changed" covers
+only aliases or limits changed, only adapters changed) is unit-tested without starting anything. "Engine changed" covers
 anything that needs a new backend: a different ``engine:`` section, a different ``url`` /
 ``served_model_name`` / ``api_key`` / ``vocab_size`` / ``enable_priority_scheduling``, or a switch between
 ``engine`` and ``url``.
@@ -30,6 +30,7 @@ class Action(StrEnum):
     ADDED = "added"
     REMOVED = "removed"
     ENGINE_CHANGED = "engine_changed"
+    ADAPTERS_CHANGED = "adapters_changed"  # only LoRA adapters: loaded and unloaded in the running engines
     ROUTE_CHANGED = "route_changed"  # only aliases and/or limits: applied at once, engines untouched
 
 
@@ -86,7 +87,9 @@ def plan_reload(
         else:
             backend = _backend_diff(before, after)
             route = _route_diff(name, before, after, old_settings, new_settings)
-            if backend:
+            if backend and _only_adapters(before, backend):
+                action = Action.ADAPTERS_CHANGED
+            elif backend:
                 action = Action.ENGINE_CHANGED
             elif route:
                 action = Action.ROUTE_CHANGED
@@ -110,6 +113,12 @@ def _backend_diff(before: ModelEntry, after: ModelEntry) -> list[str]:
         return [f"engine.{key}" for key in new if old.get(key) != new[key]] + replicas
     url_keys = ("url", "served_model_name", "api_key", "vocab_size", "enable_priority_scheduling")
     return [key for key in url_keys if getattr(before, key) != getattr(after, key)]
+
+
+def _only_adapters(before: ModelEntry, changed: list[str]) -> bool:
+    """Only the adapters changed, and the running engines serve LoRA: SGLang's API loads and unloads them there
+    (turning LoRA on for the first adapter needs new engines)."""
+    return before.engine is not None and before.engine.enable_lora and set(changed) <= {"engine.lora_paths", "engine.enable_lora"}
 
 
 def _route_diff(

@@ -17,9 +17,9 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-import httpx
 from loguru import logger
 
+from gateway.control.engine_api import engine_post
 from gateway.control.fleet import SwapError
 from gateway.core.backends import Backend, DormantBackend, EngineBackend
 from gateway.core.errors import GatewayError
@@ -34,20 +34,7 @@ if TYPE_CHECKING:
 CHECK_INTERVAL_S = 0.5  # how often idle models are looked for
 ROOM_POLL_S = 0.1  # how often a start waiting for room in its group looks again
 STARTING, SLEEPING, RESIDENT = "starting", "sleeping", "resident"
-
-
 RELEASE, RESUME = "/release_memory_occupation", "/resume_memory_occupation"  # SGLang 0.5.23 (needs --enable-memory-saver)
-ENGINE_CALL_TIMEOUT_S = 120.0  # taking back the weights of a large model from CPU memory takes a while
-
-
-async def _engine_call(backend: EngineBackend, path: str) -> str | None:
-    """POST ``path`` to the engine with every memory tag (weights, KV cache, CUDA graphs); None, or what failed."""
-    try:
-        async with httpx.AsyncClient(timeout=ENGINE_CALL_TIMEOUT_S) as client:
-            answer = await client.post(backend.url + path, json={}, headers=backend.upstream_headers())
-    except httpx.HTTPError as error:
-        return f"{path}: {type(error).__name__}"
-    return None if answer.status_code == 200 else f"{path}: HTTP {answer.status_code}"
 
 
 def dormant(route_name: str, replicas: int) -> tuple[Backend, ...]:
@@ -181,7 +168,7 @@ class Residency:
         engines = [backend for backend in route.replicas if isinstance(backend, EngineBackend)]
         if not engines or len(engines) != len(route.replicas):
             return False
-        failed = await asyncio.gather(*(_engine_call(backend, RESUME) for backend in engines))
+        failed = await asyncio.gather(*(engine_post(backend, RESUME) for backend in engines))
         if all(error is None for error in failed):
             for backend in engines:
                 backend.asleep = False  # last: only an engine holding its memory again takes requests
@@ -227,7 +214,7 @@ class Residency:
             for backend in engines:
                 backend.asleep = True  # first: from now on a request wakes it instead of reaching it
             logger.info("model {}: releasing its engines' GPU memory ({})", name, why)
-            released = await asyncio.gather(*(_engine_call(backend, RELEASE) for backend in engines))
+            released = await asyncio.gather(*(engine_post(backend, RELEASE) for backend in engines))
             if all(error is None for error in released):
                 self._count_sleep(name, reason, f"{why}; GPU memory released, processes kept")
                 return True

@@ -52,11 +52,12 @@ class SwapResult:
     drain_timed_out: bool = False
     unavailable_s: float | None = None  # stop-first only: how long the model answered 503
     replicas: int | None = None  # how many replicas the model has after the swap
+    adapters: dict[str, str] | None = None  # a reload that only changed LoRA adapters: each one's outcome
     cause: BaseException | None = field(default=None, repr=False)  # why a start failed (not reported)
-
+    lora_paths: dict[str, str] | None = field(default=None, repr=False)  # the adapters served after it (not reported)
 
     def as_dict(self) -> dict[str, Any]:
-        hidden = ("cause", "_hidden")
+        hidden = ("cause", "lora_paths")
         return {key: value for key, value in self.__dict__.items() if key not in hidden and value is not None and value != []}
 
 

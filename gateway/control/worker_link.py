@@ -114,6 +114,9 @@ class WorkerLink:
             if backend.in_flight:
                 key = (name, backend.identity)
                 in_flight[key] = in_flight.get(key, 0) + backend.in_flight
+                for adapter in backend.adapters_in_flight():  # counted as the model "<name>:<adapter>": an unload waits on it
+                    key = (f"{name}:{adapter}", backend.identity)
+                    in_flight[key] = in_flight.get(key, 0) + 1
             while backend.lost:
                 lost.append((name, backend.identity, backend.lost.popleft()))
         upstream = [

@@ -49,6 +49,10 @@ class Backend:
         self.active: set[Any] = set()
         self._token = secrets.token_hex(8)
 
+    def adapters_in_flight(self) -> list[str]:
+        """The LoRA adapter of each request upstream now that selects one (an unload waits for them)."""
+        return [lease.adapter for lease in self.active if lease.adapter is not None]
+
     @property
     def url(self) -> str:
         raise NotImplementedError

@@ -128,6 +128,11 @@ class GatewayError(Exception):
         return body
 
 
+def unknown_model(name: str) -> GatewayError:
+    """The answer to a request naming a model (or an adapter) the gateway does not serve."""
+    return GatewayError(404, f"The model {name!r} does not exist; see GET /v1/models", code="model_not_found", param="model")
+
+
 def error_body(message: str, type: str, code: str | int | None, param: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 

@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-EventKind = Literal["reload", "swap", "restart", "engine_down", "wake", "sleep"]
+EventKind = Literal["reload", "swap", "adapters", "restart", "engine_down", "wake", "sleep"]
 
 
 @dataclass(frozen=True)

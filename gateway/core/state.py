@@ -75,3 +75,8 @@ class GatewayState:
         """Requests on ``backend`` of ``model`` now: this process's and, with worker processes, theirs."""
         here = backend.in_flight
         return here + self.peers.in_flight(model, backend.identity) if self.peers is not None and model is not None else here
+
+    def adapter_in_flight(self, model: str, adapter: str, backend: Backend) -> int:
+        """Requests on ``backend`` for the adapter ``<model>:<adapter>`` now, this process's and its workers'."""
+        here = sum(1 for selected in backend.adapters_in_flight() if selected == adapter)
+        return here + (self.peers.in_flight(f"{model}:{adapter}", backend.identity) if self.peers is not None else 0)

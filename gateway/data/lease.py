@@ -24,7 +24,7 @@ class Lease:
     is what tells the engine that nobody listens any more (it aborts the request).
     """
 
-    __slots__ = ("limiter", "backend", "gauge", "upstream", "request", "grammar")
+    __slots__ = ("limiter", "backend", "gauge", "upstream", "request", "grammar", "adapter")
 
     def __init__(self, limiter: ConcurrencyLimiter) -> None:
         self.limiter: ConcurrencyLimiter | None = limiter
@@ -33,6 +33,7 @@ class Lease:
         self.gauge: Any = None
         self.upstream: aiohttp.ClientResponse | StreamExchange | None = None
         self.request: tuple[str, bytes] | None = None  # (path, body) as sent upstream
+        self.adapter: str | None = None  # the LoRA adapter it selects: an unload waits for it (gateway.control.adapters)
 
     def take(self, backend: Backend, gauge: Any) -> None:
         """Count this request on ``backend`` (and in the model's in-flight gauge)."""

@@ -25,10 +25,10 @@ from gateway.config import BalancingSettings
 from gateway.core.backends import Backend
 from gateway.core.context import RequestInfo
 from gateway.core.endpoints import ProxiedRoute
-from gateway.core.errors import GatewayError, StreamKind, upstream_error
+from gateway.core.errors import GatewayError, StreamKind, unknown_model, upstream_error
 from gateway.core.metrics import Metrics
 from gateway.core.poison import Quarantine, request_shape, token_id_problem
-from gateway.core.registry import ModelRoute
+from gateway.core.registry import ModelRoute, Registry
 from gateway.core.responses_index import ResponseIndex
 from gateway.core.state import Waker
 from gateway.core.tracing import Tracing, finish_reasons, request_params
@@ -61,8 +61,10 @@ class Proxy:
         streams: StreamPool | None = None,
         waker: Waker | None = None,
         tracing: Tracing | None = None,
+        registry: Registry | None = None,
     ) -> None:
         self.session = session
+        self.registry = registry  # the routes now: an adapter unloaded while a request queued is not sent
         self.tracing = tracing  # OpenTelemetry spans (gateway.core.tracing); None: off, and nothing noted
         self.waker = waker  # models whose engines start on demand: a request for one asleep waits for it
         self.streams = streams if streams is not None else StreamPool(5.0, 600.0)
@@ -146,8 +148,11 @@ class Proxy:
         else:
             await limiter.acquire(route.name, priority or 0)
         lease = Lease(limiter)
+        lease.adapter = adapter
         handed_over = False
         try:
+            if adapter is not None and not self._still_served(route.name, adapter):
+                raise unknown_model(body["model"])  # unloaded while the request waited for its slot
             if limiter.settings.max_concurrent_grammars:
                 size = grammar_bytes(body) if grammar_size is None else grammar_size
                 if size >= limiter.settings.heavy_grammar_bytes:
@@ -222,6 +227,10 @@ class Proxy:
         finally:
             if not handed_over:
                 lease.close()
+
+    def _still_served(self, model: str, adapter: str) -> bool:
+        current = self.registry.route(model) if self.registry is not None else None
+        return current is None or adapter in current.adapters
 
     def _choose(
         self, route: ModelRoute, body: dict[str, Any], balancing: BalancingSettings | None, pinned: Backend | None,

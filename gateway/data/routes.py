@@ -19,7 +19,7 @@ from starlette.types import Receive, Scope, Send
 from gateway.core.backends import Backend
 from gateway.core.context import RequestInfo, request_info
 from gateway.core.endpoints import PROXIED, RESPONSE_BY_ID, RESPONSE_CANCEL, ModelChoice, ProxiedRoute
-from gateway.core.errors import Dialect, GatewayError, error_body, error_response, shaped_for
+from gateway.core.errors import Dialect, GatewayError, error_body, error_response, shaped_for, unknown_model
 from gateway.core.health import HealthProbes
 from gateway.core.registry import ModelRoute
 from gateway.core.responses_index import StoredResponse
@@ -74,17 +74,13 @@ def _model_route(state: GatewayState, body: dict[str, Any], endpoint: ProxiedRou
     caller's key may not use answers as if it did not exist (404: other tenants' models stay unknown to it)."""
     route = _named_route(state, body, endpoint)
     if not _may_use(tenant, route):
-        raise _unknown_model(body.get("model") or "default")
+        raise unknown_model(body.get("model") or "default")
     return route
 
 
 def _may_use(tenant: Tenant | None, route: ModelRoute) -> bool:
     """Whether the caller's key may use (and so see) ``route``: every model for plain keys and open gateways."""
     return tenant is None or tenant.may_use(route.names)
-
-
-def _unknown_model(name: str) -> GatewayError:
-    return GatewayError(404, f"The model {name!r} does not exist; see GET /v1/models", code="model_not_found", param="model")
 
 
 def _named_route(state: GatewayState, body: dict[str, Any], endpoint: ProxiedRoute) -> ModelRoute:
@@ -100,7 +96,7 @@ def _named_route(state: GatewayState, body: dict[str, Any], endpoint: ProxiedRou
         return route
     route = state.registry.resolve(name)
     if route is None:
-        raise _unknown_model(name)
+        raise unknown_model(name)
     return route
 
 

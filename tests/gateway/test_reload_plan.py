@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.config import gateway_settings
+from gateway.control.adapters import adapter_change
 from gateway.control.reload import Action, plan_reload
 from launch.config import parse_config
 
@@ -42,6 +43,24 @@ def test_engine_field_change_names_the_field() -> None:
     (change,) = plan.changes
     assert change.action is Action.ENGINE_CHANGED and change.needs_engine_start
     assert set(change.details) == {"engine.max_total_tokens", "engine.served_model_name"}
+
+
+def test_only_adapters_changed_keeps_engines_that_serve_lora() -> None:
+    one = {"engine": ENGINE, "adapters": {"a1": "/adapters/a1"}}
+    two = {"engine": ENGINE, "adapters": {"a1": "/adapters/a1", "a2": "/adapters/a2"}}
+    plan = _plan({"a": one, "b": one, "c": {"engine": ENGINE}}, {"a": two, "b": {"engine": ENGINE}, "c": two})
+    assert _actions(plan) == {"a": Action.ADAPTERS_CHANGED, "b": Action.ADAPTERS_CHANGED, "c": Action.ENGINE_CHANGED}
+    assert plan.changes[0].details == ("engine.lora_paths",)  # b: its last adapter removed, LoRA stays on in the engine
+    assert set(plan.changes[1].details) == {"engine.lora_paths", "engine.enable_lora"}
+    # c: its engines were started without LoRA: new ones must be; adapters with another engine key: a swap too
+    changed = _plan({"a": one}, {"a": {**two, "engine": {**ENGINE, "max_total_tokens": 2048}}})
+    assert _actions(changed) == {"a": Action.ENGINE_CHANGED}
+
+
+def test_adapter_change_unloads_removed_and_moved_adapters_and_loads_new_and_moved_ones() -> None:
+    running = {"keep": "/k", "gone": "/g", "moved": "/m1"}
+    assert adapter_change(running, {"keep": "/k", "moved": "/m2", "new": "/n"}) == (["gone", "moved"], {"moved": "/m2", "new": "/n"})
+    assert adapter_change(running, running) == ([], {})
 
 
 def test_only_aliases_or_limits_change_the_route_not_the_engine() -> None:
