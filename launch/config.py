@@ -322,7 +322,7 @@ class ModelEntry(_Strict):
         """``adapters`` set the engine keys that load them at start: ``enable_lora`` and ``lora_paths``."""
         if isinstance(data, dict) and data.get("adapters") and isinstance(data.get("engine"), dict):
             engine = data["engine"]
-            if "lora_paths" in engine:
+            if "lora_paths" in engine and engine["lora_paths"] != data["adapters"]:  # equal: a dumped config read back
                 raise ValueError("give LoRA adapters once: in adapters (served as '<model>:<adapter>'), not also engine.lora_paths")
             if isinstance(data["adapters"], dict):
                 data = {**data, "engine": {**engine, "enable_lora": True, "lora_paths": data["adapters"]}}
@@ -450,18 +450,25 @@ class DeploymentConfig(_Strict):
 
 
 def _resolve_relative_paths(data: Any, base: Path) -> Any:
-    """Make ``./x`` and ``../x`` model/tokenizer paths relative to the YAML file, not the CWD."""
+    """Make ``./x`` and ``../x`` model, tokenizer, template and adapter paths relative to the YAML file, not the CWD."""
     models = data.get("models") if isinstance(data, dict) else None
     if not isinstance(models, dict):
         return data
+
+    def resolved(value: Any) -> Any:
+        return str((base / value).resolve()) if isinstance(value, str) and value.startswith(("./", "../")) else value
+
     for entry in models.values():
+        if isinstance(entry, dict) and isinstance(entry.get("adapters"), dict):
+            entry["adapters"] = {name: resolved(path) for name, path in entry["adapters"].items()}
         engine = entry.get("engine") if isinstance(entry, dict) else None
         if not isinstance(engine, dict):
             continue
         for key in ("model_path", "tokenizer_path", "chat_template"):
-            value = engine.get(key)
-            if isinstance(value, str) and value.startswith(("./", "../")):
-                engine[key] = str((base / value).resolve())
+            if key in engine:
+                engine[key] = resolved(engine[key])
+        if isinstance(engine.get("lora_paths"), dict):
+            engine["lora_paths"] = {name: resolved(path) for name, path in engine["lora_paths"].items()}
     return data
 
 

@@ -23,7 +23,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from model_code.engine_owner import Engine, acquire_engines
 from model_code.errors import BadRequestError, EngineUnavailableError, from_openai_error
-from model_code.params import build_request
+from model_code.params import build_request, model_for
 from model_code.replica_set import Replica, ReplicaSet
 from model_code.target import LOG_TIME_TEXT, ModelCodeSettings, in_log_time, resolve_target
 from model_code.trace_context import outgoing_headers
@@ -47,10 +47,13 @@ class EngineClient:
     """``openai`` clients bound to one served model: one per replica (an engine this package runs, or the
     URL), the engines it holds, and the choice of a replica per request (:mod:`model_code.replica_set`)."""
 
-    def __init__(self, model: str, replicas: ReplicaSet, settings: ModelCodeSettings | None = None) -> None:
+    def __init__(
+        self, model: str, replicas: ReplicaSet, settings: ModelCodeSettings | None = None, adapters: tuple[str, ...] | None = None
+    ) -> None:
         self.model = model
         self.replicas = replicas
         self.settings = settings or ModelCodeSettings()
+        self.adapters = adapters  # the LoRA adapters a request may select (None: a URL target's server checks)
         self._closed = False
 
     @classmethod
@@ -61,7 +64,7 @@ class EngineClient:
         target = resolve_target(model_config, artifacts)
         if in_log_time():
             logger.info("model {}: loaded by MLflow's log/save step: no engine is started", target.name)
-            return LogTimeClient(target.served_name, target.settings)
+            return LogTimeClient(target.served_name, target.settings, target.adapters)
         api_key = target.api_key or "EMPTY"
         if target.settings.api_key_env:
             api_key = os.environ.get(target.settings.api_key_env, api_key)
@@ -73,7 +76,7 @@ class EngineClient:
                 Replica(index, engine.url, engine.api_key or api_key, target.settings, engine)
                 for index, engine in enumerate(engines)
             ]
-        return cls(target.served_name, ReplicaSet(replicas), target.settings)
+        return cls(target.served_name, ReplicaSet(replicas), target.settings, target.adapters)
 
     @property
     def engines(self) -> list[Engine]:
@@ -99,7 +102,8 @@ class EngineClient:
         return self.replicas.replicas[0].api_key
 
     def request(self, params: Mapping[str, Any] | None) -> dict[str, Any]:
-        return build_request(params, self.settings.defaults)
+        """The ``chat.completions.create`` kwargs of ``params``, ``model`` included (an adapter's name when one is selected)."""
+        return {"model": model_for(self.model, self.adapters, params, self.settings.defaults), **build_request(params, self.settings.defaults)}
 
     def chat(self, messages: list[dict[str, Any]], params: Mapping[str, Any] | None = None) -> ChatCompletion:
         """One non-streaming completion; typed errors."""
@@ -108,7 +112,7 @@ class EngineClient:
         for attempt in (1, 2):
             try:
                 return replica.openai().chat.completions.create(
-                    model=self.model, messages=messages, extra_headers=outgoing_headers(), **kwargs
+                    messages=messages, extra_headers=outgoing_headers(), **kwargs
                 )
             except openai.APIConnectionError as error:
                 refused = error
@@ -132,7 +136,6 @@ class EngineClient:
             received = False
             try:
                 stream = replica.openai().chat.completions.create(
-                    model=self.model,
                     messages=messages,
                     stream=True,
                     stream_options={"include_usage": True},
@@ -199,12 +202,14 @@ class LogTimeClient:
 
     engine = None
 
-    def __init__(self, model: str, settings: ModelCodeSettings | None = None) -> None:
+    def __init__(self, model: str, settings: ModelCodeSettings | None = None, adapters: tuple[str, ...] | None = None) -> None:
         self.model = model
         self.settings = settings or ModelCodeSettings()
+        self.adapters = adapters
 
     def request(self, params: Mapping[str, Any] | None) -> dict[str, Any]:
-        return build_request(params, self.settings.defaults)
+        """The ``chat.completions.create`` kwargs of ``params``, ``model`` included (an adapter's name when one is selected)."""
+        return {"model": model_for(self.model, self.adapters, params, self.settings.defaults), **build_request(params, self.settings.defaults)}
 
     def chat(self, messages: list[dict[str, Any]], params: Mapping[str, Any] | None = None) -> ChatCompletion:
         self.request(params)

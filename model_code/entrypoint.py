@@ -7,7 +7,8 @@ So everything that command needs is logged in the artifacts folder:
 
 - ``sglang-gateway.yaml``: the deployment, reduced to the served model, with ``./`` paths relative to
   itself (the weights) and the gateway on ``0.0.0.0:${SGLANG_GATEWAY_PORT:-8080}``;
-- the weights (when given), under their directory's name;
+- the weights (when given), under their directory's name; the LoRA adapters, copied as ``lora-<name>``
+  (served as the models ``<model>:<adapter>``, as the gateway serves them anywhere);
 - ``gateway/`` and ``launch/``: the code of the command. ``python -m`` puts the working directory first
   on ``sys.path``, so the command needs the requirements installed and nothing else (no console script,
   whose shebang would name the logging machine's python).
@@ -21,16 +22,17 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from launch.config import GATEWAY_KEY_SETTINGS, GATEWAY_PER_MODEL_SETTINGS, ConfigError
+from model_code.adapters import stage_adapters
 from model_code.flavors.spec import CHAT_TASK
 from model_code.paths import PACKAGE_DIR, REPO_DIR
-from model_code.target import SETTINGS_KEY, WEIGHTS_ARTIFACT, Target
+from model_code.target import ADAPTER_ARTIFACT_PREFIX, SETTINGS_KEY, WEIGHTS_ARTIFACT, Target, adapter_artifact
 
 PLACEHOLDER_FILE = PACKAGE_DIR / "entrypoint_model.py"
 DEPLOYMENT_FILE = "sglang-gateway.yaml"
@@ -65,9 +67,12 @@ def check_options(
         raise ValueError("metadata.entrypoint: the entrypoint flavour writes the command itself")
 
 
-def serving_deployment(model_config: Mapping[str, Any], target: Target, weights_dir: str | None) -> dict[str, Any]:
+def serving_deployment(
+    model_config: Mapping[str, Any], target: Target, weights_dir: str | None, packed: Collection[str] = ()
+) -> dict[str, Any]:
     """The deployment the entrypoint serves: ``target``'s model alone, its weights at ``./weights_dir``
-    (when logged), the gateway on all interfaces at the port variable (8080 when unset)."""
+    (when logged), its ``packed`` adapters at ``./lora-<name>``, the gateway on all interfaces at the port
+    variable (8080 when unset)."""
     if target.engine is None:
         raise ConfigError(
             f"model {target.name!r} is reached at a url: the entrypoint flavour serves an engine on the endpoint's GPU"
@@ -89,10 +94,15 @@ def serving_deployment(model_config: Mapping[str, Any], target: Target, weights_
     engine.pop("port", None)  # the engine's port is private; a fixed one could take the gateway's
     if weights_dir is not None:
         engine["model_path"] = f"./{weights_dir}"
+    if "lora_paths" in engine:
+        engine["lora_paths"] = {name: f"./{adapter_artifact(name)}" if name in packed else path for name, path in engine["lora_paths"].items()}
     entry: dict[str, Any] = {"engine": engine}
-    aliases = target.deployment.models[target.name].aliases
-    if aliases:
-        entry["aliases"] = list(aliases)
+    served = target.deployment.models[target.name]
+    if served.adapters:  # each served as the model "<name>:<adapter>", as the gateway serves them anywhere
+        entry["adapters"] = engine.pop("lora_paths")
+        engine.pop("enable_lora", None)
+    if served.aliases:
+        entry["aliases"] = list(served.aliases)
     return {"models": {target.name: entry}, "gateway": gateway}
 
 
@@ -144,18 +154,20 @@ def log_entrypoint_model(
     from mlflow.types.llm import CHAT_MODEL_INPUT_SCHEMA, CHAT_MODEL_OUTPUT_SCHEMA
 
     reserved = {DEPLOYMENT_FILE, *CODE_PACKAGES}
-    if weights is not None and weights.name in reserved:
+    if weights is not None and (weights.name in reserved or weights.name.startswith(ADAPTER_ARTIFACT_PREFIX)):
         raise ConfigError(
             f"model_path {weights}: the artifacts folder needs the name {weights.name!r} for the gateway; "
             "rename the weights directory"
         )
-    deployment = serving_deployment(model_config, target, weights.name if weights is not None else None)
     metadata = {**metadata, "task": CHAT_TASK, "entrypoint": COMMAND}
     with tempfile.TemporaryDirectory(prefix="sglang-gateway-entrypoint-") as staging:
+        adapters = stage_adapters(target.engine.lora_paths, Path(staging)) if target.engine is not None else {}
+        packed = [name for name in (target.engine.lora_paths if target.engine else {}) if adapter_artifact(name) in adapters]
+        deployment = serving_deployment(model_config, target, weights.name if weights is not None else None, packed)
         return mlflow.pyfunc.log_model(
             name=name,
             python_model=str(PLACEHOLDER_FILE),
-            artifacts=stage_artifacts(deployment, weights, Path(staging)),
+            artifacts={**stage_artifacts(deployment, weights, Path(staging)), **adapters},
             pip_requirements=requirements,
             metadata=metadata,
             signature=ModelSignature(inputs=CHAT_MODEL_INPUT_SCHEMA, outputs=CHAT_MODEL_OUTPUT_SCHEMA),

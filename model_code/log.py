@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from launch.config import ConfigError, load_config
+from model_code.adapters import stage_adapters
 from model_code.entrypoint import check_options, log_entrypoint_model
 from model_code.flavors.spec import CHAT_TASK
 from model_code.paths import PACKAGE_DIR, REPO_DIR
@@ -85,6 +87,8 @@ def log_model(
         model_path: local weights directory, logged as the ``llm-model`` artifact and used instead of the
             config's ``model_path`` when the model is loaded. ``None``: the engine loads the config's
             ``model_path`` where the model is served (a Hugging Face id or a path such as ``/Volumes/...``).
+            The served model's LoRA adapters (``adapters:``) that are local directories are packed as the
+            artifacts ``lora-<name>`` (:mod:`model_code.adapters`), whatever ``model_path`` is.
         name: the model's name in the run (``name=`` of ``mlflow.pyfunc.log_model``).
         registered_model_name: also register it (e.g. ``catalog.schema.model`` in Unity Catalog).
         task: metadata task override, e.g. ``"llm/v1/chat"`` (``"chat"`` is short for it): lets Databricks
@@ -152,7 +156,9 @@ def log_model(
             model_config, target, weights=weights, name=name, requirements=requirements, metadata=metadata, **log_kwargs
         )
 
-    with no_engine():
+    lora_paths = target.engine.lora_paths if target.engine is not None else {}
+    with no_engine(), tempfile.TemporaryDirectory(prefix="sglang-gateway-adapters-") as staging:
+        artifacts = {**(artifacts or {}), **stage_adapters(lora_paths, Path(staging))} or None
         return mlflow.pyfunc.log_model(
             name=name,
             python_model=str(FLAVORS[flavor].path),

@@ -13,7 +13,8 @@ Then :func:`build_request` (the engine client calls it) takes that mapping. Acce
 :class:`BadRequestError` that lists them):
 OpenAI ones are passed as is; SGLang sampling extras (``top_k``, ``min_p``, ``repetition_penalty``,
 ``regex``, ``ebnf``, ...) go in ``extra_body``; ``json_schema`` (a dict or JSON string, as batch users
-already pass it) becomes ``response_format={"type": "json_schema", ...}``; ``extra_body`` is merged verbatim.
+already pass it) becomes ``response_format={"type": "json_schema", ...}``; ``extra_body`` is merged verbatim;
+``adapter`` selects one of the model's LoRA adapters (:func:`model_for`), in every flavour's ``custom_inputs``.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ SGLANG_EXTRA_PARAMS = frozenset(
         "rid",
     }
 )
-CONVENIENCE_PARAMS = frozenset({"json_schema", "extra_body"})
+ADAPTER_PARAM = "adapter"
+CONVENIENCE_PARAMS = frozenset({"json_schema", "extra_body", ADAPTER_PARAM})
 ACCEPTED_PARAMS = OPENAI_PARAMS | SGLANG_EXTRA_PARAMS | CONVENIENCE_PARAMS
 
 
@@ -99,6 +101,24 @@ def build_request(params: Mapping[str, Any] | None, defaults: Mapping[str, Any] 
     if extra:
         kwargs["extra_body"] = extra
     return kwargs
+
+
+def model_for(
+    served: str, adapters: tuple[str, ...] | None, params: Mapping[str, Any] | None, defaults: Mapping[str, Any] | None = None
+) -> str:
+    """The request's ``model``: ``served``, or ``<served>:<adapter>`` (SGLang's selection) for the LoRA adapter named by
+    the ``adapter`` parameter; ``adapters``: those the engine serves (None: a URL target, whose server checks)."""
+    adapter = (params or {}).get(ADAPTER_PARAM)
+    if adapter is None:
+        adapter = (defaults or {}).get(ADAPTER_PARAM)
+    if adapter is None:
+        return served
+    if adapters is not None and adapter not in adapters:
+        served_ones = f"its adapters: {', '.join(adapters)}" if adapters else "it serves no LoRA adapter"
+        raise BadRequestError(f"adapter {adapter!r}: not an adapter of model {served!r} ({served_ones})")
+    if not isinstance(adapter, str) or not adapter:
+        raise BadRequestError("'adapter' must name one of the model's LoRA adapters")
+    return f"{served}:{adapter}"
 
 
 def json_schema_format(schema: Any, name: str = "output") -> dict[str, Any]:

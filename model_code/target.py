@@ -26,6 +26,8 @@ from launch.config import ConfigError, DeploymentConfig, EngineConfig, ModelEntr
 
 WEIGHTS_ARTIFACT = "llm-model"
 """Key of the local weights in ``context.artifacts`` (the name notebooks that log models by hand already use)."""
+ADAPTER_ARTIFACT_PREFIX = "lora-"
+"""Key prefix of a packed LoRA adapter in ``context.artifacts``: ``lora-<adapter name>``."""
 NO_ENGINE_ENV = "SGLANG_GATEWAY_MLFLOW_NO_ENGINE"
 """Set to ``1`` to load models without starting an engine (log time; also usable by hand)."""
 SHOW_ENGINE_LOG_ENV = "SGLANG_GATEWAY_SHOW_ENGINE_LOG"
@@ -89,6 +91,7 @@ class Target:
     deployment: DeploymentConfig
     served_name: str = ""
     api_key: str | None = None
+    adapters: tuple[str, ...] | None = None  # the engine's LoRA adapters (None: a URL target, whose server knows its own)
 
     @property
     def entry(self) -> ModelEntry:
@@ -130,12 +133,21 @@ def resolve_target(model_config: Mapping[str, Any] | None, artifacts: Mapping[st
         weights = (artifacts or {}).get(WEIGHTS_ARTIFACT)
         if weights:
             updates["model_path"] = str(weights)
+        packed = {name: (artifacts or {}).get(adapter_artifact(name)) for name in engine.lora_paths}
+        if any(packed.values()):  # adapters logged with the model: their copies beside the weights
+            updates["lora_paths"] = {name: packed[name] or path for name, path in engine.lora_paths.items()}
         if not settings.keep_port:
             updates["port"] = 0  # two load_model calls in one process must not collide
         engine = engine.model_copy(update=updates) if updates else engine
     # the name the engine / upstream expects in "model" (the YAML key unless the config renames it)
     served = (engine.served_model_name if engine is not None else entry.served_model_name) or name
-    return Target(name, engine, entry.url, settings, deployment, served, entry.api_key)
+    adapters = tuple(engine.lora_paths) if engine is not None else None
+    return Target(name, engine, entry.url, settings, deployment, served, entry.api_key, adapters)
+
+
+def adapter_artifact(name: str) -> str:
+    """The artifact key (and folder name) of the packed adapter ``name``."""
+    return f"{ADAPTER_ARTIFACT_PREFIX}{name}"
 
 
 def _pick_model(deployment: DeploymentConfig, settings: ModelCodeSettings) -> str:

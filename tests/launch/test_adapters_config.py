@@ -31,6 +31,15 @@ def test_adapters_load_at_start_with_the_cpu_kernels_and_their_names() -> None:
     assert "--lora-backend" not in build_argv(gpu, port=30000, served_model_name="tiny")  # SGLang's choice on a GPU
 
 
+def test_a_dumped_config_with_adapters_reads_back() -> None:
+    """What ``log_model`` does with a YAML file: dump the models and parse them again (the engine then says
+    ``lora_paths`` too, the same as ``adapters``)."""
+    deployment = _deployment({"engine": {"model_path": "/m", "device": "cpu"}, "adapters": {"a1": "/ad/1"}})
+    dumped = deployment.model_dump(mode="json", exclude_defaults=True)["models"]
+    assert dumped["tiny"]["engine"]["lora_paths"] == {"a1": "/ad/1"}
+    assert parse_config({"models": dumped}, "deploy.yaml").models["tiny"] == deployment.models["tiny"]
+
+
 def test_no_adapters_no_lora_flags() -> None:
     argv = build_argv(_deployment({"engine": {"model_path": "/m", "device": "cpu"}}).engine("tiny"), port=30000, served_model_name="t")
     assert not [flag for flag in argv if "lora" in flag]
@@ -42,7 +51,7 @@ def test_no_adapters_no_lora_flags() -> None:
         ({"url": "http://127.0.0.1:1", "adapters": {"a": "/p"}}, "models.tiny: adapters need an 'engine' section"),
         ({"engine": {"model_path": "/m"}, "adapters": {"a:b": "/p"}}, "adapter name 'a:b': letters, digits"),
         ({"engine": {"model_path": "/m"}, "adapters": {"a": " "}}, "adapter 'a': the path is empty"),
-        ({"engine": {"model_path": "/m", "lora_paths": {"a": "/p"}}, "adapters": {"a": "/p"}}, "give LoRA adapters once"),
+        ({"engine": {"model_path": "/m", "lora_paths": {"a": "/q"}}, "adapters": {"a": "/p"}}, "give LoRA adapters once"),
         ({"engine": {"model_path": "/m", "lora_paths": {"a": "/p"}}}, "lora_paths needs enable_lora: true"),
         ({"engine": {"model_path": "/m", "lora_eviction_policy": "random"}}, "lora_eviction_policy"),
     ],

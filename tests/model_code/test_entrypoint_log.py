@@ -18,6 +18,7 @@ from launch.config import ConfigError, load_config
 from launch.gpu_profiles import DEFAULT_PROFILE
 from model_code import engine_owner, log_model
 from model_code.entrypoint import COMMAND, DEPLOYMENT_FILE, PORT_ENV
+from tests.lora import make_adapter
 from tests.model_code.helpers import engine_children
 
 REPO = Path(__file__).resolve().parents[2]
@@ -163,3 +164,23 @@ def test_a_url_model_and_a_clashing_weights_name_are_refused(mlflow_store: Path,
     config = {"models": {"m": {"engine": {"model_path": str(weights), "device": "cpu"}}}}
     with mlflow.start_run(), pytest.raises(ConfigError, match="rename the weights directory"):
         log_model(config, flavor="entrypoint", model_path=weights)
+
+
+def test_adapters_are_packed_and_served_as_model_names(mlflow_store: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Local adapter directories are copied into the artifacts folder (their own names do not matter: both are
+    called ``adapter`` here); one that is not a directory here stays a path the engine loads where it is served."""
+    first, second = (make_adapter(tiny_model_dir, tmp_path / name / "adapter", seed) for name, seed in (("one", 1), ("two", 2)))
+    adapters = {"support": str(first), "legal": str(second), "remote": "/Volumes/main/adapters/remote"}
+    config = {"models": {"tiny": {"engine": {"model_path": str(tiny_model_dir), "device": "cpu"}, "adapters": adapters}}}
+    _, files = _logged(config, model_path=tiny_model_dir)
+    artifacts = files / "artifacts"
+    for name, source in (("support", first), ("legal", second)):
+        copied = artifacts / f"lora-{name}"
+        assert (copied / "adapter_model.safetensors").read_bytes() == (source / "adapter_model.safetensors").read_bytes()
+    written = yaml.safe_load((artifacts / DEPLOYMENT_FILE).read_text())["models"]["tiny"]
+    assert written["adapters"] == {"support": "./lora-support", "legal": "./lora-legal", "remote": "/Volumes/main/adapters/remote"}
+    assert "lora_paths" not in written["engine"] and "enable_lora" not in written["engine"]
+    deployment = load_config(artifacts / DEPLOYMENT_FILE)  # as the command loads it: the copies, beside the file
+    assert deployment.engine("tiny").lora_paths["support"] == str(artifacts / "lora-support")
+    assert list(deployment.models["tiny"].adapters) == ["support", "legal", "remote"]  # the models tiny:support...
+

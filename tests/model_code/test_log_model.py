@@ -1,5 +1,5 @@
 """``log_model`` starts no engine (MLflow loads and predicts at log time), pins the GPU stack profile
-(FlashInfer by wheel URL), and records config, weights and task as asked."""
+(FlashInfer by wheel URL), and records config, weights, LoRA adapters and task as asked."""
 
 from __future__ import annotations
 
@@ -13,6 +13,9 @@ from launch.config import ConfigError
 from launch.gpu_profiles import DEFAULT_PROFILE, UnknownGpuProfile
 from model_code import engine_owner, log_model
 from model_code.flavors.table import FLAVORS
+from model_code.log import no_engine
+from model_code.target import resolve_target
+from tests.lora import make_adapter
 from tests.model_code.helpers import engine_children
 
 REPO = Path(__file__).resolve().parents[2]
@@ -99,3 +102,21 @@ def test_bad_arguments(mlflow_store, tmp_path):
         log_model(QWEN_7B, model_path=tmp_path / "missing")
     with pytest.raises(UnknownGpuProfile, match=r"^no GPU stack profile for CUDA 12\.8: .* Profiles: sglang-0\.5\.23-cu130 "):
         log_model(QWEN_7B, cuda="12.8")
+
+
+def test_a_pyfunc_model_packs_its_adapters_and_loads_them_from_its_artifacts(
+    mlflow_store: Path, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    source = make_adapter(tiny_model_dir, tmp_path / "adapter", 1)
+    config = {"models": {"tiny": {"engine": {"model_path": str(tiny_model_dir), "device": "cpu"}, "adapters": {"support": str(source)}}}}
+    with mlflow.start_run():
+        info = log_model(config, flavor="chat_agent")
+    files = Path(mlflow.artifacts.download_artifacts(info.model_uri))
+    assert (files / "artifacts" / "lora-support" / "adapter_config.json").is_file()
+    with no_engine():
+        model_config = mlflow.pyfunc.load_model(info.model_uri).model_config
+    target = resolve_target(model_config, {"lora-support": str(files / "artifacts" / "lora-support")})  # as load_context
+    assert target.engine.lora_paths == {"support": str(files / "artifacts" / "lora-support")} and target.adapters == ("support",)
+    with pytest.raises(FileNotFoundError, match="adapter broken: .* has no adapter_config.json"):
+        (tmp_path / "empty").mkdir()
+        log_model({**config, "models": {"tiny": {**config["models"]["tiny"], "adapters": {"broken": str(tmp_path / "empty")}}}})

@@ -3,8 +3,8 @@
 after ``close``. The shared mode is tested in ``test_shared_serving.py``.
 
 One real SGLang CPU engine start for the module: a ``chat_agent`` loads its engine, the output shows the
-start phases and the URL but not the engine's own lines, it answers (plain, streamed, traced) and ``close``
-leaves nothing. What only the model's engine ownership decides (two loads in one process side by side on
+start phases and the URL but not the engine's own lines, it answers (plain, streamed, traced; with the LoRA
+adapter packed with the model, selected by ``custom_inputs``, and without) and ``close`` leaves nothing. What only the model's engine ownership decides (two loads in one process side by side on
 their own ports, ``show_engine_log``, closing each, ``stop_all``, the ``responses_agent`` flavour on a managed
 engine) runs on FAKE engines (tests/fake_engine.py, the engine config's ``python:``), which the product
 starts, watches and stops exactly as real ones: each flavour against the real engine is tested in URL mode
@@ -12,6 +12,7 @@ starts, watches and stops exactly as real ones: each flavour against the real en
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import mlflow
@@ -19,17 +20,18 @@ import pytest
 from loguru import logger
 
 from model_code import close_model, engine_owner, log_model, python_model_of, stop_all
-from model_code.errors import EngineUnavailableError
+from model_code.errors import BadRequestError, EngineUnavailableError
 from tests.fake_engine import fake_engine_python
 from tests.leaks import leaves_nothing
+from tests.lora import make_adapter
 from tests.model_code.helpers import engine_children, last_trace
 
 MESSAGES = [{"role": "user", "content": "What is Databricks?"}]
 
 
-def _log(engine: dict, flavors: dict[str, bool], model_path: Path) -> dict:
+def _log(engine: dict, flavors: dict[str, bool], model_path: Path, adapters: dict[str, str] | None = None) -> dict:
     """Log each flavour (-> its ``show_engine_log``) in ``per_process`` mode with the engine section ``engine``."""
-    config = {"models": {"tiny": {"engine": {**engine, "skip_server_warmup": True}}}}
+    config = {"models": {"tiny": {"engine": {**engine, "skip_server_warmup": True}, **({"adapters": adapters} if adapters else {})}}}
     infos = {}
     for flavor, show in flavors.items():
         settings = {"engine_sharing": "per_process", "show_engine_log": show}
@@ -43,9 +45,13 @@ def _tiny_engine(tiny_deployment) -> dict:
 
 
 @pytest.fixture(scope="module")
-def managed_info(starts_engine, mlflow_store, tiny_deployment, tiny_model_dir):
-    """A ``chat_agent`` on the real engine."""
-    yield _log(_tiny_engine(tiny_deployment), {"chat_agent": False}, tiny_model_dir)["chat_agent"]
+def managed_info(starts_engine, mlflow_store, tiny_deployment, tiny_model_dir, tmp_path_factory):
+    """A ``chat_agent`` on the real engine, logged with a LoRA adapter whose directory is gone once it is logged
+    (the model serves its packed copy)."""
+    source = make_adapter(tiny_model_dir, tmp_path_factory.mktemp("adapter") / "support", seed=1)
+    info = _log(_tiny_engine(tiny_deployment), {"chat_agent": False}, tiny_model_dir, {"support": str(source)})["chat_agent"]
+    shutil.rmtree(source)
+    yield info
     stop_all()
 
 
@@ -88,6 +94,17 @@ def test_a_managed_model_starts_its_real_engine_answers_then_close_leaves_nothin
                 agent.predict_stream({"messages": MESSAGES, "custom_inputs": {"temperature": 0.0, "max_tokens": 8}})
             )
             assert any(c.get("finish_reason") for c in chunks)
+
+            # the adapter packed with the model, selected per request through custom_inputs
+            assert any(arg.endswith("/artifacts/lora-support") for arg in engine.argv), engine.argv
+            greedy = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
+            base = agent.predict({"messages": MESSAGES, "custom_inputs": greedy})["messages"][0]["content"]
+            tuned = agent.predict({"messages": MESSAGES, "custom_inputs": {**greedy, "adapter": "support"}})
+            assert tuned["messages"][0]["content"] != base, base
+            streamed = agent.predict_stream({"messages": MESSAGES, "custom_inputs": {**greedy, "adapter": "support"}})
+            assert "".join(c["delta"].get("content") or "" for c in streamed) == tuned["messages"][0]["content"]
+            with pytest.raises(BadRequestError, match="adapter 'other': not an adapter of model 'tiny' .its adapters: support"):
+                agent.predict({"messages": MESSAGES, "custom_inputs": {"adapter": "other"}})
         finally:
             close_model(agent)
     assert not engine.running
