@@ -315,6 +315,9 @@ class ModelEntry(_Strict):
         default_factory=dict,
         description="LoRA adapters served by this model's engine, name -> path; each is the model '<name>:<adapter>' (docs/adapters.md).",
     )
+    adapter_aliases: dict[str, str] = Field(
+        default_factory=dict, description="Other names of adapters, alias -> adapter: the alias is served as '<name>:<adapter>'."
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -367,6 +370,9 @@ class ModelEntry(_Strict):
             )
         if self.engine is None and self.adapters:
             raise ValueError("adapters need an 'engine' section (the gateway loads them into the engine it starts)")
+        for alias, adapter in self.adapter_aliases.items():
+            if adapter not in self.adapters:
+                raise ValueError(f"adapter_aliases.{alias}: no adapter named {adapter!r} (adapters: {', '.join(self.adapters) or 'none'})")
         if self.engine is None and (self.replicas != 1 or self.replica_gpus is not None or self.router is not None):
             raise ValueError("replicas, replica_gpus and router need an 'engine' section (a 'url' model is one upstream)")
         if self.replicas > 1 and self.engine is not None and self.engine.nnodes > 1:
@@ -426,7 +432,10 @@ class DeploymentConfig(_Strict):
     def _names(cls, value: dict[str, ModelEntry]) -> dict[str, ModelEntry]:
         seen: dict[str, str] = {}
         for name, entry in value.items():
-            for label in (name, *entry.aliases):
+            for alias in entry.adapter_aliases:
+                if alias in (name, *entry.aliases):
+                    raise ValueError(f"adapter alias {alias!r} is a name of model {name!r} itself (its base model)")
+            for label in (name, *entry.aliases, *entry.adapter_aliases):
                 if not _MODEL_NAME.match(label):
                     raise ValueError(f"{label!r} is not a valid model name")
                 if label in seen and seen[label] != name:

@@ -101,6 +101,8 @@ def serving_deployment(
     if served.adapters:  # each served as the model "<name>:<adapter>", as the gateway serves them anywhere
         entry["adapters"] = engine.pop("lora_paths")
         engine.pop("enable_lora", None)
+    if served.adapter_aliases:
+        entry["adapter_aliases"] = dict(served.adapter_aliases)
     if served.aliases:
         entry["aliases"] = list(served.aliases)
     return {"models": {target.name: entry}, "gateway": gateway}

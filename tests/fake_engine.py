@@ -13,7 +13,7 @@ What it does, SGLang's way (what the gateway relies on, nothing more):
 - it listens ``FAKE_ENGINE_START_S`` (default 0) after its start: a start takes time;
 - every other route needs ``Authorization: Bearer <api-key>`` from the ``--config`` file (401 otherwise);
 - ``GET /v1/models``: the served model name with ``max_model_len``;
-- ``POST /v1/chat/completions``: ``max_tokens`` (default 16) pieces ``"tok "``, streamed (role chunk, one chunk
+- ``POST /v1/chat/completions``: ``max_tokens`` (default 16) pieces ``"tok "`` (``"<adapter> "`` for an adapter), streamed (role chunk, one chunk
   per piece every ``FAKE_ENGINE_TOKEN_S``, finish chunk, ``data: [DONE]``) or not; ``model`` is the served name;
   a plain answer says in ``fake_priority`` the ``priority`` the request came with, in ``fake_model`` the model it
   named; a ``model`` of ``<name>:<adapter>`` needs the adapter loaded (400 otherwise, as SGLang): those of
@@ -175,6 +175,7 @@ def build_app(
         if any(message.get("content") == FREEZE for message in body.get("messages", ())):
             time.sleep(3600)  # blocks the event loop: a frozen engine (SIGTERM's handler never gets to run either)
         tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
+        piece = f"{asked.split(':', 1)[1]} " if isinstance(asked, str) and ":" in asked else TOKEN  # an adapter's own words
         created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
         usage = {"prompt_tokens": 5, "completion_tokens": tokens, "total_tokens": 5 + tokens}
         if not body.get("stream"):
@@ -183,7 +184,7 @@ def build_app(
                 await asyncio.sleep(TOKEN_S * tokens)
             finally:
                 running[0] -= 1
-            message = {"role": "assistant", "content": TOKEN * tokens}
+            message = {"role": "assistant", "content": piece * tokens}
             return JSONResponse({
                 "id": cid, "object": "chat.completion", "created": created, "model": model, "usage": usage,
                 "fake_priority": body.get("priority"),  # what the request's priority was, as the engine got it
@@ -197,7 +198,7 @@ def build_app(
                 yield _chunk(model, created, cid, {"role": "assistant", "content": ""})
                 for _ in range(tokens):
                     await asyncio.sleep(TOKEN_S)
-                    yield _chunk(model, created, cid, {"content": TOKEN})
+                    yield _chunk(model, created, cid, {"content": piece})
                 yield _chunk(model, created, cid, {}, "length")
                 yield b"data: [DONE]\n\n"
                 _note("chat-end")

@@ -26,7 +26,7 @@ from gateway.control.residency import dormant, starts_asleep
 from gateway.control.swap import BackendFactory, SwapError, SwapExecutor, SwapResult, describe_backend
 from gateway.core.backends import Backend, DormantBackend, EngineBackend, RouterBackend
 from gateway.core.limits import ConcurrencyLimiter
-from gateway.core.registry import ModelRoute, url_backend
+from gateway.core.registry import ModelRoute, adapter_aliases, url_backend
 from gateway.core.state import GatewayState
 from launch.config import ConfigError, DeploymentConfig, ModelEntry
 from launch.preflight import visible_gpu_count
@@ -92,14 +92,16 @@ class DeploymentApplier:
                     routes.append(
                         ModelRoute(
                             name, dormant(name, entry.replicas), tuple(entry.aliases), ConcurrencyLimiter(limits),
-                            adapters=tuple(entry.adapters),
+                            adapters=tuple(entry.adapters), adapter_aliases=adapter_aliases(entry),
                         )  # fmt: skip
                     )
                 continue  # an added engine joins when ready
             limiter = route.limiter if route.limiter.settings == limits else ConcurrencyLimiter(limits)
             # adapters the running engines lack (the YAML added them) are routed once the swap's new engines serve them
             adapters = tuple(entry.adapters) if route.asleep else tuple(a for a in entry.adapters if a in route.adapters)
-            routes.append(replace(route, aliases=tuple(entry.aliases), limiter=limiter, adapters=adapters))
+            routes.append(
+                replace(route, aliases=tuple(entry.aliases), limiter=limiter, adapters=adapters, adapter_aliases=adapter_aliases(entry))
+            )
         self.registry.replace(routes)
         return [(name, route) for name, route in current.items() if name not in new.models]
 
@@ -152,7 +154,9 @@ class DeploymentApplier:
             result.error, result.log_tail, result.cause = error.message, error.log_tail, error.cause
             return result
         limiter = ConcurrencyLimiter(settings.limits_for(name))
-        self.registry.put(ModelRoute(name, tuple(replicas), tuple(entry.aliases), limiter, adapters=tuple(entry.adapters)))
+        self.registry.put(
+            ModelRoute(name, tuple(replicas), tuple(entry.aliases), limiter, adapters=tuple(entry.adapters), adapter_aliases=adapter_aliases(entry))
+        )
         result.ok, result.new, result.start_s = True, describe_backend(replicas[0]), time.monotonic() - started
         logger.info("model {}: added, served by {}", name, ", ".join(backend.describe() for backend in replicas))
         return result
@@ -260,6 +264,7 @@ def _effective(new: DeploymentConfig, plan: ReloadPlan, results: dict[str, SwapR
                 router=old.router,
                 residency=change.new.residency,
                 adapters=old.adapters,
+                adapter_aliases=old.adapter_aliases,
             )
     return new.model_copy(update={"models": models})
 

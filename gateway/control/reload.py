@@ -127,6 +127,8 @@ def _route_diff(
     out = []
     if before.aliases != after.aliases:
         out.append("aliases")
+    if before.adapter_aliases != after.adapter_aliases:
+        out.append("adapter_aliases")
     if old_settings.limits_for(name) != new_settings.limits_for(name):
         out.append("limits")
     if before.residency != after.residency:

@@ -46,6 +46,7 @@ class RouteView:
     front: BackendView | None
     drained: bool
     adapters: tuple[str, ...] = ()
+    adapter_aliases: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,7 @@ def capture_state(settings: GatewaySettings, keys: KeyPolicy, registry: Registry
         RouteView(
             name=route.name, aliases=route.aliases, replicas=tuple(backend_view(b) for b in route.replicas),
             front=backend_view(route.front) if route.front is not None else None, drained=route.drained,
-            adapters=route.adapters,
+            adapters=route.adapters, adapter_aliases=route.adapter_aliases,
         )  # fmt: skip
         for route in registry.routes()
     )
@@ -155,7 +156,7 @@ def apply_state(state: RoutingState, registry: Registry, quarantine: Quarantine,
         routes.append(
             ModelRoute(
                 view.name, tuple(backend(view.name, b) for b in view.replicas), view.aliases, limiter, view.drained,
-                backend(view.name, view.front) if view.front is not None else None, view.adapters,
+                backend(view.name, view.front) if view.front is not None else None, view.adapters, view.adapter_aliases,
             )  # fmt: skip
         )
     registry.replace(routes)

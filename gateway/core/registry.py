@@ -31,6 +31,7 @@ class ModelRoute:
     drained: bool = False  # set by the admin API: new requests get 503 until undrained
     front: Backend | None = None  # SGLang's router in front of the replicas, when the model asks for one
     adapters: tuple[str, ...] = ()  # LoRA adapters its engines serve, each the model "<name>:<adapter>"
+    adapter_aliases: tuple[tuple[str, str], ...] = ()  # (alias, adapter): another name of "<name>:<adapter>"
 
     def __post_init__(self) -> None:
         if isinstance(self.replicas, Backend):
@@ -43,18 +44,25 @@ class ModelRoute:
 
     @property
     def names(self) -> tuple[str, ...]:
-        """Every name clients may use: the model's, its aliases, and ``<name>:<adapter>`` for each adapter."""
+        """Every name clients may use: the model's, its aliases, ``<name>:<adapter>`` for each adapter and the
+        aliases of the adapters served now."""
         return (self.name, *self.aliases, *self.adapter_names)
 
     @property
     def adapter_names(self) -> tuple[str, ...]:
-        return tuple(f"{self.name}:{adapter}" for adapter in self.adapters)
+        served = tuple(f"{self.name}:{adapter}" for adapter in self.adapters)
+        return served + tuple(alias for alias, adapter in self.adapter_aliases if adapter in self.adapters)
 
     def adapter_for(self, requested: object) -> str | None:
         """The adapter a request for model ``requested`` selects (None: the base model)."""
-        if isinstance(requested, str) and requested.startswith(self.name + ":"):
+        if not isinstance(requested, str):
+            return None
+        if requested.startswith(self.name + ":"):
             adapter = requested[len(self.name) + 1 :]
             return adapter if adapter in self.adapters else None
+        for alias, adapter in self.adapter_aliases:
+            if requested == alias:
+                return adapter if adapter in self.adapters else None
         return None
 
     def backend_named(self, identity: str) -> Backend | None:
@@ -166,8 +174,13 @@ def build_registry(
         else:
             backend = url_backend(name, entry)
         limiter = ConcurrencyLimiter(settings.limits_for(name))
-        routes.append(ModelRoute(name, backend, tuple(entry.aliases), limiter, adapters=tuple(entry.adapters)))
+        routes.append(ModelRoute(name, backend, tuple(entry.aliases), limiter, adapters=tuple(entry.adapters), adapter_aliases=adapter_aliases(entry)))
     return Registry(routes)
+
+
+def adapter_aliases(entry: ModelEntry) -> tuple[tuple[str, str], ...]:
+    """A route's (alias, adapter) pairs, from the entry's ``adapter_aliases``."""
+    return tuple(entry.adapter_aliases.items())
 
 
 def url_backend(name: str, entry: ModelEntry) -> UrlBackend:

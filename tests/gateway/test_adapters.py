@@ -120,9 +120,14 @@ def test_an_adapter_that_fails_to_load_is_reported_by_name_and_the_others_serve(
     tiny_model_dir: Path, fake_python: Path, tmp_path: Path  # noqa: F811 (the fixture)
 ) -> None:
     calls = tmp_path / "calls"
-    models = {"tiny": {"engine": _fake_engine(tiny_model_dir, fake_python, calls), "adapters": {"a1": "/adapters/a1"}}}
+    models = {
+        "tiny": {"engine": _fake_engine(tiny_model_dir, fake_python, calls), "adapters": {"a1": "/adapters/a1"},
+                 "adapter_aliases": {"helpdesk": "a1"}},
+    }  # fmt: skip
     with gateway(tmp_path, models) as rig:
+        assert _ask(rig, "helpdesk").json()["fake_model"] == "tiny:a1" and rig.cards()["helpdesk"]["parent"] == "tiny"
         data = yaml.safe_load(rig.path.read_text())
+        data["models"]["tiny"]["adapter_aliases"] = {"helpdesk": "a1", "paperwork": "a3"}
         data["models"]["tiny"]["adapters"] = {"a1": "/adapters/a1", "a2": "/adapters/a2", "a3": "/adapters/broken"}
         rig.path.write_text(yaml.safe_dump(data, sort_keys=False))
         response = rig.admin("POST", "/admin/reload")
@@ -132,7 +137,7 @@ def test_an_adapter_that_fails_to_load_is_reported_by_name_and_the_others_serve(
         item = report["reload"]["models"]["tiny"]
         assert item["adapters"]["a2"] == "loaded", item
         assert item["adapters"]["a3"].startswith("failed on replica 0: /load_lora_adapter: HTTP 400: Failed to load"), item
-        assert [_ask(rig, name).status_code for name in ("tiny:a1", "tiny:a2", "tiny:a3")] == [200, 200, 404]
+        assert [_ask(rig, name).status_code for name in ("tiny:a1", "tiny:a2", "tiny:a3", "paperwork")] == [200, 200, 404, 404]
         # a serving platform's route: the body's model selects an adapter of the default model, any other name the base
         chosen = [
             httpx.post(rig.server.url + "/invocations", json={"model": model, "messages": [{"role": "user", "content": "hi"}]},
@@ -140,7 +145,7 @@ def test_an_adapter_that_fails_to_load_is_reported_by_name_and_the_others_serve(
             for model in ("tiny:a2", "my-endpoint")
         ]  # fmt: skip
         assert chosen == ["tiny:a2", "tiny"]
-        assert "tiny:a3" not in rig.cards()
+        assert "tiny:a3" not in rig.cards() and "paperwork" not in rig.cards()  # an alias of an adapter not served
         # the adapter not served is not in force: the same file reloaded tries it again
         again = rig.admin("POST", "/admin/reload").json()["reload"]["models"]["tiny"]
         assert again["action"] == "adapters_changed" and list(again["adapters"]) == ["a3"], again

@@ -52,6 +52,8 @@ def test_only_adapters_changed_keeps_engines_that_serve_lora() -> None:
     assert _actions(plan) == {"a": Action.ADAPTERS_CHANGED, "b": Action.ADAPTERS_CHANGED, "c": Action.ENGINE_CHANGED}
     assert plan.changes[0].details == ("engine.lora_paths",)  # b: its last adapter removed, LoRA stays on in the engine
     assert set(plan.changes[1].details) == {"engine.lora_paths", "engine.enable_lora"}
+    aliased = _plan({"a": one}, {"a": {**one, "adapter_aliases": {"helpdesk": "a1"}}})
+    assert _actions(aliased) == {"a": Action.ROUTE_CHANGED} and aliased.changes[0].details == ("adapter_aliases",)
     # c: its engines were started without LoRA: new ones must be; adapters with another engine key: a swap too
     changed = _plan({"a": one}, {"a": {**two, "engine": {**ENGINE, "max_total_tokens": 2048}}})
     assert _actions(changed) == {"a": Action.ENGINE_CHANGED}

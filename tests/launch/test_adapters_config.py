@@ -52,6 +52,8 @@ def test_no_adapters_no_lora_flags() -> None:
         ({"engine": {"model_path": "/m"}, "adapters": {"a:b": "/p"}}, "adapter name 'a:b': letters, digits"),
         ({"engine": {"model_path": "/m"}, "adapters": {"a": " "}}, "adapter 'a': the path is empty"),
         ({"engine": {"model_path": "/m", "lora_paths": {"a": "/q"}}, "adapters": {"a": "/p"}}, "give LoRA adapters once"),
+        ({"engine": {"model_path": "/m"}, "adapters": {"a": "/p"}, "adapter_aliases": {"x": "b"}}, "adapter_aliases.x: no adapter named 'b'"),
+        ({"engine": {"model_path": "/m"}, "adapters": {"a": "/p"}, "adapter_aliases": {"tiny": "a"}}, "adapter alias 'tiny' is a name of model 'tiny'"),
         ({"engine": {"model_path": "/m", "lora_paths": {"a": "/p"}}}, "lora_paths needs enable_lora: true"),
         ({"engine": {"model_path": "/m", "lora_eviction_policy": "random"}}, "lora_eviction_policy"),
     ],
