@@ -118,6 +118,7 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         try:
             state.responses = open_response_index(settings.state_dir)  # who owns which stored response, on disk
+            state.responses.shared = link is not None  # a worker: the other workers read what it records
         except RuntimeError as error:
             app.state.startup_error = error
             raise

@@ -17,6 +17,7 @@ response calls and once per response created (the first record of an id wins), n
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import sqlite3
 import threading
@@ -47,6 +48,7 @@ class ResponseIndex:
     def __init__(self, path: Path | None = None, max_entries: int = 100_000) -> None:
         self.max_entries = max_entries
         self.path = path
+        self.shared = False  # worker processes read the file too (set by a worker's app)
         self._recent: OrderedDict[str, StoredResponse] = OrderedDict()
         self._recent_max = max_entries if path is None else min(max_entries, _RECENT)
         self._reader: sqlite3.Connection | None = None
@@ -72,6 +74,13 @@ class ResponseIndex:
             self._recent.popitem(last=False)
         if self._writer is not None:
             self._queue.put((response_id, stored))
+
+    async def publish(self, response_id: str, model: str, backend: str, owner: str) -> None:
+        """:meth:`record`, and with worker processes (``shared``) wait until it is in the file: the client that gets
+        the id next may ask any worker for it (a commit takes milliseconds, in the writer thread)."""
+        self.record(response_id, model, backend, owner)
+        if self.shared and self._writer is not None:
+            await asyncio.to_thread(self.flush, 2.0)
 
     def find(self, response_id: str, owner: str) -> StoredResponse | None:
         """The response ``owner`` created as ``response_id``; None when absent or another owner's (alike)."""

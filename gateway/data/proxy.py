@@ -216,7 +216,7 @@ class Proxy:
                 if data is not None:
                     info.set_usage(data.get("usage"))
                     if endpoint.response_ids and isinstance(data.get("id"), str):
-                        self.responses.record(data["id"], route.name, backend.identity, owner)
+                        await self.responses.publish(data["id"], route.name, backend.identity, owner)
                 if endpoint.renames_model:  # SGLang names an embedding model by its path (a file path on this host)
                     content = _with_model(content or b"", data, backend.served_name)
                 media = upstream.headers.get("Content-Type", "application/json")

@@ -3,6 +3,7 @@ identity the auth middleware hands to routes; where a deployment's state lives; 
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ import pytest
 from gateway.config import default_state_dir, gateway_settings
 from gateway.core.backends import EngineBackend, UrlBackend
 from gateway.core.registry import ModelRoute
-from gateway.core.responses_index import FILE_NAME, ResponseIndex, open_response_index
+from gateway.core.responses_index import FILE_NAME, ResponseIndex, StoredResponse, open_response_index
 from gateway.edge.auth import OPEN_OWNER, OWNER_SCOPE_KEY, AuthMiddleware, KeyHolder, key_owner, key_policy
 from launch.config import EngineConfig, parse_config
 from launch.process import EngineProcess
@@ -59,6 +60,31 @@ def test_the_file_outlives_the_process_and_stays_bounded(tmp_path: Path) -> None
     rows = sqlite3.connect(path).execute("SELECT id FROM responses ORDER BY seq").fetchall()
     assert [row[0] for row in rows] == ["resp_3", "resp_4", "resp_9"]
     again.close()
+
+
+def test_a_worker_answers_a_created_response_only_once_the_other_workers_can_read_it(tmp_path: Path) -> None:
+    """With worker processes, :meth:`ResponseIndex.publish` returns once the entry is in the file (another worker
+    may get the next request for it); here the file is locked by a third party, so the writer must wait."""
+    path = tmp_path / FILE_NAME
+    worker, other = ResponseIndex(path), ResponseIndex(path)
+    worker.shared = True
+    blocker = sqlite3.connect(path, isolation_level=None)
+    blocker.execute("BEGIN EXCLUSIVE")
+
+    async def scenario() -> None:
+        publishing = asyncio.ensure_future(worker.publish("resp_1", "tiny", "engine-a", "alice"))
+        await asyncio.sleep(0.3)
+        assert not publishing.done()  # not answered while the entry cannot be written
+        blocker.execute("ROLLBACK")
+        await asyncio.wait_for(publishing, 5)
+        assert other.find("resp_1", "alice") == StoredResponse("tiny", "engine-a", "alice")
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        blocker.close()
+        worker.close()
+        other.close()
 
 
 def test_an_unusable_state_dir_fails_the_start_with_its_name(tmp_path: Path) -> None:
