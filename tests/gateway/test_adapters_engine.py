@@ -21,6 +21,7 @@ import openai
 import pytest
 import yaml
 
+from tests.gateway.test_adapters import _reload
 from tests.gateway.test_residency import Rig, gateway
 from tests.lora import greedy_ids, make_adapter
 
@@ -82,15 +83,6 @@ def test_both_adapters_and_the_base_in_one_batch_each_get_their_own_answer(serve
     with ThreadPoolExecutor(len(models)) as pool:
         texts = list(pool.map(lambda model: _completion(rig, model).choices[0].text, models))
     assert texts == [expected[model] for model in models]
-
-
-def _reload(rig: Rig, adapters: dict[str, str]) -> dict[str, Any]:
-    data = yaml.safe_load(rig.path.read_text())
-    data["models"]["tiny"]["adapters"] = adapters
-    rig.path.write_text(yaml.safe_dump(data, sort_keys=False))
-    response = rig.admin("POST", "/admin/reload")
-    assert response.status_code == 200, response.text
-    return response.json()["models"]["tiny"]
 
 
 def test_a_reload_loads_and_unloads_adapters_in_the_running_engine(served: tuple[Rig, dict[str, str]]) -> None:
