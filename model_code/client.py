@@ -23,7 +23,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from model_code.engine_owner import Engine, acquire_engines
 from model_code.errors import BadRequestError, EngineUnavailableError, from_openai_error
-from model_code.params import build_request, model_for
+from model_code.params import create_kwargs
 from model_code.replica_set import Replica, ReplicaSet
 from model_code.target import LOG_TIME_TEXT, ModelCodeSettings, in_log_time, resolve_target
 from model_code.trace_context import outgoing_headers
@@ -103,7 +103,7 @@ class EngineClient:
 
     def request(self, params: Mapping[str, Any] | None) -> dict[str, Any]:
         """The ``chat.completions.create`` kwargs of ``params``, ``model`` included (an adapter's name when one is selected)."""
-        return {"model": model_for(self.model, self.adapters, params, self.settings.defaults), **build_request(params, self.settings.defaults)}
+        return create_kwargs(self.model, self.adapters, params, self.settings.defaults)
 
     def chat(self, messages: list[dict[str, Any]], params: Mapping[str, Any] | None = None) -> ChatCompletion:
         """One non-streaming completion; typed errors."""
@@ -209,7 +209,7 @@ class LogTimeClient:
 
     def request(self, params: Mapping[str, Any] | None) -> dict[str, Any]:
         """The ``chat.completions.create`` kwargs of ``params``, ``model`` included (an adapter's name when one is selected)."""
-        return {"model": model_for(self.model, self.adapters, params, self.settings.defaults), **build_request(params, self.settings.defaults)}
+        return create_kwargs(self.model, self.adapters, params, self.settings.defaults)
 
     def chat(self, messages: list[dict[str, Any]], params: Mapping[str, Any] | None = None) -> ChatCompletion:
         self.request(params)

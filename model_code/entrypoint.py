@@ -71,8 +71,8 @@ def serving_deployment(
     model_config: Mapping[str, Any], target: Target, weights_dir: str | None, packed: Collection[str] = ()
 ) -> dict[str, Any]:
     """The deployment the entrypoint serves: ``target``'s model alone, its weights at ``./weights_dir``
-    (when logged), its ``packed`` adapters at ``./lora-<name>``, the gateway on all interfaces at the port
-    variable (8080 when unset)."""
+    (when logged), the adapters staged as the artifacts ``packed`` at ``./lora-<name>``, the gateway on all
+    interfaces at the port variable (8080 when unset)."""
     if target.engine is None:
         raise ConfigError(
             f"model {target.name!r} is reached at a url: the entrypoint flavour serves an engine on the endpoint's GPU"
@@ -95,7 +95,7 @@ def serving_deployment(
     if weights_dir is not None:
         engine["model_path"] = f"./{weights_dir}"
     if "lora_paths" in engine:
-        engine["lora_paths"] = {name: f"./{adapter_artifact(name)}" if name in packed else path for name, path in engine["lora_paths"].items()}
+        engine["lora_paths"] = {name: f"./{adapter_artifact(name)}" if adapter_artifact(name) in packed else path for name, path in engine["lora_paths"].items()}
     entry: dict[str, Any] = {"engine": engine}
     served = target.deployment.models[target.name]
     if served.adapters:  # each served as the model "<name>:<adapter>", as the gateway serves them anywhere
@@ -164,8 +164,7 @@ def log_entrypoint_model(
     metadata = {**metadata, "task": CHAT_TASK, "entrypoint": COMMAND}
     with tempfile.TemporaryDirectory(prefix="sglang-gateway-entrypoint-") as staging:
         adapters = stage_adapters(target.engine.lora_paths, Path(staging)) if target.engine is not None else {}
-        packed = [name for name in (target.engine.lora_paths if target.engine else {}) if adapter_artifact(name) in adapters]
-        deployment = serving_deployment(model_config, target, weights.name if weights is not None else None, packed)
+        deployment = serving_deployment(model_config, target, weights.name if weights is not None else None, adapters)
         return mlflow.pyfunc.log_model(
             name=name,
             python_model=str(PLACEHOLDER_FILE),

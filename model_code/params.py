@@ -103,6 +103,13 @@ def build_request(params: Mapping[str, Any] | None, defaults: Mapping[str, Any] 
     return kwargs
 
 
+def create_kwargs(
+    served: str, adapters: tuple[str, ...] | None, params: Mapping[str, Any] | None, defaults: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """Validated ``chat.completions.create`` kwargs, ``model`` included (:func:`model_for`), without ``messages`` and ``stream``."""
+    return {"model": model_for(served, adapters, params, defaults), **build_request(params, defaults)}
+
+
 def model_for(
     served: str, adapters: tuple[str, ...] | None, params: Mapping[str, Any] | None, defaults: Mapping[str, Any] | None = None
 ) -> str:

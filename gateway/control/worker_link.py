@@ -106,15 +106,17 @@ class WorkerLink:
         """Send the counts (when changed, or ``force``); ``upstream_on`` (model, identity): with the shapes of the
         requests upstream on that backend now."""
         assert self.state is not None
-        routed = [(route.name, b) for route in self.state.registry.routes() for b in (*route.replicas, route.front) if b]
+        routes = self.state.registry.routes()
+        routed = [(route.name, b) for route in routes for b in (*route.replicas, route.front) if b]
         self._retired = [(name, b) for name, b in self._retired if b.in_flight > 0 or b.lost]
         in_flight: dict[tuple[str, str], int] = {}
         lost: list[tuple[str, str, str]] = []
+        with_adapters = {route.name for route in routes if route.adapters}
         for name, backend in (*routed, *self._retired):
             if backend.in_flight:
                 key = (name, backend.identity)
                 in_flight[key] = in_flight.get(key, 0) + backend.in_flight
-                for adapter in backend.adapters_in_flight():  # counted as the model "<name>:<adapter>": an unload waits on it
+                for adapter in backend.adapters_in_flight() if name in with_adapters else ():  # as "<name>:<adapter>": an unload waits on it
                     key = (f"{name}:{adapter}", backend.identity)
                     in_flight[key] = in_flight.get(key, 0) + 1
             while backend.lost:
