@@ -1,11 +1,13 @@
 """The SGLang plugin that keeps the engine's torch TCPStore off the network (``launch/engine_plugin``), without an
 engine: torch's store factory with and without it, and SGLang finding it on the engine's path; and its hook that
-makes the engine act on SIGTERM at once (``prompt_sigterm``)."""
+makes the engine act on SIGTERM at once (``prompt_sigterm``), gives a CPU engine's LoRA plain memory
+(``cpu_pinned_memory``) and has a CPU engine fork its children (``fork_children``)."""
 
 from __future__ import annotations
 
 import asyncio
 import importlib
+import multiprocessing
 import os
 import socket
 import subprocess
@@ -16,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from launch.argv import CPU_LORA_ENV, build_env
+from launch.argv import CPU_ENGINE_ENV, CPU_LORA_ENV, build_env
 from launch.config import EngineConfig
 from launch.engine_net import ENGINE_PLUGIN_DIR
 from launch.ports import pick_free_port
@@ -84,6 +86,8 @@ from sglang.srt.plugins import load_plugins
 load_plugins()
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
 print("sigterm watchdog hooked:", hasattr(TokenizerManager.sigterm_watchdog, "__wrapped__"))
+from sglang.srt.entrypoints import engine
+print("start method hooked:", hasattr(engine._set_envs_and_config, "__wrapped__"))
 import torch.distributed as dist
 from launch.proc_sockets import listening_sockets
 port = int(sys.argv[1])
@@ -95,16 +99,37 @@ dist.destroy_process_group()
 
 def test_sglang_loads_the_plugin_from_the_engine_path_and_rendezvous_stays_on_loopback() -> None:
     """What SGLang's scheduler does at start (load_plugins, then torch's tcp:// rendezvous and gloo)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ENGINE_PLUGIN_DIR), str(REPO)]), "GLOO_SOCKET_IFNAME": "lo"}
+    cpu_engine = build_env(EngineConfig(model_path="/m", device="cpu")).variables  # fork_children hooks only then
+    path = [str(ENGINE_PLUGIN_DIR), str(REPO), cpu_engine.get("PYTHONPATH", "")]  # and the sgl_kernel stand-in
+    env = {**cpu_engine, "PYTHONPATH": os.pathsep.join(filter(None, path)), "GLOO_SOCKET_IFNAME": "lo"}
+    assert env[CPU_ENGINE_ENV] == "1"
     port = pick_free_port("127.0.0.1")
     probe = subprocess.run(
         [sys.executable, "-c", PROBE, str(port)], env=env, capture_output=True, text=True, timeout=300, check=False
     )
     assert probe.returncode == 0, probe.stderr[-3000:]
-    *_, hooked, found = probe.stdout.strip().splitlines()
+    *_, hooked, fork_hooked, found = probe.stdout.strip().splitlines()
     print("listening:", found)
     assert found == "[('127.0.0.1', False), ('127.0.0.1', True)]", (found, probe.stderr[-3000:])
     assert hooked == "sigterm watchdog hooked: True"  # the same entry point: prompt_sigterm
+    assert fork_hooked == "start method hooked: True"  # and fork_children, on a CPU engine
+
+
+def test_a_cpu_engine_forks_its_children_unless_it_opts_out_and_a_gpu_engine_spawns(plugin: ModuleType) -> None:
+    """Spawn re-imports sglang and torch in each child (two thirds of a CPU engine's start-up CPU); CUDA needs it."""
+    from sglang_gateway_engine_plugin import fork_children
+
+    cpu_env = build_env(EngineConfig(model_path="/m", device="cpu"), base={}).variables
+    assert fork_children.wanted(cpu_env)
+    assert not fork_children.wanted({**cpu_env, fork_children.OPT_OUT_ENV: "0"})
+    assert not fork_children.wanted(build_env(EngineConfig(model_path="/m", device="cuda"), base={}).variables)
+    before = multiprocessing.get_start_method(allow_none=True)
+    try:
+        multiprocessing.set_start_method("spawn", force=True)  # what SGLang's _set_envs_and_config chose
+        assert fork_children.fork_after_config("its result", "server_args") == "its result"
+        assert multiprocessing.get_start_method() == "fork"
+    finally:
+        multiprocessing.set_start_method(before, force=True)
 
 
 def test_the_sigterm_watchdog_runs_sglangs_own_once_the_flag_is_set(plugin: ModuleType) -> None:

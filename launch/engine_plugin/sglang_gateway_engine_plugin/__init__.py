@@ -14,7 +14,9 @@ processes (``sglang.srt.plugins.load_plugins``: server, scheduler, detokenizer, 
 ``HookRegistry`` wraps any dotted target. This directory, with its ``.dist-info``, is on the *engine's*
 ``PYTHONPATH`` only (``launch/engine_net.py``); it imports nothing of the gateway.
 
-The same entry point also makes the engine act on SIGTERM at once (:mod:`.prompt_sigterm`).
+The same entry point also makes the engine act on SIGTERM at once (:mod:`.prompt_sigterm`), lets LoRA run on a
+CPU engine (:mod:`.cpu_pinned_memory`) and has a CPU engine fork its children instead of spawning them
+(:mod:`.fork_children`).
 """
 
 from __future__ import annotations
@@ -32,15 +34,16 @@ TARGET = "torch.distributed.rendezvous._create_c10d_store"
 
 
 def register() -> None:
-    """The entry point SGLang calls: wrap torch's store factory, and SGLang's SIGTERM watchdog
-    (:mod:`.prompt_sigterm`); SGLang applies the hooks right after."""
+    """The entry point SGLang calls: wrap torch's store factory, SGLang's SIGTERM watchdog (:mod:`.prompt_sigterm`)
+    and, on a CPU engine, its choice of start method (:mod:`.fork_children`); SGLang applies the hooks right after."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sglang_gateway_engine_plugin import cpu_pinned_memory, prompt_sigterm
+    from sglang_gateway_engine_plugin import cpu_pinned_memory, fork_children, prompt_sigterm
 
     HookRegistry.register(TARGET, serve_store_on_its_address, HookType.AROUND)
     prompt_sigterm.register()
     cpu_pinned_memory.register()
+    fork_children.register()
 
 
 def listen_address(hostname: str, port: int) -> tuple[socket.AddressFamily, tuple[Any, ...]]:
