@@ -80,7 +80,7 @@ def _model_route(state: GatewayState, body: dict[str, Any], endpoint: ProxiedRou
 
 def _may_use(tenant: Tenant | None, route: ModelRoute) -> bool:
     """Whether the caller's key may use (and so see) ``route``: every model for plain keys and open gateways."""
-    return tenant is None or tenant.may_use(route.names)
+    return tenant is None or tenant.models is None or tenant.may_use(route.names)  # names: built only when asked
 
 
 def _named_route(state: GatewayState, body: dict[str, Any], endpoint: ProxiedRoute) -> ModelRoute:

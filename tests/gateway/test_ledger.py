@@ -432,6 +432,16 @@ def test_sqlite_rows_read_back_as_sqlalchemy_writes_them_and_a_big_batch_is_writ
         written.dispose()
 
 
+@pytest.mark.parametrize(
+    "at",
+    [1796281598.9999996, 1796281598.9999994, 1796281598.0000005, 1796281598.0000015, 1796281599.0, 1767225599.9999999, 1796281598.123456],
+)
+def test_the_sqlite_writers_times_are_datetimes_own_at_the_microsecond_edges(at: float) -> None:
+    """Its cheap formatting rounds as ``datetime.fromtimestamp`` does (half to even), carrying into the next second
+    (here also the next year) when the microseconds round up to a million."""
+    assert ledger_module._sqlite_time(at) == datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
+
+
 def test_two_writers_share_one_sqlite_file(tmp_path: Path) -> None:
     """As two worker processes do: each its own engine and buffer, one file, every row kept."""
     url = f"sqlite:///{tmp_path / 'usage.sqlite3'}"
