@@ -25,7 +25,7 @@ from benchmarks.drive import drive, profile_gateway
 from benchmarks.loadgen import Workload
 from benchmarks.report import console
 from benchmarks.stats import evaluate_targets, evaluate_tenant_targets, evaluate_tracing_targets
-from benchmarks.tenants import KEYED
+from benchmarks.tenants import KEYED, TWIN
 from benchmarks.tracing import TRACED, OTLPSink, traced_settings
 
 app = typer.Typer(
@@ -192,7 +192,8 @@ def compare_command(
         typer.Option(
             "--tenants/--no-tenants",
             help="Also run a gateway with one named key (limits that never bite) and the usage ledger (SQLite in the "
-            "results directory), the load sending that key: keys+ledger vs the plain gateway (ledger off) in one run.",
+            "results directory), the load sending that key: keys+ledger vs the plain gateway (ledger off) in one run; "
+            "and a twin of the plain gateway (an A/A control: the run's noise).",
         ),
     ] = False,
     tracing: Annotated[
@@ -262,6 +263,11 @@ def compare_command(
             )
             console.print(f"{KEYED}: {keyed_url} (pid {keyed_child.pid}; a named key, the ledger in {out_dir})")
             urls[KEYED], groups[KEYED] = keyed_url, {"gateway": keyed_child.pid}
+            twin_url, twin_child = stack.enter_context(
+                processes.gateway(direct_url, out_dir / TWIN, env, tenant_rig.twin_settings(out_dir))
+            )
+            console.print(f"{TWIN}: {twin_url} (pid {twin_child.pid}; the plain gateway's twin: the run's noise)")
+            urls[TWIN], groups[TWIN] = twin_url, {"gateway": twin_child.pid}
         for name in urls:
             if upstream_proc is not None:
                 groups[name]["upstream"] = upstream_proc.pid
@@ -308,7 +314,7 @@ def compare_command(
                 console.print(f"[red]profiling failed:[/] {error}")
                 profile_report = {"error": str(error)}
     summary = report.api_summary_rows(measured)
-    targets = ["direct", "gateway", *([TRACED] if tracing else []), *([KEYED] if tenants else [])]
+    targets = ["direct", "gateway", *([TRACED] if tracing else []), *([KEYED, TWIN] if tenants else [])]
     result = {
         "title": f"gateway vs direct ({upstream_label})" + (", keys+ledger vs plain gateway" if tenants else ""),
         "kind": "compare",

@@ -142,20 +142,43 @@ TENANT_ADDED_P50_MS = 0.1  # keys + ledger: at most this much p50 latency at c=1
 TENANT_REQ_S_KEPT = 0.97  # ... and req/s at c=64 within noise of it (paired median of the rounds' ratios)
 
 
-def evaluate_tenant_targets(levels: dict[int, dict[str, Any]], target: str = "gateway-keys") -> list[dict[str, Any]]:
-    """Issue 23's bar for named keys + the usage ledger, against the plain gateway of the same run (``vs_gateway``)."""
+def evaluate_tenant_targets(
+    levels: dict[int, dict[str, Any]], target: str = "gateway-keys", twin: str = "gateway-twin"
+) -> list[dict[str, Any]]:
+    """Issue 23's bar for named keys + the usage ledger, against the plain gateway of the same run (``vs_gateway``).
+
+    ``twin``: an identical plain gateway measured alongside (an A/A control), where the run has one. Its distance from
+    the plain gateway is the run's noise, shown next to each check; at c=64 the keyed gateway may keep as little
+    req/s as the twin kept ("no drop beyond noise"), and at least :data:`TENANT_REQ_S_KEPT` of it in any case."""
     checks: list[dict[str, Any]] = []
     for c, entry in sorted(levels.items()):
-        vs = entry.get("vs_gateway", {}).get(target)
+        versus = entry.get("vs_gateway", {})
+        vs, control = versus.get(target), versus.get(twin)
         if vs is None:
             continue
         if c == 1:
-            checks.append(_check("keys+ledger c=1: added p50 latency", vs["latency_p50_ms"].get("added_ms"), TENANT_ADDED_P50_MS, at_most=True, unit="ms"))
-            checks.append(_check("keys+ledger c=1: added p50 TTFT", vs["ttft_p50_ms"].get("added_ms"), TENANT_ADDED_P50_MS, at_most=True, unit="ms"))
+            for what, key in (("p50 latency", "latency_p50_ms"), ("p50 TTFT", "ttft_p50_ms")):
+                checks.append(_check(f"keys+ledger c=1: added {what}", vs[key].get("added_ms"), TENANT_ADDED_P50_MS, at_most=True, unit="ms"))
+                if control is not None:
+                    checks.append(_noise(f"noise: twin c=1: added {what}", control[key].get("added_ms"), 0.0, "ms"))
         if c == 64:
-            kept = vs["req_s"].get("paired_median_ratio") or vs["req_s"]["ratio"]
-            checks.append(_check("keys+ledger c=64: req/s kept (paired median)", kept, TENANT_REQ_S_KEPT, at_most=False, unit="x"))
+            kept = _kept(vs)
+            limit = TENANT_REQ_S_KEPT
+            if control is not None:
+                twin_kept = _kept(control)
+                checks.append(_noise("noise: twin c=64: req/s kept (paired median)", twin_kept, 1.0, "x"))
+                limit = round(min(limit, 1 - abs(1 - twin_kept)), 3)
+            checks.append(_check("keys+ledger c=64: req/s kept (paired median)", kept, limit, at_most=False, unit="x"))
     return checks
+
+
+def _kept(vs: dict[str, Any]) -> float:
+    return vs["req_s"].get("paired_median_ratio") or vs["req_s"]["ratio"]
+
+
+def _noise(name: str, value: float | None, ideal: float, unit: str) -> dict[str, Any]:
+    """A figure shown for comparison, not a target (the A/A twin: how far an identical gateway lands)."""
+    return {"target": name, "value": value, "limit": ideal, "op": "~", "unit": unit, "met": None}
 
 
 TRACING_ADDED_P50_MS = 0.2  # tracing on, every request sampled: at most this much p50 latency at c=1 over the plain gateway

@@ -5,7 +5,9 @@ the plain one, in the same run (batches alternate over direct, gateway and gatew
 - ``gateway-keys``: the same upstream behind a gateway that requires one named key with every limit set so high
   that none bites (requests and tokens per minute, requests in flight, day and month budgets: every quota path
   runs, none refuses), and writes the usage ledger to SQLite in the results directory; the load generator sends
-  that key.
+  that key;
+- ``gateway-twin``: a second plain gateway, identical to the first (an A/A control): how far two identical
+  gateways land apart in the same run is the run's noise, which the keyed gateway's drop is judged against.
 
 The report gives gateway-keys against the plain gateway (its targets: :func:`benchmarks.stats.evaluate_tenant_targets`)
 and counts the ledger's rows after the run (one per request sent, warm-ups included, when nothing was lost).
@@ -20,6 +22,7 @@ from typing import Any
 from gateway.tenants.ledger_schema import usage_rows
 
 KEYED = "gateway-keys"  # the target's name in the results
+TWIN = "gateway-twin"  # the plain gateway's identical twin (the run's noise)
 KEY = "sk-bench-tenant-0123456789abcdef"  # loopback only, for the run's own gateway
 NEVER = 10**15  # a limit no benchmark reaches
 LEDGER_FILE = "usage-ledger.sqlite3"
@@ -28,6 +31,11 @@ LEDGER_FILE = "usage-ledger.sqlite3"
 def plain_settings(out_dir: Path) -> dict[str, Any]:
     """The plain gateway of a tenants run: the ledger off (the default writes one), state in the results directory."""
     return {"usage.enabled": False, "state_dir": str(out_dir / "gateway-state")}
+
+
+def twin_settings(out_dir: Path) -> dict[str, Any]:
+    """The plain gateway's twin: the same settings, its own state directory."""
+    return {**plain_settings(out_dir), "state_dir": str(out_dir / "gateway-twin-state")}
 
 
 def keyed_settings(out_dir: Path) -> dict[str, Any]:

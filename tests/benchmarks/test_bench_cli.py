@@ -116,12 +116,13 @@ def _compare_on_stub(out: Path, option: str, levels: str) -> tuple[subprocess.Co
 def test_compare_with_tenants_runs_a_keyed_gateway_with_the_ledger_next_to_the_plain_one(tmp_path: Path) -> None:
     out = tmp_path / "result"
     proc, result = _compare_on_stub(out, "--tenants", "1,2")
-    assert result["targets_measured"] == ["direct", "gateway", "gateway-keys"]
+    assert result["targets_measured"] == ["direct", "gateway", "gateway-keys", "gateway-twin"]
     for entry in result["apis"]["chat"]["levels"].values():
         assert entry["gateway-keys"]["requests"] == 6 and entry["gateway-keys"]["errors"] == 0, entry["gateway-keys"]
         assert entry["vs_gateway"]["gateway-keys"]["req_s"]["ratio"] > 0 and "gateway" in entry["gateway-keys"]["cpu_ms_per_req"]
     checks = {check["target"] for check in result["apis"]["chat"]["targets"]}
-    assert {"keys+ledger c=1: added p50 latency", "stub c=1: added p50 latency"} <= checks
+    assert {"keys+ledger c=1: added p50 latency", "stub c=1: added p50 latency", "noise: twin c=1: added p50 latency"} <= checks
+    assert entry["vs_gateway"]["gateway-twin"]["req_s"]["ratio"] > 0  # the A/A control: a second plain gateway
     assert [(row["api"], row["c"]) for row in result["tenants"]["summary"]] == [("chat", 1), ("chat", 2)]
     # every request of the load (warm-ups too) was the named key's, and has its ledger row
     assert result["tenants"]["ledger_rows"]["bench:200"] == 2 * (2 + 6), result["tenants"]
