@@ -13,17 +13,20 @@ from gateway.data.bounds import grammar_bytes
 
 
 def test_a_grammar_slot_is_waited_for_then_refused_with_429() -> None:
-    limiter = ConcurrencyLimiter(LimitSettings(max_concurrent_grammars=1, queue_timeout_s=0.2, retry_after_s=3))
+    # Two limiters: a wait long enough that a loaded machine cannot end it early, and a short one that must end.
+    patient = ConcurrencyLimiter(LimitSettings(max_concurrent_grammars=1, queue_timeout_s=60))
+    hasty = ConcurrencyLimiter(LimitSettings(max_concurrent_grammars=1, queue_timeout_s=0.2, retry_after_s=3))
 
     async def scenario() -> None:
-        assert await limiter.acquire_grammar("m") is True
-        waiter = asyncio.ensure_future(limiter.acquire_grammar("m"))
+        assert await patient.acquire_grammar("m") is True
+        waiter = asyncio.ensure_future(patient.acquire_grammar("m"))
         await asyncio.sleep(0.05)
-        assert not waiter.done() and limiter.grammars_in_flight == 1  # the second waits for the first
-        limiter.release_grammar()
-        assert await waiter is True and limiter.grammars_in_flight == 1
+        assert not waiter.done() and patient.grammars_in_flight == 1  # the second waits for the first
+        patient.release_grammar()
+        assert await waiter is True and patient.grammars_in_flight == 1
+        assert await hasty.acquire_grammar("m") is True
         with pytest.raises(GatewayError) as refused:  # nobody releases: 429 after queue_timeout_s
-            await limiter.acquire_grammar("m")
+            await hasty.acquire_grammar("m")
         assert refused.value.status == 429 and refused.value.code == "grammar_limit_exceeded"
         assert refused.value.headers["Retry-After"] == "3"
 
