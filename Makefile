@@ -29,7 +29,8 @@ check: tiny-model
 # worker), in collection order (--no-loadscope-reorder: tests/conftest.py collects the slowest modules first);
 # serially when pytest-xdist is not installed, or with TEST_WORKERS=0. Three workers on a 2-core machine: about a
 # third of the suite waits (the registry, sleeps, fake engines' starts), so a third worker fills the cores
-# (measured on a fresh clone: 20:17 against 22:31 with two).
+# (measured on a fresh clone: 20:17 against 22:31 with two, before CPU engines forked their children; 16:47 with
+# three since).
 TEST_WORKERS ?= 3
 XDIST = $$($(PY) -c 'import xdist' 2>/dev/null && [ "$(TEST_WORKERS)" != 0 ] && echo '-n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder')
 

@@ -280,7 +280,7 @@ def _sqlite_values(row: UsageRow) -> tuple[Any, ...]:
 
 def _sqlite_time(at: float) -> str:
     """``at`` as SQLAlchemy's DateTime stores it in SQLite (``2026-12-03 07:33:11.123456``, UTC), rounded to the
-    microsecond as ``datetime.fromtimestamp`` rounds it (half to even), at a fifth of its cost: the writer thread
+    microsecond as ``datetime.fromtimestamp`` rounds it (half to even), at a third of its cost (1.4 vs 4.3 µs): the writer thread
     formats every row holding the GIL, and the rows of one batch share their second."""
     second = int(at)
     micro = round((at - second) * 1e6)
