@@ -15,11 +15,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from loguru import logger
+
 from launch.config import EngineConfig
 from launch.preflight import preflight, require
-from launch.process import EngineProcess, ProgressCallback
+from launch.process import EngineExited, EngineProcess, ProgressCallback, port_was_taken
 
 T = TypeVar("T")
+
+PORT_TAKEN_RETRIES = 2
 
 
 class StarterThread:
@@ -66,16 +70,26 @@ def start_ready(
     """A ready engine for ``engine``: preflight (warnings logged), start from :data:`STARTER`, wait for
     ``/health``. On any failure (or ``stop_when()`` turning true while it starts) the engine is stopped
     and the error raised: :class:`launch.preflight.PreflightError` or a :class:`launch.process.EngineError`.
+
+    An engine whose port was picked for it (``port: 0``) and taken by another process before the engine bound
+    it (a race no pick can close) is started again on a new port, up to :data:`PORT_TAKEN_RETRIES` times.
     """
     checked = require(preflight(engine), name)
-    process = EngineProcess(
-        name, checked, log_dir=log_dir, on_progress=on_progress, api_key=api_key, echo_level=echo_level,
-        served_model_name=served_model_name,
-    )  # fmt: skip
-    STARTER.run(process.start)
-    try:
-        process.wait_ready(stop_when=stop_when)
-    except BaseException:
-        process.stop()
-        raise
-    return process
+    for attempt in range(PORT_TAKEN_RETRIES + 1):
+        process = EngineProcess(
+            name, checked, log_dir=log_dir, on_progress=on_progress, api_key=api_key, echo_level=echo_level,
+            served_model_name=served_model_name,
+        )  # fmt: skip
+        STARTER.run(process.start)
+        try:
+            process.wait_ready(stop_when=stop_when)
+            return process
+        except EngineExited as error:
+            process.stop()
+            if checked.port != 0 or attempt == PORT_TAKEN_RETRIES or not port_was_taken(error.log_tail):
+                raise
+            logger.warning("engine {}: port {} was taken before the engine could bind it; starting it on another", name, process.port)
+        except BaseException:
+            process.stop()
+            raise
+    raise AssertionError("unreachable: the last attempt returns or raises")

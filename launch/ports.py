@@ -1,20 +1,49 @@
-"""Free-port helpers for engines started with ``port: 0``."""
+"""Free-port helpers for engines, routers and gateways started with ``port: 0``."""
 
 from __future__ import annotations
 
+import random
 import socket
+from pathlib import Path
+
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+# SGLang picks its scheduler's NCCL/gloo port from 22000-29999 (also below the ephemeral range), and 30000 is
+# its default HTTP port: ours come from around them.
+PICK_RANGES: tuple[tuple[int, int], ...] = ((10000, 21999), (30001, 65535))
+PICK_ATTEMPTS = 64
 
 
 def pick_free_port(host: str = "127.0.0.1") -> int:
-    """Ask the kernel for a free TCP port on ``host``.
+    """A free TCP port on ``host``, outside the kernel's ephemeral range where there is room.
 
-    SGLang's scheduler opens about ten more ports of its own right after start-up, so there is a
-    small window in which another process can take this one; the engine then exits with an error
-    that ``EngineProcess.wait_ready`` reports.
+    The port is only checked here and bound later (an engine binds it about 20 s after this, once
+    SGLang is imported). The kernel hands out ephemeral ports to every ``bind(0)`` and outgoing
+    connection on the machine, so a port picked from that range can be taken in the meantime (the
+    engine then exits with uvicorn's code 3): one in a few dozen starts on a machine that opens many
+    connections, such as a test run. Ports outside it are only taken by someone who picks them.
     """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    candidates = outside_ephemeral_ports()
+    for port in random.sample(candidates, min(PICK_ATTEMPTS, len(candidates))):
+        if _bindable(host, port):
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # no room outside it: the kernel's pick
         sock.bind((_bind_host(host), 0))
         return int(sock.getsockname()[1])
+
+
+def outside_ephemeral_ports() -> list[int]:
+    """The ports of :data:`PICK_RANGES` that the kernel never hands out by itself."""
+    low, high = ephemeral_range()
+    return [port for start, end in PICK_RANGES for port in range(start, end + 1) if not low <= port <= high]
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's ephemeral port range (Linux's default where it cannot be read)."""
+    try:
+        low, high = EPHEMERAL_RANGE_FILE.read_text().split()[:2]
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def port_is_free(host: str, port: int) -> bool:
@@ -25,6 +54,16 @@ def port_is_free(host: str, port: int) -> bool:
     """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((_bind_host(host), port))
+        except OSError:
+            return False
+    return True
+
+
+def _bindable(host: str, port: int) -> bool:
+    """Whether ``port`` can be bound without ``SO_REUSEADDR`` (nothing uses it, not even a closing connection)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         try:
             sock.bind((_bind_host(host), port))
         except OSError:

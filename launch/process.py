@@ -49,6 +49,8 @@ PHASES: tuple[tuple[str, re.Pattern[str]], ...] = (
 
 # What SGLang logs when one of its processes dies of an exception (the server then takes itself down).
 CRASH_MARKER = re.compile(r"hit an exception|SIGQUIT received")
+# What uvicorn logs (then exits with code 3) when the engine's HTTP port is taken.
+PORT_TAKEN_MARKER = re.compile(r"error while attempting to bind on address .*address already in use", re.IGNORECASE)
 _EXCEPTION_LINE = re.compile(r"^(?:\[[^\]]*\] )?([A-Za-z_][\w.]*(?:Error|Exception|Interrupt)\b:?.*)$")
 
 
@@ -73,6 +75,11 @@ def crash_cause(lines: list[str]) -> str | None:
         if match:
             return match.group(1)[:300]
     return "an exception (see the engine log)"
+
+
+def port_was_taken(lines: list[str]) -> bool:
+    """Whether an engine's log ``lines`` say it exited because its HTTP port was already bound."""
+    return any(PORT_TAKEN_MARKER.search(line) for line in lines)
 
 
 class EngineError(RuntimeError):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import socket
 
-from launch.ports import pick_free_port, port_is_free
+from launch.ports import ephemeral_range, pick_free_port, port_is_free
 
 
 def test_a_listening_port_is_taken_and_a_stopped_servers_port_is_free_again() -> None:
@@ -21,3 +21,14 @@ def test_a_listening_port_is_taken_and_a_stopped_servers_port_is_free_again() ->
     server.close()
     client.close()
     assert port_is_free("127.0.0.1", port)
+
+
+def test_picked_ports_are_outside_the_kernels_ephemeral_range() -> None:
+    """The kernel hands ephemeral ports to every outgoing connection: a port picked there can be taken before the
+    engine binds it (it did, in a CI run: an engine exited with code 3)."""
+    low, high = ephemeral_range()
+    picked = {pick_free_port() for _ in range(50)}
+    assert not any(low <= port <= high for port in picked), (low, high, sorted(picked))
+    assert len(picked) > 40  # random picks, not one port handed out again and again
+    for port in picked:
+        assert port_is_free("127.0.0.1", port)
