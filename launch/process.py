@@ -26,6 +26,12 @@ from loguru import logger
 
 from launch.argv import build_argv, build_env, secret_config
 from launch.config import EngineConfig
+from launch.engine_tmp import (
+    engine_tmp_env,
+    make_engine_tmp_dir,
+    remove_engine_tmp_dir,
+    remove_orphaned_engine_tmp_dirs,
+)
 from launch.logpump import pump_output
 from launch.ports import pick_free_port
 from launch.procgroup import popen_group, stop_group
@@ -169,6 +175,7 @@ class EngineProcess:
         self.log_file: Path | None = None
         self.argv: list[str] = []
         self.uses_cpu_shim = False
+        self.tmp_dir: Path | None = None  # the engine's TMPDIR, removed when it stops
         self._known_shm: set[Path] = set()  # remembered while alive: a crashed engine's files are still ours
         self._started_wall: float | None = None
 
@@ -230,6 +237,9 @@ class EngineProcess:
         stale_keys = remove_orphaned_secret_files()
         if stale_keys:
             logger.info("removed {} engine key file(s) left by launchers that were killed", len(stale_keys))
+        stale_dirs = remove_orphaned_engine_tmp_dirs()
+        if stale_dirs:
+            logger.info("removed {} engine temporary director(ies) left by launchers that were killed", len(stale_dirs))
         if self.port == 0:
             self.port = pick_free_port(self.config.host)
         if self.api_key:
@@ -237,12 +247,13 @@ class EngineProcess:
         self.argv = build_argv(self.config, port=self.port, served_model_name=self.served_model_name, config_file=self._secret_file)
         engine_env = build_env(self.config)
         self.uses_cpu_shim = engine_env.uses_cpu_shim
+        self.tmp_dir = make_engine_tmp_dir(self.name, engine_env.variables)
         self._log_dir.mkdir(parents=True, exist_ok=True)
         self.log_file = self._log_dir / f"{safe_name(self.name)}-{self.port}-{int(time.time())}.log"
         logger.info("engine {}: starting on port {}: {}", self.name, self.port, " ".join(self.argv))
         self._proc = popen_group(
             self.argv,
-            env=engine_env.variables,
+            env=engine_tmp_env(self.tmp_dir, engine_env.variables),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -319,7 +330,8 @@ class EngineProcess:
         return time.monotonic() - self._started_at if self._started_at else 0.0
 
     def stop(self, grace_s: float | None = None) -> int | None:
-        """SIGTERM the process group, SIGKILL it after ``grace_s``, then remove its ``/dev/shm`` files."""
+        """SIGTERM the process group, SIGKILL it after ``grace_s``, then remove its ``/dev/shm`` files and its
+        temporary directory."""
         proc = self._proc
         if proc is None:
             return None
@@ -337,6 +349,7 @@ class EngineProcess:
         removed = remove_files(leftovers)
         if removed:
             logger.debug("engine {}: removed {} /dev/shm file(s)", self.name, len(removed))
+        remove_engine_tmp_dir(self.tmp_dir)  # its socket files and metrics directory (see launch.engine_tmp)
         self._set_phase(f"stopped (exit code {proc.returncode})")
         return proc.returncode
 

@@ -1,20 +1,28 @@
-"""The one "leaves nothing behind" check of the tests: no process group left, no ``/dev/shm`` file left.
+"""The one "leaves nothing behind" check of the tests: no process group left, no ``/dev/shm`` file left, no
+engine temporary directory left.
 
 ``/dev/shm`` is checked whole: every file in it that no live process has mapped or open is a leak,
 unless it was already there, unused, before the check began. Other engines running on the machine
 (other tests, other users) use their files, so they never count, and no before/after comparison of
 the directory is needed. The product's own idea of which files an engine owns is not used: a bug in
 it would hide the very leak this looks for.
+
+Engine temporary directories (``launch.engine_tmp``: each engine's ``TMPDIR``, holding its socket files) are
+named after the process that launched the engine: those of this process and of the watched process groups'
+leaders that were not there when the check began must be gone.
 """
 
 from __future__ import annotations
 
+import os
 import signal
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from launch.engine_tmp import PREFIX as ENGINE_TMP_PREFIX
 from launch.procgroup import group_pids, signal_group
 from launch.shm import SHM_DIR, shm_in_use
 
@@ -28,6 +36,12 @@ def unused_shm_files() -> set[Path]:
     return files - shm_in_use() if files else set()
 
 
+def engine_tmp_dirs(launchers: set[int]) -> set[Path]:
+    """Engine temporary directories of engines that the processes ``launchers`` started."""
+    base = Path(tempfile.gettempdir())
+    return {path for pid in launchers for path in base.glob(f"{ENGINE_TMP_PREFIX}{pid}-*")}
+
+
 class LeakCheck:
     """Remembers the process groups a test started and the ``/dev/shm`` files already unused."""
 
@@ -35,15 +49,17 @@ class LeakCheck:
         self.shm = shm
         self.baseline = unused_shm_files() if shm else set()
         self.groups: set[int] = set()
+        self.tmp_baseline = engine_tmp_dirs({os.getpid()})
 
     def watch(self, pgid: int | None) -> None:
         """A process group that must be gone at the end (an engine's pid, a CLI's pid)."""
         if pgid is not None:
             self.groups.add(pgid)
 
-    def leftovers(self) -> tuple[dict[int, set[int]], set[Path]]:
+    def leftovers(self) -> tuple[dict[int, set[int]], set[Path], set[Path]]:
         alive = {pgid: pids for pgid in self.groups if (pids := group_pids(pgid))}
-        return alive, (unused_shm_files() - self.baseline) if self.shm else set()
+        tmp_dirs = engine_tmp_dirs({os.getpid(), *self.groups}) - self.tmp_baseline
+        return alive, (unused_shm_files() - self.baseline) if self.shm else set(), tmp_dirs
 
     def kill_all(self) -> None:
         """SIGKILL every watched group (a failed test must not leave its engines running)."""
@@ -53,14 +69,15 @@ class LeakCheck:
     def assert_nothing_left(self, settle_s: float = SETTLE_S) -> None:
         deadline = time.monotonic() + settle_s
         while True:
-            alive, files = self.leftovers()
-            if not alive and not files:
+            alive, files, tmp_dirs = self.leftovers()
+            if not alive and not files and not tmp_dirs:
                 return
             if time.monotonic() > deadline:
                 break
             time.sleep(0.5)
         assert not alive, f"process groups still alive (group: pids): {alive}"
         assert not files, f"/dev/shm files that no live process uses were left behind: {sorted(map(str, files))}"
+        assert not tmp_dirs, f"engine temporary directories were left behind: {sorted(map(str, tmp_dirs))}"
 
 
 @contextmanager

@@ -52,7 +52,12 @@ def test_engine_starts_serves_a_chat_and_stops_clean(tiny_engine_config: EngineC
         assert reply.usage is not None and 0 < reply.usage.completion_tokens <= 8
         assert reply.choices[0].finish_reason in ("length", "stop")
         assert client.models.list().data[0].id == "tiny"  # served under the model's YAML name
+        # SGLang's temporary files (ZeroMQ sockets, the metrics directory) are in the engine's own TMPDIR
+        assert engine.tmp_dir is not None and f"TMPDIR={engine.tmp_dir}".encode() in Path(f"/proc/{engine.pid}/environ").read_bytes()
+        kinds = {"socket" if path.is_socket() else "dir" if path.is_dir() else "file" for path in engine.tmp_dir.iterdir()}
+        assert {"socket", "dir"} <= kinds, sorted(engine.tmp_dir.iterdir())
     assert engine.returncode is not None and not engine.running
+    assert not engine.tmp_dir.exists()  # removed with the engine (leaves_nothing checks it too)
     assert phases[0] == "starting" and phases[-1].startswith("stopped")
     for phase in ("loading weights", "allocating KV cache", "HTTP server up", "ready"):
         assert phase in phases, phases
