@@ -20,6 +20,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from launch.procgroup import pid_alive
 from launch.secret_file import safe_name
 
 PREFIX = "sglang-gateway-engine-"
@@ -57,21 +58,11 @@ def remove_orphaned_engine_tmp_dirs(base: str | None = None) -> list[Path]:
             info = path.stat()
         except OSError:
             continue
-        if match is None or info.st_uid != uid or _alive(int(match.group(1))):
+        if match is None or info.st_uid != uid or pid_alive(int(match.group(1))):
             continue
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _user() -> str:
