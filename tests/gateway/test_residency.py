@@ -316,6 +316,10 @@ def test_memory_saver_sleep_drains_releases_then_resumes_before_serving(tiny_mod
             assert asleep["replicas"][0]["state"] == "sleeping" and rig.metric("gateway_model_resident", model="a") == 0
             assert asleep["engine"]["running"] and asleep["engine"]["pid"] == engine.pid, asleep  # the process is kept
             assert rig.cards()["a"]["status"] == "sleeping"
+            # From here on no idle stop (as after a reload that turns them off): the checks below read counts and events
+            # that a second idle sleep, 1 s after the next answer on a loaded machine, would change under them.
+            awake = entry.model_copy(update={"residency": ResidencyConfig(sleep="memory_saver", idle_stop_s=None)})
+            app.state.controller.applier.deployment = DeploymentConfig.model_construct(models={"a": awake}, gateway={}, source=None)
             assert rig.chat("a") == "tok " * 4
             assert rig.models()["a"]["state"] == "ready" and rig.metric("gateway_model_resident", model="a") == 1
             assert calls.read_text().split() == ["chat", "chat-end", "release", "resume", "chat"]
