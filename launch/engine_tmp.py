@@ -34,9 +34,9 @@ def make_engine_tmp_dir(name: str, env: dict[str, str]) -> Path:
 
 
 def engine_tmp_env(tmp_dir: Path, env: dict[str, str]) -> dict[str, str]:
-    """``env`` with ``TMPDIR`` set to ``tmp_dir`` and Torch's compile cache kept where it would have been."""
-    base = env.get("TMPDIR") or tempfile.gettempdir()
-    inductor_default = str(Path(base) / f"torchinductor_{_user()}")  # torch's own default, under the old TMPDIR
+    """``env`` with ``TMPDIR`` set to ``tmp_dir`` (made by :func:`make_engine_tmp_dir`) and Torch's compile cache
+    kept where it would have been."""
+    inductor_default = str(tmp_dir.parent / f"torchinductor_{_user()}")  # torch's own default, under the old TMPDIR
     return {**env, "TMPDIR": str(tmp_dir), "TORCHINDUCTOR_CACHE_DIR": env.get("TORCHINDUCTOR_CACHE_DIR", inductor_default)}
 
 

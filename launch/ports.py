@@ -24,7 +24,7 @@ def pick_free_port(host: str = "127.0.0.1") -> int:
     """
     candidates = outside_ephemeral_ports()
     for port in random.sample(candidates, min(PICK_ATTEMPTS, len(candidates))):
-        if _bindable(host, port):
+        if port_is_free(host, port, reuse_addr=False):
             return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # no room outside it: the kernel's pick
         sock.bind((_bind_host(host), 0))
@@ -46,24 +46,16 @@ def ephemeral_range() -> tuple[int, int]:
         return 32768, 60999
 
 
-def port_is_free(host: str, port: int) -> bool:
+def port_is_free(host: str, port: int, *, reuse_addr: bool = True) -> bool:
     """Whether nothing is listening on (or bound to) ``host:port``.
 
     Connections of a stopped server still in TIME_WAIT do not count: the engine's server binds with
     ``SO_REUSEADDR`` (uvicorn does), so an engine restarted after a crash gets its old port back.
+    ``reuse_addr=False``: they count too (a port picked for a new server is one nothing uses at all).
     """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((_bind_host(host), port))
-        except OSError:
-            return False
-    return True
-
-
-def _bindable(host: str, port: int) -> bool:
-    """Whether ``port`` can be bound without ``SO_REUSEADDR`` (nothing uses it, not even a closing connection)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        if reuse_addr:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((_bind_host(host), port))
         except OSError:

@@ -69,9 +69,7 @@ _ANTHROPIC_NAMES = _names("anthropic-ratelimit-{what}-limit anthropic-ratelimit-
 
 
 def rate_limit_headers(quota: KeyQuota, now: float, dialect: Dialect) -> list[tuple[bytes, bytes]]:
-    """The headers that tell a client where its key stands (only for the limits it has).
-
-    Built on every answer to a limited key: each value is formatted once, straight to bytes."""
+    """The headers that tell a client where its key stands (only for the limits it has)."""
     anthropic = dialect is Dialect.ANTHROPIC
     names = _ANTHROPIC_NAMES if anthropic else _OPENAI_NAMES
     headers: list[tuple[bytes, bytes]] = []
@@ -80,11 +78,11 @@ def rate_limit_headers(quota: KeyQuota, now: float, dialect: Dialect) -> list[tu
             continue
         reset_s = bucket.full_in_s()
         if anthropic:
-            reset = dt.datetime.fromtimestamp(now + reset_s, dt.UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z").encode()
+            reset = dt.datetime.fromtimestamp(now + reset_s, dt.UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
         else:
-            reset = b"%dms" % math.ceil(reset_s * 1000) if reset_s < 1 else duration(reset_s).encode()
+            reset = duration(reset_s)
         limit_name, remaining_name, reset_name = names[what]
-        headers += ((limit_name, b"%d" % bucket.capacity), (remaining_name, b"%d" % bucket.remaining), (reset_name, reset))
+        headers += [(limit_name, b"%d" % bucket.capacity), (remaining_name, b"%d" % bucket.remaining), (reset_name, reset.encode())]
     return headers
 
 
