@@ -28,7 +28,11 @@ from benchmarks.report import console, machine_info
 
 def _cpu(pids: dict[str, int]) -> dict[str, float]:
     own = os.times()
-    return {"client": own.user + own.system, **{name: processes.group_cpu_s(pid) for name, pid in pids.items()}}
+    seconds = {"client": own.user + own.system}
+    for name, pid in pids.items():
+        user, system = processes.group_cpu_split_s(pid)
+        seconds.update({name: user + system, f"{name}_system": system})
+    return seconds
 
 
 def paced_run(
@@ -110,19 +114,21 @@ def _fmt(value: Any, digits: int = 1) -> str:
 def _line(row: dict[str, Any]) -> str:
     return (
         f"{row['streams']:>5} {row['target']:<11} {row['events_per_s']:>9,.0f} ev/s  TTFT p50 {_fmt(row['ttft_p50_ms'])} ms  "
-        f"gap p99 {_fmt(row['gap_p99_ms'])} ms  errors {row['errors']}  proxy {_fmt(row.get('cpu_us_per_event_proxy'))} µs/event"
+        f"gap p99 {_fmt(row['gap_p99_ms'])} ms  errors {row['errors']}  proxy {_fmt(row.get('cpu_us_per_event_proxy'))} µs/event "
+        f"({_fmt(row.get('cpu_us_per_event_proxy_system'))} in the kernel)"
     )
 
 
 def _print_table(rows: list[dict[str, Any]], targets: list[str]) -> None:
     table = Table(title="paced streams: per target (CPU µs per event received by the client)")
-    for column in ("streams", "target", "events/s", "TTFT p50/p99 ms", "gap p50/p99 ms", "errors", "proxy µs/ev", "upstream µs/ev", "client µs/ev"):
+    for column in ("streams", "target", "events/s", "TTFT p50/p99 ms", "gap p50/p99 ms", "errors", "proxy µs/ev", "of it kernel", "upstream µs/ev", "client µs/ev"):
         table.add_column(column, justify="right")
     for row in rows:
         table.add_row(
             str(row["streams"]), row["target"], f"{row['events_per_s']:,.0f}",
             f"{_fmt(row['ttft_p50_ms'])} / {_fmt(row['ttft_p99_ms'])}", f"{_fmt(row['gap_p50_ms'])} / {_fmt(row['gap_p99_ms'])}",
-            str(row["errors"]), _fmt(row.get("cpu_us_per_event_proxy")), _fmt(row.get("cpu_us_per_event_upstream")),
+            str(row["errors"]), _fmt(row.get("cpu_us_per_event_proxy")), _fmt(row.get("cpu_us_per_event_proxy_system")),
+            _fmt(row.get("cpu_us_per_event_upstream")),
             _fmt(row.get("cpu_us_per_event_client")),
         )  # fmt: skip
     Console(width=150).print(table)

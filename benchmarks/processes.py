@@ -239,9 +239,16 @@ _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 def group_cpu_s(pgid: int) -> float:
     """User+system CPU seconds of every live process in process group ``pgid`` (from /proc)."""
-    total = 0
+    return sum(group_cpu_split_s(pgid))
+
+
+def group_cpu_split_s(pgid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of every live process in process group ``pgid``: the system part is the
+    kernel's work for the process (socket reads and writes), which any proxy pays alike."""
+    user = system = 0
     for pid in group_pids(pgid):
         fields = stat_fields(pid)
         if fields is not None:
-            total += int(fields[11]) + int(fields[12])
-    return total / _TICK
+            user += int(fields[11])
+            system += int(fields[12])
+    return user / _TICK, system / _TICK
