@@ -23,6 +23,7 @@ from fastapi import FastAPI
 from loguru import logger
 from prometheus_client import values as prometheus_values
 
+from gateway import heap
 from gateway.app import app_from_config
 from gateway.config import GatewaySettings, gateway_settings
 from gateway.control.controller import StartAborted
@@ -94,8 +95,10 @@ class GatewayServer(uvicorn.Server):
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
-        if self.started and self.on_started is not None:
-            self.on_started()
+        if self.started:
+            heap.settle()  # start-up's objects out of the collector's passes (gateway.heap)
+            if self.on_started is not None:
+                self.on_started()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         controller = getattr(getattr(self.config.app, "state", None), "controller", None)
