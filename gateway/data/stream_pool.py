@@ -10,7 +10,7 @@ Everything else about the exchange keeps the guarantees of the pooled client: co
 reused (idle ones for :data:`KEEPALIVE_S`, under the engines' own keep-alive), a connection that breaks is
 never reused, a stream cut short closes its connection (the engine aborts the request), the read timeout is
 the longest silence between upstream bytes, and every read is acknowledged at once where the OS allows it
-(``TCP_QUICKACK``: an upstream without ``TCP_NODELAY``, such as SGLang's router, otherwise holds each small
+(``TCP_QUICKACK``, set once per response: an upstream without ``TCP_NODELAY``, such as SGLang's router, otherwise holds each small
 write for the gateway's delayed ACK). There is no cap on concurrent connections unless one is configured;
 waiting for a slot under a configured cap is :class:`UpstreamPoolFull`, never an engine timeout.
 """
@@ -61,8 +61,11 @@ class QuickAck:
 
     An upstream that does not set ``TCP_NODELAY`` (SGLang's router) holds each small write, such as one SSE
     event, until its previous one is acknowledged; Linux delays that ACK (up to 40 ms) on a reused connection.
-    The flag is not permanent (the kernel goes back to delayed ACKs by itself), so it is re-armed at each read,
-    which also sends an ACK still pending. The calls go through a duplicate of the socket made once: uvloop's
+    What sends the kernel back to delayed ACKs ("pingpong" mode) is the gateway sending data soon after it
+    received some: the request written on a reused connection. Nothing the gateway does while it reads a
+    response does, so the flag is set once per response, at its first read (which also sends an ACK still
+    pending); from then on the kernel acknowledges each small segment as it is read. (Set at every read, it cost
+    a system call per relayed event.) The calls go through a duplicate of the socket made once: uvloop's
     ``get_extra_info("socket")`` builds and discards a socket object on every call."""
 
     __slots__ = ("_sock",)
@@ -116,14 +119,15 @@ class _Connection(asyncio.Protocol):
             self._ack = QuickAck(transport)
 
     def data_received(self, data: bytes) -> None:
-        if self._ack is not None:
-            self._ack.rearm()
         exchange = self.exchange
         if exchange is None or self.parser is None:  # bytes nobody asked for: the connection cannot be trusted
             self.abort()
             return
         exchange.last_read = time.monotonic()
-        exchange.received = True
+        if not exchange.received:
+            exchange.received = True
+            if self._ack is not None:  # once per response: see QuickAck
+                self._ack.rearm()
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as error:

@@ -177,10 +177,10 @@ def test_a_connection_lost_mid_stream_ends_the_relay_with_the_error() -> None:
 
 @pytest.mark.skipif(not hasattr(socket, "TCP_QUICKACK"), reason="TCP_QUICKACK is Linux-only")
 def test_reused_stream_connections_acknowledge_reads_at_once() -> None:
-    """Like the plain session's (tests/gateway/test_upstream_session.py): after the first event of each stream on
-    one reused connection, the kernel reports quick-ACK mode."""
+    """Like the plain session's (tests/gateway/test_upstream_session.py): at each event of each stream on one
+    reused connection, the kernel reports quick-ACK mode (set once per response, at its first read)."""
 
-    async def main() -> list[int]:
+    async def main() -> list[list[int]]:
         server = await asyncio.start_server(_sse_server, "127.0.0.1", 0)
         url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
         pool = StreamPool(5.0, 30.0)
@@ -188,20 +188,24 @@ def test_reused_stream_connections_acknowledge_reads_at_once() -> None:
         try:
             for _ in range(5):
                 exchange = await pool.request(url, "/", b"", {})
-                first: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-                ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-                exchange.relay(_setter(first), _setter(ended))
-                await first
                 sock = exchange.connection.transport.get_extra_info("socket")
-                modes.append(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK))
+                seen: list[int] = []
+                ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+                exchange.relay(_ack_mode_into(seen, sock), _setter(ended))
                 await ended
+                modes.append(seen)
                 exchange.release()
         finally:
             await pool.close()
             server.close()
         return modes
 
-    assert asyncio.run(main()) == [1] * 5
+    assert asyncio.run(main()) == [[1, 1]] * 5
+
+
+def _ack_mode_into(seen: list[int], sock: socket.socket):  # type: ignore[no-untyped-def]
+    """A body callback that appends the connection's ACK mode (1: quick) as each piece arrives."""
+    return lambda _: seen.append(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK))
 
 
 def _setter(future: asyncio.Future[None]):  # type: ignore[no-untyped-def]
