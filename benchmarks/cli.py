@@ -28,6 +28,8 @@ from benchmarks.stats import evaluate_targets, evaluate_tenant_targets, evaluate
 from benchmarks.tenants import KEYED, TWIN
 from benchmarks.tracing import TRACED, OTLPSink, traced_settings
 
+BASELINE = "gateway-baseline"  # --baseline: the same gateway from another checkout
+
 app = typer.Typer(
     name="benchmarks",
     help="Benchmarks of sglang-gateway: load runs, gateway vs direct side by side, MLflow wrapper cost.",
@@ -204,10 +206,19 @@ def compare_command(
             "process): traced vs the plain gateway in one run.",
         ),
     ] = False,
+    baseline: Annotated[
+        Path | None,
+        typer.Option(
+            help="Also run a gateway from the checkout at this path (its PYTHONPATH), with the same settings, in the "
+            "same rounds: before / after in one run (git worktree add /tmp/before <commit>).",
+        ),
+    ] = None,
     out: Out = None,
     plot: Annotated[bool, typer.Option(help="Write plot-<api>.png.")] = True,
 ) -> None:
     """The same workload against the upstream directly and through the gateway, alternating, with ratios."""
+    if baseline is not None and not (baseline / "gateway" / "__init__.py").is_file():
+        raise typer.BadParameter(f"{baseline}: not a checkout of this project (no gateway/__init__.py)", param_hint="--baseline")
     levels_list = _levels(concurrency)
     workloads = [
         Workload(
@@ -268,6 +279,11 @@ def compare_command(
             )
             console.print(f"{TWIN}: {twin_url} (pid {twin_child.pid}; the plain gateway's twin: the run's noise)")
             urls[TWIN], groups[TWIN] = twin_url, {"gateway": twin_child.pid}
+        if baseline is not None:  # the same gateway settings, another checkout's code
+            base_env = {**env, "PYTHONPATH": str(baseline.resolve())}
+            base_url, base_child = stack.enter_context(processes.gateway(direct_url, out_dir / BASELINE, base_env, plain))
+            console.print(f"{BASELINE}: {base_url} (pid {base_child.pid}; the code of {baseline})")
+            urls[BASELINE], groups[BASELINE] = base_url, {"gateway": base_child.pid}
         for name in urls:
             if upstream_proc is not None:
                 groups[name]["upstream"] = upstream_proc.pid
@@ -314,7 +330,9 @@ def compare_command(
                 console.print(f"[red]profiling failed:[/] {error}")
                 profile_report = {"error": str(error)}
     summary = report.api_summary_rows(measured)
-    targets = ["direct", "gateway", *([TRACED] if tracing else []), *([KEYED, TWIN] if tenants else [])]
+    targets = [
+        "direct", "gateway", *([TRACED] if tracing else []), *([KEYED, TWIN] if tenants else []), *([BASELINE] if baseline else []),
+    ]  # fmt: skip
     result = {
         "title": f"gateway vs direct ({upstream_label})" + (", keys+ledger vs plain gateway" if tenants else ""),
         "kind": "compare",
@@ -331,6 +349,8 @@ def compare_command(
     }
     if sink is not None:  # read once the traced gateway stopped (it exports what is queued on SIGTERM)
         result["tracing"] = {"summary": report.tenant_summary_rows(measured, TRACED), "spans_exported": sink.span_count()}
+    if baseline is not None:
+        result["baseline"] = {"checkout": str(baseline), "summary": report.tenant_summary_rows(measured, BASELINE)}
     if tenants:  # read once the keyed gateway stopped (it writes its last rows on SIGTERM)
         result["tenants"] = {"summary": report.tenant_summary_rows(measured, KEYED), "ledger_rows": tenant_rig.ledger_rows(out_dir)}
     for name, entry in measured.items():
@@ -340,6 +360,8 @@ def compare_command(
     if sink is not None:
         report.print_tenant_summary(result["tracing"]["summary"], "traced / plain gateway per API", "traced CPU ms/req")
         console.print(f"spans exported ({TRACED}, by name): {result['tracing']['spans_exported']}")
+    if baseline is not None:
+        report.print_tenant_summary(result["baseline"]["summary"], f"{BASELINE} ({baseline}) / this gateway per API", "baseline CPU ms/req")
     if tenants:
         report.print_tenant_summary(result["tenants"]["summary"])
         console.print(f"usage ledger rows ({KEYED}, by key:status): {result['tenants']['ledger_rows']}")

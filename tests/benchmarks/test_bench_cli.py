@@ -143,6 +143,29 @@ def test_compare_with_tracing_runs_a_traced_gateway_whose_spans_all_reach_the_si
     assert "traced / plain gateway per API" in proc.stdout
 
 
+def test_compare_with_a_baseline_runs_that_checkouts_code_next_to_the_plain_gateway(tmp_path: Path) -> None:
+    """``--baseline DIR``: a third gateway whose PYTHONPATH is DIR (here: this checkout's packages, and a
+    ``sitecustomize`` that leaves a mark, so the test sees the baseline's process import from DIR)."""
+    checkout = tmp_path / "before"
+    checkout.mkdir()
+    for package in ("gateway", "launch", "model_code"):
+        (checkout / package).symlink_to(REPO / package)
+    mark = tmp_path / "imported-from-baseline"
+    (checkout / "sitecustomize.py").write_text(f"open({str(mark)!r}, 'a').write('x')\n")
+    proc, result = _compare_on_stub(tmp_path / "result", f"--baseline={checkout}", "1")
+    assert result["targets_measured"] == ["direct", "gateway", "gateway-baseline"]
+    entry = result["apis"]["chat"]["levels"]["1"]
+    assert entry["gateway-baseline"]["requests"] == 6 and entry["gateway-baseline"]["errors"] == 0, entry["gateway-baseline"]
+    assert entry["vs_gateway"]["gateway-baseline"]["req_s"]["ratio"] > 0 and "gateway" in entry["gateway-baseline"]["cpu_ms_per_req"]
+    assert [(row["api"], row["c"]) for row in result["baseline"]["summary"]] == [("chat", 1)]
+    assert mark.exists()  # only the baseline's process has DIR on its path
+    assert "gateway-baseline" in proc.stdout and "/ this gateway per API" in proc.stdout
+    refused = _bench("compare", "--upstream", "stub", f"--baseline={tmp_path}", "-n", "2", "--no-plot", "--out", str(tmp_path / "r2"))
+    said = " ".join(refused.stderr.replace("│", " ").split())  # typer's box wraps long lines
+    assert refused.returncode == 2 and "not a checkout of this project" in said and "Traceback" not in said, said
+    assert "starting" not in refused.stdout  # refused before anything started
+
+
 def test_run_cli_plain_answers_and_a_bad_api_name(tmp_path: Path) -> None:
     with processes.fake_upstream("raw", tmp_path) as (url, _):
         out = tmp_path / "run"
