@@ -3,8 +3,9 @@
 A GPU engine at high batch sends one SSE event per running request per decode step: hundreds of streams,
 each a small write every 10-30 ms. Relaying that through a client library's stream reader costs a task
 wake-up, a future and a few coroutine frames per event. Here the response is parsed by ``httptools`` (the
-C parser uvicorn uses) inside the socket's ``data_received``, and each decoded body piece goes straight to
-the exchange's sink, which relays it in the same callback (:mod:`gateway.relay`): no task runs per event.
+C parser uvicorn uses) inside the socket's ``data_received``, and what each read brought goes straight to the
+exchange's sink, which relays it in the same callback (:mod:`gateway.relay`): no task runs per event, and
+events that arrived together leave together.
 
 Everything else about the exchange keeps the guarantees of the pooled client: connections are kept alive and
 reused (idle ones for :data:`KEEPALIVE_S`, under the engines' own keep-alive), a connection that breaks is
@@ -106,7 +107,8 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self._ack: QuickAck | None = None
         self.exchange: StreamExchange | None = None
-        self.sink: Sink | None = None  # the exchange's relay, called straight from the parser's body callback
+        self.sink: Sink | None = None  # the exchange's relay, called once per read with what the read brought
+        self._pieces: list[bytes] = []  # the body pieces (HTTP chunks) of the read being parsed
         self.parser: Any = None
         self.idle_since = 0.0
         self.used = False  # has carried a request before (a broken reuse may be retried once)
@@ -131,8 +133,22 @@ class _Connection(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as error:
+            self._deliver()  # the events before the malformed bytes, then the failure
             exchange.failed(UpstreamConnectionLost(f"malformed response from the engine: {error}"))
             self.abort()
+            return
+        self._deliver()
+
+    def _deliver(self) -> None:
+        """What one read brought, to the relay in one call: an engine that got ahead (several events waiting
+        in the socket, as under load) costs one write to the client, not one per event."""
+        pieces = self._pieces
+        if pieces:
+            body = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+            pieces.clear()
+            sink = self.sink
+            if sink is not None:
+                sink(body)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
@@ -149,13 +165,13 @@ class _Connection(asyncio.Protocol):
             self.exchange.headers_done(self.parser.get_status_code(), self.parser.should_keep_alive())
 
     def on_body(self, body: bytes) -> None:
-        sink = self.sink
-        if sink is not None:
-            sink(body)
+        if self.sink is not None:
+            self._pieces.append(body)  # delivered once the read is parsed (_deliver)
         elif self.exchange is not None:
             self.exchange.body(body)
 
     def on_message_complete(self) -> None:
+        self._deliver()  # the last events before the end
         exchange = self.exchange
         if exchange is not None:
             exchange.complete()
@@ -165,6 +181,7 @@ class _Connection(asyncio.Protocol):
         assert self.transport is not None
         self.exchange = exchange
         self.sink = None
+        self._pieces.clear()
         self.parser = httptools.HttpResponseParser(self)
         self.transport.write(request)
 

@@ -100,6 +100,36 @@ async def _head_then_silence(writer: asyncio.StreamWriter) -> bool:
     return True
 
 
+def test_the_events_one_read_brings_reach_the_relay_in_one_call() -> None:
+    """An engine that got ahead of the gateway (several events waiting in the socket, as under load) costs one
+    write to the client per read, not one per event: the chunks of one read reach the sink joined."""
+
+    async def bursts(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> bool:
+        writer.write(HEAD)
+        await writer.drain()
+        await asyncio.sleep(0.05)  # the relay has started
+        writer.write(b"9\r\ndata: a\n\n\r\n9\r\ndata: b\n\n\r\n9\r\ndata: c\n\n\r\n")  # one write, three events
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(b"9\r\ndata: d\n\n\r\n9\r\ndata: e\n\n\r\n0\r\n\r\n")  # two more and the end
+        await writer.drain()
+        return True
+
+    async def main() -> list[bytes]:
+        async with _Server(bursts) as url:
+            pool = StreamPool(5.0, 30.0)
+            exchange = await pool.request(url, "/", b"{}", {})
+            calls: list[bytes] = []
+            ended: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+            exchange.relay(calls.append, lambda error: ended.done() or ended.set_result(error))
+            assert await ended is None
+            exchange.release()
+            await pool.close()
+            return calls
+
+    assert asyncio.run(main()) == [b"data: a\n\ndata: b\n\ndata: c\n\n", b"data: d\n\ndata: e\n\n"]
+
+
 def test_a_kept_alive_connection_the_engine_closes_on_reuse_is_retried_once_on_a_new_one() -> None:
     async def close_on_second(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> bool:
         if n == 2:
