@@ -23,12 +23,11 @@ from benchmarks import tenants as tenant_rig
 from benchmarks.apis import APIS, parse_apis
 from benchmarks.drive import drive, profile_gateway
 from benchmarks.loadgen import Workload
+from benchmarks.processes import BASELINE
 from benchmarks.report import console
 from benchmarks.stats import evaluate_targets, evaluate_tenant_targets, evaluate_tracing_targets
 from benchmarks.tenants import KEYED, TWIN
 from benchmarks.tracing import TRACED, OTLPSink, traced_settings
-
-BASELINE = "gateway-baseline"  # --baseline: the same gateway from another checkout
 
 app = typer.Typer(
     name="benchmarks",
@@ -63,6 +62,26 @@ MaxSeconds = Annotated[
 Out = Annotated[
     Path | None, typer.Option("--out", help="Results directory (default: benchmarks/results/<time>-<name>).")
 ]
+
+
+def _baseline_env(gateway_env: list[str] | None, baseline: Path | None) -> dict[str, str] | None:
+    """The gateway environment for ``--baseline`` (None without it); a bad path is refused before anything starts."""
+    if baseline is None:
+        return None
+    try:
+        return processes.baseline_env(dict(item.split("=", 1) for item in gateway_env or []), baseline)
+    except ValueError as error:
+        raise typer.BadParameter(str(error), param_hint="--baseline") from None
+
+
+Baseline = Annotated[
+    Path | None,
+    typer.Option(
+        help="Also run a gateway from the checkout at this path (its PYTHONPATH), with the same settings, in the "
+        "same run: before / after (git worktree add /tmp/before <commit>).",
+    ),
+]
+
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -206,19 +225,12 @@ def compare_command(
             "process): traced vs the plain gateway in one run.",
         ),
     ] = False,
-    baseline: Annotated[
-        Path | None,
-        typer.Option(
-            help="Also run a gateway from the checkout at this path (its PYTHONPATH), with the same settings, in the "
-            "same rounds: before / after in one run (git worktree add /tmp/before <commit>).",
-        ),
-    ] = None,
+    baseline: Baseline = None,
     out: Out = None,
     plot: Annotated[bool, typer.Option(help="Write plot-<api>.png.")] = True,
 ) -> None:
     """The same workload against the upstream directly and through the gateway, alternating, with ratios."""
-    if baseline is not None and not (baseline / "gateway" / "__init__.py").is_file():
-        raise typer.BadParameter(f"{baseline}: not a checkout of this project (no gateway/__init__.py)", param_hint="--baseline")
+    base_env = _baseline_env(gateway_env, baseline)
     levels_list = _levels(concurrency)
     workloads = [
         Workload(
@@ -279,8 +291,7 @@ def compare_command(
             )
             console.print(f"{TWIN}: {twin_url} (pid {twin_child.pid}; the plain gateway's twin: the run's noise)")
             urls[TWIN], groups[TWIN] = twin_url, {"gateway": twin_child.pid}
-        if baseline is not None:  # the same gateway settings, another checkout's code
-            base_env = {**env, "PYTHONPATH": str(baseline.resolve())}
+        if base_env is not None:  # the same gateway settings, another checkout's code
             base_url, base_child = stack.enter_context(processes.gateway(direct_url, out_dir / BASELINE, base_env, plain))
             console.print(f"{BASELINE}: {base_url} (pid {base_child.pid}; the code of {baseline})")
             urls[BASELINE], groups[BASELINE] = base_url, {"gateway": base_child.pid}
@@ -386,6 +397,7 @@ def paced_command(
     ] = None,
     timeout_s: Annotated[float, typer.Option(help="Wall-clock cap of one run.")] = 120.0,
     profile: Annotated[int | None, typer.Option(help="py-spy on the gateway during one more run of this many streams.")] = None,
+    baseline: Baseline = None,
     out: Out = None,
 ) -> None:
     """Long streams fed one event per decode step, as a GPU engine at high batch sends them: direct vs gateway vs router."""
@@ -400,11 +412,12 @@ def paced_command(
     except ValueError as error:
         raise typer.BadParameter(str(error)) from None
     _apis(api)
+    base_env = _baseline_env(gateway_env, baseline)
     out_dir = _out_dir(out, "paced")
     env = dict(item.split("=", 1) for item in gateway_env or [])
     result = paced_cli.paced_run(
         _levels(streams), api=api, tokens=tokens, step_ms=step_ms, ramp_s=ramp_s, targets=names, gateway_env=env,
-        gateway_settings=settings, timeout_s=timeout_s, out_dir=out_dir, profile_streams=profile,
+        gateway_settings=settings, timeout_s=timeout_s, out_dir=out_dir, profile_streams=profile, baseline_env=base_env,
     )  # fmt: skip
     paced_cli.save({"kind": "paced", "api": api, "tokens": tokens, "step_ms": step_ms, "ramp_s": ramp_s, "gateway_settings": settings, **result}, out_dir)
 

@@ -48,9 +48,15 @@ def paced_run(
     timeout_s: float,
     out_dir: Path,
     profile_streams: int | None = None,
+    baseline_env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Every stream count against every target; prints the table and returns what ``result.json`` holds."""
+    """Every stream count against every target; prints the table and returns what ``result.json`` holds.
+    ``baseline_env``: one more target, ``gateway-baseline``, a single-worker gateway with that environment (another
+    checkout's code), right after ``gateway``."""
     dialect = APIS[api]
+    if baseline_env is not None:
+        at = targets.index("gateway") + 1 if "gateway" in targets else len(targets)
+        targets = [*targets[:at], processes.BASELINE, *targets[at:]]
     rows: list[dict[str, Any]] = []
     profile: dict[str, Any] | None = None
     with ExitStack() as stack:
@@ -58,12 +64,13 @@ def paced_run(
         urls = {"direct": upstream_url}
         pids = {"direct": {"upstream": upstream.pid}}
         for target in targets:
-            workers = gateway_workers(target)
+            workers = 1 if target == processes.BASELINE else gateway_workers(target)
             if workers is not None:  # the proxy's CPU is its process group's: the control process and its workers
                 logs = out_dir / target
                 logs.mkdir(parents=True, exist_ok=True)
-                settings = {"workers": workers, **gateway_settings} if target != "gateway" else {"workers": 1, **gateway_settings}
-                url, child = stack.enter_context(processes.gateway(upstream_url, logs, gateway_env, settings))
+                settings = {"workers": workers, **gateway_settings}
+                env = baseline_env if target == processes.BASELINE and baseline_env is not None else gateway_env
+                url, child = stack.enter_context(processes.gateway(upstream_url, logs, env, settings))
                 urls[target], pids[target] = url, {"upstream": upstream.pid, "proxy": child.pid}
         if "router" in targets:
             url, child = stack.enter_context(processes.router([upstream_url], out_dir))
@@ -135,13 +142,13 @@ def _print_table(rows: list[dict[str, Any]], targets: list[str]) -> None:
     by = {(row["streams"], row["target"]): row for row in rows}
     for count in sorted({row["streams"] for row in rows}):
         router = by.get((count, "router"))
-        for target in (t for t in targets if gateway_workers(t) is not None):
+        for target in (t for t in targets if gateway_workers(t) is not None or t == processes.BASELINE):
             gateway = by.get((count, target))
             if gateway and router and gateway.get("cpu_us_per_event_proxy") and router.get("cpu_us_per_event_proxy"):
                 ratio = gateway["cpu_us_per_event_proxy"] / router["cpu_us_per_event_proxy"]
                 console.print(f"{count:>5} streams: {target}/router CPU per event {ratio:.2f}x, events/s {gateway['events_per_s'] / router['events_per_s']:.2f}x")
         single = by.get((count, "gateway"))
-        for target in (t for t in targets if t.startswith("gateway-w")):
+        for target in (t for t in targets if t.startswith("gateway-w") or t == processes.BASELINE):
             many = by.get((count, target))
             if single and many and single.get("cpu_us_per_event_proxy") and many.get("cpu_us_per_event_proxy"):
                 console.print(

@@ -111,6 +111,17 @@ def gateway_config(upstream_url: str, port: int, path: Path, model: str = "bench
     return path
 
 
+BASELINE = "gateway-baseline"  # --baseline: the same gateway from another checkout, in the same run
+
+
+def baseline_env(env: dict[str, str], checkout: Path) -> dict[str, str]:
+    """``env`` for a gateway that runs the code of ``checkout`` (a worktree of another commit: before / after in
+    one run); raises ValueError when it is not a checkout of this project."""
+    if not (checkout / "gateway" / "__init__.py").is_file():
+        raise ValueError(f"{checkout}: not a checkout of this project (no gateway/__init__.py)")
+    return {**env, "PYTHONPATH": str(checkout.resolve())}
+
+
 def gateway_argv(config: Path) -> list[str]:
     script = Path(sys.executable).with_name("sglang-gateway")
     if script.exists():

@@ -166,6 +166,31 @@ def test_compare_with_a_baseline_runs_that_checkouts_code_next_to_the_plain_gate
     assert "starting" not in refused.stdout  # refused before anything started
 
 
+def test_paced_with_a_baseline_relays_through_both_gateways_and_splits_their_cpu(tmp_path: Path) -> None:
+    """``paced --baseline DIR``: every stream through the gateway and through the same gateway run from DIR (its
+    ``sitecustomize`` leaves a mark), each row with its CPU per event and the kernel's part of it."""
+    checkout = tmp_path / "before"
+    checkout.mkdir()
+    for package in ("gateway", "launch", "model_code"):
+        (checkout / package).symlink_to(REPO / package)
+    mark = tmp_path / "imported-from-baseline"
+    (checkout / "sitecustomize.py").write_text(f"open({str(mark)!r}, 'a').write('x')\n")
+    out = tmp_path / "paced"
+    proc = _bench(
+        "paced", "-s", "8", "--tokens", "5", "--step-ms", "10", "--ramp-s", "0.1", "--targets", "direct,gateway",
+        f"--baseline={checkout}", "--out", str(out),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads((out / "result.json").read_text())["rows"]
+    assert [row["target"] for row in rows] == ["direct", "gateway", "gateway-baseline"]
+    for row in rows:  # the same events through each (5 tokens and the stream's own first and last events)
+        assert row["errors"] == 0 and row["completed"] == 8 and row["events"] == rows[0]["events"] > 8 * 5, row
+    for row in rows[1:]:
+        assert row["cpu_us_per_event_proxy"] > 0 and 0 <= row["cpu_us_per_event_proxy_system"] <= row["cpu_us_per_event_proxy"]
+    assert mark.exists()  # only the baseline's process has DIR on its path
+    assert "gateway-baseline/gateway CPU per event" in " ".join((proc.stdout + proc.stderr).split())  # (rich wraps lines)
+
+
 def test_run_cli_plain_answers_and_a_bad_api_name(tmp_path: Path) -> None:
     with processes.fake_upstream("raw", tmp_path) as (url, _):
         out = tmp_path / "run"
