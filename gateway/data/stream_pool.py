@@ -430,12 +430,16 @@ class StreamPool:
         loop = asyncio.get_running_loop()
         connection = _Connection(self, key, quickack)
         try:
-            address = await asyncio.wait_for(self._resolve(host, port), self.connect_timeout_s)
-            tls: dict[str, Any] = {}
-            if scheme == "https":
-                self._ssl = self._ssl or ssl.create_default_context()
-                tls = {"ssl": self._ssl, "server_hostname": host}
-            await asyncio.wait_for(loop.create_connection(lambda: connection, address, port, **tls), self.connect_timeout_s)
+            # One deadline for the name and the connection, as a scope rather than wait_for: wait_for runs what it
+            # waits for as a task of its own, one more pass of the loop per new connection, and a pass of a loop
+            # relaying a thousand streams takes tens of milliseconds (every new stream's time to first token).
+            async with asyncio.timeout(self.connect_timeout_s):
+                address = await self._resolve(host, port)  # (a cached name returns without suspending)
+                tls: dict[str, Any] = {}
+                if scheme == "https":
+                    self._ssl = self._ssl or ssl.create_default_context()
+                    tls = {"ssl": self._ssl, "server_hostname": host}
+                await loop.create_connection(lambda: connection, address, port, **tls)
         except TimeoutError:
             raise UpstreamConnectTimeout(f"no connection to {host}:{port} within {self.connect_timeout_s:g}s") from None
         except OSError as error:
