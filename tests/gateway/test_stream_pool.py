@@ -130,6 +130,28 @@ def test_the_events_one_read_brings_reach_the_relay_in_one_call() -> None:
     assert asyncio.run(main()) == [b"data: a\n\ndata: b\n\ndata: c\n\n", b"data: d\n\ndata: e\n\n"]
 
 
+def test_a_malformed_chunk_ends_the_relay_after_the_events_before_it_in_the_same_read() -> None:
+    async def garbled(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> bool:
+        writer.write(HEAD)
+        await writer.drain()
+        await asyncio.sleep(0.05)  # the relay has started
+        writer.write(b"9\r\ndata: a\n\n\r\nzz\r\nnot a chunk\r\n")  # one good event, then a chunk size that is not hex
+        await writer.drain()
+        await asyncio.sleep(1)
+        return False
+
+    async def main() -> None:
+        async with _Server(garbled) as url:
+            pool = StreamPool(5.0, 30.0)
+            body, error = await _relayed(pool, url)
+            assert body == b"data: a\n\n"
+            assert isinstance(error, UpstreamConnectionLost) and "malformed response" in str(error), error
+            assert pool.busy == 0
+            await pool.close()
+
+    asyncio.run(main())
+
+
 def test_a_kept_alive_connection_the_engine_closes_on_reuse_is_retried_once_on_a_new_one() -> None:
     async def close_on_second(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> bool:
         if n == 2:
