@@ -143,15 +143,22 @@ def test_compare_with_tracing_runs_a_traced_gateway_whose_spans_all_reach_the_si
     assert "traced / plain gateway per API" in proc.stdout
 
 
-def test_compare_with_a_baseline_runs_that_checkouts_code_next_to_the_plain_gateway(tmp_path: Path) -> None:
-    """``--baseline DIR``: a third gateway whose PYTHONPATH is DIR (here: this checkout's packages, and a
-    ``sitecustomize`` that leaves a mark, so the test sees the baseline's process import from DIR)."""
+def _marking_checkout(tmp_path: Path) -> tuple[Path, Path]:
+    """A "checkout" for --baseline: this one's packages, and a ``sitecustomize`` that creates the returned mark
+    when a process imports from it (only the baseline's gateway has it on its path)."""
     checkout = tmp_path / "before"
     checkout.mkdir()
     for package in ("gateway", "launch", "model_code"):
         (checkout / package).symlink_to(REPO / package)
     mark = tmp_path / "imported-from-baseline"
     (checkout / "sitecustomize.py").write_text(f"open({str(mark)!r}, 'a').write('x')\n")
+    return checkout, mark
+
+
+def test_compare_with_a_baseline_runs_that_checkouts_code_next_to_the_plain_gateway(tmp_path: Path) -> None:
+    """``--baseline DIR``: a third gateway whose PYTHONPATH is DIR (here: this checkout's packages, and a
+    ``sitecustomize`` that leaves a mark, so the test sees the baseline's process import from DIR)."""
+    checkout, mark = _marking_checkout(tmp_path)
     proc, result = _compare_on_stub(tmp_path / "result", f"--baseline={checkout}", "1")
     assert result["targets_measured"] == ["direct", "gateway", "gateway-baseline"]
     entry = result["apis"]["chat"]["levels"]["1"]
@@ -169,12 +176,7 @@ def test_compare_with_a_baseline_runs_that_checkouts_code_next_to_the_plain_gate
 def test_paced_with_a_baseline_relays_through_both_gateways_and_splits_their_cpu(tmp_path: Path) -> None:
     """``paced --baseline DIR``: every stream through the gateway and through the same gateway run from DIR (its
     ``sitecustomize`` leaves a mark), each row with its CPU per event and the kernel's part of it."""
-    checkout = tmp_path / "before"
-    checkout.mkdir()
-    for package in ("gateway", "launch", "model_code"):
-        (checkout / package).symlink_to(REPO / package)
-    mark = tmp_path / "imported-from-baseline"
-    (checkout / "sitecustomize.py").write_text(f"open({str(mark)!r}, 'a').write('x')\n")
+    checkout, mark = _marking_checkout(tmp_path)
     out = tmp_path / "paced"
     proc = _bench(
         "paced", "-s", "8", "--tokens", "5", "--step-ms", "10", "--ramp-s", "0.1", "--targets", "direct,gateway",
