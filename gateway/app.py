@@ -126,7 +126,10 @@ def create_app(
         session = upstream_session(
             settings.upstream_connect_timeout_s, settings.upstream_read_timeout_s, settings.upstream_max_connections
         )
-        streams = StreamPool(settings.upstream_connect_timeout_s, settings.upstream_read_timeout_s, settings.upstream_max_connections)
+        streams = StreamPool(
+            settings.upstream_connect_timeout_s, settings.upstream_read_timeout_s, settings.upstream_max_connections,
+            coalesce_s=settings.stream_coalesce_ms / 1000,
+        )
         state.probes = HealthProbes(settings.health_timeout_s, settings.upstream_connect_timeout_s)
         try:
             await ledger.start()  # one row per request, written off the hot path (a database down fails no request)

@@ -32,6 +32,7 @@ import httptools
 KEEPALIVE_S = 4.0  # idle connections kept this long: under uvicorn's (SGLang's server) 5 s keep-alive
 _MAX_IDLE_PER_HOST = 1024
 _DNS_TTL_S = 300.0
+_AFTER_REST_S = 0.05  # a silence check that falls in a rest waits this long past its end (the read comes first)
 
 
 class UpstreamUnreachable(ConnectionError):
@@ -133,15 +134,16 @@ class _Connection(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as error:
-            self._deliver()  # the events before the malformed bytes, then the failure
+            self._deliver(rest=False)  # the events before the malformed bytes, then the failure
             exchange.failed(UpstreamConnectionLost(f"malformed response from the engine: {error}"))
             self.abort()
             return
-        self._deliver()
+        self._deliver(rest=True)
 
-    def _deliver(self) -> None:
+    def _deliver(self, rest: bool) -> None:
         """What one read brought, to the relay in one call: an engine that got ahead (several events waiting
-        in the socket, as under load) costs one write to the client, not one per event."""
+        in the socket, as under load) costs one write to the client, not one per event. With
+        ``stream_coalesce_ms`` the exchange then rests (reads nothing) that long, so that it gets ahead."""
         pieces = self._pieces
         if pieces:
             body = pieces[0] if len(pieces) == 1 else b"".join(pieces)
@@ -149,6 +151,9 @@ class _Connection(asyncio.Protocol):
             sink = self.sink
             if sink is not None:
                 sink(body)
+                exchange = self.exchange
+                if rest and self.pool.coalesce_s and exchange is not None:
+                    exchange.rest(self.pool.coalesce_s)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
@@ -171,7 +176,7 @@ class _Connection(asyncio.Protocol):
             self.exchange.body(body)
 
     def on_message_complete(self) -> None:
-        self._deliver()  # the last events before the end
+        self._deliver(rest=False)  # the last events before the end
         exchange = self.exchange
         if exchange is not None:
             exchange.complete()
@@ -198,7 +203,7 @@ class StreamExchange:
 
     __slots__ = (
         "connection", "status", "keep_alive", "last_read", "received", "_head", "_buffer", "_end",
-        "_complete", "_error", "_done", "_timer", "_read_timeout_s", "_released",
+        "_complete", "_error", "_done", "_timer", "_read_timeout_s", "_released", "_holds", "_rest",
     )  # fmt: skip
 
     def __init__(self, connection: _Connection, read_timeout_s: float) -> None:
@@ -217,6 +222,8 @@ class StreamExchange:
         self._read_timeout_s = read_timeout_s
         self._timer: asyncio.TimerHandle | None = loop.call_later(read_timeout_s, self._check_silence)
         self._released = False
+        self._holds: set[str] = set()  # why reading is paused: "client" (its socket is full), "rest" (coalescing)
+        self._rest: asyncio.TimerHandle | None = None
 
     # -------------------------------------------------------------- what the connection reports
     def headers_done(self, status: int, keep_alive: bool) -> None:
@@ -232,6 +239,7 @@ class StreamExchange:
     def complete(self) -> None:
         self._complete = True
         self._stop_timer()
+        self._stop_rest()
         self._finish(None)
 
     def failed(self, error: BaseException) -> None:
@@ -239,6 +247,7 @@ class StreamExchange:
             return
         self._error = error
         self._stop_timer()
+        self._stop_rest()
         if not self._head.done():
             self._head.set_exception(error)
         self._finish(error)
@@ -251,6 +260,10 @@ class StreamExchange:
             end(error)
 
     def _check_silence(self) -> None:
+        if self._rest is not None:  # not reading on purpose: look again once what came meanwhile has been read
+            loop = asyncio.get_running_loop()
+            self._timer = loop.call_later(self._rest.when() - loop.time() + _AFTER_REST_S, self._check_silence)
+            return
         silent = time.monotonic() - self.last_read
         if silent < self._read_timeout_s:
             self._timer = asyncio.get_running_loop().call_later(self._read_timeout_s - silent, self._check_silence)
@@ -289,15 +302,40 @@ class StreamExchange:
         self._end = on_end
         self.connection.sink = on_data
 
-    def pause_reading(self) -> None:
-        transport = self.connection.transport
-        if transport is not None and not transport.is_closing():
-            transport.pause_reading()
+    def pause_reading(self, why: str = "client") -> None:
+        """Read nothing from the engine until :meth:`resume_reading` with the same ``why`` (and every other
+        reason to pause is gone): the client's socket is full ("client"), or the exchange rests ("rest")."""
+        if not self._holds:
+            transport = self.connection.transport
+            if transport is not None and not transport.is_closing():
+                transport.pause_reading()
+        self._holds.add(why)
 
-    def resume_reading(self) -> None:
-        transport = self.connection.transport
-        if transport is not None and not transport.is_closing():
-            transport.resume_reading()
+    def resume_reading(self, why: str = "client") -> None:
+        if why not in self._holds:
+            return
+        self._holds.discard(why)
+        if not self._holds:
+            transport = self.connection.transport
+            if transport is not None and not transport.is_closing():
+                transport.resume_reading()
+
+    def rest(self, seconds: float) -> None:
+        """Read nothing for ``seconds`` (``stream_coalesce_ms``): what the engine sends meanwhile waits in the
+        socket and is then read, and relayed, in one read and one write."""
+        if self._rest is None and not self._released and not self._complete:
+            self.pause_reading("rest")
+            self._rest = asyncio.get_running_loop().call_later(seconds, self._rested)
+
+    def _rested(self) -> None:
+        self._rest = None
+        self.resume_reading("rest")
+
+    def _stop_rest(self) -> None:
+        if self._rest is not None:
+            self._rest.cancel()
+            self._rest = None
+        self.resume_reading("rest")
 
     def close(self) -> None:
         """Cut the exchange: the connection is closed (the engine sees the client go and aborts the request)."""
@@ -305,6 +343,7 @@ class StreamExchange:
             return
         self._released = True
         self._stop_timer()
+        self._stop_rest()
         self._end = None
         self.connection.exchange = self.connection.sink = None
         self.connection.abort()
@@ -319,6 +358,11 @@ class StreamExchange:
             return
         self._released = True
         self._end = None
+        if self._holds:  # (a client that was still reading the end): the next request must be read
+            self._holds.clear()
+            transport = self.connection.transport
+            if transport is not None:
+                transport.resume_reading()
         self.connection.exchange = self.connection.sink = None
         self.connection.pool.release(self.connection, reuse=True)
 
@@ -326,8 +370,11 @@ class StreamExchange:
 class StreamPool:
     """Keep-alive connections to the engines, by (scheme, host, port); unbounded unless ``max_connections``."""
 
-    def __init__(self, connect_timeout_s: float, read_timeout_s: float, max_connections: int | None = None) -> None:
+    def __init__(
+        self, connect_timeout_s: float, read_timeout_s: float, max_connections: int | None = None, coalesce_s: float = 0.0
+    ) -> None:
         self.connect_timeout_s = connect_timeout_s
+        self.coalesce_s = coalesce_s  # gateway.stream_coalesce_ms: how long an exchange rests after each read it relayed
         self.read_timeout_s = read_timeout_s
         self.max_connections = max_connections
         self._idle: dict[tuple[str, str, int], list[_Connection]] = {}

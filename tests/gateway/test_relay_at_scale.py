@@ -58,6 +58,21 @@ def test_a_thousand_concurrent_long_streams_through_the_default_settings_all_com
     assert len(result.ttft) == 1000
 
 
+def test_coalesced_streams_all_complete_with_their_events_arriving_together(paced_fake: ServerProcess) -> None:
+    """``stream_coalesce_ms: 60`` against 20 ms decode steps: every stream and event arrives, most events in
+    the same read as others (without it, the client reads each token's event on its own, one step apart)."""
+    with serve({"m": {"url": paced_fake.url}}, {"stream_coalesce_ms": 60}) as gateway:
+        assert gateway.state.proxy.streams.coalesce_s == 0.06
+        loop = new_event_loop()
+        try:
+            result = loop.run_until_complete(run_paced(gateway.url, CHAT, 50, TOKENS, ramp_s=0.2, timeout_s=60, model="m"))
+        finally:
+            loop.close()
+    assert (result.completed, result.statuses, result.events) == (50, {}, 50 * (TOKENS + 4)), result.summary()
+    assert len(result.gaps) < 0.6 * 50 * TOKENS, result.summary()  # reads that brought events, after each stream's first
+    assert result.summary()["gap_p50_ms"] >= 40, result.summary()  # ~one window apart, not one step
+
+
 def test_a_small_configured_pool_answers_503_upstream_pool_full_never_504(paced_fake: ServerProcess) -> None:
     gateway_settings = {"upstream_max_connections": 2, "upstream_connect_timeout_s": 0.5}
     with serve({"m": {"url": paced_fake.url}}, gateway_settings) as gateway, httpx.Client(base_url=gateway.url, timeout=30) as http:

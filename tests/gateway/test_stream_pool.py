@@ -152,6 +152,100 @@ def test_a_malformed_chunk_ends_the_relay_after_the_events_before_it_in_the_same
     asyncio.run(main())
 
 
+async def _ticking(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> bool:
+    """Twelve events 10 ms apart, as a decode loop sends them, then the end (keep-alive)."""
+    writer.write(HEAD)
+    for i in range(12):
+        await asyncio.sleep(0.01)
+        writer.write(b"9\r\ndata: %x\n\n\r\n" % i)
+    writer.write(b"0\r\n\r\n")
+    await writer.drain()
+    return True
+
+
+def test_a_resting_exchange_relays_what_came_meanwhile_in_one_call_and_its_connection_is_reused() -> None:
+    """``stream_coalesce_ms``: after each read it relayed, the exchange reads nothing for the window; the events
+    sent meanwhile arrive together. The connection goes back to the pool reading (the next request is answered)."""
+
+    async def main() -> list[list[bytes]]:
+        fake = _Server(_ticking)
+        async with fake as url:
+            pool = StreamPool(5.0, 30.0, coalesce_s=0.05)
+            streams = []
+            for _ in range(2):
+                exchange = await pool.request(url, "/", b"{}", {})
+                calls: list[bytes] = []
+                ended: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+                exchange.relay(calls.append, _end_into(ended))
+                assert await asyncio.wait_for(ended, 10) is None
+                exchange.release()
+                streams.append(calls)
+            assert fake.connections == 1 and pool.busy == 0
+            await pool.close()
+            return streams
+
+    every = b"".join(b"data: %x\n\n" % i for i in range(12))
+    for calls in asyncio.run(main()):
+        assert b"".join(calls) == every
+        assert len(calls) <= 6, calls  # 12 events over ~120 ms, read at most every 50 ms (each read: one call)
+
+
+def test_a_rest_and_a_full_client_socket_both_hold_reading_until_each_is_over() -> None:
+    async def main() -> None:
+        async with _Server(lambda reader, writer, n: _head_then_silence(writer)) as url:
+            pool = StreamPool(5.0, 30.0)
+            exchange = await pool.request(url, "/", b"{}", {})
+            transport = exchange.connection.transport
+            exchange.pause_reading()  # the client's socket is full
+            exchange.rest(0.01)
+            await asyncio.sleep(0.05)  # the rest is over, the client's pause is not
+            assert not transport.is_reading()
+            exchange.resume_reading()
+            assert transport.is_reading()
+            exchange.rest(0.01)
+            assert not transport.is_reading()
+            await asyncio.sleep(0.05)
+            assert transport.is_reading()
+            exchange.close()
+            await pool.close()
+
+    asyncio.run(main())
+
+
+def test_a_connection_whose_stream_ended_while_reading_was_held_goes_back_to_the_pool_reading() -> None:
+    """The last events and the end came in one read, and relaying them filled the client's socket (reading
+    held): the next request on that kept-alive connection is still read."""
+
+    async def main() -> None:
+        fake = _Server(_two_events)
+        async with fake as url:
+            pool = StreamPool(5.0, 30.0)
+            exchange = await pool.request(url, "/", b"{}", {})
+            ended: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+            exchange.relay(lambda _: exchange.pause_reading(), lambda error: ended.done() or ended.set_result(error))
+            assert await ended is None
+            exchange.release()
+            assert await asyncio.wait_for(_relayed(pool, url), 5) == (b"data: a\n\ndata: b\n\n", None)
+            assert fake.connections == 1
+            await pool.close()
+
+    asyncio.run(main())
+
+
+def test_a_silence_check_that_falls_in_a_rest_waits_for_what_came_meanwhile() -> None:
+    """A read timeout (0.15 s) shorter than the rest (0.3 s): the engine is not silent, it is not being read."""
+
+    async def main() -> tuple[bytes, BaseException | None]:
+        async with _Server(_ticking) as url:
+            pool = StreamPool(5.0, 0.15, coalesce_s=0.3)
+            result = await _relayed(pool, url)
+            await pool.close()
+            return result
+
+    body, error = asyncio.run(main())
+    assert error is None and body == b"".join(b"data: %x\n\n" % i for i in range(12))
+
+
 def test_a_kept_alive_connection_the_engine_closes_on_reuse_is_retried_once_on_a_new_one() -> None:
     async def close_on_second(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> bool:
         if n == 2:
@@ -258,6 +352,11 @@ def test_reused_stream_connections_acknowledge_reads_at_once() -> None:
 def _ack_mode_into(seen: list[int], sock: socket.socket):  # type: ignore[no-untyped-def]
     """A body callback that appends the connection's ACK mode (1: quick) as each piece arrives."""
     return lambda _: seen.append(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK))
+
+
+def _end_into(future: asyncio.Future[BaseException | None]):  # type: ignore[no-untyped-def]
+    """An end callback that completes ``future`` with the exchange's error (None: a complete response)."""
+    return lambda error: future.done() or future.set_result(error)
 
 
 def _setter(future: asyncio.Future[None]):  # type: ignore[no-untyped-def]
