@@ -64,12 +64,12 @@ Out = Annotated[
 ]
 
 
-def _baseline_env(gateway_env: list[str] | None, baseline: Path | None) -> dict[str, str] | None:
-    """The gateway environment for ``--baseline`` (None without it); a bad path is refused before anything starts."""
+def _baseline_env(env: dict[str, str], baseline: Path | None) -> dict[str, str] | None:
+    """The gateway environment ``env`` for ``--baseline`` (None without it); a bad path is refused before anything starts."""
     if baseline is None:
         return None
     try:
-        return processes.baseline_env(dict(item.split("=", 1) for item in gateway_env or []), baseline)
+        return processes.baseline_env(env, baseline)
     except ValueError as error:
         raise typer.BadParameter(str(error), param_hint="--baseline") from None
 
@@ -81,7 +81,6 @@ Baseline = Annotated[
         "same run: before / after (git worktree add /tmp/before <commit>).",
     ),
 ]
-
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -230,7 +229,8 @@ def compare_command(
     plot: Annotated[bool, typer.Option(help="Write plot-<api>.png.")] = True,
 ) -> None:
     """The same workload against the upstream directly and through the gateway, alternating, with ratios."""
-    base_env = _baseline_env(gateway_env, baseline)
+    env = dict(item.split("=", 1) for item in gateway_env or [])
+    base_env = _baseline_env(env, baseline)
     levels_list = _levels(concurrency)
     workloads = [
         Workload(
@@ -243,7 +243,6 @@ def compare_command(
         for name in _apis(api)
     ]
     out_dir = _out_dir(out, f"compare-{upstream if upstream in ('stub', 'sglang') else 'url'}")
-    env = dict(item.split("=", 1) for item in gateway_env or [])
     info = report.machine_info()
     upstream_label = f"stub-{stub_kind}" if upstream == "stub" else upstream
     measured: dict[str, dict[str, Any]] = {}
@@ -412,9 +411,9 @@ def paced_command(
     except ValueError as error:
         raise typer.BadParameter(str(error)) from None
     _apis(api)
-    base_env = _baseline_env(gateway_env, baseline)
-    out_dir = _out_dir(out, "paced")
     env = dict(item.split("=", 1) for item in gateway_env or [])
+    base_env = _baseline_env(env, baseline)
+    out_dir = _out_dir(out, "paced")
     result = paced_cli.paced_run(
         _levels(streams), api=api, tokens=tokens, step_ms=step_ms, ramp_s=ramp_s, targets=names, gateway_env=env,
         gateway_settings=settings, timeout_s=timeout_s, out_dir=out_dir, profile_streams=profile, baseline_env=base_env,

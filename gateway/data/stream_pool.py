@@ -11,8 +11,8 @@ Everything else about the exchange keeps the guarantees of the pooled client: co
 reused (idle ones for :data:`KEEPALIVE_S`, under the engines' own keep-alive), a connection that breaks is
 never reused, a stream cut short closes its connection (the engine aborts the request), the read timeout is
 the longest silence between upstream bytes, and every read is acknowledged at once where the OS allows it
-(``TCP_QUICKACK``, set once per response: an upstream without ``TCP_NODELAY``, such as SGLang's router, otherwise holds each small
-write for the gateway's delayed ACK). There is no cap on concurrent connections unless one is configured;
+(``TCP_QUICKACK``, set once per response: an upstream without ``TCP_NODELAY``, such as SGLang's router,
+otherwise holds each small write for the gateway's delayed ACK). There is no cap on concurrent connections unless one is configured;
 waiting for a slot under a configured cap is :class:`UpstreamPoolFull`, never an engine timeout.
 """
 
@@ -314,7 +314,7 @@ class StreamExchange:
     def resume_reading(self, why: str = "client") -> None:
         if why not in self._holds:
             return
-        self._holds.discard(why)
+        self._holds.remove(why)
         if not self._holds:
             transport = self.connection.transport
             if transport is not None and not transport.is_closing():
@@ -358,11 +358,7 @@ class StreamExchange:
             return
         self._released = True
         self._end = None
-        if self._holds:  # (a client that was still reading the end): the next request must be read
-            self._holds.clear()
-            transport = self.connection.transport
-            if transport is not None:
-                transport.resume_reading()
+        self.resume_reading("client")  # (a client still reading the end: the next request must be read)
         self.connection.exchange = self.connection.sink = None
         self.connection.pool.release(self.connection, reuse=True)
 
