@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from gateway.core.tracing import RequestTrace
 
 SCOPE_KEY = "gateway.request"
@@ -30,6 +32,9 @@ class RequestInfo:
     error_code: str | None = None  # the error's code in the answer (invalid_request, engine_unavailable...)
     key_name: str | None = None  # the named key (tenant) that called; None for plain keys and an open gateway
     trace: RequestTrace | None = None  # what its spans need (gateway.core.tracing); None with tracing off
+    # headers an inner layer adds to the answer (a limited key's rate-limit headers): the request-id layer writes
+    # them into the response start it already rewrites, so no layer wraps ``send`` for them
+    extra_headers: Sequence[tuple[bytes, bytes]] = ()
 
     def set_usage(self, usage: Any) -> None:
         """Take token counts from an OpenAI (``prompt_tokens``/``completion_tokens``) or a Responses /

@@ -71,7 +71,7 @@ class RequestContextMiddleware:
             if message["type"] == "http.response.start":
                 info.status = message["status"]
                 headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
-                message = {**message, "headers": [*headers, (b"x-request-id", request_id.encode()), *self._extra]}
+                message = {**message, "headers": [*headers, (b"x-request-id", request_id.encode()), *self._extra, *info.extra_headers]}
             await send(message)
 
         try:

@@ -45,16 +45,20 @@ class QuotaMiddleware:
             await error_response(error, dialect)(scope, receive, send)
             return
         extra = rate_limit_headers(quota, now, dialect)
+        info = request_info(scope)
+        if info is not None:  # the request-id layer writes them into the response start it rewrites anyway
+            info.extra_headers = extra
+            inner_send = send
+        else:  # no request-id layer around this one (an embedder's stack): add them here
 
-        async def send_with_limits(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []), *extra]}
-            await send(message)
+            async def inner_send(message: Message) -> None:
+                if message["type"] == "http.response.start":
+                    message = {**message, "headers": [*message.get("headers", []), *extra]}
+                await send(message)
 
         try:
-            await self.app(scope, receive, send_with_limits)
+            await self.app(scope, receive, inner_send)
         finally:
-            info = request_info(scope)
             used = ((info.prompt_tokens or 0) + (info.completion_tokens or 0)) if info is not None else 0
             quota.finish(used, self.quotas.clock())
 
@@ -69,7 +73,8 @@ _ANTHROPIC_NAMES = _names("anthropic-ratelimit-{what}-limit anthropic-ratelimit-
 
 
 def rate_limit_headers(quota: KeyQuota, now: float, dialect: Dialect) -> list[tuple[bytes, bytes]]:
-    """The headers that tell a client where its key stands (only for the limits it has)."""
+    """The headers that tell a client where its key stands (only for the limits it has). Every answer to a limited
+    key carries them, so the limits are encoded once per bucket (:attr:`Bucket.capacity_text`)."""
     anthropic = dialect is Dialect.ANTHROPIC
     names = _ANTHROPIC_NAMES if anthropic else _OPENAI_NAMES
     headers: list[tuple[bytes, bytes]] = []
@@ -82,12 +87,14 @@ def rate_limit_headers(quota: KeyQuota, now: float, dialect: Dialect) -> list[tu
         else:
             reset = duration(reset_s)
         limit_name, remaining_name, reset_name = names[what]
-        headers += [(limit_name, b"%d" % bucket.capacity), (remaining_name, b"%d" % bucket.remaining), (reset_name, reset.encode())]
+        headers += [(limit_name, bucket.capacity_text), (remaining_name, b"%d" % bucket.remaining), (reset_name, reset.encode())]
     return headers
 
 
 def duration(seconds: float) -> str:
     """A reset time as OpenAI writes it: ``250ms``, ``1.5s``, ``6m0s``."""
+    if seconds <= 0:  # a full bucket: what most answers say
+        return "0ms"
     if seconds < 1:
         return f"{math.ceil(seconds * 1000)}ms"
     if seconds < 60:

@@ -45,6 +45,7 @@ class Bucket:
     level: float = field(default=math.nan)  # starts full
     top: float = field(init=False, repr=False)  # this process's part of the capacity
     per_s: float = field(init=False, repr=False)  # refill rate of that part
+    capacity_text: bytes = field(init=False, repr=False)  # the capacity as the rate-limit headers write it
 
     def __post_init__(self) -> None:
         self._set_rates()
@@ -54,6 +55,7 @@ class Bucket:
     def _set_rates(self) -> None:
         self.top = self.capacity * self.scale
         self.per_s = self.top / self.period_s
+        self.capacity_text = b"%d" % self.capacity
 
     def refill(self, now: float) -> None:
         if now > self.at:
@@ -75,7 +77,8 @@ class Bucket:
 
     def full_in_s(self) -> float:
         """Seconds until the bucket is full again (what the rate-limit reset headers say)."""
-        return max(0.0, (self.top - self.level) / self.per_s)
+        missing = self.top - self.level
+        return missing / self.per_s if missing > 0 else 0.0
 
 
 def period_start(now: float, period: str) -> float:

@@ -5,6 +5,7 @@ with the headers its SDK reads, its budgets over a moved clock, its concurrency,
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import subprocess
 import sys
@@ -138,6 +139,46 @@ def test_a_stream_is_charged_its_usage_too(upstream: str) -> None:
         chunks = list(client.chat.completions.create(model="a", messages=PROMPT, max_tokens=8, stream=True, stream_options={"include_usage": True}))
         used = chunks[-1].usage.total_tokens
         assert int(_chat(client).headers["x-ratelimit-remaining-tokens"]) == 1000 - used
+
+
+def test_every_answer_to_a_limited_key_carries_its_headers_once(upstream: str) -> None:
+    """A stream and an error answered inside the app (an unknown model) carry the headers too, each header once."""
+    with _serve(upstream, [{"name": "batch", "key": BATCH, "limits": {"requests_per_minute": 5}}]) as server:
+        _clock(server)
+        auth = {"authorization": f"Bearer {BATCH}"}
+        body = {"model": "a", "messages": PROMPT, "max_tokens": 4, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/chat/completions", headers=auth, json=body, timeout=30) as stream:
+            assert stream.status_code == 200 and "[DONE]" in stream.read().decode()
+            assert stream.headers.get_list("x-ratelimit-remaining-requests") == ["4"]
+            assert stream.headers.get_list("x-request-id") and len(stream.headers.get_list("x-ratelimit-limit-requests")) == 1
+        missing = httpx.post(server.url + "/v1/chat/completions", headers=auth, json={**body, "model": "nope"}, timeout=30)
+        assert missing.status_code == 404 and missing.headers.get_list("x-ratelimit-remaining-requests") == ["3"]
+        plain = httpx.post(server.url + "/v1/chat/completions", headers={"authorization": f"Bearer {OTHER}"}, json=body, timeout=30)
+        assert plain.status_code == 200 and "x-ratelimit-limit-requests" not in plain.headers
+
+
+def test_the_quota_layer_alone_adds_its_headers_itself() -> None:
+    """Without the request-id layer around it (an embedder's own stack), the quota layer writes the headers."""
+    from gateway.config import KeyLimits
+    from gateway.edge.quota import QuotaMiddleware
+    from gateway.tenants.keys import TENANT_SCOPE_KEY, Tenant
+    from gateway.tenants.quotas import Quotas
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    tenant = Tenant(name="batch", owner="tenant:batch", limits=KeyLimits(requests_per_minute=3))
+    layer = QuotaMiddleware(app, Quotas(clock=lambda: 1_767_225_600.0))
+    asyncio.run(layer({"type": "http", "path": "/v1/chat/completions", TENANT_SCOPE_KEY: tenant}, None, send))  # type: ignore[arg-type]
+    headers = dict(sent[0]["headers"])
+    assert headers[b"x-ratelimit-limit-requests"] == b"3" and headers[b"x-ratelimit-remaining-requests"] == b"2"
+    assert sent[1]["body"] == b"ok"
 
 
 def test_a_daily_budget_is_spent_then_starts_again_the_next_utc_day(upstream: str) -> None:
