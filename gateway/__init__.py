@@ -27,7 +27,8 @@ A map, by folder; each folder may import those listed after it, never those befo
   ``bounds``         request bounds (``grammar_checks``: grammar inputs the engine would crash on)*
   ``proxy``          admission, the replica (one retry elsewhere), forwarding; ``lease`` what a request holds*
   ``relay``          the SSE relay, event by event: usage, errors and Responses ids inspected, endings judged*
-  ``stream_pool``    streams' own keep-alive upstream connections, relayed from the socket's callbacks*
+  ``stream_pool``    streams' own keep-alive upstream connections, relayed from the socket's callbacks*;
+                     under load each stream is read every ``stream_coalesce_ms`` (``needles``: finish markers)
   ``upstream_session`` plain requests' pooled aiohttp session; ``upstream_errors`` transport failures -> errors
   ``balancer``       which replica takes a request (least in flight, or prompt-prefix affinity)*
 

@@ -128,7 +128,7 @@ def create_app(
         )
         streams = StreamPool(
             settings.upstream_connect_timeout_s, settings.upstream_read_timeout_s, settings.upstream_max_connections,
-            coalesce_s=settings.stream_coalesce_ms / 1000,
+            coalesce_s=settings.stream_coalesce_ms / 1000, coalesce_min_streams=settings.stream_coalesce_min_streams,
         )
         state.probes = HealthProbes(settings.health_timeout_s, settings.upstream_connect_timeout_s)
         try:

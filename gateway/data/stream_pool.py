@@ -29,6 +29,8 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from gateway.data.needles import Needles
+
 KEEPALIVE_S = 4.0  # idle connections kept this long: under uvicorn's (SGLang's server) 5 s keep-alive
 _MAX_IDLE_PER_HOST = 1024
 _DNS_TTL_S = 300.0
@@ -143,7 +145,9 @@ class _Connection(asyncio.Protocol):
     def _deliver(self, rest: bool) -> None:
         """What one read brought, to the relay in one call: an engine that got ahead (several events waiting
         in the socket, as under load) costs one write to the client, not one per event. With
-        ``stream_coalesce_ms`` the exchange then rests (reads nothing) that long, so that it gets ahead."""
+        ``stream_coalesce_ms`` the exchange then rests (reads nothing) that long, so that it gets ahead: while the
+        pool carries at least ``stream_coalesce_min_streams`` streams, and unless the read says the stream is
+        finishing (its end, and the engine's slot, then come without the wait)."""
         pieces = self._pieces
         if pieces:
             body = pieces[0] if len(pieces) == 1 else b"".join(pieces)
@@ -152,8 +156,9 @@ class _Connection(asyncio.Protocol):
             if sink is not None:
                 sink(body)
                 exchange = self.exchange
-                if rest and self.pool.coalesce_s and exchange is not None:
-                    exchange.rest(self.pool.coalesce_s)
+                pool = self.pool
+                if rest and exchange is not None and pool.coalescing() and not exchange.finishing(body):
+                    exchange.rest(pool.coalesce_s)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
@@ -203,7 +208,7 @@ class StreamExchange:
 
     __slots__ = (
         "connection", "status", "keep_alive", "last_read", "received", "_head", "_buffer", "_end",
-        "_complete", "_error", "_done", "_timer", "_read_timeout_s", "_released", "_holds", "_rest",
+        "_complete", "_error", "_done", "_timer", "_read_timeout_s", "_released", "_holds", "_rest", "_finishing",
     )  # fmt: skip
 
     def __init__(self, connection: _Connection, read_timeout_s: float) -> None:
@@ -224,6 +229,7 @@ class StreamExchange:
         self._released = False
         self._holds: set[str] = set()  # why reading is paused: "client" (its socket is full), "rest" (coalescing)
         self._rest: asyncio.TimerHandle | None = None
+        self._finishing: Needles | None = None  # what in a read says the stream is about to end (the relay's)
 
     # -------------------------------------------------------------- what the connection reports
     def headers_done(self, status: int, keep_alive: bool) -> None:
@@ -290,9 +296,11 @@ class StreamExchange:
             raise self._error
         return b"".join(self._buffer)
 
-    def relay(self, on_data: Sink, on_end: EndSink) -> None:
+    def relay(self, on_data: Sink, on_end: EndSink, finishing: Needles | None = None) -> None:
         """From now on each body piece goes to ``on_data`` as it is parsed; ``on_end(None | error)`` once at the end.
-        Pieces that came with the head are handed over first."""
+        Pieces that came with the head are handed over first. ``finishing``: what in a read says that the stream's
+        last events follow at once (a finish reason): such a read is not followed by a rest."""
+        self._finishing = finishing
         buffered, self._buffer = self._buffer, []
         for piece in buffered:
             on_data(piece)
@@ -319,6 +327,10 @@ class StreamExchange:
             transport = self.connection.transport
             if transport is not None and not transport.is_closing():
                 transport.resume_reading()
+
+    def finishing(self, body: bytes) -> bool:
+        """Whether ``body`` (one read) says the stream is about to end."""
+        return self._finishing is not None and self._finishing.any_in(body)
 
     def rest(self, seconds: float) -> None:
         """Read nothing for ``seconds`` (``stream_coalesce_ms``): what the engine sends meanwhile waits in the
@@ -367,10 +379,16 @@ class StreamPool:
     """Keep-alive connections to the engines, by (scheme, host, port); unbounded unless ``max_connections``."""
 
     def __init__(
-        self, connect_timeout_s: float, read_timeout_s: float, max_connections: int | None = None, coalesce_s: float = 0.0
+        self,
+        connect_timeout_s: float,
+        read_timeout_s: float,
+        max_connections: int | None = None,
+        coalesce_s: float = 0.0,
+        coalesce_min_streams: int = 0,
     ) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.coalesce_s = coalesce_s  # gateway.stream_coalesce_ms: how long an exchange rests after each read it relayed
+        self.coalesce_min_streams = coalesce_min_streams  # gateway.stream_coalesce_min_streams: from how many streams on
         self.read_timeout_s = read_timeout_s
         self.max_connections = max_connections
         self._idle: dict[tuple[str, str, int], list[_Connection]] = {}
@@ -386,6 +404,10 @@ class StreamPool:
     def busy(self) -> int:
         """Connections carrying a request now."""
         return self._busy
+
+    def coalescing(self) -> bool:
+        """Whether a stream rests after each read now: a window is set and the pool carries enough streams."""
+        return self.coalesce_s > 0 and self._busy >= self.coalesce_min_streams
 
     async def request(
         self, base_url: str, path: str, payload: bytes, headers: dict[str, str], *, quickack: bool = True

@@ -56,12 +56,29 @@ def test_a_thousand_concurrent_long_streams_through_the_default_settings_all_com
     assert (result.completed, result.statuses) == (1000, {}), result.summary()
     assert result.events == 1000 * (TOKENS + 4)
     assert len(result.ttft) == 1000
+    # ~1,000 streams at once: past stream_coalesce_min_streams, each stream is read every stream_coalesce_ms, so
+    # most reads bring several tokens (0.34 of the tokens' reads here; 0.76 with stream_coalesce_ms: 0)
+    assert len(result.gaps) < 0.5 * 1000 * TOKENS, result.summary()
+
+
+def test_a_few_streams_through_the_default_settings_get_every_event_as_it_comes(paced_fake: ServerProcess) -> None:
+    """50 streams, under stream_coalesce_min_streams: no stream rests, each token's event is read on its own."""
+    with serve({"m": {"url": paced_fake.url}}) as gateway:
+        assert not gateway.state.proxy.streams.coalescing()
+        loop = new_event_loop()
+        try:
+            result = loop.run_until_complete(run_paced(gateway.url, CHAT, 50, TOKENS, ramp_s=0.2, timeout_s=60, model="m"))
+        finally:
+            loop.close()
+    assert (result.completed, result.statuses, result.events) == (50, {}, 50 * (TOKENS + 4)), result.summary()
+    assert len(result.gaps) >= 0.9 * 50 * (TOKENS - 1), result.summary()  # one read per token (coalesced: < 0.6)
+    assert result.summary()["gap_p50_ms"] < 30, result.summary()  # one decode step apart, not one window
 
 
 def test_coalesced_streams_all_complete_with_their_events_arriving_together(paced_fake: ServerProcess) -> None:
     """``stream_coalesce_ms: 60`` against 20 ms decode steps: every stream and event arrives, most events in
     the same read as others (without it, the client reads each token's event on its own, one step apart)."""
-    with serve({"m": {"url": paced_fake.url}}, {"stream_coalesce_ms": 60}) as gateway:
+    with serve({"m": {"url": paced_fake.url}}, {"stream_coalesce_ms": 60, "stream_coalesce_min_streams": 0}) as gateway:
         assert gateway.state.proxy.streams.coalesce_s == 0.06
         loop = new_event_loop()
         try:

@@ -345,3 +345,35 @@ def test_an_error_that_ends_the_body_without_a_newline_is_sanitized() -> None:
     last = _data({"error": {"message": f"failed at {SECRET_PATH}", "code": 400}}).rstrip(b"\n")
     out = relay._last_partial_event(last)  # the stream's own last event ('data: {"error":' ends a chat stream)
     assert SECRET_PATH not in out.decode() and _events(out)[0]["error"]["message"] == "failed at <path>"
+
+
+@pytest.mark.parametrize(
+    ("kind", "finishing", "ordinary"),
+    [
+        (
+            StreamKind.DATA,
+            b'data: {"id":"c1","choices":[{"index":0,"delta":{},"finish_reason":"stop"}],"usage":null}\n\n',
+            [CHUNK, b'data: {"id":"c1","choices":[{"index":0,"delta":{"content":"x"},"finish_reason":null}]}\n\n'],
+        ),
+        (
+            StreamKind.RESPONSES,
+            b'event: response.output_item.done\ndata: {"type":"response.output_item.done","item":{}}\n\n',
+            [b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","delta":"hi"}\n\n'],
+        ),
+        (
+            StreamKind.ANTHROPIC,
+            b'event: message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":"end_turn"}}\n\n',
+            [
+                b'event: message_start\ndata: {"type":"message_start","message":{"stop_reason":null}}\n\n',
+                b'event: content_block_delta\ndata: {"type":"content_block_delta","delta":{"text":"hi"}}\n\n',
+            ],
+        ),
+    ],
+)
+def test_what_says_a_stream_is_finishing_is_found_in_each_dialect(kind: StreamKind, finishing: bytes, ordinary: list[bytes]) -> None:
+    """A read carrying a stream's finish is not followed by a coalescing rest (its end comes at once)."""
+    from gateway.data.relay import _FINISHING_SCAN
+
+    scan = _FINISHING_SCAN[kind]
+    assert not scan.any_in(b"".join(ordinary))
+    assert scan.any_in(ordinary[0] + finishing)

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from gateway.data.needles import Needles
 from gateway.data.stream_pool import (
     StreamPool,
     UpstreamConnectionLost,
@@ -188,6 +189,77 @@ def test_a_resting_exchange_relays_what_came_meanwhile_in_one_call_and_its_conne
     for calls in asyncio.run(main()):
         assert b"".join(calls) == every
         assert len(calls) <= 6, calls  # 12 events over ~120 ms, read at most every 50 ms (each read: one call)
+
+
+def test_streams_rest_only_while_the_pool_carries_stream_coalesce_min_streams() -> None:
+    """One stream alone (under the minimum of 2) gets each event as it comes; two at once both rest."""
+
+    async def relay_all(pool: StreamPool, url: str) -> list[bytes]:
+        exchange = await pool.request(url, "/", b"{}", {})
+        calls: list[bytes] = []
+        ended: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+        exchange.relay(calls.append, _end_into(ended))
+        assert await asyncio.wait_for(ended, 10) is None
+        exchange.release()
+        return calls
+
+    async def main() -> tuple[list[bytes], list[list[bytes]]]:
+        async with _Server(_ticking) as url:
+            pool = StreamPool(5.0, 30.0, coalesce_s=0.05, coalesce_min_streams=2)
+            assert not pool.coalescing()
+            alone = await relay_all(pool, url)
+            together = await asyncio.gather(relay_all(pool, url), relay_all(pool, url))
+            await pool.close()
+            return alone, together
+
+    alone, together = asyncio.run(main())
+    every = b"".join(b"data: %x\n\n" % i for i in range(12))
+    assert b"".join(alone) == every and len(alone) >= 10, alone  # 12 events 10 ms apart: read one by one
+    for calls in together:
+        assert b"".join(calls) == every and len(calls) <= 6, calls  # read at most every 50 ms
+
+
+_FINISH = Needles(b'"finish_reason":"')
+
+
+async def _finishing(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> bool:
+    """Two events, a finish event, then [DONE], each 80 ms after the last (longer than the test's rest), then the end."""
+    writer.write(HEAD)
+    for event in (b'data: {"a":1}\n\n', b'data: {"b":2}\n\n', b'data: {"finish_reason":"stop"}\n\n', b"data: [DONE]\n\n"):
+        await asyncio.sleep(0.08)
+        writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+    writer.write(b"0\r\n\r\n")
+    await writer.drain()
+    return True
+
+
+def test_a_read_that_carries_a_streams_finish_is_not_followed_by_a_rest() -> None:
+    """The end (usage, [DONE], the engine's slot) follows a finish event at once: that read is not rested on."""
+
+    async def main(finishing: Needles | None) -> list[tuple[bytes, bool]]:
+        async with _Server(_finishing) as url:
+            pool = StreamPool(5.0, 30.0, coalesce_s=0.04)
+            exchange = await pool.request(url, "/", b"{}", {})
+            transport = exchange.connection.transport
+            loop = asyncio.get_running_loop()
+            reads: list[tuple[bytes, bool]] = []
+
+            def sink(body: bytes) -> None:  # is the connection read on, once the read's callback returned?
+                loop.call_soon(lambda: reads.append((body, transport.is_reading())))
+
+            ended: asyncio.Future[BaseException | None] = loop.create_future()
+            exchange.relay(sink, _end_into(ended), finishing)
+            assert await asyncio.wait_for(ended, 10) is None
+            exchange.release()
+            await pool.close()
+            return reads
+
+    marked = asyncio.run(main(_FINISH))
+    finish = [reading for body, reading in marked if b"finish_reason" in body]
+    assert finish == [True], marked  # read on at once
+    assert [reading for body, reading in marked if b"finish_reason" not in body and b"DONE" not in body] == [False, False], marked
+    unmarked = asyncio.run(main(None))
+    assert [reading for body, reading in unmarked if b"finish_reason" in body] == [False], unmarked  # rested on
 
 
 def test_a_rest_and_a_full_client_socket_both_hold_reading_until_each_is_over() -> None:
