@@ -19,6 +19,7 @@ waiting for a slot under a configured cap is :class:`UpstreamPoolFull`, never an
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import socket
 import ssl
@@ -34,6 +35,7 @@ from gateway.data.needles import Needles
 KEEPALIVE_S = 4.0  # idle connections kept this long: under uvicorn's (SGLang's server) 5 s keep-alive
 _MAX_IDLE_PER_HOST = 1024
 _DNS_TTL_S = 300.0
+_TICKS_PER_REST = 8  # rests end on a grid of this many ticks per window (each ends up to a tick late)
 _AFTER_REST_S = 0.05  # a silence check that falls in a rest waits this long past its end (the read comes first)
 
 
@@ -208,7 +210,7 @@ class StreamExchange:
 
     __slots__ = (
         "connection", "status", "keep_alive", "last_read", "received", "_head", "_buffer", "_end",
-        "_complete", "_error", "_done", "_timer", "_read_timeout_s", "_released", "_holds", "_rest", "_finishing",
+        "_complete", "_error", "_done", "_timer", "_read_timeout_s", "_released", "_holds", "_rest_until", "_finishing",
     )  # fmt: skip
 
     def __init__(self, connection: _Connection, read_timeout_s: float) -> None:
@@ -228,7 +230,7 @@ class StreamExchange:
         self._timer: asyncio.TimerHandle | None = loop.call_later(read_timeout_s, self._check_silence)
         self._released = False
         self._holds: set[str] = set()  # why reading is paused: "client" (its socket is full), "rest" (coalescing)
-        self._rest: asyncio.TimerHandle | None = None
+        self._rest_until: float | None = None  # resting until this loop time (its wake-up tick in the pool)
         self._finishing: Needles | None = None  # what in a read says the stream is about to end (the relay's)
 
     # -------------------------------------------------------------- what the connection reports
@@ -266,9 +268,9 @@ class StreamExchange:
             end(error)
 
     def _check_silence(self) -> None:
-        if self._rest is not None:  # not reading on purpose: look again once what came meanwhile has been read
+        if self._rest_until is not None:  # not reading on purpose: look again once what came meanwhile has been read
             loop = asyncio.get_running_loop()
-            self._timer = loop.call_later(self._rest.when() - loop.time() + _AFTER_REST_S, self._check_silence)
+            self._timer = loop.call_later(self._rest_until - loop.time() + _AFTER_REST_S, self._check_silence)
             return
         silent = time.monotonic() - self.last_read
         if silent < self._read_timeout_s:
@@ -335,18 +337,18 @@ class StreamExchange:
     def rest(self, seconds: float) -> None:
         """Read nothing for ``seconds`` (``stream_coalesce_ms``): what the engine sends meanwhile waits in the
         socket and is then read, and relayed, in one read and one write."""
-        if self._rest is None and not self._released and not self._complete:
+        if self._rest_until is None and not self._released and not self._complete:
             self.pause_reading("rest")
-            self._rest = asyncio.get_running_loop().call_later(seconds, self._rested)
+            self._rest_until = self.connection.pool.wake_later(self, seconds)
 
-    def _rested(self) -> None:
-        self._rest = None
-        self.resume_reading("rest")
+    def rested(self, at: float) -> None:
+        """The wake-up tick ``at`` came (the pool's): read again, unless this exchange stopped resting meanwhile."""
+        if self._rest_until == at:
+            self._rest_until = None
+            self.resume_reading("rest")
 
     def _stop_rest(self) -> None:
-        if self._rest is not None:
-            self._rest.cancel()
-            self._rest = None
+        self._rest_until = None
         self.resume_reading("rest")
 
     def close(self) -> None:
@@ -399,11 +401,31 @@ class StreamPool:
         self._targets: dict[str, tuple[tuple[str, str, int], str, str]] = {}  # base URL -> (key, path prefix, Host)
         self._ssl: ssl.SSLContext | None = None
         self._closed = False
+        # resting exchanges by wake-up tick: one timer per tick, not per rest, and the streams woken together are
+        # read in one turn of the loop
+        self._wakeups: dict[float, list[StreamExchange]] = {}
 
     @property
     def busy(self) -> int:
         """Connections carrying a request now."""
         return self._busy
+
+    def wake_later(self, exchange: StreamExchange, seconds: float) -> float:
+        """Have ``exchange.rested`` called ``seconds`` from now, rounded up to a tick of an eighth of that (10 ms
+        for 80): returns the tick's loop time."""
+        loop = asyncio.get_running_loop()
+        tick = seconds / _TICKS_PER_REST
+        at = math.ceil((loop.time() + seconds) / tick) * tick
+        resting = self._wakeups.get(at)
+        if resting is None:
+            resting = self._wakeups[at] = []
+            loop.call_at(at, self._wake, at)
+        resting.append(exchange)
+        return at
+
+    def _wake(self, at: float) -> None:
+        for exchange in self._wakeups.pop(at, ()):
+            exchange.rested(at)
 
     def coalescing(self) -> bool:
         """Whether a stream rests after each read now: a window is set and the pool carries enough streams."""

@@ -262,6 +262,33 @@ def test_a_read_that_carries_a_streams_finish_is_not_followed_by_a_rest() -> Non
     assert [reading for body, reading in unmarked if b"finish_reason" in body] == [False], unmarked  # rested on
 
 
+def test_rests_that_begin_close_together_end_on_one_tick() -> None:
+    """One timer per tick of an eighth of the window, not per rest: streams that rested together are read together."""
+
+    class Resting:
+        def __init__(self) -> None:
+            self.woken: list[float] = []
+
+        def rested(self, at: float) -> None:
+            self.woken.append(at)
+
+    async def main() -> None:
+        pool = StreamPool(5.0, 30.0, coalesce_s=0.08)
+        loop = asyncio.get_running_loop()
+        first, second, later = Resting(), Resting(), Resting()
+        began = loop.time()
+        at = pool.wake_later(first, 0.08)  # type: ignore[arg-type]
+        assert pool.wake_later(second, 0.08) == at  # the same tick
+        assert began + 0.08 <= at <= began + 0.08 + 0.01  # at least the window, at most a tick (10 ms) more
+        await asyncio.sleep(0.012)
+        assert pool.wake_later(later, 0.08) > at  # a tick later: the next one
+        await asyncio.sleep(0.2)
+        assert first.woken == second.woken == [at] and len(later.woken) == 1
+        await pool.close()
+
+    asyncio.run(main())
+
+
 def test_a_rest_and_a_full_client_socket_both_hold_reading_until_each_is_over() -> None:
     async def main() -> None:
         async with _Server(lambda reader, writer, n: _head_then_silence(writer)) as url:
