@@ -312,13 +312,13 @@ class GatewaySettings(_Strict):
         description="Connections to the engines at once, per pool (plain requests, streams); beyond, a request waits up to upstream_connect_timeout_s, then 503 upstream_pool_full (unset: no cap, the engines' own limits apply).",
     )
     stream_coalesce_ms: float = Field(
-        80.0, ge=0, le=1000,
+        100.0, ge=0, le=1000,
         description="While this process relays at least stream_coalesce_min_streams streams, it reads each stream again "
         "only this many milliseconds after relaying what it read, so that the events the engine sent meanwhile go to the "
         "client in one read and one write (a read that carries a stream's finish is followed at once). 0: every event as "
-        "it comes. At 20 ms decode steps and 1,024-2,048 streams, 80 took the CPU per relayed event from ~40 to ~24 µs "
-        "(40: 2-18% less; under two decode steps: nothing); events after a stream's first may reach the client up to "
-        "this much later (restart to change).",
+        "it comes. At 20 ms decode steps and 256-2,048 streams, 100 took the CPU per relayed event from ~50 to ~21-33 µs "
+        "(80: ~25-35; under two decode steps: nothing); events after a stream's first may reach the client up to this "
+        "much later (restart to change).",
     )
     stream_coalesce_min_streams: int = Field(
         128, ge=0,

@@ -411,8 +411,8 @@ class StreamPool:
         return self._busy
 
     def wake_later(self, exchange: StreamExchange, seconds: float) -> float:
-        """Have ``exchange.rested`` called ``seconds`` from now, rounded up to a tick of an eighth of that (10 ms
-        for 80): returns the tick's loop time."""
+        """Have ``exchange.rested`` called ``seconds`` from now, rounded up to a tick of an eighth of that (12.5 ms
+        for 100): returns the tick's loop time."""
         loop = asyncio.get_running_loop()
         tick = seconds / _TICKS_PER_REST
         at = math.ceil((loop.time() + seconds) / tick) * tick
