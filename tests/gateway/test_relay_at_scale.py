@@ -90,6 +90,23 @@ def test_coalesced_streams_all_complete_with_their_events_arriving_together(pace
     assert result.summary()["gap_p50_ms"] >= 40, result.summary()  # ~one window apart, not one step
 
 
+def test_a_coalesced_stream_the_client_cuts_closes_its_engine_connection(paced_fake: ServerProcess) -> None:
+    """Coalescing at any load (minimum 0): a client gone mid-stream, during a rest or not, has its engine
+    connection closed (the engine aborts the request), not kept for reuse."""
+    with serve({"m": {"url": paced_fake.url}}, {"stream_coalesce_min_streams": 0}) as gateway, httpx.Client(timeout=30) as http:
+        streams = gateway.state.proxy.streams
+        with http.stream("POST", gateway.url + "/v1/chat/completions", json=_chat(True, 150)) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data: ")).startswith("data: {")
+            assert streams.coalescing()
+        for _ in range(100):  # the gateway sees the client go
+            if streams.busy == 0:
+                break
+            threading.Event().wait(0.02)
+        assert streams.busy == 0 and not streams._open, "the engine connection was kept after the client left"
+
+
 def test_a_small_configured_pool_answers_503_upstream_pool_full_never_504(paced_fake: ServerProcess) -> None:
     gateway_settings = {"upstream_max_connections": 2, "upstream_connect_timeout_s": 0.5}
     with serve({"m": {"url": paced_fake.url}}, gateway_settings) as gateway, httpx.Client(base_url=gateway.url, timeout=30) as http:

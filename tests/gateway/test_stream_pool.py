@@ -289,6 +289,28 @@ def test_rests_that_begin_close_together_end_on_one_tick() -> None:
     asyncio.run(main())
 
 
+def test_a_stream_cut_while_it_rests_closes_its_connection_at_once() -> None:
+    """A client that goes away during a rest: the engine sees the connection close then, not at the rest's end."""
+
+    async def main() -> None:
+        held = _Server(lambda reader, writer, n: _head_then_silence(writer))
+        async with held as url:
+            pool = StreamPool(5.0, 30.0, coalesce_s=0.5)
+            exchange = await pool.request(url, "/", b"{}", {})
+            exchange.rest(0.5)
+            exchange.close()
+            for _ in range(20):
+                if held.closed_by_client:
+                    break
+                await asyncio.sleep(0.01)
+            assert held.closed_by_client == 1 and pool.busy == 0  # well within the rest
+            await asyncio.sleep(0.6)  # the rest's tick comes and finds nothing to wake
+            assert pool.busy == 0
+            await pool.close()
+
+    asyncio.run(main())
+
+
 def test_a_rest_and_a_full_client_socket_both_hold_reading_until_each_is_over() -> None:
     async def main() -> None:
         async with _Server(lambda reader, writer, n: _head_then_silence(writer)) as url:
