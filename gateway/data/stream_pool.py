@@ -300,12 +300,12 @@ class StreamExchange:
 
     def relay(self, on_data: Sink, on_end: EndSink, finishing: Needles | None = None) -> None:
         """From now on each body piece goes to ``on_data`` as it is parsed; ``on_end(None | error)`` once at the end.
-        Pieces that came with the head are handed over first. ``finishing``: what in a read says that the stream's
+        Pieces that came with the head are handed over first, together. ``finishing``: what in a read says that the stream's
         last events follow at once (a finish reason): such a read is not followed by a rest."""
         self._finishing = finishing
         buffered, self._buffer = self._buffer, []
-        for piece in buffered:
-            on_data(piece)
+        if buffered:  # what came with the head (an engine that answered at once: often the whole stream), in one call
+            on_data(buffered[0] if len(buffered) == 1 else b"".join(buffered))
         if self._complete or self._error is not None:
             on_end(self._error)
             return

@@ -56,9 +56,6 @@ def test_a_thousand_concurrent_long_streams_through_the_default_settings_all_com
     assert (result.completed, result.statuses) == (1000, {}), result.summary()
     assert result.events == 1000 * (TOKENS + 4)
     assert len(result.ttft) == 1000
-    # ~1,000 streams at once: past stream_coalesce_min_streams, each stream is read every stream_coalesce_ms, so
-    # most reads bring several tokens (0.17 of the tokens' reads here; 0.45-0.76 with stream_coalesce_ms: 0)
-    assert len(result.gaps) < 0.3 * 1000 * TOKENS, result.summary()
 
 
 def test_a_few_streams_through_the_default_settings_get_every_event_as_it_comes(paced_fake: ServerProcess) -> None:

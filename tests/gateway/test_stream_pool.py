@@ -95,6 +95,25 @@ def test_connections_are_kept_alive_and_reused_and_a_stream_cut_short_closes_its
     asyncio.run(main())
 
 
+def test_what_came_with_the_head_is_relayed_in_one_call() -> None:
+    """An engine that answered at once (head, events and end in one read): the relay gets its events in one call,
+    so the client gets them in one write, not one write per event."""
+
+    async def main() -> list[bytes]:
+        async with _Server(_two_events) as url:
+            pool = StreamPool(5.0, 30.0)
+            exchange = await pool.request(url, "/", b"{}", {})  # the head came, and with it the rest
+            calls: list[bytes] = []
+            ended: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+            exchange.relay(calls.append, _end_into(ended))
+            assert await ended is None
+            exchange.release()
+            await pool.close()
+            return calls
+
+    assert asyncio.run(main()) == [b"data: a\n\ndata: b\n\n"]
+
+
 async def _head_then_silence(writer: asyncio.StreamWriter) -> bool:
     writer.write(HEAD)
     await writer.drain()

@@ -1,0 +1,84 @@
+"""What the relay writes to the client, seen at a raw socket, against a FAKE engine (a thread in the test: the real
+engine cannot be made to wait on demand between its head and its first event).
+
+The response's head (status line, headers) goes out with the stream's first events, in one write: one system
+call and one segment less per stream, and the client is woken once.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from tests.gateway.helpers import serve
+
+EVENT = b'data: {"choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":null}]}\n\n'
+END = b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n'
+HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+@contextmanager
+def _engine_that_waits_after_its_head(wait_s: float) -> Iterator[str]:
+    """Answers each request with its head at once, then (``wait_s`` later) one event and the end."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.2)
+    stop = threading.Event()
+
+    def answer(conn: socket.socket) -> None:
+        with conn:
+            request = b""
+            while b"\r\n\r\n" not in request:
+                request += conn.recv(65536)
+            head, _, body = request.partition(b"\r\n\r\n")
+            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+            while len(body) < length:
+                body += conn.recv(65536)
+            conn.sendall(HEAD)
+            time.sleep(wait_s)
+            conn.sendall(_chunk(EVENT) + _chunk(END) + b"0\r\n\r\n")
+            conn.recv(1)  # until the gateway closes or reuses it
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except (TimeoutError, OSError):
+                continue
+            threading.Thread(target=answer, args=(conn,), daemon=True).start()
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        stop.set()
+        thread.join(2)
+        listener.close()
+
+
+def test_the_head_of_a_stream_reaches_the_client_with_its_first_event() -> None:
+    with _engine_that_waits_after_its_head(0.3) as engine, serve({"m": {"url": engine}}) as gateway:
+        body = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}'
+        request = (
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        host, port = gateway.url.removeprefix("http://").rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=10) as client:
+            client.sendall(request)
+            first = client.recv(65536)  # whatever came first: the head alone, 0.3 s before the event, or both
+            assert first.startswith(b"HTTP/1.1 200"), first
+            assert EVENT in first, first  # the head waited for the event and went out with it
+            rest = first
+            while not rest.endswith(b"0\r\n\r\n"):
+                more = client.recv(65536)
+                assert more, rest
+                rest += more
+        assert b"data: [DONE]" in rest
