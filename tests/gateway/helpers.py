@@ -7,7 +7,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -169,11 +169,9 @@ def prometheus_value(text: str, name: str, labels: dict[str, str] | None = None)
 
 
 @contextmanager
-def fake_stalled_upstream() -> Iterator[str]:
-    """A fake engine that accepts connections and reads requests but never answers (for the 504 test).
-
-    The real engine cannot be made to stall on demand; this is the only fake upstream in the suite.
-    """
+def fake_tcp_upstream(accepted: Callable[[socket.socket], None]) -> Iterator[str]:
+    """A FAKE engine's listener: each connection it accepts goes to ``accepted`` (which must not block); the
+    connections are closed at the end. Its URL is yielded."""
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind(("127.0.0.1", 0))
     listener.listen(16)
@@ -188,6 +186,7 @@ def fake_stalled_upstream() -> Iterator[str]:
             except (TimeoutError, OSError):
                 continue
             held.append(conn)
+            accepted(conn)
 
     thread = threading.Thread(target=accept, daemon=True)
     thread.start()
@@ -199,6 +198,14 @@ def fake_stalled_upstream() -> Iterator[str]:
         for conn in held:
             conn.close()
         listener.close()
+
+
+@contextmanager
+def fake_stalled_upstream() -> Iterator[str]:
+    """A FAKE engine that accepts connections and reads requests but never answers (for the 504 tests): the real
+    engine cannot be made to stall on demand."""
+    with fake_tcp_upstream(lambda conn: None) as url:
+        yield url
 
 
 class CuttingRelay:

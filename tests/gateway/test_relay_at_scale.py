@@ -21,7 +21,7 @@ from fastapi import FastAPI
 
 from benchmarks.apis import CHAT
 from benchmarks.loadgen import new_event_loop
-from benchmarks.paced import run_paced
+from benchmarks.paced import PacedResult, run_paced
 from gateway.app import create_app
 from gateway.config import GatewaySettings, gateway_settings
 from gateway.core.registry import build_registry
@@ -41,17 +41,22 @@ def paced_fake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProce
         yield server
 
 
+def _paced(gateway: GatewayServer, streams: int, ramp_s: float, timeout_s: float) -> PacedResult:
+    """``streams`` paced chat streams of TOKENS tokens through ``gateway``, started over ``ramp_s``."""
+    loop = new_event_loop()
+    try:
+        return loop.run_until_complete(run_paced(gateway.url, CHAT, streams, TOKENS, ramp_s=ramp_s, timeout_s=timeout_s, model="m"))
+    finally:
+        loop.close()
+
+
 def _chat(stream: bool, tokens: int = TOKENS) -> dict[str, object]:
     return {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": tokens, "stream": stream}
 
 
 def test_a_thousand_concurrent_long_streams_through_the_default_settings_all_complete(paced_fake: ServerProcess) -> None:
     with serve({"m": {"url": paced_fake.url}}) as gateway:  # every gateway setting at its default
-        loop = new_event_loop()
-        try:
-            result = loop.run_until_complete(run_paced(gateway.url, CHAT, 1000, TOKENS, ramp_s=1.0, timeout_s=120, model="m"))
-        finally:
-            loop.close()
+        result = _paced(gateway, 1000, ramp_s=1.0, timeout_s=120)
     # each stream: its role chunk + TOKENS content chunks + a finish chunk + usage + [DONE]
     assert (result.completed, result.statuses) == (1000, {}), result.summary()
     assert result.events == 1000 * (TOKENS + 4)
@@ -62,11 +67,7 @@ def test_a_few_streams_through_the_default_settings_get_every_event_as_it_comes(
     """50 streams, under stream_coalesce_min_streams: no stream rests, each token's event is read on its own."""
     with serve({"m": {"url": paced_fake.url}}) as gateway:
         assert not gateway.state.proxy.streams.coalescing()
-        loop = new_event_loop()
-        try:
-            result = loop.run_until_complete(run_paced(gateway.url, CHAT, 50, TOKENS, ramp_s=0.2, timeout_s=60, model="m"))
-        finally:
-            loop.close()
+        result = _paced(gateway, 50, ramp_s=0.2, timeout_s=60)
     assert (result.completed, result.statuses, result.events) == (50, {}, 50 * (TOKENS + 4)), result.summary()
     assert len(result.gaps) >= 0.9 * 50 * (TOKENS - 1), result.summary()  # one read per token (coalesced: < 0.6)
     assert result.summary()["gap_p50_ms"] < 30, result.summary()  # one decode step apart, not one window
@@ -77,11 +78,7 @@ def test_coalesced_streams_all_complete_with_their_events_arriving_together(pace
     the same read as others (without it, the client reads each token's event on its own, one step apart)."""
     with serve({"m": {"url": paced_fake.url}}, {"stream_coalesce_ms": 60, "stream_coalesce_min_streams": 0}) as gateway:
         assert gateway.state.proxy.streams.coalesce_s == 0.06
-        loop = new_event_loop()
-        try:
-            result = loop.run_until_complete(run_paced(gateway.url, CHAT, 50, TOKENS, ramp_s=0.2, timeout_s=60, model="m"))
-        finally:
-            loop.close()
+        result = _paced(gateway, 50, ramp_s=0.2, timeout_s=60)
     assert (result.completed, result.statuses, result.events) == (50, {}, 50 * (TOKENS + 4)), result.summary()
     assert len(result.gaps) < 0.6 * 50 * TOKENS, result.summary()  # reads that brought events, after each stream's first
     assert result.summary()["gap_p50_ms"] >= 40, result.summary()  # ~one window apart, not one step

@@ -10,10 +10,9 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 
-from tests.gateway.helpers import serve
+from tests.gateway.helpers import fake_tcp_upstream, serve
 
 EVENT = b'data: {"choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":null}]}\n\n'
 END = b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n'
@@ -24,43 +23,22 @@ def _chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
-@contextmanager
-def _engine_that_waits_after_its_head(wait_s: float) -> Iterator[str]:
+def _engine_that_waits_after_its_head(wait_s: float) -> AbstractContextManager[str]:
     """Answers each request with its head at once, then (``wait_s`` later) one event and the end."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    listener.settimeout(0.2)
-    stop = threading.Event()
 
     def answer(conn: socket.socket) -> None:
-        with conn:
-            request = b""
-            while b"\r\n\r\n" not in request:
-                request += conn.recv(65536)
-            head, _, body = request.partition(b"\r\n\r\n")
-            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
-            while len(body) < length:
-                body += conn.recv(65536)
-            conn.sendall(HEAD)
-            time.sleep(wait_s)
-            conn.sendall(_chunk(EVENT) + _chunk(END) + b"0\r\n\r\n")
-            conn.recv(1)  # until the gateway closes or reuses it
+        request = b""
+        while b"\r\n\r\n" not in request:
+            request += conn.recv(65536)
+        head, _, body = request.partition(b"\r\n\r\n")
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+        while len(body) < length:
+            body += conn.recv(65536)
+        conn.sendall(HEAD)
+        time.sleep(wait_s)
+        conn.sendall(_chunk(EVENT) + _chunk(END) + b"0\r\n\r\n")
 
-    def accept() -> None:
-        while not stop.is_set():
-            try:
-                conn, _ = listener.accept()
-            except (TimeoutError, OSError):
-                continue
-            threading.Thread(target=answer, args=(conn,), daemon=True).start()
-
-    thread = threading.Thread(target=accept, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
-    finally:
-        stop.set()
-        thread.join(2)
-        listener.close()
+    return fake_tcp_upstream(lambda conn: threading.Thread(target=answer, args=(conn,), daemon=True).start())
 
 
 def test_the_head_of_a_stream_reaches_the_client_with_its_first_event() -> None:

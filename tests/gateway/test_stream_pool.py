@@ -72,6 +72,17 @@ async def _relayed(pool: StreamPool, url: str) -> tuple[bytes, BaseException | N
     return b"".join(pieces), error
 
 
+async def _relay_calls(pool: StreamPool, url: str) -> list[bytes]:
+    """One stream relayed to its end: what each call of the relay got (one call per read)."""
+    exchange = await pool.request(url, "/", b"{}", {})
+    calls: list[bytes] = []
+    ended: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+    exchange.relay(calls.append, lambda error: ended.done() or ended.set_result(error))
+    assert await asyncio.wait_for(ended, 10) is None
+    exchange.release()
+    return calls
+
+
 def test_connections_are_kept_alive_and_reused_and_a_stream_cut_short_closes_its_connection() -> None:
     async def main() -> None:
         fake = _Server(_two_events)
@@ -102,12 +113,7 @@ def test_what_came_with_the_head_is_relayed_in_one_call() -> None:
     async def main() -> list[bytes]:
         async with _Server(_two_events) as url:
             pool = StreamPool(5.0, 30.0)
-            exchange = await pool.request(url, "/", b"{}", {})  # the head came, and with it the rest
-            calls: list[bytes] = []
-            ended: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
-            exchange.relay(calls.append, _end_into(ended))
-            assert await ended is None
-            exchange.release()
+            calls = await _relay_calls(pool, url)  # the head came, and with it the rest
             await pool.close()
             return calls
 
@@ -191,15 +197,7 @@ def test_a_resting_exchange_relays_what_came_meanwhile_in_one_call_and_its_conne
         fake = _Server(_ticking)
         async with fake as url:
             pool = StreamPool(5.0, 30.0, coalesce_s=0.05)
-            streams = []
-            for _ in range(2):
-                exchange = await pool.request(url, "/", b"{}", {})
-                calls: list[bytes] = []
-                ended: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
-                exchange.relay(calls.append, _end_into(ended))
-                assert await asyncio.wait_for(ended, 10) is None
-                exchange.release()
-                streams.append(calls)
+            streams = [await _relay_calls(pool, url) for _ in range(2)]
             assert fake.connections == 1 and pool.busy == 0
             await pool.close()
             return streams
@@ -213,21 +211,12 @@ def test_a_resting_exchange_relays_what_came_meanwhile_in_one_call_and_its_conne
 def test_streams_rest_only_while_the_pool_carries_stream_coalesce_min_streams() -> None:
     """One stream alone (under the minimum of 2) gets each event as it comes; two at once both rest."""
 
-    async def relay_all(pool: StreamPool, url: str) -> list[bytes]:
-        exchange = await pool.request(url, "/", b"{}", {})
-        calls: list[bytes] = []
-        ended: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
-        exchange.relay(calls.append, _end_into(ended))
-        assert await asyncio.wait_for(ended, 10) is None
-        exchange.release()
-        return calls
-
     async def main() -> tuple[list[bytes], list[list[bytes]]]:
         async with _Server(_ticking) as url:
             pool = StreamPool(5.0, 30.0, coalesce_s=0.05, coalesce_min_streams=2)
             assert not pool.coalescing()
-            alone = await relay_all(pool, url)
-            together = await asyncio.gather(relay_all(pool, url), relay_all(pool, url))
+            alone = await _relay_calls(pool, url)
+            together = await asyncio.gather(_relay_calls(pool, url), _relay_calls(pool, url))
             await pool.close()
             return alone, together
 
