@@ -32,8 +32,8 @@ FILE_NAME = "responses.sqlite3"
 _SCHEMA_VERSION = 1
 _RECENT = 4096  # entries kept in memory next to the file: those not written yet, and the likeliest reads
 _BATCH = 256  # entries written in one transaction at most
-# After the first entry of a batch, the writer waits this long for others: at hundreds of new responses a second
-# each one's own transaction took ~10% of the gateway's CPU; those created within it share one
+# After the first entry of a batch, the writer waits up to this long for others (not once a flush is asked for):
+# at hundreds of new responses a second each one's own transaction took ~10% of the gateway's CPU
 _GATHER_S = 0.005
 _CLOSE = None  # the writer's stop signal
 
@@ -136,11 +136,14 @@ class ResponseIndex:
             closing = False
             while not closing:
                 batch = [self._queue.get()]
-                if isinstance(batch[0], tuple):  # an entry (not a flush or the stop): let the next ones join it
-                    time.sleep(_GATHER_S)
+                # an entry lets the next ones join it for _GATHER_S; a flush someone waits for (publish) does not wait
+                gather_until = time.monotonic() + _GATHER_S if isinstance(batch[0], tuple) else 0.0
                 while batch[-1] is not _CLOSE and len(batch) < _BATCH:
+                    if isinstance(batch[-1], threading.Event):
+                        gather_until = 0.0
+                    left = gather_until - time.monotonic()
                     try:
-                        batch.append(self._queue.get_nowait())
+                        batch.append(self._queue.get(timeout=left) if left > 0 else self._queue.get_nowait())
                     except queue.Empty:
                         break
                 closing = batch[-1] is _CLOSE
