@@ -62,24 +62,26 @@ async def _two_events(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     return True
 
 
-async def _relayed(pool: StreamPool, url: str) -> tuple[bytes, BaseException | None]:
+async def _relayed_calls(pool: StreamPool, url: str) -> tuple[list[bytes], BaseException | None]:
+    """One stream relayed to its end: what each call of the relay got (one call per read), and how it ended."""
     exchange = await pool.request(url, "/v1/chat/completions", b"{}", {"Content-Type": "application/json"})
-    pieces: list[bytes] = []
-    ended: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
-    exchange.relay(pieces.append, lambda error: ended.done() or ended.set_result(error))
-    error = await ended
-    exchange.release()
-    return b"".join(pieces), error
-
-
-async def _relay_calls(pool: StreamPool, url: str) -> list[bytes]:
-    """One stream relayed to its end: what each call of the relay got (one call per read)."""
-    exchange = await pool.request(url, "/", b"{}", {})
     calls: list[bytes] = []
     ended: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
     exchange.relay(calls.append, lambda error: ended.done() or ended.set_result(error))
-    assert await asyncio.wait_for(ended, 10) is None
+    error = await asyncio.wait_for(ended, 10)
     exchange.release()
+    return calls, error
+
+
+async def _relayed(pool: StreamPool, url: str) -> tuple[bytes, BaseException | None]:
+    calls, error = await _relayed_calls(pool, url)
+    return b"".join(calls), error
+
+
+async def _relay_calls(pool: StreamPool, url: str) -> list[bytes]:
+    """What each call of the relay got, for a stream that must end well."""
+    calls, error = await _relayed_calls(pool, url)
+    assert error is None
     return calls
 
 
