@@ -94,8 +94,8 @@ def test_a_coalesced_stream_the_client_cuts_closes_its_engine_connection(paced_f
             lines = response.iter_lines()
             assert next(line for line in lines if line.startswith("data: ")).startswith("data: {")
             assert streams.coalescing()
-        for _ in range(100):  # the gateway sees the client go
-            if streams.busy == 0:
+        for _ in range(100):  # the gateway sees the client go, and the engine connection's close completes
+            if streams.busy == 0 and not streams._open:
                 break
             threading.Event().wait(0.02)
         assert streams.busy == 0 and not streams._open, "the engine connection was kept after the client left"
