@@ -26,13 +26,23 @@ from benchmarks.paced import run_paced
 from benchmarks.report import console, machine_info
 
 
-def _cpu(pids: dict[str, int]) -> dict[str, float]:
+def _cpu(pids: dict[str, int]) -> dict[str, tuple[float, float]]:
+    """(user, system) CPU seconds of this client and of each process group."""
     own = os.times()
-    seconds = {"client": own.user + own.system}
-    for name, pid in pids.items():
-        user, system = processes.group_cpu_split_s(pid)
-        seconds.update({name: user + system, f"{name}_system": system})
-    return seconds
+    return {"client": (own.user, own.system), **{name: processes.group_cpu_split_s(pid) for name, pid in pids.items()}}
+
+
+def _spent(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """CPU seconds spent between two readings: each total, and each process's kernel part as ``NAME_system``.
+    The total is the sum of the two differences (not the difference of two sums), so a run spent all in the kernel
+    gives a kernel part equal to its total, not a rounding above it."""
+    spent: dict[str, float] = {}
+    for name, (user, system) in after.items():
+        user_s, system_s = user - before[name][0], system - before[name][1]
+        spent[name] = user_s + system_s
+        if name != "client":
+            spent[f"{name}_system"] = system_s
+    return spent
 
 
 def paced_run(
@@ -84,8 +94,7 @@ def paced_run(
                     result = loop.run_until_complete(run_paced(urls[target], dialect, count, tokens, ramp_s, timeout_s))
                     after = _cpu(pids[target])
                     row = {"target": target, **result.summary()}
-                    for name, seconds in after.items():
-                        spent = seconds - before[name]
+                    for name, spent in _spent(before, after).items():
                         row[f"cpu_s_{name}"] = spent
                         row[f"cpu_us_per_event_{name}"] = spent / result.events * 1e6 if result.events else None
                     rows.append(row)
