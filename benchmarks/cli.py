@@ -177,7 +177,7 @@ def compare_command(
     warmup: Annotated[int, typer.Option(help="Warm-up requests per target per level.")] = 16,
     max_seconds: MaxSeconds = 60.0,
     profile: Annotated[
-        bool, typer.Option(help="Profile the gateway with py-spy during an extra gateway-only load (first API).")
+        bool, typer.Option(help="Profile the gateway (with --tenants, the keyed one) with py-spy during an extra load (first API).")
     ] = False,
     profile_concurrency: Annotated[int, typer.Option(help="Concurrency of the profiled load.")] = 64,
     profile_requests: Annotated[int, typer.Option(help="Requests of the profiled load.")] = 3000,
@@ -324,17 +324,19 @@ def compare_command(
             (out_dir / "levels.json").write_text(
                 json.dumps(measured, indent=2, default=str)
             )  # kept if a later step fails
-        if profile:
+        if profile:  # with --tenants, the keyed gateway: the run is about its cost
             try:
+                profiled_url, profiled_pid = (keyed_url, keyed_child.pid) if tenants else (gateway_url, gateway_child.pid)
                 profile_report = profile_gateway(
-                    gateway_url,
-                    gateway_child.pid,
+                    profiled_url,
+                    profiled_pid,
                     workloads[0],
                     profile_concurrency,
                     profile_requests,
                     max_seconds,
                     out_dir,
                     console,
+                    headers=tenant_rig.headers() if tenants else None,
                 )
             except Exception as error:  # a missing or refused profiler must not lose the measurements
                 console.print(f"[red]profiling failed:[/] {error}")

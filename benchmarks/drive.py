@@ -156,8 +156,10 @@ def profile_gateway(
     max_seconds: float,
     out_dir: Path,
     console: Console,
+    headers: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """py-spy on the gateway during an extra gateway-only load; the load's summary and the profile's shares."""
+    """py-spy on the gateway during an extra gateway-only load; the load's summary and the profile's shares.
+    ``headers``: sent with every request (a keyed gateway's key)."""
     from benchmarks.profile import analyse
 
     console.print(f"profiling the gateway (pid {pid}) with py-spy at concurrency {concurrency}")
@@ -175,6 +177,7 @@ def profile_gateway(
                     target="gateway",
                     max_seconds=max_seconds,
                     on_done=lambda: progress.advance(task),
+                    headers=headers,
                 )
             )
     finally:

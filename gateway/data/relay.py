@@ -24,7 +24,6 @@ from gateway.core.errors import GatewayError, StreamKind, sanitize_message, sse_
 from gateway.core.metrics import Metrics
 from gateway.core.tracing import finish_reasons
 from gateway.data.lease import Lease
-from gateway.data.needles import Needles
 from gateway.data.stream_pool import (
     StreamExchange,
 )
@@ -56,37 +55,33 @@ _ENDINGS: dict[StreamKind, tuple[bytes, ...]] = {
 }
 
 
-# What makes an event worth parsing, by stream framing. Responses events all carry "error":null.
-_MARKERS: dict[StreamKind, tuple[bytes, ...]] = {
-    StreamKind.DATA: (*_USAGE, b'"error"'),
-    StreamKind.RESPONSES: (*_USAGE, b'"error":{', b'"error": {', b'"type":"error"', b'"response.created"'),
-    StreamKind.ANTHROPIC: (*_USAGE, b'"type":"error"'),
+# One scan per read, by stream framing, for the two things the relay looks for in every read:
+# - what makes an event worth parsing (a usage object, an engine error, a new Responses id); engines put
+#   ``"usage":null`` in every chunk, so only an object counts, and Responses events all carry ``"error":null``;
+# - what says the stream is finishing (the group ``finish``): its last events (usage, the end) follow at once, so
+#   a read carrying one is not followed by a coalescing rest (``stream_coalesce_ms``) and the end, and the engine's
+#   slot, come without the wait. One missed costs one window, nothing else.
+# Every alternative starts with a quote, so ``re`` looks for the quote and tries the rest only there: one pass over
+# a read for both (a separate search per finish marker cost as much again: ~2 µs per 1 KB read).
+_SCAN: dict[StreamKind, re.Pattern[bytes]] = {
+    StreamKind.DATA: re.compile(rb'"(?:usage": ?\{|error"|(?P<finish>finish_reason": ?"))'),
+    StreamKind.RESPONSES: re.compile(
+        rb'"(?:usage": ?\{|error": ?\{|type": ?"error"|response\.created"'
+        rb'|(?P<finish>type": ?"response\.(?:completed|[a-z_]+\.done)"))'  # output_text.done .. output_item.done, the end
+    ),
+    StreamKind.ANTHROPIC: re.compile(rb'"(?:usage": ?\{|type": ?"error"|(?P<finish>type": ?"message_(?:delta|stop)"))'),
 }
 
 
+_SEQUENCE_NUMBER = re.compile(rb'"sequence_number": ?(\d+)')
+
+
 def _any_of(needles: tuple[bytes, ...]) -> re.Pattern[bytes]:
-    """One compiled scan for several byte strings that share a prefix (``"``, ``data: ``): one pass over an event
-    instead of one per string (without a shared prefix, :class:`~gateway.data.needles.Needles` is faster)."""
+    """One compiled scan for several byte strings."""
     return re.compile(b"|".join(re.escape(needle) for needle in needles))
 
 
 _ENDING_SCAN = {kind: _any_of(endings) for kind, endings in _ENDINGS.items()}
-
-
-# What says a stream is finishing: its last events (usage, the end) follow at once. A read carrying one is not
-# followed by a rest (``stream_coalesce_ms``), so the end, and the engine's slot, come without the wait. Few
-# needles: each is looked for in every read while streams rest (one missed costs one window, nothing else).
-_FINISHING: dict[StreamKind, tuple[bytes, ...]] = {
-    StreamKind.DATA: (b'"finish_reason":"', _DONE[:-2]),
-    StreamKind.RESPONSES: (b'.done"', b'"type":"response.completed"'),  # output_text.done .. output_item.done, the end
-    StreamKind.ANTHROPIC: (b"event: message_delta", b"event: message_stop"),
-}
-
-
-_FINISHING_SCAN = {kind: Needles(*markers) for kind, markers in _FINISHING.items()}
-
-
-_MARKER_SCAN = {kind: _any_of(markers) for kind, markers in _MARKERS.items()}
 
 
 class SSEProxyResponse(Response):
@@ -119,13 +114,12 @@ class SSEProxyResponse(Response):
         self.kind = kind
         self.on_created = on_created  # told the id of a Responses API response when its creation event passes
         self.request = request  # the body sent: an engine error event may be about its input (gateway.core.client_mistakes)
-        self._markers = _MARKER_SCAN[kind]
+        self._scan = _SCAN[kind]
         self._endings = _ENDING_SCAN[kind]
         self._last = (b"", b"")  # the last two pieces written: where a complete stream's own ending is
-        self._events = 0  # events relayed (Responses: the next sequence number)
+        self._finishing = False  # the read being relayed says the stream is finishing (set by the scan)
         self._pending = b""
         self._held = b""  # the stream's last events ([DONE]): they go out with our end, in one write
-        self._counts_events = kind is StreamKind.RESPONSES  # the error event we may add needs the next sequence number
         self._writer: _TransportWriter | _MessageWriter | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:  # type: ignore[override]
@@ -165,33 +159,35 @@ class SSEProxyResponse(Response):
                 head.release()  # (a stream cut before any write: what the client gets is as before, the head alone)
             self.lease.close()  # a stream cut short closes the upstream connection: the engine aborts the request
 
-    def _on_data(self, chunk: bytes) -> None:
-        """One upstream body piece, in the socket's callback: whole events go to the client at once."""
+    def _on_data(self, chunk: bytes) -> bool:
+        """One upstream body piece, in the socket's callback: whole events go to the client at once. Returns whether
+        the piece says the stream is finishing (the pool then reads on without a rest)."""
         writer = self._writer
         try:
             info = self.info
             if info.ttft_s is None:
                 info.ttft_s = time.perf_counter() - info.started
                 self.lease.release_grammar()
+            self._finishing = False
             events = self._complete_events(chunk)
             if not events:
-                return
-            if self._counts_events:
-                self._events += events.count(b"\n\n")
+                return False
             if self._held:  # (cannot happen: nothing follows the end of a stream)
                 events, self._held = self._held + events, b""
             if events.endswith(_DONE):
                 self._held = events
-            else:
-                writer.write(events)
-                self._last = (self._last[1], events)
+                return True
+            writer.write(events)
+            self._last = (self._last[1], events)
+            return self._finishing
         except Exception as error:  # a bug here must end this stream, not the upstream socket's callback
             logger.exception("relay: the stream of {} failed", self.model)
             writer.finish(_RelayFailed(error))
+            return True
 
     async def _pump(self, writer: _TransportWriter | _MessageWriter, send: Send) -> None:
         self._writer = writer
-        self.upstream.relay(self._on_data, writer.finish, _FINISHING_SCAN[self.kind])
+        self.upstream.relay(self._on_data, writer.finish)
         error = await writer.wait()
         failure: GatewayError | None = None
         if isinstance(error, _RelayFailed):
@@ -221,8 +217,14 @@ class SSEProxyResponse(Response):
             self.info.error = failure.log_detail or failure.message
             self.info.error_code = failure.code
             self.metrics.child(self.metrics.stream_errors, self.model).inc()
-            tail += sse_error_event(failure, self.kind, self._events)
+            tail += sse_error_event(failure, self.kind, self._next_sequence_number())
         await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+    def _next_sequence_number(self) -> int:
+        """Responses: the number after the last one the engine gave its events (they count from 0), for the error
+        event that ends a failed stream; 0 when none came. Read from the last events at the end, not counted per read."""
+        numbers = _SEQUENCE_NUMBER.findall(b"".join(self._last))
+        return int(numbers[-1]) + 1 if numbers else 0
 
     def _last_partial_event(self, pending: bytes) -> bytes:
         """What follows the last blank line when the upstream body ended: the stream's own last event as it
@@ -253,13 +255,20 @@ class SSEProxyResponse(Response):
         return self._inspect(data[: cut + 2])
 
     def _inspect(self, events: bytes) -> bytes:
-        """Byte scans only; JSON is parsed just for the lines carrying a usage object, an error or a new response."""
-        at = _next_marker(events, 0, self._markers)
-        if at < 0:
+        """Byte scans only; JSON is parsed just for the lines carrying a usage object, an error or a new response.
+        A finish marker is only noted (:attr:`_finishing`), and the scan goes on right after it."""
+        scan = self._scan
+        found = scan.search(events)
+        if found is None:
             return events
         out = []
         start = 0
-        while at >= 0:
+        while found is not None:
+            if found.lastgroup == "finish":
+                self._finishing = True
+                found = scan.search(events, found.end())
+                continue
+            at = found.start()
             line_start = events.rfind(b"\n", 0, at) + 1
             line_end = events.find(b"\n", at)
             line_end = len(events) if line_end < 0 else line_end
@@ -267,7 +276,9 @@ class SSEProxyResponse(Response):
             out.append(events[start:line_start])
             out.append(self._inspect_line(line) if line.startswith(b"data: {") else line)
             start = line_end
-            at = _next_marker(events, start, self._markers)
+            found = scan.search(events, start)
+        if not out:  # finish markers only: nothing parsed, nothing rewritten
+            return events
         out.append(events[start:])
         return b"".join(out)
 
@@ -307,15 +318,6 @@ class SSEProxyResponse(Response):
             holder["message"] = sanitize_message(holder.get("message"))
             self.info.error = self.info.error or holder["message"][:300]
         return b"data: " + orjson.dumps(data)
-
-
-def _next_marker(events: bytes, start: int, markers: re.Pattern[bytes]) -> int:
-    """Where the next of ``markers`` is mentioned in ``events`` from ``start`` (-1: nowhere).
-
-    Engines put ``"usage":null`` in every chunk: only an object is worth parsing.
-    """
-    found = markers.search(events, start)
-    return found.start() if found is not None else -1
 
 
 def _usage_of(data: dict[str, Any]) -> Any:

@@ -30,8 +30,6 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from gateway.data.needles import Needles
-
 KEEPALIVE_S = 4.0  # idle connections kept this long: under uvicorn's (SGLang's server) 5 s keep-alive
 _MAX_IDLE_PER_HOST = 1024
 _DNS_TTL_S = 300.0
@@ -98,7 +96,7 @@ class QuickAck:
             self._sock = None
 
 
-Sink = Callable[[bytes], None]
+Sink = Callable[[bytes], bool]  # one read's body; returns whether it says the stream is finishing (no rest follows)
 EndSink = Callable[[BaseException | None], None]
 
 
@@ -156,10 +154,10 @@ class _Connection(asyncio.Protocol):
             pieces.clear()
             sink = self.sink
             if sink is not None:
-                sink(body)
+                finishing = sink(body)
                 exchange = self.exchange
                 pool = self.pool
-                if rest and exchange is not None and pool.coalescing() and not exchange.finishing(body):
+                if rest and not finishing and exchange is not None and pool.coalescing():
                     exchange.rest(pool.coalesce_s)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -210,7 +208,7 @@ class StreamExchange:
 
     __slots__ = (
         "connection", "status", "keep_alive", "last_read", "received", "_head", "_buffer", "_end",
-        "_complete", "_error", "_done", "_timer", "_read_timeout_s", "_released", "_holds", "_rest_until", "_finishing",
+        "_complete", "_error", "_done", "_timer", "_read_timeout_s", "_released", "_holds", "_rest_until",
     )  # fmt: skip
 
     def __init__(self, connection: _Connection, read_timeout_s: float) -> None:
@@ -231,7 +229,6 @@ class StreamExchange:
         self._released = False
         self._holds: set[str] = set()  # why reading is paused: "client" (its socket is full), "rest" (coalescing)
         self._rest_until: float | None = None  # resting until this loop time (its wake-up tick in the pool)
-        self._finishing: Needles | None = None  # what in a read says the stream is about to end (the relay's)
 
     # -------------------------------------------------------------- what the connection reports
     def headers_done(self, status: int, keep_alive: bool) -> None:
@@ -298,11 +295,10 @@ class StreamExchange:
             raise self._error
         return b"".join(self._buffer)
 
-    def relay(self, on_data: Sink, on_end: EndSink, finishing: Needles | None = None) -> None:
+    def relay(self, on_data: Sink, on_end: EndSink) -> None:
         """From now on each body piece goes to ``on_data`` as it is parsed; ``on_end(None | error)`` once at the end.
-        Pieces that came with the head are handed over first, together. ``finishing``: what in a read says that the stream's
-        last events follow at once (a finish reason): such a read is not followed by a rest."""
-        self._finishing = finishing
+        Pieces that came with the head are handed over first, together. ``on_data`` says whether a read shows the
+        stream finishing (a finish reason: its last events follow at once): such a read is not followed by a rest."""
         buffered, self._buffer = self._buffer, []
         if buffered:  # what came with the head (an engine that answered at once: often the whole stream), in one call
             on_data(buffered[0] if len(buffered) == 1 else b"".join(buffered))
@@ -329,10 +325,6 @@ class StreamExchange:
             transport = self.connection.transport
             if transport is not None and not transport.is_closing():
                 transport.resume_reading()
-
-    def finishing(self, body: bytes) -> bool:
-        """Whether ``body`` (one read) says the stream is about to end."""
-        return self._finishing is not None and self._finishing.any_in(body)
 
     def rest(self, seconds: float) -> None:
         """Read nothing for ``seconds`` (``stream_coalesce_ms``): what the engine sends meanwhile waits in the

@@ -17,7 +17,7 @@ from gateway.core.errors import StreamKind
 from gateway.core.limits import ConcurrencyLimiter
 from gateway.data.lease import Lease
 from gateway.data.proxy import _parsed_if
-from gateway.data.relay import _MAX_PENDING, SSEProxyResponse, _next_marker, _usage_of
+from gateway.data.relay import _MAX_PENDING, SSEProxyResponse, _usage_of
 from gateway.data.stream_pool import StreamExchange
 
 CHUNK = b'data: {"id":"c1","choices":[{"index":0,"delta":{"content":"hi"}}],"usage":null}\n\n'
@@ -268,16 +268,6 @@ def test_the_last_partial_event_is_scanned() -> None:
     assert relay.info.error is not None
 
 
-def test_next_marker() -> None:
-    import re
-
-    markers = re.compile(b"usage|error")
-    assert _next_marker(b"no such thing", 0, markers) == -1
-    assert _next_marker(b"an error, a usage", 0, markers) == 3
-    assert _next_marker(b"an error, a usage", 4, markers) == 12
-    assert _next_marker(b"an error", 8, markers) == -1
-
-
 def test_usage_of_an_event() -> None:
     assert _usage_of({"usage": {"prompt_tokens": 1}}) == {"prompt_tokens": 1}
     assert _usage_of({"usage": None, "response": {"usage": {"input_tokens": 2}}}) == {"input_tokens": 2}
@@ -371,9 +361,56 @@ def test_an_error_that_ends_the_body_without_a_newline_is_sanitized() -> None:
     ],
 )
 def test_what_says_a_stream_is_finishing_is_found_in_each_dialect(kind: StreamKind, finishing: bytes, ordinary: list[bytes]) -> None:
-    """A read carrying a stream's finish is not followed by a coalescing rest (its end comes at once)."""
-    from gateway.data.relay import _FINISHING_SCAN
+    """A read carrying a stream's finish is not followed by a coalescing rest (its end comes at once): the relay
+    says so for that read, and for no other; either way the read is relayed as it came."""
+    relay, written = _writing_relay(kind)
+    for event in ordinary:
+        assert relay._on_data(event) is False
+    assert relay._on_data(ordinary[0] + finishing) is True
+    assert relay._on_data(ordinary[-1]) is False  # said of one read only
+    assert written == [*ordinary, ordinary[0] + finishing, ordinary[-1]]
 
-    scan = _FINISHING_SCAN[kind]
-    assert not scan.any_in(b"".join(ordinary))
-    assert scan.any_in(ordinary[0] + finishing)
+
+def test_a_finish_and_a_usage_object_in_one_event_are_both_seen() -> None:
+    """The scan goes on after a finish marker: the usage later in the same event is still read."""
+    relay, written = _writing_relay(StreamKind.DATA)
+    event = _data({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}], "usage": {"prompt_tokens": 3, "completion_tokens": 5}})
+    assert relay._on_data(event) is True
+    assert relay.info.prompt_tokens == 3 and relay.info.completion_tokens == 5 and written == [event]
+
+
+def test_the_stream_end_is_finishing() -> None:
+    relay, written = _writing_relay(StreamKind.DATA)
+    assert relay._on_data(CHUNK) is False
+    assert relay._on_data(DONE) is True and written == [CHUNK]  # [DONE] is held for the relay's own end
+
+
+@pytest.mark.parametrize("space", ["", " "])
+def test_a_failed_responses_stream_numbers_its_error_event_after_the_engines_last(space: str) -> None:
+    """The error event that ends a failed Responses stream takes the number after the last event's (the engine
+    counts from 0), read from the last events relayed; 0 when the engine numbered none."""
+    relay, _ = _writing_relay(StreamKind.RESPONSES)
+    assert relay._next_sequence_number() == 0
+    for number in range(7):
+        relay._on_data(b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","sequence_number":%s%d}\n\n' % (space.encode(), number))
+    assert relay._next_sequence_number() == 7
+
+
+class _Writer:
+    """What the relay writes to the client, in order (the relay's writer, without a client)."""
+
+    def __init__(self) -> None:
+        self.written: list[bytes] = []
+
+    def write(self, events: bytes) -> None:
+        self.written.append(events)
+
+    def finish(self, error: BaseException | None) -> None:
+        raise AssertionError(f"the relay failed: {error!r}")
+
+
+def _writing_relay(kind: StreamKind) -> tuple[SSEProxyResponse, list[bytes]]:
+    relay = _relay(kind)
+    writer = _Writer()
+    relay._writer = writer  # type: ignore[assignment]
+    return relay, writer.written

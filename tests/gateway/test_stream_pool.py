@@ -12,7 +12,6 @@ import time
 
 import pytest
 
-from gateway.data.needles import Needles
 from gateway.data.stream_pool import (
     StreamPool,
     UpstreamConnectionLost,
@@ -229,9 +228,6 @@ def test_streams_rest_only_while_the_pool_carries_stream_coalesce_min_streams() 
         assert b"".join(calls) == every and len(calls) <= 6, calls  # read at most every 50 ms
 
 
-_FINISH = Needles(b'"finish_reason":"')
-
-
 async def _finishing(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> bool:
     """Two events, a finish event, then [DONE], each 80 ms after the last (longer than the test's rest), then the end."""
     writer.write(HEAD)
@@ -246,7 +242,7 @@ async def _finishing(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
 def test_a_read_that_carries_a_streams_finish_is_not_followed_by_a_rest() -> None:
     """The end (usage, [DONE], the engine's slot) follows a finish event at once: that read is not rested on."""
 
-    async def main(finishing: Needles | None) -> list[tuple[bytes, bool]]:
+    async def main(says_finishing: bool) -> list[tuple[bytes, bool]]:
         async with _Server(_finishing) as url:
             pool = StreamPool(5.0, 30.0, coalesce_s=0.04)
             exchange = await pool.request(url, "/", b"{}", {})
@@ -254,21 +250,22 @@ def test_a_read_that_carries_a_streams_finish_is_not_followed_by_a_rest() -> Non
             loop = asyncio.get_running_loop()
             reads: list[tuple[bytes, bool]] = []
 
-            def sink(body: bytes) -> None:  # is the connection read on, once the read's callback returned?
+            def sink(body: bytes) -> bool:  # is the connection read on, once the read's callback returned?
                 loop.call_soon(lambda: reads.append((body, transport.is_reading())))
+                return says_finishing and b'"finish_reason":"' in body  # as the relay's scan says
 
             ended: asyncio.Future[BaseException | None] = loop.create_future()
-            exchange.relay(sink, _end_into(ended), finishing)
+            exchange.relay(sink, _end_into(ended))
             assert await asyncio.wait_for(ended, 10) is None
             exchange.release()
             await pool.close()
             return reads
 
-    marked = asyncio.run(main(_FINISH))
+    marked = asyncio.run(main(True))
     finish = [reading for body, reading in marked if b"finish_reason" in body]
     assert finish == [True], marked  # read on at once
     assert [reading for body, reading in marked if b"finish_reason" not in body and b"DONE" not in body] == [False, False], marked
-    unmarked = asyncio.run(main(None))
+    unmarked = asyncio.run(main(False))
     assert [reading for body, reading in unmarked if b"finish_reason" in body] == [False], unmarked  # rested on
 
 
