@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import pickletools
 from typing import Annotated, Any
 
@@ -349,12 +350,12 @@ def parse_body(raw: bytes, schema: type[Loose], path: str) -> dict[str, Any]:
     for name, why in REFUSED.get(path, {}).items():
         if name in data:
             raise GatewayError(400, f"Unsupported parameter: {name!r}: {why}", code="unsupported_parameter", param=name)
-    for name in data:
-        if name not in schema.model_fields and name not in extensions:
-            raise GatewayError(
-                400, f"unknown field {name!r}: it is not part of this route's API (the gateway sends the engine only the fields it knows)",
-                code="unknown_field", param=name,
-            )  # fmt: skip
+    if not data.keys() <= _known_fields(schema, path):
+        name = next(name for name in data if name not in _known_fields(schema, path))  # the first, as the client wrote them
+        raise GatewayError(
+            400, f"unknown field {name!r}: it is not part of this route's API (the gateway sends the engine only the fields it knows)",
+            code="unknown_field", param=name,
+        )  # fmt: skip
     try:
         schema.model_validate(data)
     except ValidationError as error:
@@ -369,6 +370,13 @@ def parse_body(raw: bytes, schema: type[Loose], path: str) -> dict[str, Any]:
     if isinstance(data.get("custom_logit_processor"), str) and (problem := _pickle_problem(data["custom_logit_processor"])):
         raise GatewayError(400, f"custom_logit_processor: {problem}", param="custom_logit_processor")
     return data
+
+
+@functools.cache
+def _known_fields(schema: type[Loose], path: str) -> frozenset[str]:
+    """The fields a body for ``schema`` at ``path`` may carry: the schema's and the route's extensions (once per
+    pair: ``schema.model_fields`` costs ~1 µs a lookup, and every field of every request was looked up)."""
+    return frozenset(schema.model_fields) | extensions_for(path)
 
 
 def _first_problem(error: ValidationError, field: str | None = None) -> GatewayError:
