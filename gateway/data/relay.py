@@ -273,6 +273,8 @@ class SSEProxyResponse(Response):
             line_end = events.find(b"\n", at)
             line_end = len(events) if line_end < 0 else line_end
             line = events[line_start:line_end]
+            if not self._finishing:  # a finish marker after the one found, on this line (skipped by the search below)
+                self._finishing = any(later.lastgroup == "finish" for later in scan.finditer(line, at - line_start + 1))
             out.append(events[start:line_start])
             out.append(self._inspect_line(line) if line.startswith(b"data: {") else line)
             start = line_end

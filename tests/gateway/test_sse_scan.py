@@ -371,10 +371,12 @@ def test_what_says_a_stream_is_finishing_is_found_in_each_dialect(kind: StreamKi
     assert written == [*ordinary, ordinary[0] + finishing, ordinary[-1]]
 
 
-def test_a_finish_and_a_usage_object_in_one_event_are_both_seen() -> None:
-    """The scan goes on after a finish marker: the usage later in the same event is still read."""
+@pytest.mark.parametrize("usage_first", [False, True])
+def test_a_finish_and_a_usage_object_in_one_event_are_both_seen(usage_first: bool) -> None:
+    """Whichever comes first in the event: the usage is read and the read says the stream is finishing."""
     relay, written = _writing_relay(StreamKind.DATA)
-    event = _data({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}], "usage": {"prompt_tokens": 3, "completion_tokens": 5}})
+    fields = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}], "usage": {"prompt_tokens": 3, "completion_tokens": 5}}
+    event = _data(dict(reversed(fields.items())) if usage_first else fields)
     assert relay._on_data(event) is True
     assert relay.info.prompt_tokens == 3 and relay.info.completion_tokens == 5 and written == [event]
 
