@@ -68,11 +68,13 @@ def owned_shm_files(pgid: int) -> set[Path]:
     return owned
 
 
-def shm_in_use() -> set[Path]:
-    """``/dev/shm`` files that any live process has mapped or open."""
+def shm_in_use(but: Iterable[int] = ()) -> set[Path]:
+    """``/dev/shm`` files that any live process (other than the pids ``but``) has mapped or open."""
+    skipped = set(but)
     used: set[Path] = set()
     for pid in live_pids():
-        used |= _shm_paths_of(pid)
+        if pid not in skipped:
+            used |= _shm_paths_of(pid)
     return used
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -14,9 +15,9 @@ import pytest
 import yaml
 
 from launch.procgroup import group_pids
-from launch.shm import ORPHAN_MIN_AGE_S, SHM_DIR, owned_shm_files
+from launch.shm import ORPHAN_MIN_AGE_S, SHM_DIR, owned_shm_files, shm_in_use
 from tests.fake_engine import fake_engine_python
-from tests.leaks import leaves_nothing, unused_shm_files
+from tests.leaks import leaves_nothing
 from tests.servers import CLI, REPO, ServerProcess
 
 READY = r"engine tiny \(pid (\d+)\) ready at (http://\S+)"
@@ -81,29 +82,27 @@ def test_launch_killed_takes_its_engine_along_and_ctrl_c_leaves_nothing(tiny_mod
         # this engine's own files: other xdist workers' engines make theirs meanwhile, and stay alive
         appeared = {path for path in (set(SHM_DIR.iterdir()) - listed) & owned_shm_files(engine_pid) if path.name.startswith("sglang_")}
         assert appeared, "the engine made no /dev/shm file"
-        # Other xdist workers start engines too, and each start sweeps orphans at least ORPHAN_MIN_AGE_S old: the
-        # dead engine's files are dated an hour ahead until this test's own next start, so that no other start takes
-        # them first, and dated back just before it (no wait for them to age). An engine of theirs that stops
-        # meanwhile may still take them (it removes unused files written since its own start): the skips below.
-        _date_files(appeared, time.time() + 3600)
-        os.kill(killed.pid, signal.SIGKILL)  # the launcher only: its engine is in a group of its own
-        assert killed.proc.wait(timeout=30) == -signal.SIGKILL
-        deadline = time.monotonic() + 120
-        while group_pids(engine_pid):
-            assert time.monotonic() < deadline, "the engine outlived its SIGKILLed launcher"
-            time.sleep(0.5)
-        _date_files(appeared, time.time() + 3600)  # (again: the engine may have written to them before it died)
-        orphans = (unused_shm_files() - check.baseline) & appeared
-        if not orphans and not any(path.exists() for path in appeared):
-            # Only on a machine shared with other checkouts: another engine's stop removed them first.
-            pytest.skip("another process on this machine removed the dead engine's files before the next start")
-        assert orphans, "the dead engine's files are gone or still in use before the next start"
-
-        fake = yaml.safe_load((REPO / "configs" / "tiny-cpu.yaml").read_text())
-        fake["models"]["tiny"]["engine"].update(model_path=str(tiny_model_dir), python=str(fake_engine_python(tmp_path)))
-        (tmp_path / "fake.yaml").write_text(yaml.safe_dump(fake))
-        # Old enough for the start-up sweep, which leaves younger files alone (a process may still be setting one up).
-        _date_files(orphans, time.time() - ORPHAN_MIN_AGE_S - 1)
+        # Other xdist workers start and stop engines meanwhile, and each start or stop removes engine files that no
+        # live process uses: this test holds the dead engine's files open until its own next start (so they are in
+        # use), dated back so that the start-up sweep, which leaves files younger than ORPHAN_MIN_AGE_S alone, takes
+        # them without a wait, and so that no other engine's stop (files written since its start) takes them.
+        with contextlib.ExitStack() as held:
+            for path in appeared:
+                held.enter_context(path.open("rb"))
+            os.kill(killed.pid, signal.SIGKILL)  # the launcher only: its engine is in a group of its own
+            assert killed.proc.wait(timeout=30) == -signal.SIGKILL
+            deadline = time.monotonic() + 120
+            while group_pids(engine_pid):
+                assert time.monotonic() < deadline, "the engine outlived its SIGKILLed launcher"
+                time.sleep(0.5)
+            orphans = {path for path in appeared if path.exists()} - shm_in_use(but=[os.getpid()])
+            assert orphans, "the dead engine's files are gone or still in use before the next start"
+            when = time.time() - ORPHAN_MIN_AGE_S - 60
+            for path in orphans:
+                os.utime(path, (when, when))
+            fake = yaml.safe_load((REPO / "configs" / "tiny-cpu.yaml").read_text())
+            fake["models"]["tiny"]["engine"].update(model_path=str(tiny_model_dir), python=str(fake_engine_python(tmp_path)))
+            (tmp_path / "fake.yaml").write_text(yaml.safe_dump(fake))
         launcher = ServerProcess([*CLI, "launch", str(tmp_path / "fake.yaml")], log_path=tmp_path / "launch.log", env=env)
         check.watch(launcher.pid)
         ready = launcher.wait_log(READY)
@@ -114,19 +113,10 @@ def test_launch_killed_takes_its_engine_along_and_ctrl_c_leaves_nothing(tiny_mod
         assert httpx.get(f"{url}/health", timeout=5).status_code == 200
         assert launcher.stop(signal.SIGINT) == 0
         if not removals:
-            # Only under pytest-xdist or on a shared machine: an engine started meanwhile by another process (the
-            # other test worker) cleaned them up during this launcher's own start-up, before it looked.
+            # Only under pytest-xdist or on a shared machine: an engine started or stopped by another process in the
+            # second between the files' release above and this launcher's own look at them took them first.
             pytest.skip("another engine start on this machine removed the dead engine's files first")
         assert len(removals) == 1 and all(path.name in removals[0] for path in orphans), removals
-
-
-def _date_files(paths: set[Path], when: float) -> None:
-    """Set the access and modification times of ``paths`` (those that still exist) to ``when``."""
-    for path in paths:
-        try:
-            os.utime(path, (when, when))
-        except FileNotFoundError:
-            pass
 
 
 def test_check_validates_the_gateway_section_of_a_deployment_of_url_models(tmp_path: Path) -> None:
