@@ -283,6 +283,9 @@ def test_rests_that_begin_close_together_end_on_one_tick() -> None:
         pool = StreamPool(5.0, 30.0, coalesce_s=0.08)
         loop = asyncio.get_running_loop()
         first, second, later = Resting(), Resting(), Resting()
+        tick = 0.08 / 8
+        while not 0.05 < ((loop.time() + 0.08) / tick) % 1 < 0.5:  # early in a tick: both rests begin within it
+            pass
         began = loop.time()
         at = pool.wake_later(first, 0.08)  # type: ignore[arg-type]
         assert pool.wake_later(second, 0.08) == at  # the same tick
