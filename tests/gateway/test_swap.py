@@ -148,9 +148,11 @@ ENGINES: dict[str, dict[str, Any]] = {
 }
 """The model's two engine configs, by the name the engine serves: the module starts on ``tiny``; (a) swaps
 to the other one, whichever runs; every other test keeps the one it finds."""
-# Quick to see a dead engine (a refused probe fails at once), slow to call a live one frozen: on a loaded
-# 2-core machine a real engine swapped in a moment ago missed two 2 s probes and was restarted under (a).
-WATCHDOG = {"interval_s": 0.5, "unhealthy_after": 3, "backoff_initial_s": 0.5, "max_restarts": 3, "stable_after_s": 5}
+WATCHDOG = {"interval_s": 0.5, "unhealthy_after": 2, "backoff_initial_s": 0.5, "max_restarts": 3, "stable_after_s": 5}
+# The real engine's probes: as quick to see a dead engine (a refused probe fails at once), slower to call a live one
+# frozen. On a loaded 2-core machine the real engine swapped in a moment ago missed two 2 s probes and was restarted
+# under (a). (The fake engines of test_swap_fake_engine keep the quick ones: a hung fake is what they test.)
+REAL_ENGINE_PROBES: dict[str, Any] = {"health_timeout_s": 10, "watchdog": {**WATCHDOG, "unhealthy_after": 3}}
 
 
 def _deployment(
@@ -174,7 +176,7 @@ def _deployment(
             "admin_keys": [ADMIN],
             "drain_timeout_s": 60,
             "swap_retry_after_s": 2,
-            "health_timeout_s": 10,
+            "health_timeout_s": 2,
             "watchdog": WATCHDOG,
             **gateway,
         },
@@ -197,13 +199,14 @@ class SwapRig:
     tmp: Path
     other_url: str  # the session's engine, served as model "other": what must keep working meanwhile
     leaks: LeakCheck = field(default_factory=LeakCheck)
+    probes: dict[str, Any] = field(default_factory=dict)  # gateway settings every deployment of the rig gets
 
     def write(self, text: str) -> None:
         self.config.write_text(text)
 
     def deploy(self, model_dir: Path | str, **options: Any) -> None:
         """Write the deployment YAML (see ``_deployment``) for the next reload."""
-        self.write(yaml.safe_dump(_deployment(model_dir, other_url=self.other_url, **options), sort_keys=False))
+        self.write(yaml.safe_dump(_deployment(model_dir, other_url=self.other_url, **{**self.probes, **options}), sort_keys=False))
 
     def running(self) -> str:
         """The config of ``ENGINES`` the model's engine runs (its served name)."""
@@ -276,12 +279,12 @@ def rig(
 ) -> Iterator[SwapRig]:
     tmp = tmp_path_factory.mktemp("swap")
     config = tmp / "deploy.yaml"
-    config.write_text(yaml.safe_dump(_deployment(tiny_model_dir, other_url=tiny_engine.url)))
+    config.write_text(yaml.safe_dump(_deployment(tiny_model_dir, other_url=tiny_engine.url, **REAL_ENGINE_PROBES)))
     started = time.monotonic()
     leaks = LeakCheck()
     app, settings = app_from_config(load_config(config), log_dir=tmp / "logs")
     server = GatewayServer(app, settings).start(timeout_s=400)
-    rig = SwapRig(server, config, tiny_model_dir, tmp, tiny_engine.url, leaks)
+    rig = SwapRig(server, config, tiny_model_dir, tmp, tiny_engine.url, leaks, REAL_ENGINE_PROBES)
     report("gateway up", start_s=round(time.monotonic() - started, 1), engine=rig.model()["engine"])
     try:
         yield rig
