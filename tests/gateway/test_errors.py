@@ -232,7 +232,7 @@ def test_model_limits_override_the_default_per_model(tiny_engine: EngineProcess)
 def test_503_engine_unreachable_and_504_stalled(tiny_engine: EngineProcess) -> None:
     with fake_stalled_upstream() as stalled:
         models = {"down": {"url": closed_port_url()}, "stalled": {"url": stalled}, "tiny": {"url": tiny_engine.url}}
-        gateway_cfg = {"upstream_read_timeout_s": 0.5, "health_timeout_s": 3.0}
+        gateway_cfg = {"upstream_read_timeout_s": 2.0, "health_timeout_s": 3.0}
         with serve(models, gateway_cfg) as gw, httpx.Client(base_url=gw.url, timeout=30) as http:
             down = http.post(CHAT, json={"model": "down", "messages": HELLO})
             assert_openai_error(down, 503, "engine_unavailable")
