@@ -350,8 +350,9 @@ def parse_body(raw: bytes, schema: type[Loose], path: str) -> dict[str, Any]:
     for name, why in REFUSED.get(path, {}).items():
         if name in data:
             raise GatewayError(400, f"Unsupported parameter: {name!r}: {why}", code="unsupported_parameter", param=name)
-    if not data.keys() <= _known_fields(schema, path):
-        name = next(name for name in data if name not in _known_fields(schema, path))  # the first, as the client wrote them
+    known = _known_fields(schema, path)
+    if not data.keys() <= known:
+        name = next(name for name in data if name not in known)  # the first, as the client wrote them
         raise GatewayError(
             400, f"unknown field {name!r}: it is not part of this route's API (the gateway sends the engine only the fields it knows)",
             code="unknown_field", param=name,
