@@ -23,7 +23,7 @@ from benchmarks import tenants as tenant_rig
 from benchmarks.apis import APIS, parse_apis
 from benchmarks.drive import drive, profile_gateway
 from benchmarks.loadgen import Workload
-from benchmarks.processes import BASELINE
+from benchmarks.processes import BASELINE, ROUTER_TARGET
 from benchmarks.report import console
 from benchmarks.stats import evaluate_targets, evaluate_tenant_targets, evaluate_tracing_targets
 from benchmarks.tenants import KEYED, TWIN
@@ -199,6 +199,14 @@ def compare_command(
             "gateway = client -> gateway -> router.",
         ),
     ] = False,
+    router_target: Annotated[
+        bool,
+        typer.Option(
+            "--router-target/--no-router-target",
+            help="Also measure SGLang's router (sglang-router) as a target of its own, client -> router -> upstream, "
+            "beside the gateway: the reference proxy's ratios to direct on the same machine in the same run.",
+        ),
+    ] = False,
     quickack: Annotated[
         bool,
         typer.Option(
@@ -231,6 +239,8 @@ def compare_command(
     """The same workload against the upstream directly and through the gateway, alternating, with ratios."""
     env = dict(item.split("=", 1) for item in gateway_env or [])
     base_env = _baseline_env(env, baseline)
+    if router and router_target:
+        raise typer.BadParameter("--router puts the router in front of the upstream; --router-target measures it beside the gateway: pick one", param_hint="--router-target")
     levels_list = _levels(concurrency)
     workloads = [
         Workload(
@@ -294,6 +304,10 @@ def compare_command(
             base_url, base_child = stack.enter_context(processes.gateway(direct_url, out_dir / BASELINE, base_env, plain))
             console.print(f"{BASELINE}: {base_url} (pid {base_child.pid}; the code of {baseline})")
             urls[BASELINE], groups[BASELINE] = base_url, {"gateway": base_child.pid}
+        if router_target:  # the reference proxy in front of the same upstream, measured like the gateway
+            reference_url, reference_child = stack.enter_context(processes.router([direct_url], out_dir))
+            console.print(f"{ROUTER_TARGET}: {reference_url} (pid {reference_child.pid}; SGLang's router, the reference)")
+            urls[ROUTER_TARGET], groups[ROUTER_TARGET] = reference_url, {"router": reference_child.pid}
         for name in urls:
             if upstream_proc is not None:
                 groups[name]["upstream"] = upstream_proc.pid
@@ -344,6 +358,7 @@ def compare_command(
     summary = report.api_summary_rows(measured)
     targets = [
         "direct", "gateway", *([TRACED] if tracing else []), *([KEYED, TWIN] if tenants else []), *([BASELINE] if baseline else []),
+        *([ROUTER_TARGET] if router_target else []),
     ]  # fmt: skip
     result = {
         "title": f"gateway vs direct ({upstream_label})" + (", keys+ledger vs plain gateway" if tenants else ""),
@@ -363,6 +378,8 @@ def compare_command(
         result["tracing"] = {"summary": report.tenant_summary_rows(measured, TRACED), "spans_exported": sink.span_count()}
     if baseline is not None:
         result["baseline"] = {"checkout": str(baseline), "summary": report.tenant_summary_rows(measured, BASELINE)}
+    if router_target:
+        result["router_target"] = {"summary": report.router_summary_rows(measured, ROUTER_TARGET)}
     if tenants:  # read once the keyed gateway stopped (it writes its last rows on SIGTERM)
         result["tenants"] = {"summary": report.tenant_summary_rows(measured, KEYED), "ledger_rows": tenant_rig.ledger_rows(out_dir)}
     for name, entry in measured.items():
@@ -374,6 +391,8 @@ def compare_command(
         console.print(f"spans exported ({TRACED}, by name): {result['tracing']['spans_exported']}")
     if baseline is not None:
         report.print_tenant_summary(result["baseline"]["summary"], f"{BASELINE} ({baseline}) / this gateway per API", "baseline CPU ms/req")
+    if router_target:
+        report.print_router_summary(result["router_target"]["summary"])
     if tenants:
         report.print_tenant_summary(result["tenants"]["summary"])
         console.print(f"usage ledger rows ({KEYED}, by key:status): {result['tenants']['ledger_rows']}")

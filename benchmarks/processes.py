@@ -112,6 +112,7 @@ def gateway_config(upstream_url: str, port: int, path: Path, model: str = "bench
 
 
 BASELINE = "gateway-baseline"  # --baseline: the same gateway from another checkout, in the same run
+ROUTER_TARGET = "router"  # compare --router-target: SGLang's router as a target of its own, beside the gateway
 
 
 def baseline_env(env: dict[str, str], checkout: Path) -> dict[str, str]:

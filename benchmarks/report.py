@@ -178,6 +178,37 @@ def tenant_summary_rows(apis: dict[str, dict[str, Any]], target: str) -> list[di
     return rows
 
 
+def router_summary_rows(apis: dict[str, dict[str, Any]], target: str) -> list[dict[str, Any]]:
+    """Per API and level: SGLang's router (``target``) against direct, with the gateway's figures of the same rounds."""
+    rows = []
+    for api, measured in apis.items():
+        for level, entry in measured["levels"].items():
+            vs = entry.get("vs_direct", {}).get(target)
+            if vs is None or "vs" not in entry:
+                continue
+            rows.append(
+                {
+                    **_compared(api, level, vs),
+                    "gateway_req_s_ratio": entry["vs"]["req_s"]["ratio"],
+                    "gateway_added_latency_p50_ms": entry["vs"]["latency_p50_ms"].get("added_ms"),
+                    "router_cpu_ms_per_req": entry[target].get("cpu_ms_per_req", {}).get("router"),
+                    "gateway_cpu_ms_per_req": entry["gateway"].get("cpu_ms_per_req", {}).get("gateway"),
+                    "errors": entry[target]["errors"],
+                }
+            )
+    return rows
+
+
+def print_router_summary(rows: list[dict[str, Any]]) -> None:
+    """The reference proxy beside the gateway: what each keeps of direct on the same machine in the same run."""
+    measures = (
+        ("added p50 latency ms", "added_latency_p50_ms"), ("gateway req/s ratio", "gateway_req_s_ratio"),
+        ("gateway added p50 latency ms", "gateway_added_latency_p50_ms"),
+        ("router CPU ms/req", "router_cpu_ms_per_req"), ("gateway CPU ms/req", "gateway_cpu_ms_per_req"),
+    )  # fmt: skip
+    _print_per_api("SGLang's router / direct per API (the gateway's figures of the same rounds beside)", rows, measures, digits=3)
+
+
 def print_tenant_summary(
     rows: list[dict[str, Any]], title: str = "keys + ledger / plain gateway per API", heading: str = "keys+ledger CPU ms/req"
 ) -> None:

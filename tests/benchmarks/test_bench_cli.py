@@ -173,6 +173,25 @@ def test_compare_with_a_baseline_runs_that_checkouts_code_next_to_the_plain_gate
     assert "starting" not in refused.stdout  # refused before anything started
 
 
+def test_compare_with_the_router_as_a_target_measures_it_beside_the_gateway(tmp_path: Path) -> None:
+    """``--router-target``: SGLang's router in front of the same stub, a target of its own (its CPU its own), and a
+    table of what it keeps of direct next to what the gateway keeps; with ``--router`` (in front) it is refused."""
+    proc, result = _compare_on_stub(tmp_path / "result", "--router-target", "1")
+    assert result["targets_measured"] == ["direct", "gateway", "router"]
+    entry = result["apis"]["chat"]["levels"]["1"]
+    assert entry["router"]["requests"] == 6 and entry["router"]["errors"] == 0, entry["router"]
+    assert entry["router"]["mean_out_tokens"] == 4  # the stub's tokens came through the router
+    assert set(entry["router"]["cpu_ms_per_req"]) >= {"router", "upstream"} and "gateway" not in entry["router"]["cpu_ms_per_req"]
+    [row] = result["router_target"]["summary"]
+    assert (row["api"], row["c"]) == ("chat", 1) and row["req_s_ratio"] == entry["vs_direct"]["router"]["req_s"]["ratio"] > 0
+    assert row["gateway_req_s_ratio"] == entry["vs"]["req_s"]["ratio"] and row["router_cpu_ms_per_req"] is not None  # (6 requests: it may round to 0 ticks)
+    assert "SGLang's router / direct per API" in proc.stdout
+    refused = _bench("compare", "--upstream", "stub", "--router", "--router-target", "-n", "2", "--no-plot", "--out", str(tmp_path / "r2"))
+    said = " ".join(refused.stderr.replace("│", " ").split())
+    assert refused.returncode == 2 and "pick one" in said and "Traceback" not in said, said
+    assert "starting" not in refused.stdout  # refused before anything started
+
+
 def test_paced_with_a_baseline_relays_through_both_gateways_and_splits_their_cpu(tmp_path: Path) -> None:
     """``paced --baseline DIR``: every stream through the gateway and through the same gateway run from DIR (its
     ``sitecustomize`` leaves a mark), each row with its CPU per event and the kernel's part of it."""
