@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import BinaryIO
 
 import httpx
 import pytest
@@ -80,7 +80,6 @@ def test_launch_killed_takes_its_engine_along_and_ctrl_c_leaves_nothing(tiny_mod
     fake = yaml.safe_load((REPO / "configs" / "tiny-cpu.yaml").read_text())
     fake["models"]["tiny"]["engine"].update(model_path=str(tiny_model_dir), python=str(fake_engine_python(tmp_path)))
     (tmp_path / "fake.yaml").write_text(yaml.safe_dump(fake))
-    holds: list[BinaryIO] = []
     with leaves_nothing() as check:
         listed = set(SHM_DIR.iterdir())
         killed = ServerProcess(argv, log_path=tmp_path / "killed.log", env=env)
@@ -94,8 +93,9 @@ def test_launch_killed_takes_its_engine_along_and_ctrl_c_leaves_nothing(tiny_mod
         # live process uses: this test holds the dead engine's files open until its own next start (so they are in
         # use), dated back so that the start-up sweep, which leaves files younger than ORPHAN_MIN_AGE_S alone, takes
         # them without a wait, and so that no other engine's stop (files written since its start) takes them.
-        try:
-            holds = [path.open("rb") for path in appeared]
+        with contextlib.ExitStack() as held:
+            for path in appeared:
+                held.enter_context(path.open("rb"))
             os.kill(killed.pid, signal.SIGKILL)  # the launcher only: its engine is in a group of its own
             assert killed.proc.wait(timeout=30) == -signal.SIGKILL
             deadline = time.monotonic() + 120
@@ -106,7 +106,7 @@ def test_launch_killed_takes_its_engine_along_and_ctrl_c_leaves_nothing(tiny_mod
             assert orphans, "the dead engine's files are gone or still in use before the next start"
             _date_back(orphans)
             for attempt in range(START_ATTEMPTS):
-                _release(holds)
+                held.close()  # released: the next start's to remove
                 launcher = ServerProcess([*CLI, "launch", str(tmp_path / "fake.yaml")], log_path=tmp_path / f"launch-{attempt}.log", env=env)
                 check.watch(launcher.pid)
                 ready = launcher.wait_log(READY)
@@ -126,11 +126,9 @@ def test_launch_killed_takes_its_engine_along_and_ctrl_c_leaves_nothing(tiny_mod
                     orphans = {SHM_DIR / f"sglang_orphan_test_{os.getpid()}_{attempt}_{n}.shm" for n in range(2)}
                     for path in orphans:
                         path.write_bytes(bytes(64))
-                    holds = [path.open("rb") for path in orphans]
+                        held.enter_context(path.open("rb"))
                     _date_back(orphans)
             pytest.fail(f"{START_ATTEMPTS} starts in a row found their orphans removed by another engine's start or stop first")
-        finally:
-            _release(holds)
 
 
 def _date_back(paths: set[Path]) -> None:
@@ -138,11 +136,6 @@ def _date_back(paths: set[Path]) -> None:
     when = time.time() - 86400
     for path in paths:
         os.utime(path, (when, when))
-
-
-def _release(holds: list[BinaryIO]) -> None:
-    for hold in holds:
-        hold.close()
 
 
 def test_check_validates_the_gateway_section_of_a_deployment_of_url_models(tmp_path: Path) -> None:
