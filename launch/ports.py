@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import random
 import socket
+from collections.abc import Iterable
 from pathlib import Path
+
+from launch.procgroup import fd_targets
 
 EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 # SGLang picks its scheduler's NCCL/gloo port from 22000-29999 (also below the ephemeral range), and 30000 is
 # its default HTTP port: ours come from around them.
 PICK_RANGES: tuple[tuple[int, int], ...] = ((10000, 21999), (30001, 65535))
 PICK_ATTEMPTS = 64
+TCP_TABLES = (Path("/proc/net/tcp"), Path("/proc/net/tcp6"))  # the kernel's sockets, one per line
+_LISTEN = "0A"  # the "st" column of a listening socket
 
 
 def pick_free_port(host: str = "127.0.0.1") -> int:
@@ -65,3 +70,31 @@ def port_is_free(host: str, port: int, *, reuse_addr: bool = True) -> bool:
 
 def _bind_host(host: str) -> str:
     return "0.0.0.0" if host in ("", "0.0.0.0", "::") else host
+
+
+def listening_socket_inodes(port: int) -> set[int] | None:
+    """The inodes of the sockets listening on TCP ``port`` here (IPv4 and IPv6); None where the kernel's tables
+    cannot be read (not Linux)."""
+    inodes: set[int] = set()
+    readable = False
+    for table in TCP_TABLES:
+        try:
+            rows = table.read_text().splitlines()[1:]
+        except OSError:
+            continue
+        readable = True
+        for row in rows:
+            fields = row.split()  # sl local_address rem_address st tx_queue:rx_queue tr:when retrnsmt uid timeout inode
+            if len(fields) > 9 and fields[3] == _LISTEN and int(fields[1].rpartition(":")[2], 16) == port:
+                inodes.add(int(fields[9]))
+    return inodes if readable else None
+
+
+def listens_among(port: int, pids: Iterable[int]) -> bool | None:
+    """Whether one of ``pids`` listens on TCP ``port``: False when only other processes do (another server answers
+    there), None when that cannot be told (no kernel tables, or nothing listens)."""
+    inodes = listening_socket_inodes(port)
+    if not inodes:
+        return None
+    sockets = {f"socket:[{inode}]" for inode in inodes}
+    return any(target in sockets for pid in pids for target in fd_targets(pid))

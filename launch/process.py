@@ -33,8 +33,8 @@ from launch.engine_tmp import (
     remove_orphaned_engine_tmp_dirs,
 )
 from launch.logpump import pump_output
-from launch.ports import pick_free_port
-from launch.procgroup import popen_group, stop_group
+from launch.ports import listens_among, pick_free_port
+from launch.procgroup import group_pids, popen_group, stop_group
 from launch.secret_file import remove_orphaned_secret_files, safe_name, write_secret_file
 from launch.shm import orphaned_shm_files, owned_shm_files, remove_files, remove_orphaned_shm
 
@@ -178,6 +178,7 @@ class EngineProcess:
         self.tmp_dir: Path | None = None  # the engine's TMPDIR, removed when it stops
         self._known_shm: set[Path] = set()  # remembered while alive: a crashed engine's files are still ours
         self._started_wall: float | None = None
+        self._warned_port_answered = False  # another process's server answered on this engine's port
 
     # ----------------------------------------------------------------- properties
     @property
@@ -267,8 +268,12 @@ class EngineProcess:
     def wait_ready(
         self, timeout_s: float | None = None, poll_s: float = 0.25, stop_when: Callable[[], bool] | None = None
     ) -> None:
-        """Block until ``/health`` answers 200; raise :class:`EngineExited` / :class:`EngineStartTimeout`
-        (or :class:`EngineStartCancelled` as soon as ``stop_when()`` is true)."""
+        """Block until ``/health`` answers 200 from this engine; raise :class:`EngineExited` / :class:`EngineStartTimeout`
+        (or :class:`EngineStartCancelled` as soon as ``stop_when()`` is true).
+
+        A 200 from a server of another process on the engine's port (another engine that took a picked port first,
+        one left running on a configured port) is not this engine's: the wait goes on until this one exits for the
+        port it could not bind (which :func:`launch.lifecycle.start_ready` answers with a new port) or times out."""
         if self._proc is None:
             raise RuntimeError(f"engine {self.name!r} was not started")
         timeout = self.config.startup_timeout_s if timeout_s is None else timeout_s
@@ -284,7 +289,7 @@ class EngineProcess:
                         log_tail=self.log_tail(LOG_TAIL_LINES),
                         log_file=self.log_file,
                     )
-                if self.health(client):
+                if self.health(client) and not self._answered_by_another():
                     self._remove_secret_file()  # SGLang read it long before /health answers
                     self._known_shm |= owned_shm_files(self._proc.pid)
                     self._ready = True
@@ -308,6 +313,17 @@ class EngineProcess:
                         log_file=self.log_file,
                     )
                 time.sleep(poll_s)
+
+    def _answered_by_another(self) -> bool:
+        """Whether what answers on this engine's port is another process's server (logged the first time)."""
+        if self._proc is None or self.config.node_rank > 0:
+            return False
+        if listens_among(self.port, group_pids(self._proc.pid) | {self._proc.pid}) is not False:
+            return False  # this engine's, or nothing to tell it by (no kernel tables to read)
+        if not self._warned_port_answered:
+            self._warned_port_answered = True
+            logger.warning("engine {}: another process's server answers on port {}; waiting for this engine to bind it or exit", self.name, self.port)
+        return True
 
     def health(self, client: httpx.Client | None = None) -> bool:
         """One ``GET /health``: True only on 200 (SGLang answers 503 until warm-up is done).

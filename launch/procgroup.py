@@ -151,6 +151,21 @@ def _pids_whose_stat(field: int, value: int) -> set[int]:
     return pids
 
 
+def fd_targets(pid: int) -> list[str]:
+    """What the open file descriptors of ``pid`` point at (``/dev/shm/...``, ``socket:[<inode>]``); [] when unreadable."""
+    try:
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return []
+    targets = []
+    for fd in fds:
+        try:
+            targets.append(os.readlink(fd))
+        except OSError:  # closed meanwhile
+            continue
+    return targets
+
+
 def cmdline(pid: int) -> str:
     """The command line of ``pid`` (arguments joined by spaces; empty if it is gone)."""
     try:

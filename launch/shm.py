@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from launch.procgroup import group_pids, live_pids
+from launch.procgroup import fd_targets, group_pids, live_pids
 
 SHM_DIR = Path("/dev/shm")
 # What SGLang 0.5.23 and the libraries under it leave (its own CI clean-up, sglang/srt/utils/
@@ -43,16 +43,9 @@ def _shm_paths_of(pid: int) -> set[Path]:
                 found.add(Path(parts[5].removesuffix(" (deleted)")))
     except OSError:
         pass
-    try:
-        for fd in Path(f"/proc/{pid}/fd").iterdir():
-            try:
-                target = os.readlink(fd)
-            except OSError:
-                continue
-            if target.startswith(str(SHM_DIR) + "/"):
-                found.add(Path(target.removesuffix(" (deleted)")))
-    except OSError:
-        pass
+    for target in fd_targets(pid):
+        if target.startswith(str(SHM_DIR) + "/"):
+            found.add(Path(target.removesuffix(" (deleted)")))
     return found
 
 

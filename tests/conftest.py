@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from launch.config import DeploymentConfig, EngineConfig, load_config
+from launch.lifecycle import start_ready
 from launch.process import EngineProcess
 from tests.postgres import PostgresServer, postgres_missing
 
@@ -105,9 +106,12 @@ def tiny_engine(
 
     Tests must not stop or kill it; tests that break an engine start their own.
     """
-    engine = EngineProcess("tiny", tiny_engine_config, log_dir=tmp_path_factory.mktemp("engine-logs"))
-    with engine:
+    # as the launcher starts one: a picked port another process took first is picked again
+    engine = start_ready("tiny", tiny_engine_config, log_dir=tmp_path_factory.mktemp("engine-logs"))
+    try:
         yield engine
+    finally:
+        engine.stop()
 
 
 @pytest.fixture(scope="session")

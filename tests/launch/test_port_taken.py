@@ -11,6 +11,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -23,13 +24,37 @@ from launch.process import EngineExited
 from tests.fake_engine import fake_engine_python
 
 
-@pytest.fixture
-def taken_port() -> Iterator[int]:
-    """A port another process listens on."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
-        listener.bind(("127.0.0.1", pick_free_port()))
-        listener.listen()
-        yield int(listener.getsockname()[1])
+class _Healthy(BaseHTTPRequestHandler):
+    """Answers 200 to everything, ``/health`` included: another engine on the port, as far as a probe can tell."""
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.fixture(params=["silent", "answering /health"])
+def taken_port(request: pytest.FixtureRequest) -> Iterator[int]:
+    """A port another process listens on: without answering, or answering ``/health`` 200 as another engine does
+    (which must not pass for the new engine being ready)."""
+    if request.param == "silent":
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+            listener.bind(("127.0.0.1", pick_free_port()))
+            listener.listen()
+            yield int(listener.getsockname()[1])
+        return
+    server = ThreadingHTTPServer(("127.0.0.1", pick_free_port()), _Healthy)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield int(server.server_address[1])
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
 
 
 def _fake_engine(tmp_path: Path, port: int) -> EngineConfig:
