@@ -192,20 +192,26 @@ def test_compare_with_the_router_as_a_target_measures_it_beside_the_gateway(tmp_
     assert "starting" not in refused.stdout  # refused before anything started
 
 
+# Enough events (~3,000) for tens of ms of each gateway's CPU: /proc counts CPU in 10 ms ticks, and 8 streams of 5
+# tokens (~60 events, a few ms) once read as 0.0 in CI.
+PACED_STREAMS, PACED_TOKENS = 32, 90
+
+
 def test_paced_with_a_baseline_relays_through_both_gateways_and_splits_their_cpu(tmp_path: Path) -> None:
     """``paced --baseline DIR``: every stream through the gateway and through the same gateway run from DIR (its
     ``sitecustomize`` leaves a mark), each row with its CPU per event and the kernel's part of it."""
     checkout, mark = _marking_checkout(tmp_path)
     out = tmp_path / "paced"
     proc = _bench(
-        "paced", "-s", "8", "--tokens", "5", "--step-ms", "10", "--ramp-s", "0.1", "--targets", "direct,gateway",
-        f"--baseline={checkout}", "--out", str(out),
+        "paced", "-s", str(PACED_STREAMS), "--tokens", str(PACED_TOKENS), "--step-ms", "10", "--ramp-s", "0.1",
+        "--targets", "direct,gateway", f"--baseline={checkout}", "--out", str(out),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads((out / "result.json").read_text())["rows"]
     assert [row["target"] for row in rows] == ["direct", "gateway", "gateway-baseline"]
-    for row in rows:  # the same events through each (5 tokens and the stream's own first and last events)
-        assert row["errors"] == 0 and row["completed"] == 8 and row["events"] == rows[0]["events"] > 8 * 5, row
+    for row in rows:  # the same events through each (the tokens and the stream's own first and last events)
+        assert row["errors"] == 0 and row["completed"] == PACED_STREAMS, row
+        assert row["events"] == rows[0]["events"] > PACED_STREAMS * PACED_TOKENS, row
     for row in rows[1:]:
         assert row["cpu_us_per_event_proxy"] > 0 and 0 <= row["cpu_us_per_event_proxy_system"] <= row["cpu_us_per_event_proxy"]
     assert mark.exists()  # only the baseline's process has DIR on its path
