@@ -21,7 +21,7 @@ from typing import Literal
 from loguru import logger
 
 from launch.config import ConfigError, DeploymentConfig, EngineConfig, ModelEntry
-from launch.gpu_profiles import PROFILES, installed_profile, known_profiles, runnable_profiles
+from launch.gpu_profiles import driver_verdict, installed_profile, known_profiles
 from launch.ports import port_is_free
 from launch.replicas import replica_gpu_slices, visible_gpu_ids
 
@@ -138,7 +138,8 @@ def _cuda(version: tuple[int, int]) -> str:
 def check_gpu_stack(
     engine: EngineConfig, driver_cuda: tuple[int, int] | None, stack: tuple[str, str] | None
 ) -> list[Finding]:
-    """Refuse a GPU stack profile the driver cannot run, naming the driver it needs and the profiles it can run."""
+    """Refuse a GPU stack profile the driver cannot run (naming the profile that runs on it and the driver the
+    installed one needs); warn when it runs under minor-version compatibility, with that mode's limits."""
     if engine.device != "cuda":
         return []
     python = engine.python_executable
@@ -174,20 +175,12 @@ def check_gpu_stack(
                 f"CUDA {profile.cuda} (NVIDIA driver >= {profile.min_driver})",
             )
         ]
-    if profile.cuda_version <= driver_cuda:
+    verdict = driver_verdict(profile, driver_cuda)
+    if verdict.support == "native":
         return []
-    runnable = runnable_profiles(driver_cuda)
-    can_run = (
-        f"profiles it can run: {', '.join(p.name for p in runnable)}"
-        if runnable
-        else f"no profile runs on it (profiles: {', '.join(f'{p.name} needs CUDA {p.cuda}' for p in PROFILES)})"
-    )
+    level = "warning" if verdict.runs else "error"
     return [
-        Finding(
-            "error",
-            f"the NVIDIA driver supports CUDA {_cuda(driver_cuda)}, but GPU stack {profile.name} (SGLang {sglang}, "
-            f"torch {torch}) needs CUDA {profile.cuda}: upgrade the driver to >= {profile.min_driver}; {can_run}",
-        )
+        Finding(level, f"the NVIDIA driver supports CUDA {_cuda(driver_cuda)} (SGLang {sglang}, torch {torch}): {verdict.message()}")
     ]
 
 

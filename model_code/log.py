@@ -65,6 +65,7 @@ def log_model(
     task: str | None = None,
     profile: str | None = None,
     cuda: str | None = None,
+    driver: str | None = None,
     python: str | None = None,
     flashinfer: str | Sequence[str] | None = "auto",
     extra_pip_requirements: Sequence[str] = (),
@@ -95,10 +96,14 @@ def log_model(
             serve a ChatAgent / ResponsesAgent without the agents SDK. ``None`` keeps MLflow's
             (``agent/v2/chat``, ``agent/v1/chat``, ``agent/v1/responses``).
         profile: the GPU stack profile to pin (``launch.gpu_profiles``: SGLang, torch, CUDA, FlashInfer),
-            by name; ``None``: the one for ``cuda``, else the default. An unknown name, a CUDA version
-            without a profile (CUDA 12: SGLang 0.5.23 needs CUDA 13) or a python the profile has no
-            wheels for raises ``UnknownGpuProfile`` listing the profiles.
-        cuda: the serving image's CUDA version (``"13.0"``), an alternative to naming the profile.
+            by name; ``None``: the one for ``cuda``, else the one ``driver`` runs, else the default. An unknown
+            name, a CUDA version without a profile, a profile the ``driver`` cannot run or a python the profile
+            has no wheels for raises ``UnknownGpuProfile`` listing the profiles.
+        cuda: the profile's CUDA version (``"13.0"``, ``"12.8"``), an alternative to naming the profile.
+        driver: the serving host's NVIDIA driver, as the CUDA version its ``nvidia-smi`` shows (``"12.4"``) or
+            as its version (``"550.54.15"``): picks the profile that runs there (natively if one does, else under
+            NVIDIA's minor-version compatibility), or checks the named one. Databricks Model Serving today:
+            ``driver="12.4"`` (docs/databricks.md).
         python: the serving python X.Y (default: this interpreter's, which MLflow records as the model's).
         flashinfer: ``"auto"`` (the profile's FlashInfer wheel URLs), a wheel URL or list of URLs, or
             ``None`` (no FlashInfer line). A CPU engine config gets SGLang alone, no GPU stack lines.
@@ -144,6 +149,7 @@ def log_model(
             profile=profile,
             cuda=cuda,
             python=python,
+            driver=driver,
             gpu=not _is_cpu(target),
             gateway=flavor == ENTRYPOINT_FLAVOR,
         )

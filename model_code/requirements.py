@@ -35,10 +35,13 @@ __all__ = [
 ]
 
 
-def target_profile(profile: str | None = None, *, cuda: str | None = None, python: str | None = None) -> GpuProfile:
-    """The profile to pin: by name, or by CUDA version, else the default; ``python`` defaults to this interpreter's,
-    which MLflow also records as the model's python."""
-    return select_profile(profile, cuda=cuda, python=python or current_python())
+def target_profile(
+    profile: str | None = None, *, cuda: str | None = None, python: str | None = None, driver: str | None = None
+) -> GpuProfile:
+    """The profile to pin: by name, or by CUDA version, or the one the serving host's ``driver`` runs (``"12.4"``,
+    the CUDA version its ``nvidia-smi`` shows, or ``"550.54.15"``), else the default; a named profile is checked
+    against ``driver``. ``python`` defaults to this interpreter's, which MLflow also records as the model's python."""
+    return select_profile(profile, cuda=cuda, python=python or current_python(), driver=driver)
 
 
 def gpu_stack_lines(profile: GpuProfile, flashinfer: str | Sequence[str] | None = "auto") -> list[str]:
@@ -98,6 +101,7 @@ def pip_requirements(
     profile: str | None = None,
     cuda: str | None = None,
     python: str | None = None,
+    driver: str | None = None,
     gpu: bool = True,
     gateway: bool = False,
     extra: Sequence[str] = (),
@@ -112,7 +116,7 @@ def pip_requirements(
     """
     import mlflow.pyfunc
 
-    stack = target_profile(profile, cuda=cuda, python=python)
+    stack = target_profile(profile, cuda=cuda, python=python, driver=driver)
     lines = [
         *mlflow.pyfunc.get_default_pip_requirements(),
         _pin("mlflow"),

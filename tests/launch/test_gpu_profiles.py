@@ -27,6 +27,7 @@ from launch.gpu_profiles import (
     runnable_profiles,
     select_profile,
 )
+from launch.sglang_versions import NEWEST, VERSIONS
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "launch" / "gpu_profiles.py"
@@ -89,11 +90,11 @@ def test_profiles_are_whole(profile: GpuProfile) -> None:
     assert len({p.name for p in PROFILES}) == len(PROFILES)
 
 
-def test_one_sglang_version_so_engine_flags_need_no_per_version_spelling() -> None:
-    """launch/argv.py writes one spelling of each flag, validated by the installed SGLang's own parser
-    (tests/launch/test_argv.py). A profile with another SGLang version needs version-aware flags and a
-    validation of its argv by that version's parser before it is added here."""
-    assert {p.sglang for p in PROFILES} == {metadata.version("sglang")}
+def test_every_profile_s_sglang_is_in_the_version_table() -> None:
+    """launch/argv.py spells flags as the newest SGLang does; an older profile's SGLang needs its entry in
+    launch/sglang_versions.py (its flags and fields checked against its pinned facts by test_sglang_versions.py)."""
+    assert {p.sglang for p in PROFILES} <= set(VERSIONS)
+    assert DEFAULT_PROFILE.sglang == NEWEST == metadata.version("sglang")
 
 
 def test_selecting_a_profile() -> None:
@@ -104,20 +105,18 @@ def test_selecting_a_profile() -> None:
     assert select_profile(cuda=DEFAULT_PROFILE.cuda) == DEFAULT_PROFILE
     assert installed_profile(DEFAULT_PROFILE.sglang, DEFAULT_PROFILE.torch) == DEFAULT_PROFILE
     assert installed_profile(DEFAULT_PROFILE.sglang, f"{DEFAULT_PROFILE.torch}+cu128") is None
-    assert runnable_profiles((12, 9)) == [] and runnable_profiles((13, 3)) == [DEFAULT_PROFILE]
+    assert runnable_profiles((11, 8)) == [] and runnable_profiles((13, 3)) == list(PROFILES)
 
 
 @pytest.mark.parametrize(
     "kwargs, message",
     [
         (
-            {"cuda": "12.8"},
-            "no GPU stack profile for CUDA 12.8: SGLang 0.5.23 needs CUDA 13 (NVIDIA driver >= 580.65.06)",
+            {"cuda": "12.4"},
+            "no GPU stack profile for CUDA 12.4 (the profiles are CUDA 13.0, 12.8; driver='12.4' picks the one a "
+            "driver of CUDA 12.4 runs)",
         ),
-        (
-            {"cuda": "12.9"},
-            "no GPU stack profile for CUDA 12.9: SGLang 0.5.23 needs CUDA 13 (NVIDIA driver >= 580.65.06)",
-        ),
+        ({"driver": "470.256.02"}, "NVIDIA driver 470.256.02 is older than CUDA 12 (>= 525.60.13): no GPU stack profile"),
         ({"name": "sglang-0.5.19-cu129"}, "no GPU stack profile named 'sglang-0.5.19-cu129'"),
         ({"python": "3.13"}, "profile sglang-0.5.23-cu130 does not install from wheels on python 3.13"),
         ({"python": "3.10"}, "profile sglang-0.5.23-cu130 does not install from wheels on python 3.10"),

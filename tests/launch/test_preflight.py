@@ -216,9 +216,9 @@ def test_cuda_12_driver_is_refused_naming_the_driver_needed(tmp_path: Path) -> N
     assert not result.ok
     (error,) = result.errors
     assert error.message == (
-        f"the NVIDIA driver supports CUDA 12.8, but GPU stack {DEFAULT_PROFILE.name} (SGLang {DEFAULT_PROFILE.sglang}, "
-        f"torch {DEFAULT_PROFILE.torch}) needs CUDA 13.0: upgrade the driver to >= {DEFAULT_PROFILE.min_driver}; "
-        f"no profile runs on it (profiles: {DEFAULT_PROFILE.name} needs CUDA 13.0)"
+        f"the NVIDIA driver supports CUDA 12.8 (SGLang {DEFAULT_PROFILE.sglang}, torch {DEFAULT_PROFILE.torch}): "
+        f"GPU stack {DEFAULT_PROFILE.name} needs CUDA 13.x (NVIDIA driver >= 580.65.06), the driver supports CUDA "
+        f"12.8: profile sglang-0.5.10.post1-cu128 runs on it, or upgrade the driver to >= {DEFAULT_PROFILE.min_driver}"
     )
     with pytest.raises(PreflightError, match=r"^model m: the NVIDIA driver supports CUDA 12\.8"):
         require(result, "m")

@@ -100,8 +100,10 @@ def test_bad_arguments(mlflow_store, tmp_path):
         log_model(QWEN_7B, flavor="chat")
     with pytest.raises(ConfigError, match="missing: not a local directory"):
         log_model(QWEN_7B, model_path=tmp_path / "missing")
-    with pytest.raises(UnknownGpuProfile, match=r"^no GPU stack profile for CUDA 12\.8: .* Profiles: sglang-0\.5\.23-cu130 "):
-        log_model(QWEN_7B, cuda="12.8")
+    with pytest.raises(UnknownGpuProfile, match=r"^no GPU stack profile for CUDA 12\.4 .* Profiles: sglang-0\.5\.23-cu130 "):
+        log_model(QWEN_7B, cuda="12.4")
+    with pytest.raises(UnknownGpuProfile, match=r"^driver 535\.104\.05: GPU stack sglang-0\.5\.23-cu130 needs CUDA 13\.x"):
+        log_model(QWEN_7B, profile="sglang-0.5.23-cu130", driver="535.104.05")
 
 
 def test_a_pyfunc_model_packs_its_adapters_and_loads_them_from_its_artifacts(

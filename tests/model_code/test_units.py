@@ -15,7 +15,7 @@ import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from launch.config import ConfigError
-from launch.gpu_profiles import DEFAULT_PROFILE
+from launch.gpu_profiles import DEFAULT_PROFILE, known_profiles
 from model_code import errors, gpu_stack_lines, pip_requirements
 from model_code.flavors.chat_agent import completion_to_chat_agent, stream_to_chat_agent
 from model_code.flavors.chat_model import chat_model_params, completion_to_chat_model, stream_to_chat_model
@@ -389,8 +389,8 @@ def test_flashinfer_override_and_none():
         gpu_stack_lines(DEFAULT_PROFILE, "flashinfer-python==0.7.2")
 
 
-@pytest.mark.parametrize("kwargs", [{"cuda": "12.8"}, {"cuda": "11.8"}, {"profile": "cu128"}, {"python": "3.13"}])
+@pytest.mark.parametrize("kwargs", [{"cuda": "12.4"}, {"cuda": "11.8"}, {"profile": "cu128"}, {"python": "3.13"}, {"driver": "11.8"}, {"profile": "sglang-0.5.23-cu130", "driver": "12.4"}])
 @pytest.mark.parametrize("gpu", [True, False])
 def test_impossible_targets_are_refused_listing_the_profiles(kwargs, gpu):
-    with pytest.raises(UnknownGpuProfile, match=f"Profiles: {re.escape(DEFAULT_PROFILE.summary())}$"):
+    with pytest.raises(UnknownGpuProfile, match=f"Profiles: {re.escape(known_profiles())}$"):
         pip_requirements("auto", gpu=gpu, **{"python": DEFAULT_PROFILE.pythons[0], **kwargs})
