@@ -9,17 +9,18 @@ from __future__ import annotations
 import importlib.util
 import os
 import subprocess
-import sys
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import Literal, get_args, get_origin
 
 import yaml
+from loguru import logger
 from pydantic.fields import FieldInfo
 
 from launch.config import CPU_DEFAULT_MAX_TOTAL_TOKENS, EngineConfig, RouterConfig
 from launch.engine_net import socket_env
+from launch.sglang_versions import NEWEST, VERSIONS, EngineVersion, engine_version, installed_sglang, same_interpreter
 from launch.tracing import PROTOCOL_ENV
 
 SGLANG_MODULE = "sglang.launch_server"
@@ -163,10 +164,34 @@ def flag_values(engine: EngineConfig, *, port: int, served_model_name: str | Non
     }
 
 
-def server_args(engine: EngineConfig, *, port: int, served_model_name: str | None = None) -> list[str]:
-    """The flags after ``-m sglang.launch_server`` (no interpreter), in a stable order."""
+def launch_version(engine: EngineConfig) -> EngineVersion:
+    """The table entry of the SGLang installed for the engine's python (:mod:`launch.sglang_versions`); a version
+    the table does not know gets the newest's spellings, with a warning (its own parser has the last word)."""
+    installed = installed_sglang(engine.python_executable)
+    if installed is None or installed in VERSIONS:
+        return engine_version(installed or NEWEST)
+    logger.warning(f"{engine.python_executable}: SGLang {installed} is not in launch/sglang_versions.py: flags are spelled as for {NEWEST}")
+    return engine_version(NEWEST)
+
+
+def _versioned(version: EngineVersion, key: str, flag: EngineFlag, parts: list[str], device: str) -> list[str]:
+    if flag.passed is Passed.OFF and parts and version.cuda_graph_off:
+        return list(version.cuda_graph_off)
+    return version.translate(flag.flags[0], parts, key, device)
+
+
+def server_args(
+    engine: EngineConfig, *, port: int, served_model_name: str | None = None, version: EngineVersion | None = None
+) -> list[str]:
+    """The flags after ``-m sglang.launch_server`` (no interpreter), in a stable order, spelled for the engine's
+    SGLang ``version`` (default: the one installed for its python). A setting that version lacks raises
+    :class:`~launch.sglang_versions.UnsupportedSglang` naming the key and the version."""
+    version = version or launch_version(engine)
+    grammar_backend = version.grammar_backend(engine.device, engine.grammar_backend)
+    if grammar_backend != engine.grammar_backend:
+        engine = engine.model_copy(update={"grammar_backend": grammar_backend})
     values = flag_values(engine, port=port, served_model_name=served_model_name)
-    args = [part for key, flag in ENGINE_FLAGS.items() for part in flag.argv(values[key])]
+    args = [part for key, flag in ENGINE_FLAGS.items() for part in _versioned(version, key, flag, flag.argv(values[key]), engine.device)]
     return args + list(engine.extra_args)
 
 
@@ -285,7 +310,7 @@ def real_sgl_kernel_importable(python: str) -> bool:
 
     PyPI's builds are CUDA-only and fail to import without ``libcuda``; those count as absent.
     """
-    if os.path.realpath(python) == os.path.realpath(sys.executable) and importlib.util.find_spec("sgl_kernel") is None:
+    if same_interpreter(python) and importlib.util.find_spec("sgl_kernel") is None:
         return False
     try:
         probe = subprocess.run(

@@ -34,6 +34,9 @@ GrammarBackend = Literal["xgrammar", "outlines", "llguidance", "none"]
 
 # Default KV-cache size on CPU: without it SGLang sizes the cache from free RAM (15 GB, 70 s start).
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 8192
+# The engine python for every engine whose `python:` is unset (another SGLang version's environment, e.g.
+# `make test-sglang-0.5.10.post1` runs tests against the CUDA 12 profile's SGLang on CPU this way).
+ENGINE_PYTHON_ENV = "SGLANG_GATEWAY_ENGINE_PYTHON"
 _HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:]+\]|[^\s:/\[\]]+):\d{1,5}$")  # host:port, [IPv6]:port
 _ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
@@ -165,7 +168,11 @@ class EngineConfig(_Strict):
     otlp_service_name: str | None = Field(None, description="service.name of the engine's spans (unset: sglang).")
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables for the engine process.")
     python: str | None = Field(
-        None, description="Python executable that runs SGLang, e.g. a separate venv (unset: this interpreter)."
+        None,
+        description=(
+            "Python executable that runs SGLang, e.g. a separate venv with another SGLang version "
+            "(unset: $SGLANG_GATEWAY_ENGINE_PYTHON, else this interpreter)."
+        ),
     )
     extra_args: list[str] = Field(
         default_factory=list,
@@ -226,7 +233,7 @@ class EngineConfig(_Strict):
 
     @property
     def python_executable(self) -> str:
-        return self.python or sys.executable
+        return self.python or os.environ.get(ENGINE_PYTHON_ENV) or sys.executable
 
 
 def flags_first(args: list[str]) -> list[str]:

@@ -12,7 +12,8 @@ What it does, SGLang's way (what the gateway relies on, nothing more):
 - ``GET /health`` 200 (no key); ``GET /metrics`` the two gauges the gateway reads (no key);
 - it listens ``FAKE_ENGINE_START_S`` (default 0) after its start: a start takes time;
 - every other route needs ``Authorization: Bearer <api-key>`` from the ``--config`` file (401 otherwise);
-- ``GET /v1/models``: the served model name with ``max_model_len``;
+- ``GET /v1/models``: the served model name with ``max_model_len``; ``GET /get_server_info``: the SGLang ``version``
+  it plays (``FAKE_ENGINE_SGLANG_VERSION``, default 0.5.23);
 - ``POST /v1/chat/completions``: ``max_tokens`` (default 16) pieces ``"tok "`` (``"<adapter> "`` for an adapter), streamed (role chunk, one chunk
   per piece every ``FAKE_ENGINE_TOKEN_S``, finish chunk, ``data: [DONE]``) or not; ``model`` is the served name;
   a plain answer says in ``fake_priority`` the ``priority`` the request came with, in ``fake_model`` the model it
@@ -59,6 +60,7 @@ FREEZE = "FAKE_ENGINE_FREEZE"  # ... makes it freeze under the request: its even
 TOKEN_S = float(os.environ.get("FAKE_ENGINE_TOKEN_S", "0.01"))  # time per generated piece
 START_S = float(os.environ.get("FAKE_ENGINE_START_S", "0"))  # how long it takes to listen
 CALLS = os.environ.get("FAKE_ENGINE_CALLS")  # a file the memory calls and chat requests are appended to
+SGLANG_VERSION = os.environ.get("FAKE_ENGINE_SGLANG_VERSION", "0.5.23")  # what GET /get_server_info says
 HERE = Path(__file__).resolve()
 
 
@@ -148,6 +150,11 @@ def build_app(
     async def metrics(request: Request) -> Response:
         text = f'sglang:num_running_reqs{{model_name="{model}"}} {running[0]}\nsglang:num_queue_reqs{{model_name="{model}"}} 0\n'
         return Response(text, media_type="text/plain")
+
+    async def server_info(request: Request) -> Response:
+        if (no := refused(request)) is not None:
+            return no
+        return JSONResponse({"model_path": model, "version": SGLANG_VERSION})
 
     async def models(request: Request) -> Response:
         if (no := refused(request)) is not None:
@@ -273,6 +280,7 @@ def build_app(
             Route("/health", health),
             Route("/metrics", metrics),
             Route("/v1/models", models),
+            Route("/get_server_info", server_info),
             Route("/v1/chat/completions", chat, methods=["POST"]),
             Route("/v1/responses", create_response, methods=["POST"]),
             Route("/v1/responses/{rid}", get_response),

@@ -36,6 +36,7 @@ class BackendView:
     is_router: bool
     sends_at_once: bool
     schedules_by_priority: bool = False
+    sglang_version: str | None = None
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ class RemoteBackend(Backend):
         """Take the control's newer view of the same backend (same identity), keeping this worker's counts."""
         self.view = view
         self.failure, self.retry_after_s = view.unavailable, view.retry_after_s
+        self.sglang_version = view.sglang_version
         if view.context_length is not None:
             self.context_length = view.context_length
         self._headers = dict(view.headers)
@@ -111,6 +113,7 @@ def backend_view(backend: Backend) -> BackendView:
         context_length=backend.context_length, unavailable=backend.unavailable_reason(),
         retry_after_s=backend.retry_after_s, managed=backend.managed, is_router=backend.is_router,
         sends_at_once=backend.sends_at_once, schedules_by_priority=backend.schedules_by_priority,
+        sglang_version=backend.sglang_version,
     )  # fmt: skip
 
 

@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 from launch.model_info import vocab_size as model_vocab_size
 from launch.process import EngineProcess, bearer
 from launch.router import RouterProcess
+from launch.sglang_versions import NEWEST, VERSIONS, EngineVersion, installed_sglang
 
 
 class Backend:
@@ -42,6 +43,9 @@ class Backend:
         self.asleep = False
         self.created_at = time.time()
         self._vocab_size = vocab_size
+        # The SGLang version it runs, when known (a launched engine's installed one; an external engine's as its
+        # /get_server_info says): which request fields it takes (launch.sglang_versions). Unknown: the newest's.
+        self.sglang_version: str | None = None
         # Shapes of requests whose upstream connection broke (the engine died under them, most
         # likely): the watchdog turns them into suspects when it finds the engine dead.
         self.lost: collections.deque[str] = collections.deque(maxlen=64)
@@ -92,6 +96,11 @@ class Backend:
         """The model's vocabulary size (token ids must be below it), when known."""
         return self._vocab_size
 
+    @property
+    def engine_version(self) -> EngineVersion:
+        """The version table's entry for :attr:`sglang_version` (the newest's for an unknown or unlisted one)."""
+        return VERSIONS.get(self.sglang_version or NEWEST) or VERSIONS[NEWEST]
+
     def upstream_headers(self) -> dict[str, str]:
         """Headers every upstream call of this backend carries (the upstream's API key, if any)."""
         return {}
@@ -123,6 +132,7 @@ class EngineBackend(Backend):
     def __init__(self, served_name: str, engine: EngineProcess, *, replica: int = 0) -> None:
         super().__init__(served_name, replica=replica)
         self.engine = engine
+        self.sglang_version = installed_sglang(engine.config.python_executable)  # cached: its start asked already
 
     @property
     def url(self) -> str:

@@ -11,8 +11,10 @@ import asyncio
 from collections.abc import Iterable
 
 import httpx
+from loguru import logger
 
 from gateway.core.backends import Backend
+from launch.sglang_versions import NEWEST, VERSIONS
 
 
 class HealthProbes:
@@ -33,8 +35,22 @@ class HealthProbes:
             return False
         return response.status_code == 200
 
+    async def learn_version(self, backend: Backend) -> None:
+        """Ask an SGLang server its version (``/get_server_info``), for the fields its version takes; a server that
+        does not say (not SGLang, or a router) keeps the newest's."""
+        try:
+            response = await self.client.get(backend.url + "/get_server_info", headers=backend.upstream_headers())
+            version = response.json().get("version") if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return
+        if isinstance(version, str) and version:
+            backend.sglang_version = version
+            if version not in VERSIONS:
+                logger.warning(f"{backend.describe()} runs SGLang {version}, not in launch/sglang_versions.py: requests are checked as for {NEWEST}")
+
     async def not_ready(self, backend: Backend, timeout_s: float | None = None) -> str | None:
-        """Why ``backend`` cannot serve now, or None; remembers the answer for the engine-up metric."""
+        """Why ``backend`` cannot serve now, or None; remembers the answer for the engine-up metric. An external
+        engine's SGLang version is learnt at its first ready answer."""
         reason = backend.unavailable_reason()
         if reason is None:
             try:
@@ -45,6 +61,8 @@ class HealthProbes:
             except httpx.HTTPError as error:
                 reason = f"/health failed: {type(error).__name__}"
         backend.last_health = reason is None
+        if reason is None and backend.sglang_version is None and backend.kind == "url":
+            await self.learn_version(backend)
         return reason
 
     async def engine_requests(self, backend: Backend) -> int | None:

@@ -138,6 +138,9 @@ class Proxy:
         problem = token_id_problem(endpoint.token_ids, body, route.backend.vocab_size)
         if problem is not None:
             raise GatewayError(400, problem, code="invalid_token_ids", param=problem.split(":", 1)[0])
+        problem = route.backend.engine_version.field_problem(endpoint.path, body)  # an older SGLang would ignore it
+        if problem is not None:
+            raise GatewayError(400, problem, code="unsupported_parameter", param=problem.split(":", 1)[0])
         limiter = route.limiter
         trace = info.trace
         if trace is not None:
