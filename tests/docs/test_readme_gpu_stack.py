@@ -9,7 +9,7 @@ import ast
 
 import pytest
 
-from launch.gpu_profiles import DEFAULT_PROFILE, PROFILES, GpuProfile, select_profile
+from launch.gpu_profiles import DEFAULT_PROFILE, PROFILES, GpuProfile, driver_verdict, select_profile
 from tests.docs.readme_blocks import DOCS, marked_blocks
 
 PROFILES_PAGE = DOCS / "gpu.md"  # holds the profile table
@@ -55,3 +55,6 @@ def test_databricks_recipe_logs_with_a_known_profile() -> None:
         f"`{profile.name}` runs on an NVIDIA driver that supports CUDA {profile.cuda} (>= {profile.min_driver})"
         in prose
     )
+    # the driver the page reports for the serving containers runs the profile it logs, and driver= picks the same one
+    assert "run an NVIDIA driver for CUDA 12.4" in prose
+    assert driver_verdict(profile, (12, 4)).runs and select_profile(driver="12.4") == profile
