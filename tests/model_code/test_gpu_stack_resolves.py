@@ -1,7 +1,7 @@
 """Every GPU stack profile's full requirement set, as ``log_model`` writes it for a GPU target, resolves on
 the package registry for the platform serving containers use: linux x86_64 with the profile's glibc,
 CPython at each of the profile's pythons, wheels only. It resolves with one torch build and the CUDA
-runtime (``nvidia-cuda-runtime``) of the profile's CUDA version.
+runtime (``nvidia-cuda-runtime``, ``-cu12`` for CUDA 12) of the profile's CUDA version.
 
 pip runs with the registry as its only index, no configuration file, no cache and ``--ignore-installed``,
 so neither this machine's pip settings (a local index, a torch cap) nor the local environment can make a
@@ -125,8 +125,10 @@ def test_profile_resolves_with_one_torch_and_its_cuda_runtime(resolutions, profi
     assert version("sglang-kernel") == profile.sglang_kernel
     assert version("flashinfer-python") == profile.flashinfer
     runtimes = {name: items for name, items in installed.items() if _CUDA_RUNTIME.fullmatch(name)}
-    assert list(runtimes) == ["nvidia-cuda-runtime"], f"CUDA runtimes resolved: {sorted(runtimes)}"
-    runtime = version("nvidia-cuda-runtime")
+    # CUDA 13's runtime package has no suffix; CUDA 12's is nvidia-cuda-runtime-cu12
+    expected = "nvidia-cuda-runtime" if profile.cuda_version[0] >= 13 else f"nvidia-cuda-runtime-cu{profile.cuda_version[0]}"
+    assert list(runtimes) == [expected], f"CUDA runtimes resolved: {sorted(runtimes)}"
+    runtime = version(expected)
     assert runtime.startswith(profile.cuda + "."), f"nvidia-cuda-runtime {runtime} is not CUDA {profile.cuda}"
 
     # The wheel pinned by URL is the very file the registry publishes under that name and version.
