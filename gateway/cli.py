@@ -272,6 +272,42 @@ def usage(
     out.print(table)
 
 
+@app.command()
+def doctor(
+    config: Annotated[Path | None, typer.Argument(help="Deployment YAML (none: the host checks alone).", show_default=False)] = None,
+    model: Annotated[list[str] | None, typer.Option(help="Only this model's engine (repeatable).")] = None,
+    json_file: Annotated[Path | None, typer.Option("--json", help="Also write the whole report as JSON to this file.")] = None,
+    no_engine: Annotated[bool, typer.Option("--no-engine", help="Start no engine: host checks only.")] = False,
+    model_uri: Annotated[str | None, typer.Option(help="Check a logged MLflow model's pinned GPU stack against this host.")] = None,
+) -> None:
+    """Will this deployment work on this host, and how fast does it start: host checks, each model's engine started
+    and timed, a verdict with fixes (exit 1 on an error). See docs/doctor.md."""
+    from launch.doctor import diagnose
+    from launch.doctor.checks import overall
+    from launch.doctor.report import render, write_json
+
+    deployment = load_or_exit(config) if config is not None else None
+    if deployment is not None:
+        for name in model or []:
+            select_models(deployment, name)  # an unknown name: one line naming it
+    report = diagnose(deployment, models=model or None, engine=not no_engine)
+    if model_uri is not None:
+        from launch.doctor.checks import Check
+        from model_code.doctor import doctor as model_doctor
+
+        try:
+            pinned = model_doctor(model_uri)
+        except Exception as error:  # MLflow's own errors for a bad URI: one line, not a trace
+            raise fail(f"--model-uri {model_uri}: {str(error).splitlines()[0] if str(error) else type(error).__name__}") from None
+        report["checks"] += pinned
+        report["verdict"] = overall([Check(**check) for check in report["checks"]])
+    render(report, sys.stdout)
+    if json_file is not None:
+        write_json(report, json_file)
+    if report["verdict"] == "error":
+        raise typer.Exit(1)
+
+
 @app.command("build-tiny-model")
 def build_tiny_model_command(
     out_dir: Annotated[Path, typer.Argument(help="Where to write the model.")] = Path(".cache/tiny-model"),
