@@ -293,7 +293,7 @@ def doctor(
     report = diagnose(deployment, models=model or None, engine=not no_engine)
     if model_uri is not None:
         from launch.doctor.checks import Check
-        from model_code.doctor import doctor as model_doctor
+        from model_code.stack_check import doctor as model_doctor
 
         try:
             pinned = model_doctor(model_uri)

@@ -13,7 +13,7 @@ models-from-code files load only what they need. A map:
 ``entrypoint``      the ``entrypoint`` flavour (the gateway as the model's server; ``entrypoint_model`` its placeholder)
 ``serving``         ``load_for_serving``: a logged model that takes serving request bodies; ``batch`` many prompts
 ``paths``           where the packed code lives (``code_paths``)
-``doctor``          a logged model's pinned GPU stack against this host, before anything starts
+``stack_check``     ``doctor``: a logged model's pinned GPU stack against this host, before anything starts
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ _EXPORTS = {
     "pip_requirements": "model_code.requirements",
     "gpu_stack_lines": "model_code.requirements",
     "UnknownGpuProfile": "model_code.requirements",
-    "doctor": "model_code.doctor",
+    "doctor": "model_code.stack_check",
 }
 
 __all__ = sorted(_EXPORTS)

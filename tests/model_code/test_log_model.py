@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import mlflow
@@ -122,3 +123,24 @@ def test_a_pyfunc_model_packs_its_adapters_and_loads_them_from_its_artifacts(
     with pytest.raises(FileNotFoundError, match="adapter broken: .* has no adapter_config.json"):
         (tmp_path / "empty").mkdir()
         log_model({**config, "models": {"tiny": {**config["models"]["tiny"], "adapters": {"broken": str(tmp_path / "empty")}}}})
+
+
+def test_a_logged_model_whose_stack_the_host_driver_cannot_run_is_named_before_anything_starts(
+    mlflow_store, tmp_path, monkeypatch
+):
+    """model_code.doctor(uri) on a host with a CUDA 12.4 driver (a FAKE nvidia-smi printing a recorded output): the
+    CUDA 13 model is refused naming the CUDA 12 profile, the CUDA 12 model runs there (under compatibility)."""
+    from model_code import doctor
+    from tests.launch.test_doctor_host import RECORDED, _query, fake_gpu_host
+
+    with mlflow.start_run():
+        cu130 = log_model(QWEN_7B, profile="sglang-0.5.23-cu130", name="cu130")
+        cu128 = log_model(QWEN_7B, driver="12.4", name="cu128")
+    (tmp_path / "bin").mkdir()
+    bin_dir = fake_gpu_host(tmp_path / "bin", (RECORDED / "a10g-r550-cuda12.4.txt").read_text(), _query("550.54.15"))
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    (refused,) = doctor(cu130.model_uri)
+    assert refused["level"] == "error" and "pins GPU stack sglang-0.5.23-cu130" in refused["detail"]
+    assert refused["fix"] == "log it again with profile='sglang-0.5.10.post1-cu128' (or driver='12.4')"
+    (runs,) = doctor(cu128.model_uri)
+    assert runs["level"] == "warning" and "minor-version compatibility" in runs["detail"]

@@ -1,6 +1,6 @@
 """``doctor(model_uri)``: a logged model's pinned GPU stack against this host, before ``load_model`` starts anything.
 
-Reads the model's ``requirements.txt`` (MLflow downloads that one file) and judges its SGLang + torch pins with the
+Reads the model's ``requirements.txt`` (``mlflow.pyfunc.get_model_dependencies`` downloads that one file) and judges its SGLang + torch pins with the
 GPU profiles' driver rule against this host's driver (:mod:`launch.doctor.pinned`): the profile it pins, whether
 the driver runs it, and which profile would.
 """
@@ -16,9 +16,9 @@ from launch.doctor.pinned import pinned_stack_checks
 
 def model_requirements(model_uri: str) -> list[str]:
     """The lines of a logged model's ``requirements.txt``."""
-    import mlflow
+    import mlflow.pyfunc
 
-    path = mlflow.artifacts.download_artifacts(artifact_uri=f"{model_uri.rstrip('/')}/requirements.txt")
+    path = mlflow.pyfunc.get_model_dependencies(model_uri, format="pip")  # that file alone, not the weights
     with open(path) as lines:
         return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
 
