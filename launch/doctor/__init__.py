@@ -46,7 +46,7 @@ def diagnose(
                     runs.append(asdict(run))
                     graphs = "CUDA graphs on" if run.cuda_graph else "CUDA graphs off" if config.device == "cuda" else config.device
                     if run.error:
-                        checks.append(Check(f"engine {name} ({graphs})", "error", run.error, "see the engine log; docs/gpu.md#troubleshooting"))
+                        checks.append(Check(f"engine {name} ({graphs})", "error", run.error, run.fix))
                     else:
                         checks.append(Check(f"engine {name} ({graphs})", "ok",
                                             f"ready in {run.ready_s:.1f} s; 1 token in {run.one_token_ms:.0f} ms; "

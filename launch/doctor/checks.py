@@ -186,6 +186,8 @@ def check_disk(facts: HostFacts, engines: Sequence[EngineConfig]) -> list[Check]
 
 def check_container(facts: HostFacts, engines: Sequence[EngineConfig]) -> list[Check]:
     hints = []
+    if "IS_IN_DB_MODEL_SERVING_ENV" in facts.container_env:  # what MLflow itself reads to know it serves on Databricks
+        hints.append("Databricks Model Serving")
     if any(name.startswith(("DATABRICKS_", "DB_")) for name in facts.container_env):
         hints.append("Databricks (environment variables " + ", ".join(n for n in facts.container_env if n.startswith(("DATABRICKS_", "DB_")))[:300] + ")")
     if "KUBERNETES_SERVICE_HOST" in facts.container_env:

@@ -8,6 +8,7 @@ loaded" ends holds the imports and any first JIT build.
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,21 @@ from launch.preflight import PreflightError
 from launch.process import EngineError, EngineProcess
 
 LONG_TOKENS = 64
+
+# What a failed start's log tail says -> the fix (the known GPU failures of docs/gpu.md#troubleshooting), first match.
+KNOWN_FAILURES: tuple[tuple[re.Pattern[str], str], ...] = (
+    (re.compile(r"nvcc|CUDA_HOME"), "FlashInfer's JIT could not find nvcc: set CUDA_HOME (engine.env) to a CUDA toolkit of the stack's CUDA"),
+    (re.compile(r"[Cc]apture.*graph|cuda graph", re.IGNORECASE), "CUDA graph capture failed: lower cuda_graph_max_bs, or set cuda_graph: false"),
+    (re.compile(r"NCCL"), "NCCL failed: give the container a /dev/shm of >= 1 GiB (docker --shm-size=1g)"),
+    (re.compile(r"driver version is insufficient|CUDA driver version"), "the NVIDIA driver is too old for the stack's CUDA: see the driver check"),
+    (re.compile(r"out of memory|OutOfMemoryError", re.IGNORECASE), "GPU memory ran out: lower mem_fraction_static or context_length, or stop what else holds the GPU"),
+)
+
+
+def fix_for(log_tail: list[str]) -> str:
+    """The fix a failed start's log points to, else where to read it."""
+    text = "\n".join(log_tail)
+    return next((fix for pattern, fix in KNOWN_FAILURES if pattern.search(text)), "read the engine log (docs/gpu.md#troubleshooting)")
 
 
 @dataclass
@@ -36,6 +52,7 @@ class EngineRun:
     tokens_per_s: float | None = None
     jit_lines: int = 0  # log lines that speak of FlashInfer / JIT compilation
     error: str | None = None
+    fix: str = ""  # for a failed start: what its log points to
 
 
 def _chat(engine: EngineProcess, served: str, max_tokens: int) -> tuple[float, dict[str, Any]]:
@@ -59,6 +76,7 @@ def probe_engine(model: str, engine: EngineConfig, log_dir: Path) -> EngineRun:
         process = start_ready(model, engine, log_dir=log_dir, on_progress=progress, echo_level=None, served_model_name=model)
     except (PreflightError, EngineError) as error:
         run.error = str(error).splitlines()[0][:500]
+        run.fix = fix_for(getattr(error, "log_tail", None) or str(error).splitlines())
         return run
     try:
         run.ready_s = round(time.perf_counter() - started, 2)

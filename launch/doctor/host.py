@@ -26,7 +26,7 @@ _STACK_SCRIPT = (
     "print(json.dumps(found))\n"
 )
 # Environment variable prefixes that say which platform runs the host (names only ever leave it).
-CONTAINER_HINTS = ("DATABRICKS_", "DB_", "MLFLOW_", "KUBERNETES_SERVICE_HOST", "NVIDIA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
+CONTAINER_HINTS = ("IS_IN_DB_MODEL_SERVING_ENV", "DATABRICKS_", "DB_", "MLFLOW_", "KUBERNETES_SERVICE_HOST", "NVIDIA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
 _GPU_QUERY = "index,name,compute_cap,memory.total,memory.free,driver_version"
 _NVCC_RELEASE = re.compile(r"release (\d+)\.(\d+)")
 

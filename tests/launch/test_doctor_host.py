@@ -209,3 +209,27 @@ def test_the_report_recorded_on_a_real_h200_matches_the_schema() -> None:
     assert levels["driver"] == "ok" and levels["gpu 0"] == "ok" and levels["gpu memory"] == "warning"
     assert levels["gpu stack"] == "error" and report["verdict"] == "error"
     assert report["host"]["driver_version"] == "580.159.04" and report["host"]["nvcc_cuda"] == "13.0"
+
+
+@pytest.mark.parametrize(
+    ("tail", "fix"),
+    [
+        (["RuntimeError: Could not find nvcc and default cuda_home='/usr/local/cuda' doesn't exist"], "set CUDA_HOME"),
+        (["Capture cuda graph failed: CUDA error: out of memory"], "lower cuda_graph_max_bs"),
+        (["NCCL WARN Error: failed to extend /dev/shm/nccl-x to 9637892 bytes"], "/dev/shm of >= 1 GiB"),
+        (["RuntimeError: CUDA driver version is insufficient for CUDA runtime version"], "driver is too old"),
+        (["torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"], "lower mem_fraction_static"),
+        (["ValueError: something else"], "read the engine log"),
+    ],
+)
+def test_a_failed_engine_start_gets_the_fix_its_log_points_to(tail: list[str], fix: str) -> None:
+    from launch.doctor.engine_probe import fix_for
+
+    assert fix in fix_for(tail)
+
+
+def test_databricks_model_serving_is_recognised_by_the_variable_mlflow_reads(host_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("IS_IN_DB_MODEL_SERVING_ENV", "true")
+    facts = host_path("h200-r580-cuda13.0.txt", (RECORDED / "h200-r580-query-gpu.csv").read_text())
+    assert "IS_IN_DB_MODEL_SERVING_ENV" in facts.container_env
+    assert _by_name(host_checks(facts), "container").detail.startswith("Databricks Model Serving")
