@@ -4,7 +4,7 @@ The hot path (:class:`gateway.app.GatewayAPI`) dispatches proxied POSTs by this 
 (and so ``/openapi.json``) are generated from it; authentication reads each route's dialect (Anthropic
 clients send ``x-api-key``); metrics label requests with the route's path; the endpoint table of docs/serving.md is
 checked against :func:`endpoint_table`. Adding a model-serving route of the engine is one line in
-:data:`PROXIED` (plus a request schema in :mod:`gateway.core.schemas` and its test).
+:data:`PROXIED` (plus a request schema in :mod:`engine_guard.schemas` and its test).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from gateway.core import schemas
+from engine_guard import schemas
 from gateway.core.errors import Dialect, StreamKind
 
 
