@@ -10,6 +10,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
+CHAT_TOKEN_ID_FIELDS = ("input_ids", "logit_bias")
+"""The fields of a chat completions body that carry token ids (the gateway's chat routes and the MLflow wrapper)."""
+
 _TOKEN_ID_KEY = re.compile(r"-?[0-9]+")  # ASCII digits with at most one sign: what int() takes (not "--5", not "²")
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from engine_guard import schemas
+from engine_guard.token_ids import CHAT_TOKEN_ID_FIELDS
 from gateway.core.errors import Dialect, StreamKind
 
 
@@ -47,7 +48,7 @@ class ProxiedRoute:
 
 PROXIED: tuple[ProxiedRoute, ...] = (
     ProxiedRoute(
-        "/v1/chat/completions", schemas.ChatCompletionRequest, "Chat completions (OpenAI)", "generation", token_ids=("input_ids", "logit_bias"),
+        "/v1/chat/completions", schemas.ChatCompletionRequest, "Chat completions (OpenAI)", "generation", token_ids=CHAT_TOKEN_ID_FIELDS,
     ),
     ProxiedRoute("/v1/completions", schemas.CompletionRequest, "Text completions (OpenAI)", "generation", token_ids=("prompt", "logit_bias")),
     ProxiedRoute(
@@ -89,7 +90,7 @@ PROXIED_BY_PATH: dict[str, ProxiedRoute] = {route.path: route for route in PROXI
 # (absent, or the endpoint's name) does not choose the model.
 INVOCATIONS = ProxiedRoute(
     "/invocations", schemas.InvocationsRequest, "Chat completions of the default model (a serving platform's route)",
-    "generation", model=ModelChoice.DEFAULT, upstream="/v1/chat/completions", token_ids=("input_ids", "logit_bias"),
+    "generation", model=ModelChoice.DEFAULT, upstream="/v1/chat/completions", token_ids=CHAT_TOKEN_ID_FIELDS,
 )  # fmt: skip
 
 # Responses stored by the engine, reached through the engine that created them (see gateway.core.responses_index).
