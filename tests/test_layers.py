@@ -1,5 +1,5 @@
 """The folders show the architecture, and the imports keep to it: the layering in pyproject's
-``[tool.importlinter]`` (composition root > control | data > edge > core > config > fields; launch/ never
+``[tool.importlinter]`` (composition root > control | data > edge > core > config > console; launch/ never
 imports gateway/ or model_code/; engine_guard/ imports neither), checked by import-linter over the real import graph."""
 
 from __future__ import annotations
