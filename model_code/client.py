@@ -15,8 +15,9 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from functools import partial
+from typing import Any, TypeVar
 
 import httpx
 import openai
@@ -32,6 +33,8 @@ from model_code.quarantine import CallQuarantine, took_engine_down
 from model_code.replica_set import Replica, ReplicaSet
 from model_code.target import LOG_TIME_TEXT, ModelCodeSettings, in_log_time, resolve_target
 from model_code.trace_context import outgoing_headers
+
+T = TypeVar("T")
 
 
 def usage_dict(usage: Any) -> dict[str, int] | None:
@@ -125,9 +128,8 @@ class EngineClient:
             replica = self._take()
             for attempt in (1, 2):
                 try:
-                    return replica.openai().chat.completions.create(
-                        messages=messages, extra_headers=outgoing_headers(), **kwargs
-                    )
+                    create = replica.openai().chat.completions.create
+                    return self._answered(partial(create, messages=messages, extra_headers=outgoing_headers(), **kwargs))
                 except openai.APIConnectionError as error:
                     refused = error
                 except openai.OpenAIError as error:
@@ -152,12 +154,16 @@ class EngineClient:
             for attempt in (1, 2):
                 received = False
                 try:
-                    stream = replica.openai().chat.completions.create(
-                        messages=messages,
-                        stream=True,
-                        stream_options={"include_usage": True},
-                        extra_headers=outgoing_headers(),
-                        **kwargs,
+                    create = replica.openai().chat.completions.create
+                    stream = self._answered(
+                        partial(
+                            create,
+                            messages=messages,
+                            stream=True,
+                            stream_options={"include_usage": True},
+                            extra_headers=outgoing_headers(),
+                            **kwargs,
+                        )
                     )
                     with stream:
                         for chunk in stream:
@@ -178,6 +184,18 @@ class EngineClient:
                 if following is None:
                     raise from_openai_error(refused) from refused
                 replica = following
+
+    def _answered(self, call: Callable[[], T]) -> T:
+        """``call()``, sent again (``max_retries`` times, with backoff) while the engine answers 429 or 5xx: an
+        engine that answers is alive, so this never resends a request it crashed or froze under."""
+        for retry in range(self.settings.max_retries + 1):
+            try:
+                return call()
+            except openai.APIStatusError as error:
+                if retry == self.settings.max_retries or not (error.status_code == 429 or error.status_code >= 500):
+                    raise
+                time.sleep(min(0.5 * 2**retry, 8.0))
+        raise AssertionError("unreachable")
 
     def _note_failure(self, shape: str, error: BaseException) -> None:
         """A call under which the engine crashed or froze: noted in the quarantine, and never sent again."""

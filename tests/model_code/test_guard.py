@@ -18,13 +18,17 @@ from typing import Any
 
 import httpx
 import mlflow
+import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from launch.model_info import vocab_size
 from model_code import close_model, log_model
+from model_code.client import EngineClient
 from model_code.errors import BadRequestError, EngineRequestError
+from model_code.replica_set import Replica, ReplicaSet
+from model_code.target import ModelCodeSettings
 from tests.fake_engine import CRASH, fake_engine_python
 from tests.gateway.test_engine_openapi_fuzz import _clamped, from_schema, hostile
 
@@ -158,3 +162,47 @@ def test_a_call_that_crashes_the_engine_is_not_retried_and_its_shape_is_refused(
         assert answer["messages"][0]["content"] == "tok tok "
     finally:
         close_model(model)
+
+
+def _client_on(answers: list[Any], max_retries: int) -> tuple[EngineClient, list[int]]:
+    """An EngineClient whose one replica is a FAKE engine made of httpx's MockTransport: each request gets the
+    next of ``answers`` (an HTTP status, or an exception raised as the connection's failure)."""
+    sent: list[int] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        sent.append(1)
+        outcome = answers[min(len(sent), len(answers)) - 1]
+        if isinstance(outcome, Exception):
+            raise outcome
+        if outcome != 200:
+            return httpx.Response(outcome, json={"error": {"message": f"status {outcome} (FAKE)"}})
+        return httpx.Response(200, json={
+            "id": "c", "object": "chat.completion", "created": 0, "model": "m",
+            "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "ok"}}],
+        })  # fmt: skip
+
+    settings = ModelCodeSettings(max_retries=max_retries)
+    replica = Replica(0, "http://fake-engine", "k", settings)
+    replica._client = openai.OpenAI(
+        base_url=replica.base_url, api_key="k", max_retries=0, http_client=httpx.Client(transport=httpx.MockTransport(answer))
+    )
+    return EngineClient("m", ReplicaSet([replica]), settings), sent
+
+
+def test_answers_are_retried_a_broken_connection_never(monkeypatch):
+    monkeypatch.setattr(time, "sleep", lambda seconds: None)  # the backoff
+    client, sent = _client_on([503, 500, 200], max_retries=2)
+    assert client.chat(MESSAGES).choices[0].message.content == "ok" and len(sent) == 3  # 429/5xx answers: retried
+    client, sent = _client_on([400, 200], max_retries=2)
+    with pytest.raises(BadRequestError):
+        client.chat(MESSAGES)
+    assert len(sent) == 1  # the request's own fault: not retried
+    for broken in (httpx.RemoteProtocolError("peer closed connection"), httpx.ReadTimeout("timed out")):
+        client, sent = _client_on([broken, 200], max_retries=2)
+        with pytest.raises(EngineRequestError):
+            client.chat(MESSAGES)
+        assert len(sent) == 1 and len(client.quarantine.refused()) == 1  # crashed or froze under it: sent once, refused
+        with pytest.raises(BadRequestError, match="took the engine of model 'm' down"):
+            client.chat([{"role": "user", "content": "ho"}])  # the same shape
+        assert len(sent) == 1
+        assert client.chat([{"role": "system", "content": "s"}, *MESSAGES]).choices[0].message.content == "ok"  # another shape
