@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from functools import partial
+from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
@@ -75,7 +76,7 @@ class EngineClient:
         target = resolve_target(model_config, artifacts)
         if in_log_time():
             logger.info("model {}: loaded by MLflow's log/save step: no engine is started", target.name)
-            return LogTimeClient(target.served_name, target.settings, target.adapters, RequestGuard.from_config(target.name, target.deployment))
+            return LogTimeClient(target.served_name, target.settings, target.adapters, RequestGuard.from_target(target))
         api_key = target.api_key or "EMPTY"
         if target.settings.api_key_env:
             api_key = os.environ.get(target.settings.api_key_env, api_key)
@@ -87,7 +88,7 @@ class EngineClient:
                 Replica(index, engine.url, engine.api_key or api_key, target.settings, engine)
                 for index, engine in enumerate(engines)
             ]
-        guard = RequestGuard.from_config(target.name, target.deployment)
+        guard = RequestGuard.from_target(target)
         return cls(target.served_name, ReplicaSet(replicas), target.settings, target.adapters, guard)
 
     @property
@@ -127,6 +128,7 @@ class EngineClient:
         with self.quarantine.holding(shape):
             replica = self._take()
             for attempt in (1, 2):
+                log_file = _log_file(replica)
                 try:
                     create = replica.openai().chat.completions.create
                     return self._answered(partial(create, messages=messages, extra_headers=outgoing_headers(), **kwargs))
@@ -136,7 +138,8 @@ class EngineClient:
                     raise from_openai_error(error) from error
                 finally:
                     self.replicas.release(replica)
-                self._note_failure(shape, refused)
+                if self._failed_under(shape, refused, replica, log_file):
+                    raise from_openai_error(refused) from refused
                 following = self._retry_after(replica, refused) if attempt == 1 else None
                 if following is None:
                     raise from_openai_error(refused) from refused
@@ -153,6 +156,7 @@ class EngineClient:
             replica = self._take()
             for attempt in (1, 2):
                 received = False
+                log_file = _log_file(replica)
                 try:
                     create = replica.openai().chat.completions.create
                     stream = self._answered(
@@ -173,13 +177,14 @@ class EngineClient:
                 except openai.APIConnectionError as error:
                     refused = error
                 except httpx.TransportError as error:  # the connection broke mid-stream (the openai client passes it on)
-                    self._note_failure(shape, error)
+                    self._failed_under(shape, error, replica, log_file)
                     raise EngineUnavailableError(f"the engine's connection broke mid-stream: {error}") from error
                 except openai.OpenAIError as error:
                     raise from_openai_error(error) from error
                 finally:
                     self.replicas.release(replica)
-                self._note_failure(shape, refused)
+                if self._failed_under(shape, refused, replica, log_file):
+                    raise from_openai_error(refused) from refused
                 following = None if received or attempt == 2 else self._retry_after(replica, refused)
                 if following is None:
                     raise from_openai_error(refused) from refused
@@ -197,15 +202,17 @@ class EngineClient:
                 time.sleep(min(0.5 * 2**retry, 8.0))
         raise AssertionError("unreachable")
 
-    def _note_failure(self, shape: str, error: BaseException) -> None:
-        """A call under which the engine crashed or froze: noted in the quarantine, and never sent again."""
-        if not took_engine_down(error):
-            return
+    def _failed_under(self, shape: str, error: BaseException, replica: Replica, log_file: Path | None) -> bool:
+        """Whether the engine crashed or froze under this call (then noted in the quarantine, and the call is
+        never sent again); ``log_file``: the engine's log when the call was sent (a restart writes another)."""
+        if not took_engine_down(error, has_engine=replica.engine is not None, log_file=log_file):
+            return False
         refused = self.quarantine.engine_failed(shape)
         logger.warning(
             "model {}: the engine failed under a call ({}); not retried{}", self.model, type(error.__cause__ or error).__name__,
             "; calls of its shape are refused from now on" if refused else "",
         )
+        return True
 
     def _take(self) -> Replica:
         """The replica for a new request (counted in flight); EngineUnavailableError when none can take it."""
@@ -222,7 +229,7 @@ class EngineClient:
         Another replica when one can take it (a shared engine that refused waits for its host's restart in
         the background, out of the rotation); else the same shared engine once it answers again.
         """
-        if took_engine_down(error) or self._closed:  # the engine failed under this request: never sent twice
+        if isinstance(error, openai.APITimeoutError) or self._closed:
             return None
         other = self.replicas.take(exclude=refused)
         if other is not None:
@@ -308,6 +315,11 @@ class LogTimeClient:
 
     def close(self) -> None:
         pass
+
+
+def _log_file(replica: Replica) -> Path | None:
+    """The log of the engine a call is sent to (None for a URL): where a crash under the call is written."""
+    return replica.engine.log_file if replica.engine is not None else None
 
 
 _PLACEHOLDER_MESSAGES = [{"role": "user", "content": "."}]

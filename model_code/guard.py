@@ -22,9 +22,10 @@ from engine_guard.fields import DROPPED, EXTENSIONS
 from engine_guard.refusal import Refused
 from engine_guard.schemas import ChatCompletionRequest, check_body, check_extensions
 from engine_guard.token_ids import CHAT_TOKEN_ID_FIELDS, token_id_problem
-from launch.config import ConfigError, DeploymentConfig, format_validation_error
+from launch.config import ConfigError, format_validation_error
 from launch.model_info import vocab_size as model_vocab_size
 from model_code.errors import BadRequestError
+from model_code.target import Target
 
 CHAT_PATH = "/v1/chat/completions"
 
@@ -39,9 +40,11 @@ class RequestGuard:
     vocab_size: int | None = None  # None: only negative token ids are refused
 
     @classmethod
-    def from_config(cls, name: str, deployment: DeploymentConfig) -> RequestGuard:
-        """The guard of model ``name``: its switch and bounds from the ``gateway:`` section (the gateway's own
-        keys), its vocabulary from the weights (an engine this package starts) or the entry's ``vocab_size`` (a URL)."""
+    def from_target(cls, target: Target) -> RequestGuard:
+        """The guard of the served model: its switch and bounds from the ``gateway:`` section (the gateway's own
+        keys), its vocabulary from the weights the engine loads (the logged copy when there is one) or the
+        entry's ``vocab_size`` (a URL)."""
+        name, deployment = target.name, target.deployment
         section = deployment.gateway or {}
         enabled = (section.get("extension_fields") or {}).get(name) or []
         for extension in enabled:
@@ -53,8 +56,7 @@ class RequestGuard:
             bounds = RequestBounds.model_validate(section.get("request_bounds") or {})
         except ValidationError as error:
             raise ConfigError(format_validation_error("model_config: gateway.request_bounds", error)) from None
-        entry = deployment.models[name]
-        vocab = model_vocab_size(entry.engine.model_path) if entry.engine is not None else entry.vocab_size
+        vocab = model_vocab_size(target.engine.model_path) if target.engine is not None else deployment.models[name].vocab_size
         return cls(name, frozenset(enabled), bounds, vocab)
 
     def check(self, messages: list[dict[str, Any]], kwargs: dict[str, Any], *, stream: bool = False) -> None:

@@ -139,9 +139,14 @@ def test_a_call_that_crashes_the_engine_is_not_retried_and_its_shape_is_refused(
         "python": str(fake_engine_python(tmp_path)), "env": {"FAKE_ENGINE_CALLS": str(calls)}, "skip_server_warmup": True,
     }  # fmt: skip
     with mlflow.start_run():
-        info = log_model({"models": {"tiny": {"engine": engine}}}, flavor="chat_agent", model_path=tiny_model_dir)
+        config = {"models": {"tiny": {"engine": engine}}, "gateway": {"extension_fields": {"tiny": ["input_ids"]}}}
+        info = log_model(config, flavor="chat_agent", model_path=tiny_model_dir)
     model = mlflow.pyfunc.load_model(info.model_uri)
     try:
+        # a managed model's vocabulary is read from its logged weights: an id past it never reaches the engine
+        refused = _refused(model, {"extra_body": {"input_ids": [999999]}})
+        assert refused.param == "input_ids" and refused.code == "invalid_token_ids"
+        assert not calls.exists() or "chat" not in calls.read_text().split()
         with pytest.raises(EngineRequestError) as crashed:
             model.predict({"messages": [{"role": "user", "content": CRASH}]})
         assert not isinstance(crashed.value, BadRequestError)
