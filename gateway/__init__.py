@@ -24,7 +24,6 @@ A map, by folder; each folder may import those listed after it, never those befo
 
 ``data/`` (every request)
   ``routes``         the FastAPI routes made from the route table, stored responses by id, models, health, ready
-  ``bounds``         request bounds (``grammar_checks``: grammar inputs the engine would crash on)*
   ``proxy``          admission, the replica (one retry elsewhere), forwarding; ``lease`` what a request holds*
   ``relay``          the SSE relay, event by event: usage, errors and Responses ids inspected, endings judged*
   ``stream_pool``    streams' own keep-alive upstream connections, relayed from the socket's callbacks*;
@@ -49,7 +48,7 @@ A map, by folder; each folder may import those listed after it, never those befo
   ``registry``       names and aliases -> routes, replaced in one assignment; ``backends`` one class per kind
                      of upstream (an engine we launched, a URL, SGLang's router)
   ``endpoints``      the route table: one line per proxied route (dialect, streaming, token-id fields);
-                     ``schemas`` its request validation (bodies go upstream as sent, only ``model`` rewritten)*
+                     its request schemas are the request guard's (bodies go upstream as sent, only ``model`` rewritten)*
   ``limits``         per-model concurrency and a queue by priority class*; ``poison`` requests that crash engines*
   ``errors``         errors in the route's dialect (OpenAI or Anthropic), sanitized (``client_mistakes``: engine
                      500s that are the request's fault)
@@ -57,6 +56,9 @@ A map, by folder; each folder may import those listed after it, never those befo
   ``responses_index`` which engine stored which Responses API response, and which key owns it (in ``state_dir``)
   ``context``        what is learnt about one request (for its log line)
 
-**Tables everything reads**: ``config`` the ``gateway:`` section; ``fields`` the engine's request fields
-(allowed, dropped, refused); ``console`` the log format of every process.
+**Tables everything reads**: ``config`` the ``gateway:`` section; ``console`` the log format of every process.
+
+**Below the gateway**: ``engine_guard/`` (a package of its own, shared with the MLflow wrapper ``model_code``): the
+allowlist (``fields``, ``schemas``), request bounds and grammar checks, token ids against the vocabulary, and
+request shapes (what the quarantine refuses). ``routes`` and ``proxy`` run it on every request*.
 """

@@ -17,7 +17,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
-from gateway.fields import EXTENSIONS
+from engine_guard.bounds import RequestBounds
+from engine_guard.fields import EXTENSIONS
 from launch.config import (
     GATEWAY_KEY_FILE_SETTINGS,
     GATEWAY_PER_MODEL_SETTINGS,
@@ -74,24 +75,6 @@ class BalancingSettings(_Strict):
         4, ge=0, description="prefix_affinity yields to the least busy replica when its own has this many more requests in flight."
     )
     min_ready: int = Field(1, ge=1, description="/ready is 200 while at least this many replicas of the model are healthy.")
-
-
-class RequestBounds(_Strict):
-    """What one request may ask of an engine: each list that fans out into engine work, and each grammar input.
-
-    Every prompt, item and choice becomes engine work behind one gateway slot; every grammar is compiled on
-    the engine's few grammar threads. The defaults fit OpenAI's own limits where it has them."""
-
-    max_prompts: int = Field(64, ge=1, description="Prompts in one completions request (each is one engine request).")
-    max_generations: int = Field(128, ge=1, description="Generations per request: prompts x n (x best_of).")
-    max_inputs: int = Field(2048, ge=1, description="Inputs of embeddings/classify/tokenize, score items, rerank documents.")
-    max_messages: int = Field(2048, ge=1, description="Messages (or Responses input items) in one request.")
-    max_tools: int = Field(128, ge=0, description="Tools in one request.")
-    max_stop: int = Field(16, ge=0, description="Stop strings (stop, stop_sequences) and stop_regex patterns.")
-    max_token_list: int = Field(1024, ge=1, description="stop_token_ids, logit_bias and label_token_ids entries.")
-    max_grammar_bytes: int = Field(32768, ge=256, description="Bytes of each grammar input: regex, ebnf, JSON schema, structural tag.")
-    max_schema_depth: int = Field(32, ge=1, description="Nesting of a JSON schema.")
-    max_enum_values: int = Field(1024, ge=1, description="Values of one enum in a JSON schema.")
 
 
 class KeyLimits(_Strict):

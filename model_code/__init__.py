@@ -7,6 +7,8 @@ models-from-code files load only what they need. A map:
                     models-from-code file; ``common`` what they share; ``table`` ``FLAVORS`` (map: ``flavors/__init__``)
 ``params``          generation parameters -> validated ``chat.completions`` kwargs (shared by the flavours)
 ``client``          the engine client a flavour talks through (``target``: which engine, from ``model_config``)
+``guard``           every call's engine request checked by ``engine_guard``, as the gateway checks it;
+                    ``quarantine`` calls the engine crashed or froze under: not retried, their shape refused
 ``engine_owner``    the engines this process started; ``replica_set`` a model's replicas
 ``tracing``         one MLflow trace per call, recorded after it; ``errors`` typed errors with ``status_code``
 ``log``             ``log_model``: a deployment YAML -> a logged model (``requirements``: its pinned GPU stack)

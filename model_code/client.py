@@ -6,7 +6,8 @@ the real client and answers a placeholder).
 Errors are the typed :mod:`model_code.errors`. A request whose replica cannot be reached is sent once
 more (a stream only if nothing was received yet): to another replica when the model has one that can
 take it, else, for a shared engine (restarted by its host, or its host replaced), to the same engine
-once it is back.
+once it is back. Every request goes through the request guard first (:mod:`model_code.guard`), and a
+request under which the engine crashed or froze is never sent again (:mod:`model_code.quarantine`).
 """
 
 from __future__ import annotations
@@ -14,19 +15,27 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from functools import partial
+from pathlib import Path
+from typing import Any, TypeVar
 
+import httpx
 import openai
 from loguru import logger
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
+from engine_guard.shapes import request_shape
 from model_code.engine_owner import Engine, acquire_engines
 from model_code.errors import BadRequestError, EngineUnavailableError, from_openai_error
+from model_code.guard import CHAT_PATH, RequestGuard, engine_body
 from model_code.params import create_kwargs
+from model_code.quarantine import CallQuarantine, took_engine_down
 from model_code.replica_set import Replica, ReplicaSet
 from model_code.target import LOG_TIME_TEXT, ModelCodeSettings, in_log_time, resolve_target
 from model_code.trace_context import outgoing_headers
+
+T = TypeVar("T")
 
 
 def usage_dict(usage: Any) -> dict[str, int] | None:
@@ -48,12 +57,15 @@ class EngineClient:
     URL), the engines it holds, and the choice of a replica per request (:mod:`model_code.replica_set`)."""
 
     def __init__(
-        self, model: str, replicas: ReplicaSet, settings: ModelCodeSettings | None = None, adapters: tuple[str, ...] | None = None
+        self, model: str, replicas: ReplicaSet, settings: ModelCodeSettings | None = None, adapters: tuple[str, ...] | None = None,
+        guard: RequestGuard | None = None,
     ) -> None:
         self.model = model
         self.replicas = replicas
         self.settings = settings or ModelCodeSettings()
         self.adapters = adapters  # the LoRA adapters a request may select (None: a URL target's server checks)
+        self.guard = guard or RequestGuard(model)
+        self.quarantine = CallQuarantine(model)
         self._closed = False
 
     @classmethod
@@ -64,7 +76,7 @@ class EngineClient:
         target = resolve_target(model_config, artifacts)
         if in_log_time():
             logger.info("model {}: loaded by MLflow's log/save step: no engine is started", target.name)
-            return LogTimeClient(target.served_name, target.settings, target.adapters)
+            return LogTimeClient(target.served_name, target.settings, target.adapters, RequestGuard.from_target(target))
         api_key = target.api_key or "EMPTY"
         if target.settings.api_key_env:
             api_key = os.environ.get(target.settings.api_key_env, api_key)
@@ -76,7 +88,8 @@ class EngineClient:
                 Replica(index, engine.url, engine.api_key or api_key, target.settings, engine)
                 for index, engine in enumerate(engines)
             ]
-        return cls(target.served_name, ReplicaSet(replicas), target.settings, target.adapters)
+        guard = RequestGuard.from_target(target)
+        return cls(target.served_name, ReplicaSet(replicas), target.settings, target.adapters, guard)
 
     @property
     def engines(self) -> list[Engine]:
@@ -101,62 +114,105 @@ class EngineClient:
     def api_key(self) -> str:
         return self.replicas.replicas[0].api_key
 
-    def request(self, params: Mapping[str, Any] | None) -> dict[str, Any]:
-        """The ``chat.completions.create`` kwargs of ``params``, ``model`` included (an adapter's name when one is selected)."""
-        return create_kwargs(self.model, self.adapters, params, self.settings.defaults)
+    def request(
+        self, params: Mapping[str, Any] | None, messages: list[dict[str, Any]] | None = None, *, stream: bool = False
+    ) -> dict[str, Any]:
+        """The ``chat.completions.create`` kwargs of ``params``, ``model`` included (an adapter's name when one is
+        selected), checked by the request guard with ``messages`` (a placeholder message when not known yet)."""
+        return guarded_request(self.model, self.adapters, self.settings, self.guard, params, messages, stream)
 
     def chat(self, messages: list[dict[str, Any]], params: Mapping[str, Any] | None = None) -> ChatCompletion:
         """One non-streaming completion; typed errors."""
-        kwargs = self.request(params)
-        replica = self._take()
-        for attempt in (1, 2):
-            try:
-                return replica.openai().chat.completions.create(
-                    messages=messages, extra_headers=outgoing_headers(), **kwargs
-                )
-            except openai.APIConnectionError as error:
-                refused = error
-            except openai.OpenAIError as error:
-                raise from_openai_error(error) from error
-            finally:
-                self.replicas.release(replica)
-            following = self._retry_after(replica, refused) if attempt == 1 else None
-            if following is None:
-                raise from_openai_error(refused) from refused
-            replica = following
+        kwargs = self.request(params, messages)
+        shape = request_shape(CHAT_PATH, engine_body(messages, kwargs))
+        with self.quarantine.holding(shape):
+            replica = self._take()
+            for attempt in (1, 2):
+                log_file = _log_file(replica)
+                try:
+                    create = replica.openai().chat.completions.create
+                    return self._answered(partial(create, messages=messages, extra_headers=outgoing_headers(), **kwargs))
+                except openai.APIConnectionError as error:
+                    refused = error
+                except openai.OpenAIError as error:
+                    raise from_openai_error(error) from error
+                finally:
+                    self.replicas.release(replica)
+                if self._failed_under(shape, refused, replica, log_file):
+                    raise from_openai_error(refused) from refused
+                following = self._retry_after(replica, refused) if attempt == 1 else None
+                if following is None:
+                    raise from_openai_error(refused) from refused
+                replica = following
         raise AssertionError("unreachable")
 
     def stream(
         self, messages: list[dict[str, Any]], params: Mapping[str, Any] | None = None
     ) -> Iterator[ChatCompletionChunk]:
         """Engine chunks as they arrive (usage in the last one); typed errors, also mid-stream."""
-        kwargs = self.request(params)
-        replica = self._take()
-        for attempt in (1, 2):
-            received = False
+        kwargs = self.request(params, messages, stream=True)
+        shape = request_shape(CHAT_PATH, engine_body(messages, kwargs, stream=True))
+        with self.quarantine.holding(shape):
+            replica = self._take()
+            for attempt in (1, 2):
+                received = False
+                log_file = _log_file(replica)
+                try:
+                    create = replica.openai().chat.completions.create
+                    stream = self._answered(
+                        partial(
+                            create,
+                            messages=messages,
+                            stream=True,
+                            stream_options={"include_usage": True},
+                            extra_headers=outgoing_headers(),
+                            **kwargs,
+                        )
+                    )
+                    with stream:
+                        for chunk in stream:
+                            received = True
+                            yield chunk
+                    return
+                except openai.APIConnectionError as error:
+                    refused = error
+                except httpx.TransportError as error:  # the connection broke mid-stream (the openai client passes it on)
+                    self._failed_under(shape, error, replica, log_file)
+                    raise EngineUnavailableError(f"the engine's connection broke mid-stream: {error}") from error
+                except openai.OpenAIError as error:
+                    raise from_openai_error(error) from error
+                finally:
+                    self.replicas.release(replica)
+                if self._failed_under(shape, refused, replica, log_file):
+                    raise from_openai_error(refused) from refused
+                following = None if received or attempt == 2 else self._retry_after(replica, refused)
+                if following is None:
+                    raise from_openai_error(refused) from refused
+                replica = following
+
+    def _answered(self, call: Callable[[], T]) -> T:
+        """``call()``, sent again (``max_retries`` times, with backoff) while the engine answers 429 or 5xx: an
+        engine that answers is alive, so this never resends a request it crashed or froze under."""
+        for retry in range(self.settings.max_retries + 1):
             try:
-                stream = replica.openai().chat.completions.create(
-                    messages=messages,
-                    stream=True,
-                    stream_options={"include_usage": True},
-                    extra_headers=outgoing_headers(),
-                    **kwargs,
-                )
-                with stream:
-                    for chunk in stream:
-                        received = True
-                        yield chunk
-                return
-            except openai.APIConnectionError as error:
-                refused = error
-            except openai.OpenAIError as error:
-                raise from_openai_error(error) from error
-            finally:
-                self.replicas.release(replica)
-            following = None if received or attempt == 2 else self._retry_after(replica, refused)
-            if following is None:
-                raise from_openai_error(refused) from refused
-            replica = following
+                return call()
+            except openai.APIStatusError as error:
+                if retry == self.settings.max_retries or not (error.status_code == 429 or error.status_code >= 500):
+                    raise
+                time.sleep(min(0.5 * 2**retry, 8.0))
+        raise AssertionError("unreachable")
+
+    def _failed_under(self, shape: str, error: BaseException, replica: Replica, log_file: Path | None) -> bool:
+        """Whether the engine crashed or froze under this call (then noted in the quarantine, and the call is
+        never sent again); ``log_file``: the engine's log when the call was sent (a restart writes another)."""
+        if not took_engine_down(error, has_engine=replica.engine is not None, log_file=log_file):
+            return False
+        refused = self.quarantine.engine_failed(shape)
+        logger.warning(
+            "model {}: the engine failed under a call ({}); not retried{}", self.model, type(error.__cause__ or error).__name__,
+            "; calls of its shape are refused from now on" if refused else "",
+        )
+        return True
 
     def _take(self) -> Replica:
         """The replica for a new request (counted in flight); EngineUnavailableError when none can take it."""
@@ -202,18 +258,25 @@ class LogTimeClient:
 
     engine = None
 
-    def __init__(self, model: str, settings: ModelCodeSettings | None = None, adapters: tuple[str, ...] | None = None) -> None:
+    def __init__(
+        self, model: str, settings: ModelCodeSettings | None = None, adapters: tuple[str, ...] | None = None,
+        guard: RequestGuard | None = None,
+    ) -> None:
         self.model = model
         self.settings = settings or ModelCodeSettings()
         self.adapters = adapters
+        self.guard = guard or RequestGuard(model)
 
-    def request(self, params: Mapping[str, Any] | None) -> dict[str, Any]:
-        """The ``chat.completions.create`` kwargs of ``params``, ``model`` included (an adapter's name when one is selected)."""
-        return create_kwargs(self.model, self.adapters, params, self.settings.defaults)
+    def request(
+        self, params: Mapping[str, Any] | None, messages: list[dict[str, Any]] | None = None, *, stream: bool = False
+    ) -> dict[str, Any]:
+        """The ``chat.completions.create`` kwargs of ``params``, ``model`` included (an adapter's name when one is
+        selected), checked by the request guard with ``messages`` (a placeholder message when not known yet)."""
+        return guarded_request(self.model, self.adapters, self.settings, self.guard, params, messages, stream)
 
     def chat(self, messages: list[dict[str, Any]], params: Mapping[str, Any] | None = None) -> ChatCompletion:
-        self.request(params)
         _check_messages(messages)
+        self.request(params, messages)
         return ChatCompletion.model_validate(
             {
                 "id": f"chatcmpl-{uuid.uuid4().hex}",
@@ -230,8 +293,8 @@ class LogTimeClient:
     def stream(
         self, messages: list[dict[str, Any]], params: Mapping[str, Any] | None = None
     ) -> Iterator[ChatCompletionChunk]:
-        self.request(params)
         _check_messages(messages)
+        self.request(params, messages, stream=True)
         base = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion.chunk",
@@ -252,6 +315,24 @@ class LogTimeClient:
 
     def close(self) -> None:
         pass
+
+
+def _log_file(replica: Replica) -> Path | None:
+    """The log of the engine a call is sent to (None for a URL): where a crash under the call is written."""
+    return replica.engine.log_file if replica.engine is not None else None
+
+
+_PLACEHOLDER_MESSAGES = [{"role": "user", "content": "."}]
+
+
+def guarded_request(
+    model: str, adapters: tuple[str, ...] | None, settings: ModelCodeSettings, guard: RequestGuard,
+    params: Mapping[str, Any] | None, messages: list[dict[str, Any]] | None, stream: bool,
+) -> dict[str, Any]:
+    """``chat.completions.create`` kwargs of ``params`` (``model`` included), checked by ``guard`` with ``messages``."""
+    kwargs = create_kwargs(model, adapters, params, settings.defaults)
+    guard.check(messages if messages is not None else _PLACEHOLDER_MESSAGES, kwargs, stream=stream)
+    return kwargs
 
 
 def _check_messages(messages: list[dict[str, Any]]) -> None:

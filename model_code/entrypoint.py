@@ -9,7 +9,7 @@ So everything that command needs is logged in the artifacts folder:
   itself (the weights) and the gateway on ``0.0.0.0:${SGLANG_GATEWAY_PORT:-8080}``;
 - the weights (when given), under their directory's name; the LoRA adapters, copied as ``lora-<name>``
   (served as the models ``<model>:<adapter>``, as the gateway serves them anywhere);
-- ``gateway/`` and ``launch/``: the code of the command. ``python -m`` puts the working directory first
+- ``gateway/``, ``engine_guard/`` and ``launch/``: the code of the command. ``python -m`` puts the working directory first
   on ``sys.path``, so the command needs the requirements installed and nothing else (no console script,
   whose shebang would name the logging machine's python).
 
@@ -36,7 +36,7 @@ from model_code.target import ADAPTER_ARTIFACT_PREFIX, SETTINGS_KEY, WEIGHTS_ART
 
 PLACEHOLDER_FILE = PACKAGE_DIR / "entrypoint_model.py"
 DEPLOYMENT_FILE = "sglang-gateway.yaml"
-CODE_PACKAGES = ("gateway", "launch")
+CODE_PACKAGES = ("engine_guard", "gateway", "launch")
 PORT_ENV = "SGLANG_GATEWAY_PORT"
 DEFAULT_PORT = 8080
 COMMAND = f"python -u -m gateway.cli serve {DEPLOYMENT_FILE}"

@@ -27,10 +27,19 @@ class EngineRequestError(MlflowException):
 
 
 class BadRequestError(EngineRequestError):
-    """The request was invalid (unknown parameter, bad JSON schema, bad messages): HTTP 400/422."""
+    """The request was invalid (unknown parameter, bad JSON schema, bad messages): HTTP 400/422.
+
+    ``param``: the field at fault when known (the request guard names it); ``code``: the kind of refusal."""
 
     status_code = 400
     _error_code = databricks_pb2.INVALID_PARAMETER_VALUE
+
+    def __init__(
+        self, message: str, *, engine_status: int | None = None, body: Any = None, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message, engine_status=engine_status, body=body)
+        self.param = param
+        self.code = code
 
 
 class ContextLengthError(BadRequestError):

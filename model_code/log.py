@@ -17,7 +17,7 @@ from model_code.paths import PACKAGE_DIR, REPO_DIR
 from model_code.requirements import pip_requirements as computed_requirements
 from model_code.target import NO_ENGINE_ENV, SETTINGS_KEY, WEIGHTS_ARTIFACT, resolve_target, split_model_config
 
-CODE_PATHS = [str(REPO_DIR / "launch"), str(PACKAGE_DIR)]  # the whole package: every flavour module is there
+CODE_PATHS = [str(REPO_DIR / "launch"), str(REPO_DIR / "engine_guard"), str(PACKAGE_DIR)]  # the whole package: every flavour module is there
 
 ENTRYPOINT_FLAVOR = "entrypoint"  # Databricks custom LLM serving: see model_code.entrypoint
 

@@ -13,7 +13,9 @@ Then :func:`build_request` (the engine client calls it) takes that mapping. Acce
 :class:`BadRequestError` that lists them):
 OpenAI ones are passed as is; SGLang sampling extras (``top_k``, ``min_p``, ``repetition_penalty``,
 ``regex``, ``ebnf``, ...) go in ``extra_body``; ``json_schema`` (a dict or JSON string, as batch users
-already pass it) becomes ``response_format={"type": "json_schema", ...}``; ``extra_body`` is merged verbatim;
+already pass it) becomes ``response_format={"type": "json_schema", ...}``; ``extra_body`` is merged verbatim (less the
+keys the wrapper sets: ``model``, ``messages``, ``stream``, ``stream_options``) and the whole request then goes
+through the request guard (:mod:`model_code.guard`) as a gateway request would;
 ``adapter`` selects one of the model's LoRA adapters (:func:`model_for`), in every flavour's ``custom_inputs``.
 """
 
@@ -68,6 +70,7 @@ SGLANG_EXTRA_PARAMS = frozenset(
 ADAPTER_PARAM = "adapter"
 CONVENIENCE_PARAMS = frozenset({"json_schema", "extra_body", ADAPTER_PARAM})
 ACCEPTED_PARAMS = OPENAI_PARAMS | SGLANG_EXTRA_PARAMS | CONVENIENCE_PARAMS
+_SET_BY_THE_WRAPPER = frozenset({"model", "messages", "stream", "stream_options"})
 
 
 def build_request(params: Mapping[str, Any] | None, defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -97,6 +100,8 @@ def build_request(params: Mapping[str, Any] | None, defaults: Mapping[str, Any] 
     if merged.get("extra_body") is not None:
         if not isinstance(merged["extra_body"], Mapping):
             raise BadRequestError("'extra_body' must be a mapping")
+        for name in _SET_BY_THE_WRAPPER.intersection(merged["extra_body"]):
+            raise BadRequestError(f"extra_body.{name}: set by the wrapper itself (the call's messages, model and streaming)", param=name)
         extra.update(merged["extra_body"])
     if extra:
         kwargs["extra_body"] = extra

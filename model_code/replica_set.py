@@ -63,7 +63,9 @@ class Replica:
                     base_url=self.base_url,
                     api_key=self.api_key,
                     timeout=self._settings.request_timeout_s,
-                    max_retries=self._settings.max_retries,
+                    # the EngineClient retries answers (429, 5xx) itself: openai's own retries would also resend
+                    # a request the engine crashed or froze under
+                    max_retries=0,
                 )
             return self._client
 

@@ -50,7 +50,9 @@ class ModelCodeSettings(BaseModel):
         default_factory=dict, description="Default generation parameters, e.g. max_tokens."
     )
     request_timeout_s: float = Field(600.0, gt=0, description="Timeout of one engine request.")
-    max_retries: int = Field(0, ge=0, description="openai client retries (connection errors, 429, 5xx).")
+    max_retries: int = Field(
+        0, ge=0, description="Retries of a call the engine answered 429 or 5xx (never of one the engine failed under)."
+    )
     api_key_env: str | None = Field(
         None, description="Environment variable holding the API key of a URL target (gateway with auth)."
     )

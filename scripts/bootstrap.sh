@@ -129,8 +129,11 @@ if [ -L .venv ]; then rm .venv; fi
 layer_ok() {
   [ "$(cat .venv/.layer 2>/dev/null)" = "$layer" ] && [ -x .venv/bin/sglang-gateway ] || return 1
   # -I: what .venv itself finds; the current directory (the checkout, installed or not) or a PYTHONPATH would answer.
-  [ "$(.venv/bin/python -I -c 'import importlib.util as u; print(u.find_spec("gateway").origin)' 2>/dev/null)" \
-    = "$root/gateway/__init__.py" ]
+  # Every top-level package: an editable install maps the packages it was made with (a new one needs a rebuild).
+  for package in gateway engine_guard; do
+    [ "$(.venv/bin/python -I -c "import importlib.util as u; print(u.find_spec('$package').origin)" 2>/dev/null)" \
+      = "$root/$package/__init__.py" ] || return 1
+  done
 }
 if ! layer_ok; then
   rm -rf .venv

@@ -1,6 +1,6 @@
 """The folders show the architecture, and the imports keep to it: the layering in pyproject's
-``[tool.importlinter]`` (composition root > control | data > edge > core > config > fields; launch/ never
-imports gateway/ or model_code/), checked by import-linter over the real import graph."""
+``[tool.importlinter]`` (composition root > control | data > edge > core > config > console; launch/ never
+imports gateway/ or model_code/; engine_guard/ imports neither), checked by import-linter over the real import graph."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def test_the_imports_keep_to_the_layers() -> None:
 
 def test_an_upward_import_breaks_the_contract(tmp_path: Path) -> None:
     """The check can fail: a copy of the packages where core imports the data plane breaks it."""
-    for package in ("gateway", "launch", "model_code"):
+    for package in ("engine_guard", "gateway", "launch", "model_code"):
         shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", tmp_path)
     registry = tmp_path / "gateway" / "core" / "registry.py"

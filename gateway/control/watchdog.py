@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 from loguru import logger
 
+from engine_guard.shapes import fields_of as _fields
 from gateway.config import GatewaySettings, WatchdogSettings
 from gateway.control.swap import SwapError, SwapExecutor
 from gateway.core.backends import Backend, EngineBackend, RouterBackend
-from gateway.core.poison import fields_of as _fields
 from gateway.core.state import GatewayState
 
 

@@ -3,7 +3,7 @@
 SGLang answers some client mistakes with a 500, as if it had failed (a 500 becomes the gateway's 502
 "engine failed", an engine error in the metrics and the log). Each rule here names one such answer, as
 the real engine gives it, and the request field that caused it; a 5xx matching none stays an engine
-failure. The first line of defence is the request validation (:mod:`gateway.core.schemas`); this is the
+failure. The first line of defence is the request validation (:mod:`engine_guard.schemas`); this is the
 backstop for what reaches the engine anyway.
 
 =================================================  ==========================================================

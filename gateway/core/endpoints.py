@@ -4,7 +4,7 @@ The hot path (:class:`gateway.app.GatewayAPI`) dispatches proxied POSTs by this 
 (and so ``/openapi.json``) are generated from it; authentication reads each route's dialect (Anthropic
 clients send ``x-api-key``); metrics label requests with the route's path; the endpoint table of docs/serving.md is
 checked against :func:`endpoint_table`. Adding a model-serving route of the engine is one line in
-:data:`PROXIED` (plus a request schema in :mod:`gateway.core.schemas` and its test).
+:data:`PROXIED` (plus a request schema in :mod:`engine_guard.schemas` and its test).
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from gateway.core import schemas
+from engine_guard import schemas
+from engine_guard.token_ids import CHAT_TOKEN_ID_FIELDS
 from gateway.core.errors import Dialect, StreamKind
 
 
@@ -47,7 +48,7 @@ class ProxiedRoute:
 
 PROXIED: tuple[ProxiedRoute, ...] = (
     ProxiedRoute(
-        "/v1/chat/completions", schemas.ChatCompletionRequest, "Chat completions (OpenAI)", "generation", token_ids=("input_ids", "logit_bias"),
+        "/v1/chat/completions", schemas.ChatCompletionRequest, "Chat completions (OpenAI)", "generation", token_ids=CHAT_TOKEN_ID_FIELDS,
     ),
     ProxiedRoute("/v1/completions", schemas.CompletionRequest, "Text completions (OpenAI)", "generation", token_ids=("prompt", "logit_bias")),
     ProxiedRoute(
@@ -89,7 +90,7 @@ PROXIED_BY_PATH: dict[str, ProxiedRoute] = {route.path: route for route in PROXI
 # (absent, or the endpoint's name) does not choose the model.
 INVOCATIONS = ProxiedRoute(
     "/invocations", schemas.InvocationsRequest, "Chat completions of the default model (a serving platform's route)",
-    "generation", model=ModelChoice.DEFAULT, upstream="/v1/chat/completions", token_ids=("input_ids", "logit_bias"),
+    "generation", model=ModelChoice.DEFAULT, upstream="/v1/chat/completions", token_ids=CHAT_TOKEN_ID_FIELDS,
 )  # fmt: skip
 
 # Responses stored by the engine, reached through the engine that created them (see gateway.core.responses_index).

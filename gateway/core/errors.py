@@ -17,6 +17,7 @@ from typing import Any
 import orjson
 from starlette.responses import Response
 
+from engine_guard.refusal import Refused
 from gateway.core.client_mistakes import client_mistake
 
 MAX_MESSAGE_CHARS = 2000
@@ -131,6 +132,11 @@ class GatewayError(Exception):
 def unknown_model(name: str) -> GatewayError:
     """The answer to a request naming a model (or an adapter) the gateway does not serve."""
     return GatewayError(404, f"The model {name!r} does not exist; see GET /v1/models", code="model_not_found", param="model")
+
+
+def refused(refusal: Refused) -> GatewayError:
+    """The 400 of a request the guard (:mod:`engine_guard`) refused, naming its field as the guard did."""
+    return GatewayError(refusal.status, refusal.message, code=refusal.code, param=refusal.param)
 
 
 def error_body(message: str, type: str, code: str | int | None, param: str | None = None) -> dict[str, Any]:

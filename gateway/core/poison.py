@@ -1,102 +1,23 @@
 """Requests that can crash an engine: refuse the known kinds, and the unknown ones once they have.
 
-SGLang 0.5.23 trusts prompt token ids: one id outside ``[0, vocab_size)`` in a completions prompt (or an
-embeddings input) crashes its scheduler, and with it the model, for every client. :func:`token_id_problem`
-refuses such requests before they leave the gateway.
-
-For crash classes nobody has found yet there is :class:`Quarantine`: when an engine dies, the requests
+The known kinds are refused by the request guard (:mod:`engine_guard`: token ids outside the vocabulary,
+unbounded grammars, fields off the allowlist). For crash classes nobody has found yet there is :class:`Quarantine`: when an engine dies, the requests
 whose connections broke with it are suspects; when it freezes (the watchdog restarts it for failed health
 probes), every request in flight on it is. A request shape that was the only suspect of a failure, or a
-suspect of two, is refused (400). Requests are identified by their *shape* (:func:`request_shape`: route,
+suspect of two, is refused (400). Requests are identified by their *shape* (:func:`engine_guard.shapes.request_shape`: route,
 fields, types and size classes), not their bytes: an SDK retrying, a client editing a word, the same
 request an hour later or on another replica are all refused, while requests made of other fields pass.
 """
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass, replace
 from dataclasses import field as dataclass_field
 from typing import Any
 
-import orjson
-
+from engine_guard.shapes import fields_of
 from gateway.core.errors import GatewayError
-
-_TOKEN_ID_KEY = re.compile(r"-?[0-9]+")  # ASCII digits with at most one sign: what int() takes (not "--5", not "²")
-
-
-def token_id_problem(fields: tuple[str, ...], body: dict[str, Any], vocab_size: int | None) -> str | None:
-    """Why the token ids in ``body``'s ``fields`` (a list of ints, or a list of lists) cannot go to an
-    engine, or None. Negative ids are always refused; ids at or above ``vocab_size`` when it is known.
-    """
-    for field in fields:
-        value = body.get(field)
-        if isinstance(value, dict):  # logit_bias: {"<token id>": bias}
-            keys = [int(key) if _TOKEN_ID_KEY.fullmatch(key) else None for key in value]
-            if None in keys:
-                return f"{field}: keys must be token ids (integers as strings)"
-            value = keys
-        if not isinstance(value, list):
-            continue
-        for row in value if value and isinstance(value[0], list) else [value]:
-            if not isinstance(row, list):
-                continue
-            for token in row:
-                if not isinstance(token, int) or isinstance(token, bool):
-                    continue
-                if token < 0:
-                    return f"{field}: token id {token} is negative"
-                if vocab_size is not None and token >= vocab_size:
-                    return f"{field}: token id {token} is outside the model's vocabulary [0, {vocab_size})"
-    return None
-
-
-def _size_class(length: int) -> int:
-    """0 for empty, then one class per power of two (1, 2-3, 4-7...)."""
-    return length.bit_length()
-
-
-def _describe(value: Any, depth: int) -> str:
-    """A value's shape: its type and size class, containers to ``depth`` levels (elements deduplicated)."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return "int-" if value < 0 else f"int{_size_class(value)}"  # every negative id is as wrong as another
-    if isinstance(value, float):
-        return "float-" if value < 0 else "float0" if value == 0 else "float<1" if value < 1 else f"float{_size_class(int(value))}"
-    if isinstance(value, str):
-        return f"str{_size_class(len(value))}"
-    if value is None:
-        return "null"
-    if isinstance(value, list):
-        if depth <= 0:
-            return f"list{_size_class(len(value))}"
-        items = sorted({_describe(item, depth - 1) for item in value[:256]})
-        return f"list{_size_class(len(value))}[{','.join(items)}]"
-    if isinstance(value, dict):
-        if depth <= 0:
-            return f"obj{_size_class(len(value))}"
-        return "{" + ",".join(f"{key}:{_describe(value[key], depth - 1)}" for key in sorted(value)[:64]) + "}"
-    return type(value).__name__
-
-
-def request_shape(path: str, body: dict[str, Any]) -> str:
-    """What a request is made of, for the quarantine: its route (the engine's path) and, for each field but
-    ``model``, its type and size class, three levels deep. Editing a word of a prompt keeps the shape; so
-    does sending it again later or to another replica; adding, removing or retyping a field changes it."""
-    fields = ",".join(f"{key}:{_describe(body[key], 3)}" for key in sorted(body) if key != "model")
-    return f"{path} {{{fields}}}"
-
-
-def payload_shape(path: str, payload: bytes) -> str:
-    """:func:`request_shape` of a body as sent upstream (parsed again: only when an engine failed)."""
-    try:
-        body = orjson.loads(payload)
-    except orjson.JSONDecodeError:
-        body = {"unparsed": payload.decode(errors="replace")}
-    return request_shape(path, body if isinstance(body, dict) else {"body": body})
 
 
 @dataclass
@@ -182,18 +103,3 @@ class Quarantine:
             {"model": model, "shape": shape, "fields": list(record.fields), "strikes": record.strikes, "cause": record.last_cause, "since": record.since}
             for (model, shape), record in self._records.items() if record.blocked
         ]  # fmt: skip
-
-
-def fields_of(shape: str) -> tuple[str, ...]:
-    """The top-level field names of a shape (for messages and the log: "which fields made it dangerous")."""
-    inner = shape.split(" ", 1)[1][1:-1] if " " in shape else ""
-    names, depth, start = [], 0, 0
-    for at, char in enumerate(inner + ","):
-        if char in "[{":
-            depth += 1
-        elif char in "]}":
-            depth -= 1
-        elif char == "," and depth == 0:
-            names.append(inner[start:at].split(":", 1)[0])
-            start = at + 1
-    return tuple(name for name in names if name)

@@ -6,9 +6,9 @@ from typing import Any
 
 import aiohttp
 
+from engine_guard.shapes import payload_shape
 from gateway.core.backends import Backend
 from gateway.core.limits import ConcurrencyLimiter
-from gateway.core.poison import payload_shape
 from gateway.data.stream_pool import (
     StreamExchange,
     UpstreamPoolFull,

@@ -21,19 +21,21 @@ from starlette.responses import Response
 from starlette.types import Receive
 from yarl import URL
 
+from engine_guard.bounds import grammar_bytes
+from engine_guard.shapes import request_shape
+from engine_guard.token_ids import token_id_problem
 from gateway.config import BalancingSettings
 from gateway.core.backends import Backend
 from gateway.core.context import RequestInfo
 from gateway.core.endpoints import ProxiedRoute
 from gateway.core.errors import GatewayError, StreamKind, unknown_model, upstream_error
 from gateway.core.metrics import Metrics
-from gateway.core.poison import Quarantine, request_shape, token_id_problem
+from gateway.core.poison import Quarantine
 from gateway.core.registry import ModelRoute, Registry
 from gateway.core.responses_index import ResponseIndex
 from gateway.core.state import Waker
 from gateway.core.tracing import Tracing, finish_reasons, request_params
 from gateway.data.balancer import pick
-from gateway.data.bounds import grammar_bytes
 from gateway.data.lease import Lease
 from gateway.data.relay import SSEProxyResponse, wait_disconnect
 from gateway.data.stream_pool import (
@@ -107,7 +109,7 @@ class Proxy:
         once, and :class:`SSEProxyResponse` watches the client from then on. ``pinned``: the backend
         that must answer (it holds the state the request continues). ``owner``: the client key's identity
         (:func:`gateway.edge.auth.request_owner`), recorded as the owner of a Responses API response it creates.
-        ``grammar_size``: :func:`gateway.data.bounds.grammar_bytes` of ``body`` when the caller measured it already.
+        ``grammar_size``: :func:`engine_guard.bounds.grammar_bytes` of ``body`` when the caller measured it already.
         ``priority``: the request's class (its ``x-gateway-priority`` header's, else its key's): its place in the model's
         queue, and the request's ``priority`` on an engine that schedules by it (there it replaces whatever the client sent).
         """

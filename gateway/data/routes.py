@@ -16,16 +16,17 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from engine_guard.bounds import check_bounds
+from engine_guard.refusal import Refused
+from engine_guard.schemas import check_extensions, parse_body
 from gateway.core.backends import Backend
 from gateway.core.context import RequestInfo, request_info
 from gateway.core.endpoints import PROXIED, RESPONSE_BY_ID, RESPONSE_CANCEL, ModelChoice, ProxiedRoute
-from gateway.core.errors import Dialect, GatewayError, error_body, error_response, shaped_for, unknown_model
+from gateway.core.errors import Dialect, GatewayError, error_body, error_response, refused, shaped_for, unknown_model
 from gateway.core.health import HealthProbes
 from gateway.core.registry import ModelRoute
 from gateway.core.responses_index import StoredResponse
-from gateway.core.schemas import check_extensions, parse_body
 from gateway.core.state import GatewayState
-from gateway.data.bounds import check_bounds
 from gateway.data.proxy import call_backend
 from gateway.edge.auth import request_owner
 from gateway.tenants.keys import TENANT_SCOPE_KEY, Tenant
@@ -54,11 +55,18 @@ async def _proxied(request: Request, endpoint: ProxiedRoute) -> Response:
     path = endpoint.upstream_path
     tenant: Tenant | None = request.scope.get(TENANT_SCOPE_KEY)
     priority = request_priority(request.scope, tenant)  # a proxied route is never an open path: None is no client keys
-    body = parse_body(await request.body(), endpoint.schema, path)
-    grammar_size = check_bounds(path, body, state.settings.request_bounds)
+    raw = await request.body()
+    try:  # the request guard (engine_guard): the allowlist, its types and bounds, grammar inputs
+        body = parse_body(raw, endpoint.schema, path)
+        grammar_size = check_bounds(path, body, state.settings.request_bounds)
+    except Refused as refusal:
+        raise refused(refusal) from None
     route = _model_route(state, body, endpoint, tenant)
     info.model = route.name  # an adapter's name, "<model>:<adapter>", is set by the proxy that selects it
-    check_extensions(body, path, state.settings.extensions_for(route.name), route.name)
+    try:
+        check_extensions(body, path, state.settings.extensions_for(route.name), route.name)
+    except Refused as refusal:
+        raise refused(refusal) from None
     owner = request_owner(request.scope)
     pinned = _continued_response(state, body, route, owner) if endpoint.response_ids else None
     assert state.proxy is not None, "the app's lifespan did not run"

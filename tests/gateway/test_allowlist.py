@@ -9,13 +9,12 @@ from typing import Any
 import orjson
 import pytest
 
-from gateway.config import RequestBounds
+from engine_guard.bounds import RequestBounds, check_bounds, grammar_bytes
+from engine_guard.fields import DROPPED, EXTENSIONS, REFUSED, extension_table, extensions_for
+from engine_guard.grammar_checks import GrammarProblem, check_json_schema, check_stop_regex
+from engine_guard.refusal import Refused
+from engine_guard.schemas import check_extensions, parse_body
 from gateway.core.endpoints import PROXIED_BY_PATH
-from gateway.core.errors import GatewayError
-from gateway.core.schemas import check_extensions, parse_body
-from gateway.data.bounds import check_bounds, grammar_bytes
-from gateway.data.grammar_checks import GrammarProblem, check_json_schema, check_stop_regex
-from gateway.fields import DROPPED, EXTENSIONS, REFUSED, extension_table, extensions_for
 
 EXTENSIONS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "security.md"  # holds the extension table
 HELLO = [{"role": "user", "content": "hi"}]
@@ -57,29 +56,29 @@ def test_every_field_sglang_reads_is_classified() -> None:
 
 def test_docs_list_the_extension_fields() -> None:
     assert extension_table() in EXTENSIONS_PAGE.read_text(), (
-        "docs/security.md's extension table differs from gateway.fields: paste extension_table()"
+        "docs/security.md's extension table differs from engine_guard.fields: paste extension_table()"
     )
 
 
 def test_unknown_fields_are_refused_by_name_and_service_options_dropped() -> None:
-    with pytest.raises(GatewayError) as refused:
+    with pytest.raises(Refused) as refused:
         _parse(CHAT, {"model": "m", "messages": HELLO, "max_tokenz": 5})
     assert refused.value.status == 400 and refused.value.param == "max_tokenz" and refused.value.code == "unknown_field"
     body = _parse(CHAT, {"model": "m", "messages": HELLO, "store": True, "service_tier": "auto", "logprobs": "true"})
     assert "store" not in body and "service_tier" not in body and body["logprobs"] == "true"  # lax like SGLang's
-    with pytest.raises(GatewayError) as chosen:
+    with pytest.raises(Refused) as chosen:
         _parse("/v1/responses", {"model": "m", "input": "hi", "request_id": "resp_x"})
     assert chosen.value.param == "request_id" and chosen.value.code == "unsupported_parameter"
 
 
 def test_extension_fields_need_the_deployment_and_are_typed_when_on() -> None:
     body = _parse(CHAT, {"model": "m", "messages": HELLO, "input_ids": [1, 2]})
-    with pytest.raises(GatewayError) as off:
+    with pytest.raises(Refused) as off:
         check_extensions(body, CHAT, frozenset(), "m")
     assert off.value.param == "input_ids" and off.value.code == "extension_field_disabled" and "extension_fields.m" in off.value.message
     check_extensions(body, CHAT, frozenset({"input_ids"}), "m")
     for bad in ({"input_ids": []}, {"input_ids": ["x"]}, {"rid": "../../flush_cache"}, {"custom_logit_processor": '{"callable": "AAAA"}'}):
-        with pytest.raises(GatewayError) as typed:
+        with pytest.raises(Refused) as typed:
             _parse(CHAT, {"model": "m", "messages": HELLO, **bad})
         assert typed.value.param == next(iter(bad)), bad
     assert set(EXTENSIONS) >= {"input_ids", "rid", "lora_path", "custom_logit_processor", "return_hidden_states"}
@@ -126,7 +125,7 @@ def test_fan_out_and_grammar_bounds() -> None:
         (CHAT, {"messages": HELLO, "response_format": {"type": "json_schema", "json_schema": {"schema": {"$ref": "#"}}}}, "response_format"),
     ]
     for path, body, field in cases:
-        with pytest.raises(GatewayError) as refused:
+        with pytest.raises(Refused) as refused:
             check_bounds(path, body, bounds)
         assert refused.value.status == 400 and refused.value.param == field, (path, body, refused.value.message)
     check_bounds("/v1/completions", {"prompt": ["a"] * 4, "n": 2}, bounds)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from engine_guard.fields import EXTENSIONS
 from gateway.config import BalancingSettings, GatewaySettings, default_state_dir, gateway_settings
-from gateway.fields import EXTENSIONS
 from launch.config import ConfigError, parse_config
 
 MODELS = {"a": {"url": "http://127.0.0.1:1"}, "b": {"url": "http://127.0.0.1:2"}}

@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
+from engine_guard.bounds import grammar_bytes
 from gateway.config import LimitSettings
 from gateway.core.errors import GatewayError
 from gateway.core.limits import ConcurrencyLimiter
-from gateway.data.bounds import grammar_bytes
 
 
 def test_a_grammar_slot_is_waited_for_then_refused_with_429() -> None:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from engine_guard.shapes import fields_of, payload_shape, request_shape
+from engine_guard.token_ids import token_id_problem
 from gateway.core.errors import GatewayError
-from gateway.core.poison import Quarantine, fields_of, payload_shape, request_shape, token_id_problem
+from gateway.core.poison import Quarantine
 
 PROMPT = ("prompt",)
 

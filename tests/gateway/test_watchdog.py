@@ -15,13 +15,14 @@ import orjson
 import pytest
 from loguru import logger
 
+from engine_guard.shapes import fields_of, payload_shape, request_shape
 from gateway.config import GatewaySettings, WatchdogSettings
 from gateway.control.swap import SwapExecutor
 from gateway.control.watchdog import Watchdog, backoff_delay
 from gateway.core.backends import EngineBackend
 from gateway.core.errors import GatewayError
 from gateway.core.metrics import Metrics
-from gateway.core.poison import Quarantine, fields_of, payload_shape, request_shape
+from gateway.core.poison import Quarantine
 from gateway.core.registry import ModelRoute, Registry
 from gateway.core.state import GatewayState
 from launch.config import EngineConfig

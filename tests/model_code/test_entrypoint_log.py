@@ -61,7 +61,7 @@ def test_the_artifacts_folder_holds_what_the_command_runs(
     _, files = tiny_logged
     artifacts = files / "artifacts"
     assert sorted(p.name for p in artifacts.iterdir()) == sorted(
-        ["gateway", "launch", DEPLOYMENT_FILE, tiny_model_dir.name]
+        ["engine_guard", "gateway", "launch", DEPLOYMENT_FILE, tiny_model_dir.name]
     )
     assert (artifacts / "gateway" / "cli.py").is_file() and (artifacts / "launch" / "cpu_shim" / "sgl_kernel").is_dir()
     assert not list(artifacts.rglob("__pycache__")) and not list(artifacts.rglob("*.pyc"))

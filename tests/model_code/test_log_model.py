@@ -35,7 +35,7 @@ def test_logging_a_managed_config_starts_no_engine(flavor, mlflow_store, tiny_de
     assert engine_owner.STARTS == starts and set(engine_children()) == children
     files = _files(info)
     assert (files / "artifacts" / tiny_model_dir.name / "config.json").is_file()  # weights logged
-    for package in ("launch", "model_code", "model_code/flavors"):
+    for package in ("launch", "engine_guard", "model_code", "model_code/flavors"):
         assert (files / "code" / package / "__init__.py").is_file()  # code_paths
     code_file = FLAVORS[flavor].path.name  # the flavour's module is its models-from-code file, packed twice:
     assert (files / code_file).is_file() and (files / "code" / "model_code" / "flavors" / code_file).is_file()
@@ -90,7 +90,7 @@ def test_plain_mlflow_log_model_starts_no_engine(mlflow_store, tiny_engine_confi
                 "models": {"tiny": {"engine": tiny_engine_config.model_dump(mode="json", exclude_defaults=True)}}
             },
             artifacts={"llm-model": str(tiny_model_dir.resolve())},  # MLflow refuses a symlinked directory
-            code_paths=[str(REPO / "launch"), str(REPO / "model_code")],
+            code_paths=[str(REPO / "launch"), str(REPO / "engine_guard"), str(REPO / "model_code")],
             pip_requirements=["sglang==0.5.23"],
         )
     assert engine_owner.STARTS == starts and set(engine_children()) == children

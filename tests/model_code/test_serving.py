@@ -55,6 +55,11 @@ def test_mlflow_models_serve_invocations(served_agent):
         f"{served_agent}/invocations", json={"messages": MESSAGES, "custom_inputs": {"temprature": 1}}, timeout=60
     )
     assert response.status_code == 400 and "unknown generation parameter" in response.text
+    # the request guard runs behind /invocations too: a field the gateway refuses is a 400 naming it
+    for extra, field in (({"input_ids": [-1]}, "input_ids"), ({"stop_regex": "(x+x+)+y"}, "stop_regex")):
+        body = {"messages": MESSAGES, "custom_inputs": {"extra_body": extra}}
+        response = httpx.post(f"{served_agent}/invocations", json=body, timeout=60)
+        assert response.status_code == 400 and field in response.json()["message"], response.text
 
 
 @pytest.mark.parametrize(

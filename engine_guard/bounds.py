@@ -1,4 +1,4 @@
-"""The configurable bounds of one request (``gateway.request_bounds``): fan-out and grammar inputs.
+"""The configurable bounds of one request (``gateway.request_bounds``, or an MLflow model's ``request_bounds``): fan-out and grammar inputs.
 
 A request holds one gateway slot, but a completions request with 20,000 prompts, or a score request with
 20,000 items, is 20,000 requests for the engine; a 300 KB regex occupies one of its few grammar threads for
@@ -13,10 +13,32 @@ from collections.abc import Iterator
 from typing import Any
 
 import orjson
+from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.config import RequestBounds
-from gateway.core.errors import GatewayError
-from gateway.data.grammar_checks import GrammarProblem, check_ebnf, check_json_schema, check_regex, check_stop_regex
+from engine_guard.grammar_checks import GrammarProblem, check_ebnf, check_json_schema, check_regex, check_stop_regex
+from engine_guard.refusal import Refused
+
+
+class RequestBounds(BaseModel):
+    """What one request may ask of an engine: each list that fans out into engine work, and each grammar input.
+
+    Every prompt, item and choice becomes engine work behind one gateway slot; every grammar is compiled on
+    the engine's few grammar threads. The defaults fit OpenAI's own limits where it has them. The gateway reads
+    them from ``gateway.request_bounds``, the MLflow wrapper from its ``model_config``'s ``request_bounds``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_prompts: int = Field(64, ge=1, description="Prompts in one completions request (each is one engine request).")
+    max_generations: int = Field(128, ge=1, description="Generations per request: prompts x n (x best_of).")
+    max_inputs: int = Field(2048, ge=1, description="Inputs of embeddings/classify/tokenize, score items, rerank documents.")
+    max_messages: int = Field(2048, ge=1, description="Messages (or Responses input items) in one request.")
+    max_tools: int = Field(128, ge=0, description="Tools in one request.")
+    max_stop: int = Field(16, ge=0, description="Stop strings (stop, stop_sequences) and stop_regex patterns.")
+    max_token_list: int = Field(1024, ge=1, description="stop_token_ids, logit_bias and label_token_ids entries.")
+    max_grammar_bytes: int = Field(32768, ge=256, description="Bytes of each grammar input: regex, ebnf, JSON schema, structural tag.")
+    max_schema_depth: int = Field(32, ge=1, description="Nesting of a JSON schema.")
+    max_enum_values: int = Field(1024, ge=1, description="Values of one enum in a JSON schema.")
+
 
 # path -> the fields whose list items each become engine work
 _INPUT_LISTS: dict[str, tuple[str, ...]] = {
@@ -29,14 +51,14 @@ _INPUT_LISTS: dict[str, tuple[str, ...]] = {
 }
 
 
-def _refuse(field: str, message: str, code: str = "request_too_large") -> GatewayError:
+def _refuse(field: str, message: str, code: str = "request_too_large") -> Refused:
     """400 naming ``field``: a bound it exceeds (``request_too_large``) or a grammar the engine must not get (``invalid_grammar``)."""
-    return GatewayError(400, f"{field}: {message}", code=code, param=field)
+    return Refused(f"{field}: {message}", code=code, param=field)
 
 
-def _count(field: str, value: Any, bound: int, what: str) -> None:
+def _count(field: str, value: Any, bound: int, what: str, setting: str) -> None:
     if isinstance(value, (list, dict)) and len(value) > bound:
-        raise _refuse(field, f"{len(value)} {what}; at most {bound} (gateway.request_bounds)")
+        raise _refuse(field, f"{len(value)} {what}; at most {bound} ({setting})")
 
 
 def _prompt_count(prompt: Any) -> int:
@@ -46,34 +68,34 @@ def _prompt_count(prompt: Any) -> int:
     return 1
 
 
-def check_bounds(path: str, body: dict[str, Any], bounds: RequestBounds) -> int:
-    """Raise GatewayError(400) when ``body`` (valid for route ``path``, the engine's path) exceeds a bound.
+def check_bounds(path: str, body: dict[str, Any], bounds: RequestBounds, setting: str = "gateway.request_bounds") -> int:
+    """Raise Refused(400) when ``body`` (valid for route ``path``, the engine's path) exceeds a bound.
 
     Returns :func:`grammar_bytes` of ``body``, measured on the way (it decides the grammar slot)."""
     if path == "/v1/completions":
         prompts = _prompt_count(body.get("prompt"))
         if prompts > bounds.max_prompts:
-            raise _refuse("prompt", f"{prompts} prompts; at most {bounds.max_prompts} (gateway.request_bounds.max_prompts)")
+            raise _refuse("prompt", f"{prompts} prompts; at most {bounds.max_prompts} ({setting}.max_prompts)")
     else:
         prompts = 1
     choices = max(body.get("n") or 1, body.get("best_of") or 1)
     if prompts * choices > bounds.max_generations:
         field = "n" if prompts == 1 else "prompt"
-        raise _refuse(field, f"{prompts} prompt(s) x {choices} choices; at most {bounds.max_generations} generations (gateway.request_bounds.max_generations)")
+        raise _refuse(field, f"{prompts} prompt(s) x {choices} choices; at most {bounds.max_generations} generations ({setting}.max_generations)")
     for field in _INPUT_LISTS.get(path, ()):
-        _count(field, body.get(field), bounds.max_inputs, "entries")
+        _count(field, body.get(field), bounds.max_inputs, "entries", setting)
     for field in ("messages", "input"):
         if path not in _INPUT_LISTS:
-            _count(field, body.get(field), bounds.max_messages, "messages or input items")
+            _count(field, body.get(field), bounds.max_messages, "messages or input items", setting)
     input_ids = body.get("input_ids")
     if isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list):
-        _count("input_ids", input_ids, bounds.max_prompts, "prompts")
-    _count("tools", body.get("tools"), bounds.max_tools, "tools")
+        _count("input_ids", input_ids, bounds.max_prompts, "prompts", setting)
+    _count("tools", body.get("tools"), bounds.max_tools, "tools", setting)
     for field in ("stop", "stop_sequences", "stop_regex"):
-        _count(field, body.get(field), bounds.max_stop, "entries")
+        _count(field, body.get(field), bounds.max_stop, "entries", setting)
     for field in ("stop_token_ids", "logit_bias"):
-        _count(field, body.get(field), bounds.max_token_list, "entries")
-    return _check_grammars(body, bounds)
+        _count(field, body.get(field), bounds.max_token_list, "entries", setting)
+    return _check_grammars(body, bounds, setting)
 
 
 def grammar_inputs(body: dict[str, Any]) -> Iterator[tuple[str, str, Any]]:
@@ -121,7 +143,7 @@ def _size(value: Any) -> int:
     return len(value.encode()) if isinstance(value, str) else len(orjson.dumps(value))
 
 
-def _check_grammars(body: dict[str, Any], bounds: RequestBounds) -> int:
+def _check_grammars(body: dict[str, Any], bounds: RequestBounds, setting: str) -> int:
     """Check every grammar of ``body``; returns the bytes of those the engine compiles (as :func:`grammar_bytes`)."""
     compiled = 0
     for field, kind, value in grammar_inputs(body):
@@ -129,7 +151,7 @@ def _check_grammars(body: dict[str, Any], bounds: RequestBounds) -> int:
         if kind != "stop_regex":
             compiled += size
         if size > bounds.max_grammar_bytes:
-            raise _refuse(field, f"a {kind} of {size} bytes; at most {bounds.max_grammar_bytes} (gateway.request_bounds.max_grammar_bytes)")
+            raise _refuse(field, f"a {kind} of {size} bytes; at most {bounds.max_grammar_bytes} ({setting}.max_grammar_bytes)")
         try:
             if kind == "stop_regex":
                 check_stop_regex(value)

@@ -2,7 +2,7 @@
 
 A field of a proxied request is one of:
 
-- **allowed**: declared (typed, bounded) by the route's schema in :mod:`gateway.core.schemas`, sent upstream;
+- **allowed**: declared (typed, bounded) by the route's schema in :mod:`engine_guard.schemas`, sent upstream;
 - **dropped**: sent by OpenAI-compatible clients for OpenAI's own service, meaningless for an engine (e.g.
   ``store`` on chat, ``service_tier``): removed before the request goes upstream, never refused (:data:`DROPPED`);
 - **an extension**: an SGLang field that carries raw token ids or engine control; refused (400 naming the

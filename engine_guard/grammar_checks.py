@@ -12,7 +12,7 @@ Two engines run a request's patterns, with different failure modes:
   bounded backtracking product. Everything SGLang's stop strings do, a bounded pattern can do.
 - ``regex``, ``ebnf``, JSON schemas and structural tags are compiled by the grammar backend (xgrammar)
   into an automaton, which does not backtrack; their cost is compile time and memory, bounded by size
-  (:mod:`gateway.data.bounds`) and by the per-model grammar concurrency limit. Here the gateway refuses what
+  (:mod:`engine_guard.bounds`) and by the per-model grammar concurrency limit. Here the gateway refuses what
   would fail to compile (a regex or a JSON-schema ``pattern`` that does not parse, a ``$ref`` that does
   not resolve or that refers to itself without consuming input, an EBNF that does not parse), so it is
   the client's 400 rather than an engine failure.

@@ -1,11 +1,11 @@
 """What a proxied request may carry, validated before anything goes upstream: the allowlist's schemas.
 
 Each route's schema declares every field that goes to the engine, with its type and static bounds
-(:mod:`gateway.fields` lists the SGLang extensions that are off unless a deployment enables them per
+(:mod:`engine_guard.fields` lists the SGLang extensions that are off unless a deployment enables them per
 model, and the service options that are dropped). Anything else is refused with a 400 naming the field.
 Bodies are *not* re-serialized from these models: the client's JSON goes upstream as sent (less the
 dropped fields, ``model`` rewritten). Configurable bounds (fan-out, grammar sizes) are
-:mod:`gateway.data.bounds`; grammar inputs are checked by :mod:`gateway.data.grammar_checks`.
+:mod:`engine_guard.bounds`; grammar inputs are checked by :mod:`engine_guard.grammar_checks`.
 
 Booleans are lax, as SGLang's own models are (``"logprobs": "true"`` is accepted there), except
 ``stream``, which the gateway itself reads.
@@ -32,8 +32,8 @@ from pydantic import (
     model_validator,
 )
 
-from gateway.core.errors import GatewayError
-from gateway.fields import DROPPED, REFUSED, extensions_for
+from engine_guard.fields import DROPPED, REFUSED, extensions_for
+from engine_guard.refusal import Refused
 
 _Number = Annotated[float, Field(allow_inf_nan=False)]
 _Bool = Annotated[bool, Field(strict=False)]  # lax, like SGLang's: "true", 1...
@@ -335,26 +335,32 @@ recursion in an engine's validators is a way to crash it); real requests, JSON s
 
 def parse_body(raw: bytes, schema: type[Loose], path: str) -> dict[str, Any]:
     """The JSON object in ``raw``, checked against ``schema`` and the allowlist of route ``path`` (the
-    engine's path); its dropped fields removed. GatewayError(400) otherwise, naming the field."""
+    engine's path); its dropped fields removed. Refused otherwise, naming the field."""
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as error:
-        raise GatewayError(400, f"request body is not valid JSON: {error}", code="invalid_json") from None
+        raise Refused(f"request body is not valid JSON: {error}", code="invalid_json") from None
     if not isinstance(data, dict):
-        raise GatewayError(400, f"request body must be a JSON object, got {_json_type(data)}", code="invalid_json")
+        raise Refused(f"request body must be a JSON object, got {_json_type(data)}", code="invalid_json")
     if raw.count(b"[") + raw.count(b"{") > MAX_NESTING and _depth(data) > MAX_NESTING:
-        raise GatewayError(400, f"request body is nested deeper than {MAX_NESTING} levels", code="invalid_json")
+        raise Refused(f"request body is nested deeper than {MAX_NESTING} levels", code="invalid_json")
+    return check_body(data, schema, path)
+
+
+def check_body(data: dict[str, Any], schema: type[Loose], path: str) -> dict[str, Any]:
+    """:func:`parse_body` for a body already parsed (the MLflow wrapper's request): ``data`` checked against
+    ``schema`` and the allowlist of ``path``, its dropped fields removed (in place). Refused otherwise."""
     for name in DROPPED.get(path, ()):
         data.pop(name, None)
     extensions = extensions_for(path)
     for name, why in REFUSED.get(path, {}).items():
         if name in data:
-            raise GatewayError(400, f"Unsupported parameter: {name!r}: {why}", code="unsupported_parameter", param=name)
+            raise Refused(f"Unsupported parameter: {name!r}: {why}", code="unsupported_parameter", param=name)
     known = _known_fields(schema, path)
     if not data.keys() <= known:
         name = next(name for name in data if name not in known)  # the first, as the client wrote them
-        raise GatewayError(
-            400, f"unknown field {name!r}: it is not part of this route's API (the gateway sends the engine only the fields it knows)",
+        raise Refused(
+            f"unknown field {name!r}: it is not part of this route's API (the gateway sends the engine only the fields it knows)",
             code="unknown_field", param=name,
         )  # fmt: skip
     try:
@@ -369,7 +375,7 @@ def parse_body(raw: bytes, schema: type[Loose], path: str) -> dict[str, Any]:
         except ValidationError as error:
             raise _first_problem(error, name) from None
     if isinstance(data.get("custom_logit_processor"), str) and (problem := _pickle_problem(data["custom_logit_processor"])):
-        raise GatewayError(400, f"custom_logit_processor: {problem}", param="custom_logit_processor")
+        raise Refused(f"custom_logit_processor: {problem}", param="custom_logit_processor")
     return data
 
 
@@ -380,7 +386,7 @@ def _known_fields(schema: type[Loose], path: str) -> frozenset[str]:
     return frozenset(schema.model_fields) | extensions_for(path)
 
 
-def _first_problem(error: ValidationError, field: str | None = None) -> GatewayError:
+def _first_problem(error: ValidationError, field: str | None = None) -> Refused:
     """The first problem pydantic found, as ``where: what`` naming the field the client got wrong."""
     problem = error.errors(include_url=False, include_input=False)[0]
     loc = ((field,) if field else ()) + tuple(problem["loc"])
@@ -388,16 +394,20 @@ def _first_problem(error: ValidationError, field: str | None = None) -> GatewayE
     more = f" (and {error.error_count() - 1} more problem(s))" if error.error_count() > 1 else ""
     message = problem["msg"].removeprefix("Value error, ")
     # Union errors name each alternative; the first segment is the field the client got wrong.
-    return GatewayError(400, f"{where}: {message}{more}" if where else message + more, param=str(loc[0]) if loc else None)
+    return Refused(f"{where}: {message}{more}" if where else message + more, param=str(loc[0]) if loc else None)
 
 
-def check_extensions(body: dict[str, Any], path: str, enabled: frozenset[str], model: str) -> None:
-    """Refuse the SGLang extension fields of ``body`` that the deployment did not enable for ``model``."""
+def check_extensions(
+    body: dict[str, Any], path: str, enabled: frozenset[str], model: str, switch: str | None = None
+) -> None:
+    """Refuse the SGLang extension fields of ``body`` that the deployment did not enable for ``model``
+    (``switch``: the setting that enables them, named in the message; the gateway's by default)."""
     for name in extensions_for(path).intersection(body):
         if name not in enabled:
-            raise GatewayError(
-                400, f"{name!r} is an SGLang extension field that is off for model {model!r} (the operator can enable "
-                f"it with gateway.extension_fields.{model}: see docs/security.md, SGLang extension fields)",
+            switch = switch or f"gateway.extension_fields.{model}"
+            raise Refused(
+                f"{name!r} is an SGLang extension field that is off for model {model!r} (the operator can enable "
+                f"it with {switch}: see docs/security.md, SGLang extension fields)",
                 code="extension_field_disabled", param=name,
             )  # fmt: skip
 
