@@ -29,7 +29,7 @@ def render(report: dict[str, Any], stream: TextIO) -> None:
         from rich.console import Console
         from rich.table import Table
     except ImportError:
-        Console = None  # noqa: N806: the plain-text fallback below
+        Console = None  # noqa: N806 (the plain-text fallback below)
     checks, runs = report["checks"], report["engines"]
     if Console is not None:
         console = Console(file=stream)
