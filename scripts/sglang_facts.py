@@ -7,7 +7,8 @@ Run with the interpreter of the SGLang to describe (no GPU needed):
 ``flags``: every option of ``sglang.launch_server`` (``ServerArgs.add_cli_args``); ``request_fields``: the fields
 of each OpenAI request model of ``sglang.srt.entrypoints.openai.protocol`` (and the rerank input of io_struct);
 ``log_templates``: the start-up log messages that launch/process.py's PHASES read (weights, KV cache, graph capture,
-ready), as written in the source: an f-string's fields kept as ``{expression}``.
+ready), as written in the source: an f-string's fields kept as ``{expression}``; ``routes``: the paths
+``sglang/srt/entrypoints/http_server.py`` declares on its ``app`` (not those a router or mount adds: /metrics).
 """
 
 from __future__ import annotations
@@ -56,6 +57,27 @@ def log_templates(package: Path) -> list[str]:
     return sorted(found)
 
 
+_ROUTE_METHODS = frozenset({"get", "post", "put", "delete", "patch", "head", "api_route", "add_api_route"})
+
+
+def routes(http_server: Path) -> list[str]:
+    """The paths of ``@app.get("/path")``-style routes (and ``app.add_api_route``) of the engine's HTTP server."""
+    found = set()
+    for node in ast.walk(ast.parse(http_server.read_text(encoding="utf-8"))):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "app"
+            and node.func.attr in _ROUTE_METHODS
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
+            found.add(node.args[0].value)
+    return sorted(found)
+
+
 def main() -> int:
     import sglang
     from sglang.srt.entrypoints.openai import protocol
@@ -70,8 +92,15 @@ def main() -> int:
         fields = getattr(model, "model_fields", None)
         if isinstance(model, type) and isinstance(fields, dict) and (name.endswith("Request") or name.endswith("ReqInput")):
             models[name] = sorted(fields)
-    json.dump({"sglang": version("sglang"), "flags": flags, "request_fields": models,
-               "log_templates": log_templates(Path(sglang.__file__).parent)}, sys.stdout, indent=1, sort_keys=True)
+    package = Path(sglang.__file__).parent
+    made = {
+        "sglang": version("sglang"),
+        "flags": flags,
+        "request_fields": models,
+        "log_templates": log_templates(package),
+        "routes": routes(package / "srt" / "entrypoints" / "http_server.py"),
+    }
+    json.dump(made, sys.stdout, indent=1, sort_keys=True)
     sys.stdout.write("\n")
     return 0
 
