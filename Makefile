@@ -45,12 +45,14 @@ test-random: tiny-model
 
 # The tests that prove an older supported SGLang (the CUDA 12 profile's) end to end on CPU: its engine environment
 # (scripts/bootstrap_engine.sh, cached under ~/.cache/sglang-gateway, minutes the first time), then, with every engine
-# started from it ($$SGLANG_GATEWAY_ENGINE_PYTHON), its own argument parser, the README's gateway examples, the OpenAI
-# SDK conformance tests, a blue-green swap and stored responses, and the MLflow round trip (managed and URL mode).
+# started from it ($$SGLANG_GATEWAY_ENGINE_PYTHON), its own argument parser, its pinned facts (launch/sglang_facts/)
+# against its installed sources, the README's gateway examples, the OpenAI SDK conformance tests, a blue-green swap
+# and stored responses, and the MLflow round trip (managed and URL mode).
 # Not part of `make test`: it starts its own engines (about 3 minutes on 2 cores). On CPU that SGLang's JSON constraints
 # run on outlines (launch/sglang_versions.py: its xgrammar masks on GPUs only), which ignores integer bounds: the SDK's
 # bounded-integer parse test is left out here (the README tour's and the MLflow wrapper's JSON-schema answers run).
-OLDER_ENGINE_TESTS := tests/launch/test_engine_version_parser.py tests/docs/test_readme_gateway.py \
+OLDER_ENGINE_TESTS := tests/launch/test_engine_version_parser.py tests/launch/test_engine_python_facts.py \
+  tests/docs/test_readme_gateway.py \
   tests/gateway/test_openai_sdk.py tests/gateway/test_swap.py::test_0_stored_responses_reach_the_engine_that_created_them \
   tests/gateway/test_swap.py::test_a_engine_change_swaps_blue_green_without_failed_requests \
   tests/docs/test_readme_mlflow.py tests/model_code/test_flavors_url.py

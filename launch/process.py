@@ -40,13 +40,15 @@ from launch.shm import orphaned_shm_files, owned_shm_files, remove_files, remove
 
 LOG_TAIL_LINES = 200
 
-# Start-up phases, in the order SGLang logs them (first match wins for each line).
+# Start-up phases, in the order SGLang logs them (first match wins for each line). Each supported version's wording of
+# these messages is pinned in launch/sglang_facts/<version>.json (log_templates); tests/launch/test_log_phases.py.
 PHASES: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("loading weights", re.compile(r"Load weight begin")),
     ("weights loaded", re.compile(r"Load weight end")),
     ("allocating KV cache", re.compile(r"KV Cache is allocated")),
-    ("capturing CUDA graphs", re.compile(r"Capture (cuda|CUDA) graph begin")),
-    ("CUDA graphs captured", re.compile(r"Capture (cuda|CUDA) graph end")),
+    # "Capture cuda graph begin" (SGLang 0.5.10), "Capture target prefill CUDA graph begin" / "... decode ..." (0.5.23)
+    ("capturing CUDA graphs", re.compile(r"Capture (?:[\w-]+ )*(?:cuda|CUDA) graph begin")),
+    ("CUDA graphs captured", re.compile(r"Capture (?:[\w-]+ )*(?:cuda|CUDA) graph end")),
     ("HTTP server up", re.compile(r"Uvicorn running on")),
     ("warming up", re.compile(r"POST /generate")),
     ("ready", re.compile(r"fired up and ready to roll")),
