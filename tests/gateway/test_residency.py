@@ -382,7 +382,9 @@ def test_the_documented_residency_config_is_valid_and_means_what_the_page_says()
     residency = {name: entry.residency for name, entry in deployment.models.items()}
     assert {name: (r.on_demand, r.group) for name, r in residency.items() if r} == {"day-model": (True, "gpu0"), "night-model": (True, "gpu0")}
     assert residency["night-model"] is not None and residency["night-model"].idle_stop_s == 900
-    assert settings.residency_groups["gpu0"].max_resident == 1 and settings.limits.queue_timeout_s == 300
+    gpu0 = settings.residency_groups["gpu0"]
+    assert (gpu0.max_resident, gpu0.turn_s, gpu0.min_resident_s) == (1, 300, 60)
+    assert settings.limits.queue_timeout_s == 30  # the default: a cold start's wait is not bounded by it
     assert settings.worker_count() == 1
 
 
