@@ -266,6 +266,17 @@ class ResidencyGroup(_Strict):
     """Models that share GPUs: how many of them may run at once."""
 
     max_resident: int = Field(1, ge=1, description="Engines of the group's models running at once.")
+    turn_s: float = Field(
+        300.0, gt=0, description="A member resident this long while another member's request waits for room has had its turn: "
+        "it takes no new request (they wait for its next turn) and is stopped once its requests in flight end.",
+    )  # fmt: skip
+    min_resident_s: float = Field(
+        30.0, ge=0, description="An engine of the group is not stopped to make room before it has been resident this long (thrash guard)."
+    )
+    wakes_per_key_per_hour: int | None = Field(
+        60, ge=1, description="Cold starts of the group's models one key may cause in an hour; past it, its request for an "
+        "asleep member is refused with 429 wake_limit_exceeded (unset: no limit).",
+    )  # fmt: skip
 
 
 class GatewaySettings(_Strict):

@@ -4,8 +4,14 @@ stopped after ``residency.idle_stop_s`` without one, and at most ``max_resident`
 make room.
 
 An asleep model keeps its route (names, aliases, limiter) with a :class:`DormantBackend` in each replica's place. A
-request for it enters here and waits while its engine starts: one start however many wait, bounded for each by its
-``queue_timeout_s``. A stop takes the engine out of the registry first (no new request reaches it), then stops it,
+request for it enters here and waits while its engine starts: one start however many wait, bounded for each by the
+engine's own ``startup_timeout_s`` (plus its group's ``turn_s`` when it waits for room), not by the slot queue's
+``queue_timeout_s``: a cold start of a GPU model takes minutes.
+
+No member keeps a group: a member resident ``turn_s`` while another's request waits for room has had its turn. It
+takes no new request (those wait for its next turn, as an asleep model's do) and is stopped once its requests in
+flight end; none is cut. No member is stopped to make room before it was resident ``min_resident_s``, and one key
+causes at most ``wakes_per_key_per_hour`` cold starts in a group (429 ``wake_limit_exceeded`` past it). A stop takes the engine out of the registry first (no new request reaches it), then stops it,
 so the watchdog never takes a deliberate stop for a failure. Only an idle model is stopped: no request in flight,
 none waiting. On CPU and on GPUs alike a sleep is a stop and a wake a cold start.
 """
@@ -13,12 +19,15 @@ none waiting. On CPU and on GPUs alike a sleep is a stop and a wake a cold start
 from __future__ import annotations
 
 import asyncio
+import math
 import time
+from collections import deque
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from loguru import logger
 
+from gateway.config import ResidencyGroup
 from gateway.control.engine_api import engine_post
 from gateway.control.fleet import SwapError
 from gateway.core.backends import Backend, DormantBackend, EngineBackend
@@ -31,6 +40,7 @@ if TYPE_CHECKING:
     from gateway.control.applier import DeploymentApplier, Spawn
     from gateway.control.swap import SwapExecutor
 
+WAKE_WINDOW_S = 3600.0  # the window of wakes_per_key_per_hour
 CHECK_INTERVAL_S = 0.5  # how often idle models are looked for
 ROOM_POLL_S = 0.1  # how often a start waiting for room in its group looks again
 STARTING, SLEEPING, RESIDENT = "starting", "sleeping", "resident"
@@ -40,6 +50,13 @@ RELEASE, RESUME = "/release_memory_occupation", "/resume_memory_occupation"  # S
 def dormant(route_name: str, replicas: int) -> tuple[Backend, ...]:
     """The replicas of an asleep model."""
     return tuple(DormantBackend(route_name, replica=index) for index in range(replicas))
+
+
+def wait_bound(entry: ModelEntry | None, group: ResidencyGroup | None, fallback_s: float) -> float:
+    """How long a request waits for a model's engine: the launcher's start timeout (``startup_timeout_s``), plus its
+    group's ``turn_s`` (the wait for room); ``fallback_s`` for a model without an engine section any more."""
+    bound = entry.engine.startup_timeout_s if entry is not None and entry.engine is not None else fallback_s
+    return bound + (group.turn_s if group is not None else 0.0)
 
 
 def starts_asleep(entry: ModelEntry) -> bool:
@@ -63,6 +80,9 @@ class Residency:
         self._pending: dict[str, int] = {}  # requests entered and not yet holding their backend
         self._waking: dict[str, asyncio.Task[None]] = {}
         self._groups: dict[str, asyncio.Lock] = {}  # one start at a time per group: room is counted once
+        self._resident_since: dict[str, float] = {}  # monotonic time each model's engine came up (or the boot)
+        self._closing: dict[str, asyncio.Event] = {}  # members whose turn is over: set once they are stopped (or kept after all)
+        self._key_wakes: dict[tuple[str, str], deque[float]] = {}  # (group, key) -> times of the cold starts that key caused
 
     # ------------------------------------------------------------------ what the data plane calls
     def manages(self, model: str) -> bool:
@@ -72,14 +92,26 @@ class Residency:
         route = self.registry.route(model)
         return route is not None and route.asleep
 
-    async def enter(self, route: ModelRoute) -> ModelRoute:
+    async def enter(self, route: ModelRoute, owner: str | None = None) -> ModelRoute:
+        """Count a request of ``route``'s model; wait while its turn is over or it is asleep (``owner``: the client
+        key's identity, whose cold starts ``wakes_per_key_per_hour`` counts; None: not counted)."""
         name = route.name
-        self._pending[name] = self._pending.get(name, 0) + 1
         self._last_used[name] = time.monotonic()
-        if not route.asleep:
-            return route
+        bound = self._wait_bound(name)
         try:
-            return await self._wait_awake(name)
+            async with asyncio.timeout(bound):
+                closing = self._closing.get(name)
+                if closing is not None:  # its turn is over: not counted as pending, so that it stops, then it wakes again
+                    await closing.wait()
+        except TimeoutError:
+            raise self._not_ready(name, bound) from None
+        self._pending[name] = self._pending.get(name, 0) + 1
+        try:
+            current = self.registry.route(name) or route
+            if not current.asleep:
+                return current
+            self._count_wake(name, owner)
+            return await self._wait_awake(name, bound)
         except BaseException:
             self.leave(name)
             raise
@@ -98,7 +130,7 @@ class Residency:
         return SLEEPING if route is None or route.asleep else RESIDENT
 
     # ------------------------------------------------------------------ waking
-    async def _wait_awake(self, name: str) -> ModelRoute:
+    async def _wait_awake(self, name: str, bound: float) -> ModelRoute:
         task = self._waking.get(name)
         if task is None:
             logger.info("model {}: asleep; starting its engine for a waiting request", name)
@@ -106,12 +138,9 @@ class Residency:
             task.add_done_callback(lambda done: self._waking.pop(name, None) if self._waking.get(name) is done else None)
         limits = self.state.settings.limits_for(name)
         try:
-            await asyncio.wait_for(asyncio.shield(task), limits.queue_timeout_s)
+            await asyncio.wait_for(asyncio.shield(task), bound)
         except TimeoutError:
-            raise GatewayError(
-                503, f"model {name!r} is starting for waiting requests and was not ready within {limits.queue_timeout_s:g}s "
-                "(queue_timeout_s); retry later", code="model_starting", headers={"Retry-After": str(limits.retry_after_s)},
-            ) from None  # fmt: skip
+            raise self._not_ready(name, bound) from None
         except SwapError as error:
             raise GatewayError(
                 503, f"model {name!r} could not start: {error.message}", code="engine_unavailable",
@@ -154,7 +183,7 @@ class Residency:
                 if lock is not None:
                     lock.release()
         waited = time.monotonic() - asked
-        self._last_used[name] = time.monotonic()
+        self._last_used[name] = self._resident_since[name] = time.monotonic()
         self.metrics.child(self.metrics.wakes, name, how).inc()
         self.metrics.child(self.metrics.wake_seconds, name).observe(waited)
         route = self.registry.route(name)
@@ -181,22 +210,88 @@ class Residency:
         return False
 
     async def _make_room(self, name: str, group: str) -> None:
-        """Stop the least recently used idle model of ``group`` until one more fits (waits while all are busy)."""
-        while True:
-            groups = self.state.settings.residency_groups
-            cap = groups[group].max_resident if group in groups else 1
-            members = [m for m, c in self._configs().items() if c.group == group and m != name]
-            awake = [m for m in members if (route := self.registry.route(m)) is not None and not route.asleep]
-            if len(awake) < cap:
-                return
-            idle = [m for m in awake if self._idle(m) and not self.executor.lock(m).locked()]
-            if idle:
-                victim = min(idle, key=lambda m: self._last_used.get(m, 0.0))
-                await self.sleep(victim, "evicted", f"to make room for {name} in group {group}")
-                continue
-            if not self._pending.get(name):
-                raise SwapError(name, f"no request waits any more for a place in group {group}")
-            await asyncio.sleep(ROOM_POLL_S)
+        """Stop the least recently used idle model of ``group`` resident ``min_resident_s`` until one more fits. While
+        all are busy, the one resident longest past ``turn_s`` is closed: it takes no new request and is stopped once
+        idle. A close this wait made is lifted if it ends otherwise (its waiters then go to the engine still up)."""
+        closed: list[str] = []
+        try:
+            while True:
+                settings = self.state.settings.residency_groups.get(group) or ResidencyGroup()
+                members = [m for m, c in self._configs().items() if c.group == group and m != name]
+                awake = [m for m in members if (route := self.registry.route(m)) is not None and not route.asleep]
+                if len(awake) < settings.max_resident:
+                    return
+                now = time.monotonic()
+                idle = [
+                    m for m in awake
+                    if self._idle(m) and not self.executor.lock(m).locked() and self._resident_for(m, now) >= settings.min_resident_s
+                ]  # fmt: skip
+                if idle:
+                    victim = min(idle, key=lambda m: self._last_used.get(m, 0.0))
+                    turn = " (its turn was over)" if victim in self._closing else ""
+                    await self.sleep(victim, "evicted", f"to make room for {name} in group {group}{turn}")
+                    continue
+                if not self._pending.get(name):
+                    raise SwapError(name, f"no request waits any more for a place in group {group}")
+                share = max(settings.turn_s, settings.min_resident_s)
+                over = [m for m in awake if self._resident_for(m, now) >= share and not self.executor.lock(m).locked()]
+                if over and not any(m in self._closing for m in awake):
+                    victim = max(over, key=lambda m: self._resident_for(m, now))
+                    self._closing[victim] = asyncio.Event()
+                    closed.append(victim)
+                    why = f"its turn of {settings.turn_s:g}s in group {group} is over while {name} waits: no new request; stopped when its requests end"
+                    logger.info("model {}: {}", victim, why)
+                    self.state.events.record("turn", victim, True, why)
+                await asyncio.sleep(ROOM_POLL_S)
+        finally:
+            for victim in closed:
+                self._lift_close(victim)
+
+    def _lift_close(self, name: str) -> None:
+        closing = self._closing.pop(name, None)
+        if closing is not None:
+            closing.set()
+
+    def _resident_for(self, name: str, now: float) -> float:
+        return now - self._resident_since.get(name, now)
+
+    def _group_of(self, name: str) -> str | None:
+        config = self._configs().get(name)
+        return config.group if config is not None else None
+
+    def _wait_bound(self, name: str) -> float:
+        group = self._group_of(name)
+        settings = (self.state.settings.residency_groups.get(group) or ResidencyGroup()) if group is not None else None
+        return wait_bound(self._entry(name), settings, self.state.settings.limits_for(name).queue_timeout_s)
+
+    def _not_ready(self, name: str, bound: float) -> GatewayError:
+        return GatewayError(
+            503, f"model {name!r} is starting for waiting requests and was not ready within {bound:g}s (its engine's "
+            "startup_timeout_s, plus its group's turn_s); retry later", code="model_starting",
+            headers={"Retry-After": str(self.state.settings.limits_for(name).retry_after_s)},
+        )  # fmt: skip
+
+    def _count_wake(self, name: str, owner: str | None) -> None:
+        """Note the cold start ``owner``'s request causes (none when one is under way), or refuse it past the key's
+        ``wakes_per_key_per_hour`` in the model's group."""
+        group = self._group_of(name)
+        if owner is None or group is None or name in self._waking:
+            return
+        limit = (self.state.settings.residency_groups.get(group) or ResidencyGroup()).wakes_per_key_per_hour
+        if limit is None:
+            return
+        now = time.monotonic()
+        wakes = self._key_wakes.setdefault((group, owner), deque())
+        while wakes and wakes[0] <= now - WAKE_WINDOW_S:
+            wakes.popleft()
+        if len(wakes) >= limit:
+            retry = max(1, math.ceil(wakes[0] + WAKE_WINDOW_S - now))
+            raise GatewayError(
+                429, f"model {name!r} is asleep, and this key started {limit} engines of group {group!r} in the last hour "
+                f"(gateway.residency_groups.{group}.wakes_per_key_per_hour); retry later or use a model that is up",
+                code="wake_limit_exceeded", headers={"Retry-After": str(retry)},
+            )  # fmt: skip
+        wakes.append(now)
 
     # ------------------------------------------------------------------ sleeping
     async def sleep(self, name: str, reason: str, why: str) -> bool:
@@ -229,6 +324,7 @@ class Residency:
         return True
 
     def _count_sleep(self, name: str, reason: str, why: str) -> None:
+        self._lift_close(name)  # asleep now: the requests that waited for its turn's end wake it again
         self.metrics.child(self.metrics.residency_stops, name, reason).inc()
         self.state.events.record("sleep", name, True, why)
 
@@ -263,5 +359,6 @@ class Residency:
             self._config = {name: entry.residency for name, entry in models.items() if entry.residency is not None and entry.engine is not None}
             now = time.monotonic()
             for name in self._config:
+                self._resident_since.setdefault(name, now)
                 self._last_used.setdefault(name, now)  # idle_stop_s counts from the boot (or the reload that added it)
         return self._config

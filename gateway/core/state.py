@@ -45,9 +45,10 @@ class Waker(Protocol):
 
     def manages(self, model: str) -> bool: ...
 
-    async def enter(self, route: ModelRoute) -> ModelRoute:
-        """Count a request of ``route``'s model (it is used now); when asleep, wait until its engine is up (its new
-        route), or raise GatewayError (503 with Retry-After) when it could not start in time."""
+    async def enter(self, route: ModelRoute, owner: str | None = None) -> ModelRoute:
+        """Count a request of ``route``'s model (it is used now); when asleep (or its group turn is over), wait until
+        its engine is up (its new route), or raise GatewayError (503 with Retry-After) when it could not start in time,
+        429 when ``owner`` (the client key) caused its group's limit of cold starts."""
         ...
 
     def leave(self, model: str) -> None: ...

@@ -122,8 +122,8 @@ class Proxy:
             def forward_woken(woken: ModelRoute) -> Coroutine[Any, Any, Response]:
                 return self._forward(woken, endpoint, body, info, receive, balancing, pinned, owner, grammar_size, priority)
 
-            return WakingStreamResponse(waker, route, forward_woken, endpoint.stream, info)
-        route = await waker.enter(route)  # counted until it holds its backend: an idle model is never stopped under it
+            return WakingStreamResponse(waker, route, forward_woken, endpoint.stream, info, owner)
+        route = await waker.enter(route, owner)  # counted until it holds its backend: an idle model is never stopped under it
         try:
             return await self._forward(route, endpoint, body, info, receive, balancing, pinned, owner, grammar_size, priority)
         finally:

@@ -256,7 +256,9 @@ async def ready(request: Request) -> Response:
 
 async def _model_readiness(state: GatewayState, route: ModelRoute) -> tuple[str, dict[str, Any]]:
     if route.asleep:  # residency: its engine starts at its next request, which the gateway takes now
-        return route.name, {"ready": True, "asleep": True}
+        waker = state.proxy.waker if state.proxy is not None else None
+        starting = waker is not None and waker.status(route.name) == "starting"
+        return route.name, {"ready": True, "asleep": True, **({"starting": True} if starting else {})}
     probes = _probes(state)
     reasons = await asyncio.gather(*(probes.not_ready(backend, state.settings.health_timeout_s) for backend in route.replicas))
     healthy = sum(1 for reason in reasons if reason is None)

@@ -3,7 +3,8 @@
 start; then the engine's own stream follows on the same response.
 
 SSE comments (lines starting with ``:``) are ignored by every SSE client (the OpenAI and Anthropic SDKs
-included). A start that fails or outlasts ``queue_timeout_s``, and any refusal after it, end the stream with the
+included). A start that fails or outlasts its bound (the engine's ``startup_timeout_s``, plus the group's
+``turn_s``), and any refusal after it, end the stream with the
 error event of the route's framing, as a failure after the 200 does in the relay.
 """
 
@@ -28,15 +29,17 @@ class WakingStreamResponse(Response):
     """Waits for ``route``'s engine with keep-alives, then answers with what ``forward`` makes of the woken route."""
 
     def __init__(
-        self, waker: Waker, route: ModelRoute, forward: Callable[[ModelRoute], Awaitable[Response]], kind: StreamKind, info: RequestInfo
+        self, waker: Waker, route: ModelRoute, forward: Callable[[ModelRoute], Awaitable[Response]], kind: StreamKind, info: RequestInfo,
+        owner: str | None = None,
     ) -> None:
         super().__init__(status_code=200, media_type="text/event-stream")
         self.waker, self.route, self.forward, self.kind, self.info = waker, route, forward, kind, info
+        self.owner = owner  # the client key's identity: its cold starts are counted (wakes_per_key_per_hour)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:  # type: ignore[override]
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
         comment = f": model {self.route.name} is starting for this request\n\n".encode()
-        waking = asyncio.ensure_future(self.waker.enter(self.route))
+        waking = asyncio.ensure_future(self.waker.enter(self.route, self.owner))
         gone = asyncio.ensure_future(wait_disconnect(receive))
         try:
             while not waking.done():

@@ -34,7 +34,9 @@ def test_two_real_engines_take_turns_in_a_group_of_one(tiny_model_dir: Path, tmp
         "a": {"engine": _engine(tiny_model_dir), "residency": group},
         "b": {"engine": _engine(tiny_model_dir), "residency": {**group, "idle_stop_s": 3}},
     }
-    settings = {"residency_groups": {"gpu0": {"max_resident": 1}}, "limits": {"queue_timeout_s": 300}}
+    # the default limits: a cold start (30-90 s here) waits past queue_timeout_s (30 s), bounded by startup_timeout_s;
+    # min_resident_s 0: b's request stops a at once (the thrash guard is tested on fake engines)
+    settings = {"residency_groups": {"gpu0": {"max_resident": 1, "min_resident_s": 0}}}
     with gateway(tmp_path, models, timeout_s=300, **settings) as rig:  # a cold start on a loaded 2-core machine: 30-90 s
         assert {name: m["state"] for name, m in rig.models().items()} == {"a": "sleeping", "b": "sleeping"}
         with ThreadPoolExecutor(3) as pool:  # concurrent first requests: one start

@@ -95,7 +95,7 @@
     for (const [name, aliases] of names) {
       const item = detail.get(name);
       const readiness = ready && ready.models && ready.models[name];
-      let state = item ? item.state : readiness ? (readiness.asleep ? "sleeping" : readiness.ready ? "ready" : "not ready") : "unknown";
+      let state = item ? item.state : readiness ? (readiness.starting ? "starting" : readiness.asleep ? "sleeping" : readiness.ready ? "ready" : "not ready") : "unknown";
       const reason = item ? item.reason : readiness && readiness.reason;
       const stateTd = stateCell(state);
       if (reason && state !== "ready") stateTd.title = reason;
