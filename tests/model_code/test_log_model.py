@@ -144,3 +144,30 @@ def test_a_logged_model_whose_stack_the_host_driver_cannot_run_is_named_before_a
     assert refused["fix"] == "log it again with profile='sglang-0.5.10.post1-cu128' (or driver='12.4')"
     (runs,) = doctor(cu128.model_uri)
     assert runs["level"] == "warning" and "minor-version compatibility" in runs["detail"]
+
+
+def test_a_cuda_13_model_loaded_on_a_cuda_12_4_host_names_the_profile_that_runs_there(
+    mlflow_store, tiny_model_dir, tmp_path, monkeypatch
+):
+    """The loaded model's engine preflight checks the installed stack (here the default profile, as in a serving image
+    built from its requirements) against the host's driver, read from a FAKE ``nvidia-smi`` printing the recorded
+    CUDA 12.4 driver's output (there is no GPU here), and says which profile runs there. No engine starts.
+    (From the CUDA 12 profile helper's branch.)"""
+    from tests.launch.test_doctor_host import RECORDED
+
+    config = {"models": {"tiny": {"engine": {"model_path": str(tiny_model_dir), "device": "cuda"}}}}
+    with mlflow.start_run():
+        info = log_model(config, flavor="chat_agent", profile=DEFAULT_PROFILE.name, python="3.11")
+    fake = tmp_path / "bin" / "nvidia-smi"
+    fake.parent.mkdir()
+    fake.write_text(
+        f'#!/bin/sh\nif [ "$1" = "-L" ]; then echo "GPU 0: NVIDIA A10G (UUID: GPU-0)"; '
+        f'else cat "{RECORDED / "a10g-r550-cuda12.4.txt"}"; fi\n'
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    starts = engine_owner.STARTS
+    with pytest.raises(Exception, match=r"the NVIDIA driver supports CUDA 12\.4 .*needs CUDA 13\.x") as refused:
+        mlflow.pyfunc.load_model(info.model_uri)
+    assert "profile sglang-0.5.10.post1-cu128 runs on it" in str(refused.value)
+    assert engine_owner.STARTS == starts
