@@ -110,7 +110,7 @@ class WorkerLink:
         routed = [(route.name, b) for route in routes for b in (*route.replicas, route.front) if b]
         self._retired = [(name, b) for name, b in self._retired if b.in_flight > 0 or b.lost]
         in_flight: dict[tuple[str, str], int] = {}
-        lost: list[tuple[str, str, str]] = []
+        lost: list[tuple[str, str, tuple[str, str | None]]] = []  # (model, identity, (shape, key))
         with_adapters = {route.name for route in routes if route.adapters}
         for name, backend in (*routed, *self._retired):
             if backend.in_flight:
