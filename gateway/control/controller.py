@@ -179,7 +179,10 @@ class Controller:
             try:
                 new = load_config(self.config_path)
                 new_settings = gateway_settings(new, **self.overrides)
-                policy = key_policy(tenants_of(new_settings, str(new.source)), new_settings.resolved_admin_keys(str(new.source)), new_settings.open_paths)
+                policy = key_policy(
+                    tenants_of(new_settings, str(new.source)), new_settings.resolved_admin_keys(str(new.source)), new_settings.open_paths,
+                    new_settings.resolved_metrics_keys(str(new.source)),
+                )
             except ConfigError as error:
                 self.state.metrics.reloads.labels("invalid").inc()
                 self.state.events.record("reload", None, False, f"{trigger}: invalid config, nothing changed: {_first_line(error)}")
