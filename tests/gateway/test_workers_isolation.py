@@ -1,9 +1,13 @@
-"""The quarantine holds a failure against the key that caused it, not against every key in flight: one key
-freezing a FAKE engine twice, with another key's ordinary requests in flight, gets its own shapes refused
-and leaves the other key served (through 2 workers: the control process gathers the suspects from them)."""
+"""A 2-worker gateway with two named keys in front of a FAKE engine: one key cannot reach what it should not.
+
+The quarantine holds a failure against the key that caused it, not against every key in flight: one key
+freezing the engine twice, with another key's ordinary requests in flight, gets its own shapes refused and
+leaves the other key served (the control process gathers the suspects from the workers). And a worker's
+admin forwarder refuses paths with dot segments, however encoded, which would reach the control's other routes."""
 
 from __future__ import annotations
 
+import http.client
 import signal
 import threading
 import time
@@ -16,7 +20,7 @@ import pytest
 
 from tests.fake_engine import FREEZE, fake_engine_python
 from tests.gateway.helpers import auth
-from tests.gateway.test_workers import admin, serve
+from tests.gateway.test_workers import ADMIN, admin, serve
 from tests.leaks import leaves_nothing
 from tests.servers import ServerProcess
 
@@ -25,12 +29,13 @@ ORDINARY = {"model": "tiny", "messages": [{"role": "user", "content": "Say somet
 FROZEN = {"model": "tiny", "messages": [{"role": "user", "content": FREEZE}], "max_tokens": 2}
 
 
-@pytest.fixture()
-def keyed(tmp_path: Path, tiny_model_dir: Path) -> Iterator[ServerProcess]:
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[ServerProcess]:
     """A 2-worker gateway with named keys a and b (and an admin key) in front of a FAKE engine (50 ms a piece)."""
+    tmp_path = tmp_path_factory.mktemp("keyed")
     engine = {"model_path": str(tiny_model_dir), "device": "cpu", "python": str(fake_engine_python(tmp_path)), "env": {"FAKE_ENGINE_TOKEN_S": "0.05"}}
     config = {
-        "gateway": {"workers": 2, "keys": [{"name": "a", "key": KEY_A}, {"name": "b", "key": KEY_B}], "admin_keys": ["workers-admin-key"],
+        "gateway": {"workers": 2, "keys": [{"name": "a", "key": KEY_A}, {"name": "b", "key": KEY_B}], "admin_keys": [ADMIN],
                     "shutdown_grace_s": 10, "health_timeout_s": 1,
                     "watchdog": {"interval_s": 0.5, "backoff_initial_s": 0.2, "unhealthy_after": 2}},
         "models": {"tiny": {"engine": engine}},
@@ -83,3 +88,18 @@ def test_a_key_that_freezes_the_engine_twice_is_refused_and_the_other_key_is_ser
     assert listing and all(entry["refused_for"] == ["a"] and not entry["everyone"] for entry in listing), listing
     assert all(set(entry["evidence"]) == {"a"} for entry in listing)
     assert KEY_A not in str(listing) and KEY_B not in str(listing)  # names, never the keys
+
+
+@pytest.mark.parametrize(
+    "path", ["/admin/..%2fready", "/admin/%2e%2e/ready", "/admin/%2E%2E%2Fready", "/admin/%252e%252e%252fready", "/admin/models/..%2f..%2fready", "/admin/.%2fmodels"]
+)
+def test_the_admin_forwarder_refuses_dot_segments(keyed: ServerProcess, path: str) -> None:
+    host, port = keyed.url.removeprefix("http://").rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)  # sends the path as written (httpx would normalise it)
+    try:
+        connection.request("GET", path, headers=auth(ADMIN))
+        answer = connection.getresponse()
+        body = answer.read()
+    finally:
+        connection.close()
+    assert answer.status == 400 and b"invalid_admin_path" in body, (path, answer.status, body)
