@@ -211,7 +211,7 @@ class HttpSettings(_Strict):
 
     max_connections: int = Field(
         8192, ge=1,
-        description="Open client connections; beyond, new ones get 503 and are closed. Each stream holds about three file descriptors: the gateway raises its open-file limit to the hard limit at start and warns when that is too low for this.",
+        description="Open client connections; beyond, new ones get 503 and are closed. Each stream holds about three file descriptors: the gateway raises its open-file limit to the hard limit at start; the default is lowered to what that limit fits, an explicit value above it is warned about.",
     )
     max_header_bytes: int = Field(32768, ge=1024, description="Request line plus headers; beyond: 431.")
     max_headers: int = Field(100, ge=1, description="Header fields per request; beyond: 431.")
