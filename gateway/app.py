@@ -107,7 +107,7 @@ def create_app(
     registry = registry if registry is not None else Registry()
     state = GatewayState(settings=settings, registry=registry, metrics=Metrics(registry))
     ledger = state.ledger = open_ledger(settings, state.metrics.usage_rows_dropped)
-    keys = KeyHolder(key_policy(tenants_of(settings), settings.resolved_admin_keys(), settings.open_paths))
+    keys = KeyHolder(key_policy(tenants_of(settings), settings.resolved_admin_keys(), settings.open_paths, settings.resolved_metrics_keys()))
     # Spans in the process that records the request: a worker, or the only process (the control process of
     # workers only forwards). Exported from the SDK's own thread; the lifespan flushes them at shutdown.
     tracing = Tracing(settings.tracing) if settings.tracing.enabled and workers is None else None

@@ -194,7 +194,7 @@ class HttpSettings(_Strict):
 
     max_connections: int = Field(
         8192, ge=1,
-        description="Open client connections; beyond, new ones get 503 and are closed. Each stream holds about three file descriptors: the gateway raises its open-file limit to the hard limit at start and warns when that is too low for this.",
+        description="Open client connections; beyond, new ones get 503 and are closed. Each stream holds about three file descriptors: the gateway raises its open-file limit to the hard limit at start; the default is lowered to what that limit fits, an explicit value above it is warned about.",
     )
     max_header_bytes: int = Field(32768, ge=1024, description="Request line plus headers; beyond: 431.")
     max_headers: int = Field(100, ge=1, description="Header fields per request; beyond: 431.")
@@ -342,6 +342,11 @@ class GatewaySettings(_Strict):
     admin_keys: list[SecretStr] = Field(default_factory=list, description="Bearer keys of the /admin API (none: it is off).")
     admin_keys_env: str | None = Field(None, description="Environment variable with comma-separated admin keys.")
     admin_keys_file: Path | None = Field(None, description="File with one admin key per line (# comments).")
+    metrics_key: SecretStr | None = Field(
+        None, description="Bearer key that reads all of /metrics (as the admin keys do) on a gateway with client keys: Prometheus' key."
+    )
+    metrics_key_env: str | None = Field(None, description="Environment variable holding the metrics key.")
+    metrics_key_file: Path | None = Field(None, description="File holding the metrics key (# comments).")
     drain_timeout_s: float = Field(60.0, ge=0, description="How long a replaced engine may finish its requests.")
     swap_default: SwapPolicy = Field(
         "auto", description="How engines are replaced when their config changes (auto: blue-green, or rolling for replicas)."
@@ -396,6 +401,13 @@ class GatewaySettings(_Strict):
             raise ValueError("API keys must not be empty")
         return value
 
+    @field_validator("metrics_key")
+    @classmethod
+    def _non_empty_metrics_key(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and not value.get_secret_value().strip():
+            raise ValueError("the metrics key must not be empty")
+        return value
+
     def limits_for(self, model: str) -> LimitSettings:
         return self.model_limits.get(model, self.limits)
 
@@ -447,6 +459,11 @@ class GatewaySettings(_Strict):
     def resolved_admin_keys(self, source: str = "config") -> tuple[bytes, ...]:
         """The /admin keys, resolved like the client keys; empty means the admin API is off."""
         return _resolve_keys(self.admin_keys, self.admin_keys_env, self.admin_keys_file, "admin_keys", source)
+
+    def resolved_metrics_keys(self, source: str = "config") -> tuple[bytes, ...]:
+        """The metrics key (YAML, env or file, resolved like the admin keys): reads all of /metrics, nothing else."""
+        listed = [self.metrics_key] if self.metrics_key is not None else []
+        return _resolve_keys(listed, self.metrics_key_env, self.metrics_key_file, "metrics_key", source)
 
 
 def auto_workers(cpus: int) -> int:

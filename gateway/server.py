@@ -57,9 +57,10 @@ FDS_PER_CONNECTION = 3  # a client connection, its upstream connection, the dupl
 _FDS_SPARE = 256  # log files, engines' pipes, the listening socket, health probes
 
 
-def raise_open_file_limit(max_connections: int) -> int:
+def raise_open_file_limit(max_connections: int, *, explicit: bool = True) -> int:
     """Raise this process's soft open-file limit to its hard limit; warn when ``max_connections`` streams would
-    not fit. Returns the soft limit now in force (0 where the platform has none)."""
+    not fit and the setting was ``explicit`` (the default is capped instead: :func:`with_open_file_budget`).
+    Returns the soft limit now in force (0 where the platform has none)."""
     try:
         import resource
     except ImportError:  # not on this platform
@@ -73,12 +74,26 @@ def raise_open_file_limit(max_connections: int) -> int:
         except (ValueError, OSError) as error:
             logger.warning("gateway: cannot raise the open-file limit from {} to {}: {}", soft, target, error)
     needed = max_connections * FDS_PER_CONNECTION + _FDS_SPARE
-    if soft != resource.RLIM_INFINITY and soft < needed:
+    if explicit and soft != resource.RLIM_INFINITY and soft < needed:
         logger.warning(
             "gateway: open-file limit {} is below the {} that http.max_connections={} streams need; raise it (ulimit -n) or lower the setting",
             soft, needed, max_connections,
         )  # fmt: skip
     return soft
+
+
+def with_open_file_budget(settings: GatewaySettings) -> GatewaySettings:
+    """Raise the open-file limit (:func:`raise_open_file_limit`); when ``http.max_connections`` is the default and
+    the limit fits fewer streams, serve that many (logged, not warned: nothing is misconfigured), so that past it a
+    new connection gets 503 ``too_many_connections`` instead of the process running out of descriptors."""
+    explicit = "max_connections" in settings.http.model_fields_set
+    soft = raise_open_file_limit(settings.http.max_connections, explicit=explicit)
+    fits = (soft - _FDS_SPARE) // FDS_PER_CONNECTION
+    if explicit or soft <= 0 or fits >= settings.http.max_connections:
+        return settings
+    fits = max(fits, 1)
+    logger.info("gateway: the open-file limit {} fits {} client connections (http.max_connections default {})", soft, fits, settings.http.max_connections)
+    return settings.model_copy(update={"http": settings.http.model_copy(update={"max_connections": fits})})
 
 
 def _note_signal(signum: int, frame: object) -> None:
@@ -185,7 +200,7 @@ def serve_app(
     uvicorn serves on that socket (the control process: its workers hold the port)."""
     if uds is None:
         check_port_free(settings, source)
-    raise_open_file_limit(settings.http.max_connections)
+    settings = with_open_file_budget(settings)
     server = GatewayServer(uvicorn_config(app, settings, log_level="debug" if verbose else "info", uds=uds))
     if uds is None:  # the control process of workers has no port: its supervisor says where they listen
         server.on_started = lambda: _log_listening(server, app)

@@ -23,7 +23,7 @@ from gateway.control import channel
 from gateway.control.worker_link import WorkerLink
 from gateway.control.workers import ADMIN_SOCKET, HUB_SOCKET
 from gateway.core.registry import Registry
-from gateway.server import GatewayServer, raise_open_file_limit, uvicorn_config
+from gateway.server import GatewayServer, uvicorn_config, with_open_file_budget
 from launch.procgroup import set_parent_death_signal
 
 
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = routing.settings
     link = WorkerLink(hub, args.index, version, routing, str(args.runtime_dir / ADMIN_SOCKET), count=args.workers)
     app = create_app(settings, Registry(), link=link)
-    raise_open_file_limit(settings.http.max_connections)
+    settings = with_open_file_budget(settings)
     try:
         sock = listening_socket(settings.host, settings.port)
     except OSError as error:

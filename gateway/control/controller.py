@@ -146,6 +146,7 @@ class Controller:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(_log_failure)
         return task
 
     # ------------------------------------------------------------------ reload
@@ -179,7 +180,10 @@ class Controller:
             try:
                 new = load_config(self.config_path)
                 new_settings = gateway_settings(new, **self.overrides)
-                policy = key_policy(tenants_of(new_settings, str(new.source)), new_settings.resolved_admin_keys(str(new.source)), new_settings.open_paths)
+                policy = key_policy(
+                    tenants_of(new_settings, str(new.source)), new_settings.resolved_admin_keys(str(new.source)), new_settings.open_paths,
+                    new_settings.resolved_metrics_keys(str(new.source)),
+                )
             except ConfigError as error:
                 self.state.metrics.reloads.labels("invalid").inc()
                 self.state.events.record("reload", None, False, f"{trigger}: invalid config, nothing changed: {_first_line(error)}")
@@ -313,3 +317,15 @@ def _first_line(error: BaseException) -> str:
 def _summary(changes: dict[str, list[str]]) -> str:
     """``{"added": ["a"], "swapped": ["b"]}`` -> ``added a; swapped b`` (no change: ``no change``)."""
     return "; ".join(f"{action} {', '.join(names)}" for action, names in changes.items()) or "no change"
+
+
+def _log_failure(task: asyncio.Task[Any]) -> None:
+    """Retrieve a spawned task's failure and log it in one line: whoever waited for it may be gone (a request
+    that timed out while a residency start waited for room), and asyncio would otherwise print "Task exception
+    was never retrieved" with a traceback when the task is collected."""
+    if task.cancelled() or (error := task.exception()) is None:
+        return
+    if isinstance(error, SwapError):
+        logger.warning("model {}: {} (nobody waits for it any more, or each waiter was told)", error.model, error)
+    else:
+        logger.opt(exception=error).error("gateway: background task {} failed", task.get_name())

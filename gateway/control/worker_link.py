@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import socket
 from typing import Any
+from urllib.parse import unquote
 
 import aiohttp
 from fastapi import APIRouter, Request
@@ -110,7 +111,7 @@ class WorkerLink:
         routed = [(route.name, b) for route in routes for b in (*route.replicas, route.front) if b]
         self._retired = [(name, b) for name, b in self._retired if b.in_flight > 0 or b.lost]
         in_flight: dict[tuple[str, str], int] = {}
-        lost: list[tuple[str, str, str]] = []
+        lost: list[tuple[str, str, tuple[str, str | None]]] = []  # (model, identity, (shape, key))
         with_adapters = {route.name for route in routes if route.adapters}
         for name, backend in (*routed, *self._retired):
             if backend.in_flight:
@@ -133,6 +134,19 @@ class WorkerLink:
             channel.write(self._writer, ("report", self.version, self.synced, in_flight, lost, upstream, usage))
 
 
+def escapes_admin(path: str) -> bool:
+    """Whether ``path`` (under /admin/, as routed: decoded once) has a dot segment or a backslash at any depth of
+    percent-decoding: the forwarded URL is normalised on the way (``/admin/../ready`` is the control's ``/ready``)."""
+    for _ in range(8):
+        if "\\" in path or any(segment in (".", "..") for segment in path.split("/")):
+            return True
+        decoded = unquote(path)
+        if decoded == path:
+            return False
+        path = decoded
+    return True  # encoded eight times over: nobody's admin path
+
+
 def admin_forwarder(link: WorkerLink) -> APIRouter:
     """``/admin/*`` on a worker: forwarded as it came to the control process, which owns the engines."""
     routes = APIRouter()
@@ -140,6 +154,8 @@ def admin_forwarder(link: WorkerLink) -> APIRouter:
     @routes.api_route("/admin/{path:path}", methods=["GET", "POST", "PUT", "DELETE"], include_in_schema=False)
     async def forward(path: str, request: Request) -> Response:
         assert link.admin is not None
+        if escapes_admin(path):
+            raise GatewayError(400, "an admin path has no '.' or '..' segments (encoded or not)", code="invalid_admin_path")
         headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
         info = request_info(request.scope)
         if info is not None:  # the control process logs nothing of its own for it; its errors name the same id

@@ -31,6 +31,7 @@ from prometheus_client import multiprocess
 from gateway.control import channel
 from gateway.control.snapshot import RoutingState, capture_state
 from gateway.core.endpoints import listening_note
+from gateway.core.poison import Suspicion
 from gateway.core.state import GatewayState
 from gateway.edge.auth import KeyHolder
 from gateway.tenants.quotas import Quotas
@@ -82,7 +83,7 @@ class WorkerSupervisor:
         self.workers = [_Worker(index) for index in range(count)]
         self.version = 0
         self._sync = 0
-        self._upstream: dict[tuple[str, str], list[str]] = {}  # (model, identity) -> shapes reported in a sync round
+        self._upstream: dict[tuple[str, str], list[Suspicion]] = {}  # (model, identity) -> (shape, key) reported in a sync round
         self._sent: RoutingState | None = None
         self.quotas = quotas if quotas is not None else Quotas()  # every named key's use, summed over the workers
         self._quotas_sent: Any = None
@@ -216,7 +217,7 @@ class WorkerSupervisor:
         in-flight counts and broken-connection shapes held here are as of now."""
         return await self._sync_round(timeout_s, None)
 
-    async def upstream_shapes(self, model: str, identity: str, timeout_s: float) -> list[str]:
+    async def upstream_shapes(self, model: str, identity: str, timeout_s: float) -> list[Suspicion]:
         """The shapes of the requests the workers have upstream on backend ``identity`` of ``model`` now (the
         suspects when its engine froze), from a sync round; those of workers that did not answer in time are missed."""
         self._upstream[(model, identity)] = []
@@ -290,7 +291,7 @@ class WorkerSupervisor:
                 worker.writer = None
             writer.close()
 
-    def _note_lost(self, lost: list[tuple[str, str, str]]) -> None:
+    def _note_lost(self, lost: list[tuple[str, str, Suspicion]]) -> None:
         """Shapes of requests whose upstream connection broke in a worker: the watchdog's suspects, as if here."""
         for model, identity, shape in lost:
             route = self.state.registry.route(model)

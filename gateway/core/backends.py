@@ -48,7 +48,7 @@ class Backend:
         self.sglang_version: str | None = None
         # Shapes of requests whose upstream connection broke (the engine died under them, most
         # likely): the watchdog turns them into suspects when it finds the engine dead.
-        self.lost: collections.deque[str] = collections.deque(maxlen=64)
+        self.lost: collections.deque[tuple[str, str | None]] = collections.deque(maxlen=64)  # (shape, key)
         # The requests upstream now (their leases): the suspects if the engine freezes.
         self.active: set[Any] = set()
         self._token = secrets.token_hex(8)

@@ -19,70 +19,108 @@ from typing import Any
 from engine_guard.shapes import fields_of
 from gateway.core.errors import GatewayError
 
+Suspicion = tuple[str, "str | None"]  # (request shape, the key that sent it: None on an open gateway)
+
 
 @dataclass
 class Suspect:
-    """A request shape suspected of crashing or freezing an engine of a model."""
+    """A request shape suspected of crashing or freezing an engine of a model, and whose evidence it is."""
 
     strikes: int = 0
-    blocked: bool = False
+    blocked: bool = False  # refused for everyone
     fields: tuple[str, ...] = ()
     last_cause: str = ""
     since: float = dataclass_field(default_factory=time.time)
+    keys: dict[str | None, int] = dataclass_field(default_factory=dict)  # strikes per implicated key
+    refused_for: set[str | None] = dataclass_field(default_factory=set)  # keys this shape is refused for
+
+    def copy(self) -> Suspect:
+        return replace(self, keys=dict(self.keys), refused_for=set(self.refused_for))
+
+    @property
+    def refusing(self) -> bool:
+        return self.blocked or bool(self.refused_for)
+
+
+def implicated_keys(suspects: list[tuple[str, str | None]]) -> set[str | None]:
+    """The keys a failure is held against: those that had in flight a shape no other key had (something only
+    they sent), or the only key in flight. When every shape was sent by several keys, all of them (the shared
+    shape is then the likely cause, met by independent keys). A key whose in-flight shapes were all also in
+    flight from another key is not implicated: ordinary requests next to a key's crafted one are not evidence."""
+    holders: dict[str, set[str | None]] = {}
+    for shape, key in suspects:
+        holders.setdefault(shape, set()).add(key)
+    keys = {key for _, key in suspects}
+    distinctive = {next(iter(held)) for held in holders.values() if len(held) == 1}
+    return distinctive if distinctive and len(keys) > 1 else keys
 
 
 class Quarantine:
-    """Per model: request shapes suspected of crashing (or freezing) its engine.
+    """Per model: request shapes suspected of crashing (or freezing) its engine, and the keys that sent them.
 
-    A shape is refused (400, on every route and replica of the model) once it was the only request in flight
-    when an engine failed, or in flight at two failures. It stays refused until the model's engine is
-    swapped (:meth:`clear` from the swap) or an operator clears it (``DELETE /admin/quarantine``): a
-    request that took a model down once will do it again, whenever it comes.
+    A failure's suspects are the requests in flight, each with its key; the failure is held against the
+    *implicated* keys (:func:`implicated_keys`). For an implicated key, a shape is refused (400, every route and
+    replica of the model) once it was the only request in flight at a failure, or in flight from that key at two
+    failures; it is refused for *everyone* once that holds for two distinct keys (evidence no single key made),
+    or at once on an open gateway (no keys: one anonymous client, as before keys existed). It stays refused until
+    the model's engine is swapped (:meth:`clear` from the swap) or an operator clears it
+    (``DELETE /admin/quarantine``): a request that took a model down once will do it again, whenever it comes.
     """
 
     def __init__(self, max_entries: int = 4096) -> None:
         self.max_entries = max_entries
         self._records: dict[tuple[str, str], Suspect] = {}
-        self._blocked = 0  # records refused: asked on every request, so counted, not scanned
+        self._blocked = 0  # records refusing anyone: asked on every request, so counted, not scanned
 
     def __bool__(self) -> bool:
         return self._blocked > 0
 
-    def engine_failed(self, model: str, suspects: list[str], cause: str) -> list[str]:
-        """Note the request shapes in flight when ``model``'s engine crashed or froze; returns the newly refused ones."""
-        unique = list(dict.fromkeys(suspects))
+    def engine_failed(self, model: str, suspects: list[str] | list[Suspicion], cause: str) -> list[str]:
+        """Note the requests (shapes, or (shape, key) pairs; a bare shape is an open gateway's) in flight when
+        ``model``'s engine crashed or froze; returns the shapes newly refused (for anyone)."""
+        pairs = list(dict.fromkeys((item, None) if isinstance(item, str) else (item[0], item[1]) for item in suspects))
+        implicated = implicated_keys(pairs)
+        alone = len({shape for shape, _ in pairs}) == 1
         newly = []
-        for shape in unique:
+        for shape in dict.fromkeys(shape for shape, _ in pairs):
             record = self._records.get((model, shape))
             if record is None:
                 record = self._records[(model, shape)] = Suspect(fields=fields_of(shape))
             record.strikes += 1
             record.last_cause = cause
-            if not record.blocked and (len(unique) == 1 or record.strikes >= 2):
+            was_refusing, was_blocked = record.refusing, record.blocked
+            for key in {key for s, key in pairs if s == shape} & implicated:
+                record.keys[key] = record.keys.get(key, 0) + 1
+                if alone or record.keys[key] >= 2:
+                    record.refused_for.add(key)
+            if not record.blocked and (None in record.refused_for or len(record.refused_for) >= 2):
                 record.blocked = True
+            if record.refusing and not was_refusing:
                 self._blocked += 1
+            if (record.refusing and not was_refusing) or (record.blocked and not was_blocked):
                 newly.append(shape)
         while len(self._records) > self.max_entries:  # forget the oldest suspects that are not refused first
-            oldest = next((key for key, record in self._records.items() if not record.blocked), next(iter(self._records)))
-            self._blocked -= self._records.pop(oldest).blocked
-        return newly
+            oldest = next((key for key, record in self._records.items() if not record.refusing), next(iter(self._records)))
+            self._blocked -= self._records.pop(oldest).refusing
+        return list(dict.fromkeys(newly))
 
-    def check(self, model: str, shape: str) -> None:
-        """Raise GatewayError(400) when requests of this shape are quarantined for ``model``."""
+    def check(self, model: str, shape: str, key: str | None = None) -> None:
+        """Raise GatewayError(400) when requests of this shape are quarantined for ``model`` (for everyone, or for ``key``)."""
         record = self._records.get((model, shape))
-        if record is None or not record.blocked:
+        if record is None or not (record.blocked or key in record.refused_for):
             return
+        whose = "" if record.blocked else " when this key sends them"
         raise GatewayError(
             400,
             f"requests of this shape (fields {', '.join(record.fields) or 'none'}) took the engine of model {model!r} "
-            "down and are refused until an operator clears them; change the request, or ask the operator",
+            f"down{whose} and are refused until an operator clears them; change the request, or ask the operator",
             code="request_quarantined",
         )
 
     def clear(self, model: str | None = None) -> int:
         """Forget the suspects of ``model`` (every model when None); returns how many shapes were refused."""
         keys = [key for key in self._records if model is None or key[0] == model]
-        refused = sum(self._records[key].blocked for key in keys)
+        refused = sum(self._records[key].refusing for key in keys)
         for key in keys:
             del self._records[key]
         self._blocked -= refused
@@ -90,16 +128,21 @@ class Quarantine:
 
     def records(self) -> dict[tuple[str, str], Suspect]:
         """A copy of every record (model, shape) -> suspect: what worker processes receive from the control process."""
-        return {key: replace(record) for key, record in self._records.items()}
+        return {key: record.copy() for key, record in self._records.items()}
 
     def restore(self, records: dict[tuple[str, str], Suspect]) -> None:
         """Replace every record with ``records`` (a worker, given the control process's quarantine)."""
-        self._records = {key: replace(record) for key, record in records.items()}
-        self._blocked = sum(record.blocked for record in self._records.values())
+        self._records = {key: record.copy() for key, record in records.items()}
+        self._blocked = sum(record.refusing for record in self._records.values())
 
     def report(self) -> list[dict[str, Any]]:
-        """The refused shapes, for the admin API."""
+        """The refused shapes, for the admin API: whose evidence it is (key names or key hashes, never keys)."""
         return [
-            {"model": model, "shape": shape, "fields": list(record.fields), "strikes": record.strikes, "cause": record.last_cause, "since": record.since}
-            for (model, shape), record in self._records.items() if record.blocked
+            {
+                "model": model, "shape": shape, "fields": list(record.fields), "strikes": record.strikes,
+                "cause": record.last_cause, "since": record.since, "everyone": record.blocked,
+                "refused_for": sorted(key for key in record.refused_for if key is not None),
+                "evidence": {key: strikes for key, strikes in record.keys.items() if key is not None},
+            }
+            for (model, shape), record in self._records.items() if record.refusing
         ]  # fmt: skip

@@ -9,6 +9,7 @@ import aiohttp
 from engine_guard.shapes import payload_shape
 from gateway.core.backends import Backend
 from gateway.core.limits import ConcurrencyLimiter
+from gateway.core.poison import Suspicion
 from gateway.data.stream_pool import (
     StreamExchange,
     UpstreamPoolFull,
@@ -24,7 +25,7 @@ class Lease:
     is what tells the engine that nobody listens any more (it aborts the request).
     """
 
-    __slots__ = ("limiter", "backend", "gauge", "upstream", "request", "grammar", "adapter")
+    __slots__ = ("limiter", "backend", "gauge", "upstream", "request", "grammar", "adapter", "key")
 
     def __init__(self, limiter: ConcurrencyLimiter) -> None:
         self.limiter: ConcurrencyLimiter | None = limiter
@@ -34,6 +35,7 @@ class Lease:
         self.upstream: aiohttp.ClientResponse | StreamExchange | None = None
         self.request: tuple[str, bytes] | None = None  # (path, body) as sent upstream
         self.adapter: str | None = None  # the LoRA adapter it selects: an unload waits for it (gateway.control.adapters)
+        self.key: str | None = None  # the client key that sent it (name or hash; None: open gateway): whose evidence it is
 
     def take(self, backend: Backend, gauge: Any) -> None:
         """Count this request on ``backend`` (and in the model's in-flight gauge)."""
@@ -61,11 +63,11 @@ class Lease:
             return
         if isinstance(error, (aiohttp.ClientConnectorError, TimeoutError, UpstreamUnreachable, UpstreamPoolFull)):
             return
-        self.backend.lost.append(payload_shape(*self.request))
+        self.backend.lost.append((payload_shape(*self.request), self.key))
 
-    def suspect(self) -> str | None:
-        """This request's shape, when it is upstream (a suspect if its engine freezes)."""
-        return payload_shape(*self.request) if self.request is not None else None
+    def suspect(self) -> Suspicion | None:
+        """This request's shape and key, when it is upstream (a suspect if its engine freezes)."""
+        return (payload_shape(*self.request), self.key) if self.request is not None else None
 
     def release_grammar(self) -> None:
         """Give back the grammar slot: the engine has compiled the grammar (a stream's first bytes came)."""

@@ -154,6 +154,7 @@ class Proxy:
             await limiter.acquire(route.name, priority or 0)
         lease = Lease(limiter)
         lease.adapter = adapter
+        lease.key = info.key_name or (None if owner == OPEN_OWNER else owner)
         handed_over = False
         try:
             if adapter is not None and not self._still_served(route.name, adapter):
@@ -180,7 +181,7 @@ class Proxy:
                 payload = orjson.dumps(body)
                 lease.request = (path, payload)
                 if self.quarantine:
-                    self.quarantine.check(route.name, request_shape(path, body))
+                    self.quarantine.check(route.name, request_shape(path, body), lease.key)
                 headers = {"Content-Type": "application/json", "X-Request-Id": info.request_id, **backend.upstream_headers()}
                 if trace is not None and self.tracing is not None:
                     headers.update(self.tracing.attempt(trace, backend.served_name, backend.url, info.replica))

@@ -24,6 +24,7 @@ from gateway.core.context import RequestInfo, request_info
 from gateway.core.endpoints import PROXIED, RESPONSE_BY_ID, RESPONSE_CANCEL, ModelChoice, ProxiedRoute
 from gateway.core.errors import Dialect, GatewayError, error_body, error_response, refused, shaped_for, unknown_model
 from gateway.core.health import HealthProbes
+from gateway.core.metrics_scope import scoped_exposition
 from gateway.core.registry import ModelRoute
 from gateway.core.responses_index import StoredResponse
 from gateway.core.state import GatewayState
@@ -279,7 +280,12 @@ async def metrics(request: Request) -> Response:
     probes = _probes(state)
     url_backends = [backend for route in state.registry.routes() for backend in route.replicas if not backend.managed]
     await asyncio.gather(*(probes.not_ready(backend, state.settings.health_timeout_s) for backend in url_backends))
-    return Response(state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+    text = state.metrics.exposition()
+    tenant: Tenant | None = request.scope.get(TENANT_SCOPE_KEY)
+    if tenant is not None:  # a client key: its models and itself (the admin and metrics keys and an open gateway: all)
+        names = {name for route in state.registry.routes() if _may_use(tenant, route) for name in route.names}
+        text = scoped_exposition(text, tenant.name, lambda label: label in names or label.partition(":")[0] in names)
+    return Response(text, media_type=CONTENT_TYPE_LATEST)
 
 
 def _cards(route: ModelRoute, state: GatewayState) -> list[dict[str, Any]]:

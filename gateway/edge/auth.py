@@ -34,6 +34,7 @@ from gateway.tenants.keys import TENANT_SCOPE_KEY, Tenant, digest_of, key_owner,
 __all__ = ["OPEN_OWNER", "OWNER_SCOPE_KEY", "TENANT_SCOPE_KEY", "AuthMiddleware", "KeyHolder", "KeyPolicy", "key_owner", "key_policy"]
 
 ADMIN_PREFIX = "/admin/"
+METRICS_PATH = "/metrics"  # a client key reads only its own part of it; the admin and metrics keys all of it
 OWNER_SCOPE_KEY = "gateway.owner"
 OPEN_OWNER = "open"  # every client of a gateway without client keys is the same principal
 
@@ -50,6 +51,7 @@ class KeyPolicy:
     client: Mapping[bytes, Tenant] = field(default_factory=dict)  # a dict: the policy travels to worker processes (pickle)
     admin: tuple[bytes, ...] = ()
     open_paths: frozenset[str] = frozenset()
+    metrics: tuple[bytes, ...] = ()  # gateway.metrics_key: reads all of /metrics (as the admin keys do), nothing else
     # name -> limits of the named keys with limits (what worker processes count together), derived once
     limited: dict[str, KeyLimits] = field(init=False, repr=False, compare=False)
 
@@ -90,6 +92,11 @@ class AuthMiddleware:
             message = "the admin API is off: configure gateway.admin_keys (or admin_keys_env / admin_keys_file)"
             await error_response(GatewayError(403, message, code="admin_api_disabled"))(scope, receive, send)
             return
+        if path == METRICS_PATH and policy.client and path not in policy.open_paths:
+            presented = _bearer(scope)
+            if presented is not None and _matching(presented, policy.admin + policy.metrics) >= 0:
+                await self.app(scope, receive, send)  # no tenant in the scope: the whole scrape
+                return
         if not admin and (not policy.client or path in policy.open_paths or is_status_page(path)):
             if not policy.client:
                 scope[OWNER_SCOPE_KEY] = OPEN_OWNER
@@ -146,6 +153,8 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
     return None
 
 
-def key_policy(client: tuple[bytes, ...] | Mapping[bytes, Tenant], admin: tuple[bytes, ...], open_paths: Iterable[str]) -> KeyPolicy:
+def key_policy(
+    client: tuple[bytes, ...] | Mapping[bytes, Tenant], admin: tuple[bytes, ...], open_paths: Iterable[str], metrics: tuple[bytes, ...] = ()
+) -> KeyPolicy:
     """``client``: plain keys, or the tenant table of plain and named keys (:func:`gateway.tenants.keys.tenants_of`)."""
-    return KeyPolicy(client, admin, frozenset(open_paths))  # type: ignore[arg-type]
+    return KeyPolicy(client, admin, frozenset(open_paths), metrics)  # type: ignore[arg-type]

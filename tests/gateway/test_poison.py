@@ -311,3 +311,34 @@ def test_the_refusal_lists_the_shapes_fields() -> None:
         "requests of this shape (fields max_tokens, prompt) took the engine of model 'tiny' down and are refused "
         "until an operator clears them; change the request, or ask the operator"
     )
+
+
+def test_a_failure_is_held_against_the_key_with_a_shape_only_it_sent() -> None:
+    quarantine = Quarantine()
+    ordinary = request_shape("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+    crafted = request_shape("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 40}], "n": 2})
+    suspects = [(ordinary, "a"), (crafted, "a"), (ordinary, "b")]
+    assert quarantine.engine_failed("m", suspects, "froze") == []
+    assert quarantine.engine_failed("m", suspects, "froze") == [ordinary, crafted]
+    for shape in (ordinary, crafted):
+        with pytest.raises(GatewayError):
+            quarantine.check("m", shape, "a")
+    quarantine.check("m", ordinary, "b")  # b only sent what a sent too: not implicated
+    quarantine.check("m", crafted, "c")
+    assert {entry["shape"]: (entry["refused_for"], entry["everyone"], entry["evidence"]) for entry in quarantine.report()} == {
+        ordinary: (["a"], False, {"a": 2}), crafted: (["a"], False, {"a": 2}),
+    }
+
+
+def test_a_shape_is_refused_for_everyone_on_two_keys_evidence() -> None:
+    quarantine = Quarantine()
+    shape = request_shape("/v1/completions", {"prompt": [1, 2]})
+    assert quarantine.engine_failed("m", [(shape, "a")], "crashed") == [shape]  # alone: refused for a at once
+    quarantine.check("m", shape, "b")
+    assert quarantine.engine_failed("m", [(shape, "b")], "crashed") == [shape]  # now for everyone
+    with pytest.raises(GatewayError):
+        quarantine.check("m", shape, "c")
+    restored = Quarantine()
+    restored.restore(quarantine.records())  # what a worker process receives
+    with pytest.raises(GatewayError):
+        restored.check("m", shape, None)
