@@ -42,7 +42,7 @@ from gateway.edge.middleware import BodyLimitMiddleware, JSONCORSMiddleware, Req
 from gateway.edge.quota import QuotaMiddleware
 from gateway.tenants.keys import tenants_of
 from gateway.tenants.ledger import open_ledger
-from gateway.tenants.quotas import Quotas
+from gateway.tenants.quotas import Quotas, restore_budgets
 from gateway.ui.routes import ui_routes
 from launch.config import DeploymentConfig
 from launch.preflight import preflight_all
@@ -148,6 +148,7 @@ def create_app(
                 supervisor = None
                 try:
                     try:
+                        await restore_budgets(app.state.quotas, ledger)
                         await controller.boot()
                         await controller.start()
                         if workers is not None:

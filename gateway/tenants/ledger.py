@@ -133,6 +133,14 @@ class Ledger:
             return None
         return await asyncio.to_thread(self._reader.read, query)
 
+    async def spent_since(self, since: datetime) -> dict[str, int]:
+        """Tokens (prompt + completion) each named key spent since ``since``, from the database: what a restarted
+        gateway's budgets start from. Empty when the ledger is off or holds nothing yet."""
+        if not self.enabled or self._reader is None:
+            return {}
+        rows = await asyncio.to_thread(self._reader.read, UsageQuery(since=since, group_by=("key",)))
+        return {row["key"]: row["prompt_tokens"] + row["completion_tokens"] for row in rows if row["key"] is not None}
+
     async def close(self) -> None:
         """Stop the writer and write what is buffered (retrying up to :data:`CLOSE_TIMEOUT_S`); release the database."""
         if self._task is not None:
