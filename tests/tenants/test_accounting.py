@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import yaml
 
 from tests.gateway.helpers import serve
+from tests.servers import CLI, server_process
 
 pytestmark = pytest.mark.engine
 
@@ -100,3 +103,32 @@ def test_a_day_budget_holds_under_a_burst_and_across_a_restart(tiny_engine: Any,
     with serve({"tiny": {"url": tiny_engine.url}}, gateway) as server:  # the same state_dir: the same ledger
         again = httpx.post(server.url + "/v1/chat/completions", json=_chat(200, False), headers={"Authorization": f"Bearer {BUDGETED}"}, timeout=60)
         assert again.status_code == 429 and again.json()["error"]["code"] == "insufficient_quota", again.text
+
+
+@pytest.mark.parametrize("database", ["sqlite", "postgresql"])
+def test_a_key_at_its_budget_stays_at_it_after_sigkill_and_restart(database: str, tiny_engine: Any, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """``workers: 2``: the control process rebuilds the day budget from the ledger; SIGKILL flushes nothing."""
+    usage: dict[str, Any] = {"flush_interval_s": 0.05}
+    if database == "postgresql":
+        usage["database_url"] = request.getfixturevalue("postgres").url
+    key = {"name": "budgeted", "key": BUDGETED, "limits": {"tokens_per_day": 300}}
+    gateway = {"keys": [key], "admin_keys": ["admin"], "state_dir": str(tmp_path / "state"), "usage": usage, "workers": 2}
+    config = tmp_path / "deploy.yaml"
+    config.write_text(yaml.safe_dump({"models": {"tiny": {"url": tiny_engine.url}}, "gateway": gateway}))
+    headers = {"Authorization": f"Bearer {BUDGETED}"}
+    body = _chat(40, False)
+    with server_process([*CLI, "serve", str(config), "--port", "{port}"], log_path=tmp_path / "first.log", ready_path="/health", timeout_s=90) as server:
+        admitted = 0
+        for _ in range(40):
+            answer = httpx.post(server.url + "/v1/chat/completions", json=body, headers=headers, timeout=60)
+            if answer.status_code != 200:
+                break
+            admitted += 1
+        assert answer.status_code == 429 and answer.json()["error"]["code"] == "insufficient_quota", answer.text
+        _, prompt, completion = _settled(server.url, "budgeted", admitted)
+        assert prompt + completion >= 300 - (len(json.dumps(body)) + 40)  # refused only near the budget
+        server.stop(signal.SIGKILL, grace_s=0)
+    with server_process([*CLI, "serve", str(config), "--port", "{port}"], log_path=tmp_path / "second.log", ready_path="/health", timeout_s=90) as server:
+        for _ in range(6):  # both workers
+            again = httpx.post(server.url + "/v1/chat/completions", json=body, headers=headers, timeout=60)
+            assert again.status_code == 429 and again.json()["error"]["code"] == "insufficient_quota", again.text
