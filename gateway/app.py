@@ -138,6 +138,7 @@ def create_app(
                 state.proxy = Proxy(session, state.metrics, state.quarantine, state.responses, streams, waker, tracing, state.registry)
                 if link is not None:  # a worker: no engines of its own
                     await link.start(state, keys)
+                    ledger.hand_to(link.send_rows)  # rows go to the control process as requests end
                     link.apply(link.version, link.first)
                     try:
                         yield
