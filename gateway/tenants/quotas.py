@@ -1,10 +1,11 @@
 """Per-key limits: requests and tokens per minute, requests in flight, token budgets per day and month.
 
 Requests and tokens per minute are buckets refilled continuously (a key with 60 requests per minute gets one
-more each second, up to 60 at once). Tokens are charged when a request ends, from the usage the engine
-reported (prompt + completion): a key is admitted while its token bucket holds any, and one request may take
-it below zero, which the next ones wait out. Budgets count the same tokens per UTC day and calendar month,
-and start again at the period's start. The clock is injected (wall-clock seconds), so tests move it.
+more each second, up to 60 at once). Tokens are reserved at admission (:meth:`KeyQuota.reserve`: what the request
+may cost at most) and settled at its end with the usage the engine reported (prompt + completion), so concurrent
+requests cannot spend a budget many times over. Budgets count the same tokens per UTC day and calendar month,
+start again at the period's start, and are rebuilt from the usage ledger at start (:func:`restore_budgets`). The
+clock is injected (wall-clock seconds), so tests move it.
 
 The state lives per key name and survives reloads: a key whose limits change keeps what it used.
 
