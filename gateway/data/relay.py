@@ -28,6 +28,7 @@ from gateway.data.stream_pool import (
     StreamExchange,
 )
 from gateway.data.upstream_errors import transport_error
+from gateway.data.usage_request import prompt_bound
 from gateway.edge.connection import HTTP_CYCLE
 
 _MAX_PENDING = 4 * 1024 * 1024  # an SSE event larger than this is forwarded unsplit, unscanned
@@ -230,12 +231,13 @@ class SSEProxyResponse(Response):
     def _charge_unreported(self) -> None:
         """A stream that ended without the engine's usage (cut by the client, failed midway): its completion is
         the events relayed (SGLang sends one per token, plus a few framing events: docs/tenants.md), its prompt
-        the bound its admission estimated when the engine did not say it (Messages' ``message_start`` does)."""
+        the bound on it (the body's size in bytes) when the engine did not say it (Messages' ``message_start`` does)."""
         info = self.info
         if info.completion_tokens is None:
             info.completion_tokens = self.events
-        if info.prompt_tokens is None and info.prompt_estimate is not None:
-            info.prompt_tokens = info.prompt_estimate
+        if info.prompt_tokens is None:
+            sent = self.lease.request
+            info.prompt_tokens = info.prompt_estimate if info.prompt_estimate is not None else prompt_bound(len(sent[1])) if sent else None
 
     def _next_sequence_number(self) -> int:
         """Responses: the number after the last one the engine gave its events (they count from 0), for the error
