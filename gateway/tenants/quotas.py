@@ -215,9 +215,10 @@ class KeyQuota:
         for budget in (self.day, self.month):
             if budget is not None and not alone:
                 budget.roll(now)
-                if not budget.fits(tokens, self.share):
-                    wait = next_period_start(now, budget.period) - now
-                    return Refusal(f"token budget spent: {budget.limit} tokens per {budget.period} (this request may use {tokens})", "insufficient_quota", wait)
+                whole = self.reserved == 0 and budget.used + tokens <= budget.limit  # this process's one request may take all that was left
+                if not whole and not budget.fits(tokens, self.share):  # not spent (admit says so): held by requests in flight
+                    left = max(0, budget.limit - budget.used)
+                    return Refusal(f"token budget: {left} of {budget.limit} tokens per {budget.period} left or held by requests in flight; this request may use {tokens}", "rate_limit_exceeded", 1.0)
         self.reserved += tokens
         self.unreported[1] += tokens
         self.charge(tokens, now)

@@ -120,7 +120,7 @@ def test_reservations_hold_a_budget_under_concurrency_and_settle_with_the_real_u
             if refused is None:
                 held.append(120)
             else:
-                assert refused.code == "insufficient_quota" and "may use 120" in refused.message
+                assert refused.code == "rate_limit_exceeded" and "may use 120" in refused.message and refused.retry_after_s == 1.0
                 quota.finish(0, JAN_1)
     assert held == [120, 120] and quota.day is not None and quota.day.used == 240
     quota.finish(30, JAN_1, reserved=120)  # settled: what it held back, its real use kept
