@@ -42,7 +42,7 @@ from gateway.edge.middleware import BodyLimitMiddleware, JSONCORSMiddleware, Req
 from gateway.edge.quota import QuotaMiddleware
 from gateway.tenants.keys import tenants_of
 from gateway.tenants.ledger import open_ledger
-from gateway.tenants.quotas import Quotas
+from gateway.tenants.quotas import Quotas, restore_budgets
 from gateway.ui.routes import ui_routes
 from launch.config import DeploymentConfig
 from launch.preflight import preflight_all
@@ -138,6 +138,7 @@ def create_app(
                 state.proxy = Proxy(session, state.metrics, state.quarantine, state.responses, streams, waker, tracing, state.registry)
                 if link is not None:  # a worker: no engines of its own
                     await link.start(state, keys)
+                    ledger.hand_to(link.send_rows)  # rows go to the control process as requests end
                     link.apply(link.version, link.first)
                     try:
                         yield
@@ -148,6 +149,7 @@ def create_app(
                 supervisor = None
                 try:
                     try:
+                        await restore_budgets(app.state.quotas, ledger)
                         await controller.boot()
                         await controller.start()
                         if workers is not None:

@@ -61,6 +61,13 @@ class WorkerLink:
             channel.write(self._writer, ("listening",))
             self._report(force=True)
 
+    def send_rows(self, rows: list[Any]) -> bool:
+        """Usage ledger rows of requests that ended, to the control process (it writes them); False: no channel."""
+        if self._writer is None or self._writer.is_closing():
+            return False
+        channel.write(self._writer, ("rows", rows))
+        return True
+
     async def close(self) -> None:
         for task in self._tasks:
             task.cancel()

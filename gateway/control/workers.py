@@ -275,6 +275,9 @@ class WorkerSupervisor:
                 message = await channel.receive(reader)
                 if message[0] == "listening":
                     worker.listening.set()
+                elif message[0] == "rows" and self.state.ledger is not None:  # rows of requests the worker answered
+                    for row in message[1]:
+                        self.state.ledger.record(row)
                 elif message[0] == "report":
                     _, applied, synced, in_flight, lost, upstream, usage = message
                     if usage is not None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     from gateway.core.tracing import RequestTrace
 
@@ -35,6 +35,12 @@ class RequestInfo:
     # headers an inner layer adds to the answer (a limited key's rate-limit headers): the request-id layer writes
     # them into the response start it already rewrites, so no layer wraps ``send`` for them
     extra_headers: Sequence[tuple[bytes, bytes]] = ()
+    # a limited key's reservation (gateway.edge.quota): called with what the request may cost, raises a 429 when
+    # that does not fit; ``reserved`` is what it holds until the end, ``prompt_estimate`` its prompt part (what a
+    # stream that ends without the engine's usage is charged for its prompt)
+    reserve: Callable[[int], None] | None = None
+    reserved: int = 0
+    prompt_estimate: int | None = None
 
     def set_usage(self, usage: Any) -> None:
         """Take token counts from an OpenAI (``prompt_tokens``/``completion_tokens``) or a Responses /

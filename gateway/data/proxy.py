@@ -44,6 +44,7 @@ from gateway.data.stream_pool import (
     UpstreamPoolFull,
 )
 from gateway.data.upstream_errors import UPSTREAM_ERRORS, router_lost_its_worker, transport_error
+from gateway.data.usage_request import ask_for_usage, cost_bound
 from gateway.data.waking import WakingStreamResponse
 from gateway.edge.auth import OPEN_OWNER
 
@@ -143,6 +144,12 @@ class Proxy:
         problem = route.backend.engine_version.field_problem(endpoint.path, body)  # an older SGLang would ignore it
         if problem is not None:
             raise GatewayError(400, problem, code="unsupported_parameter", param=problem.split(":", 1)[0])
+        if info.reserve is not None:  # a limited key: hold what the request may cost (settled at its end)
+            size = len(orjson.dumps(body))
+            info.prompt_estimate, bound = cost_bound(body, size, route.backend.context_length)
+            info.reserve(bound if endpoint.stream is not None else info.prompt_estimate)
+        streamed = info.stream = endpoint.stream is not None and body.get("stream") is True
+        hide_usage = streamed and endpoint.stream is StreamKind.DATA and ask_for_usage(body)
         limiter = route.limiter
         trace = info.trace
         if trace is not None:
@@ -168,7 +175,6 @@ class Proxy:
                     503, f"model {route.name!r} is drained by an operator; retry later", code="model_drained",
                     headers={"Retry-After": str(limiter.settings.retry_after_s)},
                 )
-            streamed = info.stream = endpoint.stream is not None and body.get("stream") is True
             failed: Backend | None = None
             while True:
                 # chosen once per attempt: a swap mid-request must not split it across backends
@@ -229,7 +235,7 @@ class Proxy:
                 return Response(content or b"", status_code=200, media_type=media)
             handed_over = True
             on_created = (lambda response_id: self.responses.record(response_id, route.name, backend.identity, owner)) if endpoint.response_ids else None
-            return SSEProxyResponse(lease, info, self.metrics, route.name, endpoint.stream or StreamKind.DATA, on_created, body)
+            return SSEProxyResponse(lease, info, self.metrics, route.name, endpoint.stream or StreamKind.DATA, on_created, body, hide_usage)
         finally:
             if not handed_over:
                 lease.close()

@@ -28,6 +28,7 @@ from gateway.data.stream_pool import (
     StreamExchange,
 )
 from gateway.data.upstream_errors import transport_error
+from gateway.data.usage_request import prompt_bound
 from gateway.edge.connection import HTTP_CYCLE
 
 _MAX_PENDING = 4 * 1024 * 1024  # an SSE event larger than this is forwarded unsplit, unscanned
@@ -103,6 +104,7 @@ class SSEProxyResponse(Response):
         kind: StreamKind = StreamKind.DATA,
         on_created: Callable[[str], None] | None = None,
         request: dict[str, Any] | None = None,
+        hide_usage: bool = False,
     ) -> None:
         super().__init__(status_code=200, media_type="text/event-stream")
         assert isinstance(lease.upstream, StreamExchange)
@@ -114,6 +116,8 @@ class SSEProxyResponse(Response):
         self.kind = kind
         self.on_created = on_created  # told the id of a Responses API response when its creation event passes
         self.request = request  # the body sent: an engine error event may be about its input (gateway.core.client_mistakes)
+        self.hide_usage = hide_usage  # the gateway asked for the usage event, the client did not: it is not forwarded
+        self.events = 0  # events relayed: a stream that ends without the engine's usage is charged by them
         self._scan = _SCAN[kind]
         self._endings = _ENDING_SCAN[kind]
         self._last = (b"", b"")  # the last two pieces written: where a complete stream's own ending is
@@ -152,6 +156,8 @@ class SSEProxyResponse(Response):
                 raise
             self.info.error = "client disconnected"
         finally:
+            if gone:
+                self._charge_unreported()
             relaying = False
             watch.remove_done_callback(on_watch_done)
             watch.cancel()
@@ -172,6 +178,7 @@ class SSEProxyResponse(Response):
             events = self._complete_events(chunk)
             if not events:
                 return False
+            self.events += events.count(b"\n\n")
             if self._held:  # (cannot happen: nothing follows the end of a stream)
                 events, self._held = self._held + events, b""
             if events.endswith(_DONE):
@@ -209,6 +216,7 @@ class SSEProxyResponse(Response):
             failure = GatewayError(
                 502, f"the stream from the engine of {self.model} stopped before its end", code="upstream_stream_incomplete"
             )
+        self._charge_unreported()
         trace = self.info.trace
         if trace is not None and trace.attempts:
             trace.attempts[-1].ended = time.perf_counter()
@@ -219,6 +227,17 @@ class SSEProxyResponse(Response):
             self.metrics.child(self.metrics.stream_errors, self.model).inc()
             tail += sse_error_event(failure, self.kind, self._next_sequence_number())
         await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+    def _charge_unreported(self) -> None:
+        """A stream that ended without the engine's usage (cut by the client, failed midway): its completion is
+        the events relayed (SGLang sends one per token, plus a few framing events: docs/tenants.md), its prompt
+        the bound on it (the body's size in bytes) when the engine did not say it (Messages' ``message_start`` does)."""
+        info = self.info
+        if info.completion_tokens is None:
+            info.completion_tokens = self.events
+        if info.prompt_tokens is None:
+            sent = self.lease.request
+            info.prompt_tokens = info.prompt_estimate if info.prompt_estimate is not None else prompt_bound(len(sent[1])) if sent else None
 
     def _next_sequence_number(self) -> int:
         """Responses: the number after the last one the engine gave its events (they count from 0), for the error
@@ -276,7 +295,12 @@ class SSEProxyResponse(Response):
             if not self._finishing:  # a finish marker after the one found, on this line (skipped by the search below)
                 self._finishing = any(later.lastgroup == "finish" for later in scan.finditer(line, at - line_start + 1))
             out.append(events[start:line_start])
-            out.append(self._inspect_line(line) if line.startswith(b"data: {") else line)
+            kept = self._inspect_line(line) if line.startswith(b"data: {") else line
+            if kept is None:  # an event the client did not ask for: the line and the blank line closing it go
+                if events.startswith(b"\n\n", line_end):
+                    line_end += 2
+                kept = b""
+            out.append(kept)
             start = line_end
             found = scan.search(events, start)
         if not out:  # finish markers only: nothing parsed, nothing rewritten
@@ -284,7 +308,8 @@ class SSEProxyResponse(Response):
         out.append(events[start:])
         return b"".join(out)
 
-    def _inspect_line(self, line: bytes) -> bytes:
+    def _inspect_line(self, line: bytes) -> bytes | None:
+        """The line as it goes to the client; None: the usage event the client did not ask for."""
         try:
             data = orjson.loads(line[6:])
         except orjson.JSONDecodeError:
@@ -292,6 +317,8 @@ class SSEProxyResponse(Response):
         if not isinstance(data, dict):
             return line
         self.info.set_usage(_usage_of(data))
+        if self.hide_usage and data.get("choices") == [] and isinstance(data.get("usage"), dict):
+            return None
         if self.kind is not StreamKind.DATA:
             return self._inspect_event(line, data)
         error = data.get("error")

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import datetime as dt
 import math
+from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.core.context import request_info
+from gateway.core.context import RequestInfo, request_info
 from gateway.core.endpoints import dialect_for_path
 from gateway.core.errors import Dialect, GatewayError, error_response
 from gateway.tenants.keys import TENANT_SCOPE_KEY, Tenant
-from gateway.tenants.quotas import KeyQuota, Quotas
+from gateway.tenants.quotas import KeyQuota, Quotas, Refusal
 
 
 class QuotaMiddleware:
@@ -35,10 +36,7 @@ class QuotaMiddleware:
         dialect = dialect_for_path(scope["path"])
         refusal = quota.admit(now)
         if refusal is not None:
-            retry = max(1, math.ceil(refusal.retry_after_s))
-            headers = {"Retry-After": str(retry), "retry-after-ms": str(max(1, math.ceil(refusal.retry_after_s * 1000)))}
-            headers.update((k.decode(), v.decode()) for k, v in rate_limit_headers(quota, now, dialect))
-            error = GatewayError(429, f"key {tenant.name!r}: {refusal.message}; retry in {retry}s", code=refusal.code, headers=headers)
+            error = _refused(tenant.name, refusal, quota, now, dialect)
             info = request_info(scope)
             if info is not None:
                 info.error = info.error_code = refusal.code
@@ -46,6 +44,8 @@ class QuotaMiddleware:
             return
         extra = rate_limit_headers(quota, now, dialect)
         info = request_info(scope)
+        if info is not None:
+            info.reserve = _reserver(self.quotas, quota, tenant.name, info, dialect)
         if info is not None:  # the request-id layer writes them into the response start it rewrites anyway
             info.extra_headers = extra
             inner_send = send
@@ -60,7 +60,28 @@ class QuotaMiddleware:
             await self.app(scope, receive, inner_send)
         finally:
             used = ((info.prompt_tokens or 0) + (info.completion_tokens or 0)) if info is not None else 0
-            quota.finish(used, self.quotas.clock())
+            quota.finish(used, self.quotas.clock(), info.reserved if info is not None else 0)
+
+
+def _refused(name: str, refusal: Refusal, quota: KeyQuota, now: float, dialect: Dialect) -> GatewayError:
+    """The 429 for ``refusal``, with the headers that say when to retry."""
+    retry = max(1, math.ceil(refusal.retry_after_s))
+    headers = {"Retry-After": str(retry), "retry-after-ms": str(max(1, math.ceil(refusal.retry_after_s * 1000)))}
+    headers.update((k.decode(), v.decode()) for k, v in rate_limit_headers(quota, now, dialect))
+    return GatewayError(429, f"key {name!r}: {refusal.message}; retry in {retry}s", code=refusal.code, headers=headers)
+
+
+def _reserver(quotas: Quotas, quota: KeyQuota, name: str, info: RequestInfo, dialect: Dialect) -> Callable[[int], None]:
+    """What the route calls once it knows what the request may cost (:meth:`KeyQuota.reserve`): held until the end."""
+
+    def reserve(tokens: int) -> None:
+        now = quotas.clock()
+        refusal = quota.reserve(tokens, now)
+        if refusal is not None:
+            raise _refused(name, refusal, quota, now, dialect)
+        info.reserved += tokens
+
+    return reserve
 
 
 def _names(template: str) -> dict[str, tuple[bytes, bytes, bytes]]:

@@ -17,6 +17,7 @@ import asyncio
 import functools
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from itertools import chain
@@ -96,15 +97,38 @@ class Ledger:
         self._dropped_at_incident = 0  # ``dropped`` when the current write failure began
         self._dropped_seen = 0  # ``dropped`` at the last look
         self._drops_logged = False  # the current run of drops was logged
+        self._sink: Callable[[list[UsageRow]], bool] | None = None  # a worker's: rows go to the control process
+        self._handing: list[UsageRow] = []  # rows of this loop turn, handed over at its end
 
     @property
     def buffered(self) -> int:
         return len(self._rows)
 
+    def hand_to(self, sink: Callable[[list[UsageRow]], bool]) -> None:
+        """A worker process: rows go to ``sink`` (the control process, which writes them) as their requests end,
+        those of one loop turn together, instead of waiting here for the writer: a killed worker loses only the
+        rows of the requests it had in flight. ``sink`` returns False when it cannot take them (kept here then)."""
+        self._sink = sink
+
+    def _hand_over(self) -> None:
+        rows, self._handing = self._handing, []
+        if rows and not (self._sink is not None and self._sink(rows)):
+            for row in rows:
+                self._keep(row)
+
     def record(self, row: UsageRow) -> None:
-        """Keep ``row`` for the writer: O(1), no I/O. A full buffer drops its oldest row (counted)."""
+        """Keep ``row`` for the writer (or hand it over, :meth:`hand_to`): O(1), no I/O. A full buffer drops its
+        oldest row (counted)."""
         if not self.enabled:
             return
+        if self._sink is not None:
+            if not self._handing:
+                asyncio.get_running_loop().call_soon(self._hand_over)
+            self._handing.append(row)
+            return
+        self._keep(row)
+
+    def _keep(self, row: UsageRow) -> None:
         rows = self._rows
         if len(rows) >= self.max_rows:
             rows.popleft()
@@ -132,6 +156,14 @@ class Ledger:
         if self._reader is None:
             return None
         return await asyncio.to_thread(self._reader.read, query)
+
+    async def spent_since(self, since: datetime) -> dict[str, int]:
+        """Tokens (prompt + completion) each named key spent since ``since``, from the database: what a restarted
+        gateway's budgets start from. Empty when the ledger is off or holds nothing yet."""
+        if not self.enabled or self._reader is None:
+            return {}
+        rows = await asyncio.to_thread(self._reader.read, UsageQuery(since=since, group_by=("key",)))
+        return {row["key"]: row["prompt_tokens"] + row["completion_tokens"] for row in rows if row["key"] is not None}
 
     async def close(self) -> None:
         """Stop the writer and write what is buffered (retrying up to :data:`CLOSE_TIMEOUT_S`); release the database."""

@@ -1,10 +1,11 @@
 """Per-key limits: requests and tokens per minute, requests in flight, token budgets per day and month.
 
 Requests and tokens per minute are buckets refilled continuously (a key with 60 requests per minute gets one
-more each second, up to 60 at once). Tokens are charged when a request ends, from the usage the engine
-reported (prompt + completion): a key is admitted while its token bucket holds any, and one request may take
-it below zero, which the next ones wait out. Budgets count the same tokens per UTC day and calendar month,
-and start again at the period's start. The clock is injected (wall-clock seconds), so tests move it.
+more each second, up to 60 at once). Tokens are reserved at admission (:meth:`KeyQuota.reserve`: what the request
+may cost at most) and settled at its end with the usage the engine reported (prompt + completion), so concurrent
+requests cannot spend a budget many times over. Budgets count the same tokens per UTC day and calendar month,
+start again at the period's start, and are rebuilt from the usage ledger at start (:func:`restore_budgets`). The
+clock is injected (wall-clock seconds), so tests move it.
 
 The state lives per key name and survives reloads: a key whose limits change keeps what it used.
 
@@ -24,6 +25,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from gateway.config import KeyLimits
 
@@ -107,13 +109,18 @@ class Budget:
     used: int = 0
     since: float = 0.0  # the current period's start
     until: float = field(default=-math.inf, repr=False)  # the next period's start (when ``since`` was computed)
+    base: int = 0  # ``used`` as of the control's last round (worker processes): this process holds a share of what was left
+
+    def fits(self, tokens: int, share: float) -> bool:
+        """Whether a reservation of ``tokens`` fits this process's share of what was left at the last round."""
+        return (self.used - self.base) + tokens <= (self.limit - self.base) * share
 
     def roll(self, now: float) -> None:
         if self.since <= now < self.until:  # the hot path: still in the same period (no calendar arithmetic)
             return
         start = period_start(now, self.period)
         if start != self.since:
-            self.since, self.used = start, 0
+            self.since, self.used, self.base = start, 0, 0
         self.until = next_period_start(now, self.period)
 
 
@@ -152,6 +159,7 @@ class KeyQuota:
         self.others_in_flight = 0  # the other workers' requests of this key, as of the last round
         self.unreported = [0, 0]  # requests admitted and tokens charged here since the last report
         self.reported_in_flight = 0
+        self.reserved = 0  # tokens held by this process's requests in flight (charged at admission, settled at the end)
         self.update(limits, now)
 
     def update(self, limits: KeyLimits, now: float) -> None:
@@ -193,13 +201,38 @@ class KeyQuota:
         self.unreported[0] += 1
         return None
 
-    def finish(self, tokens: int, now: float) -> None:
-        """An admitted request ended, having used ``tokens`` (prompt + completion)."""
-        self.in_flight = max(0, self.in_flight - 1)
-        if tokens <= 0:
-            return
+    def reserve(self, tokens: int, now: float) -> Refusal | None:
+        """Hold ``tokens`` (what an admitted request may cost at most) against the token bucket and the budgets, or
+        say why not. A reservation that does not fit what is left is refused, unless this key has no other
+        reservation here: a request larger than a whole limit still runs alone (the bound on the overshoot)."""
+        limits = self.limits
+        alone = self.reserved == 0 and self.others_in_flight == 0
+        if self.tokens is not None and not alone:
+            self.tokens.refill(now)
+            if tokens > self.tokens.level:
+                wait = self.tokens.wait_s(tokens) if tokens <= self.tokens.top else self.tokens.full_in_s()
+                return Refusal(f"rate limit reached: {limits.tokens_per_minute} tokens per minute (this request may use {tokens})", "rate_limit_exceeded", max(wait, 0.001))
+        for budget in (self.day, self.month):
+            if budget is not None and not alone:
+                budget.roll(now)
+                whole = self.reserved == 0 and budget.used + tokens <= budget.limit  # this process's one request may take all that was left
+                if not whole and not budget.fits(tokens, self.share):  # not spent (admit says so): held by requests in flight
+                    left = max(0, budget.limit - budget.used)
+                    return Refusal(f"token budget: {left} of {budget.limit} tokens per {budget.period} left or held by requests in flight; this request may use {tokens}", "rate_limit_exceeded", 1.0)
+        self.reserved += tokens
         self.unreported[1] += tokens
         self.charge(tokens, now)
+        return None
+
+    def finish(self, tokens: int, now: float, reserved: int = 0) -> None:
+        """An admitted request ended, having used ``tokens`` (prompt + completion); ``reserved``: what it held."""
+        self.in_flight = max(0, self.in_flight - 1)
+        self.reserved = max(0, self.reserved - reserved)
+        settle = tokens - reserved
+        if settle == 0:
+            return
+        self.unreported[1] += settle
+        self.charge(settle, now)
 
     def charge(self, tokens: int, now: float) -> None:
         """Count ``tokens`` against the token bucket and the budgets."""
@@ -244,12 +277,25 @@ class Quotas:
         # the control's view: key -> worker -> in flight, and the last report of each worker it counted
         self._in_flight: dict[str, dict[int, int]] = {}
         self.absorbed: dict[int, int] = {}
+        self._spent: dict[str, dict[str, int]] = {"day": {}, "month": {}}  # from the ledger at start: key -> tokens
+
+    def restore(self, period: str, spent: dict[str, int]) -> None:
+        """Take what each key spent in the current ``period`` (``day`` or ``month``) as the ledger says at start:
+        a restarted gateway goes on from there instead of granting a fresh budget."""
+        self._spent[period] = dict(spent)
+        for name, quota in self._by_name.items():
+            budget = quota.day if period == "day" else quota.month
+            if budget is not None:
+                budget.used = max(budget.used, spent.get(name, 0))
 
     def of(self, name: str, limits: KeyLimits) -> KeyQuota:
         """The quota of key ``name``, brought to ``limits`` (those in force now)."""
         quota = self._by_name.get(name)
         if quota is None:
             quota = self._by_name[name] = KeyQuota(limits, self.clock(), self.share)
+            for budget, period in ((quota.day, "day"), (quota.month, "month")):
+                if budget is not None:
+                    budget.used = self._spent[period].get(name, 0)
         elif quota.limits is not limits:  # a reload made new limits (an equal model keeps the quota as it is)
             quota.update(limits, self.clock())
         return quota
@@ -290,7 +336,7 @@ class Quotas:
             for budget, total in ((quota.day, view.day_used), (quota.month, view.month_used)):
                 if budget is not None:
                     budget.roll(now)
-                    budget.used = total + tokens
+                    budget.used, budget.base = total + tokens, total
             quota.others_in_flight = sum(count for index, count in view.in_flight if index != worker)
 
     # ----------------------------------------------------------------- the control's side
@@ -334,3 +380,15 @@ class Quotas:
                 tuple(sorted(self._in_flight.get(name, {}).items())),
             ))  # fmt: skip
         return views
+
+
+class _SpentReader(Protocol):
+    async def spent_since(self, since: dt.datetime) -> dict[str, int]: ...
+
+
+async def restore_budgets(quotas: Quotas, ledger: _SpentReader) -> None:
+    """Day and month budgets from the ledger (the process that holds the sums does it once, at start)."""
+    now = quotas.clock()
+    for period in ("day", "month"):
+        since = dt.datetime.fromtimestamp(period_start(now, period), dt.UTC)
+        quotas.restore(period, await ledger.spent_since(since))

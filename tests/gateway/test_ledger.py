@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 import uvicorn
 import yaml
@@ -506,3 +507,55 @@ def test_a_postgresql_url_means_psycopg_and_its_password_is_not_printed() -> Non
     assert settings.usage.database_url is not None
     assert settings.usage.database_url.get_secret_value() == "postgresql+psycopg://u:s3cret@db/usage"
     assert "s3cret" not in repr(settings)
+
+
+def test_a_sigkilled_worker_loses_at_most_the_rows_of_its_requests_in_flight(usage_upstream: str, tmp_path: Path) -> None:
+    """Workers hand each row to the control process as its request ends: with rows held for an hour before a write
+    (flush_interval_s), SIGKILL of a worker under load loses no row of an answered request beyond the requests that
+    failed with it (those it had in flight, or had accepted)."""
+    state_dir = tmp_path / "state"
+    gateway = {**_gateway(state_dir, flush_interval_s=3600, batch_rows=100_000), "workers": 2}
+    config = tmp_path / "deploy.yaml"
+    config.write_text(yaml.safe_dump({"models": _models(usage_upstream), "gateway": gateway}))
+    server = ServerProcess([*CLI, "serve", str(config), "--port", "{port}"], log_path=tmp_path / "gateway.log")
+    answered: list[str] = []
+    failed: list[str] = []
+    stop = threading.Event()
+
+    def client(index: int) -> None:
+        with httpx.Client(timeout=30) as http:
+            count = 0
+            while not stop.is_set():
+                rid = f"kill-{index}-{count}"
+                count += 1
+                try:
+                    ok = http.post(server.url + "/v1/chat/completions", json=_chat(), headers={**auth(), "X-Request-Id": rid}).status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                (answered if ok else failed).append(rid)
+
+    try:
+        server.wait_http("/health", timeout_s=60)
+        workers = psutil.Process(server.pid).children()
+        assert len(workers) == 2, workers
+        threads = [threading.Thread(target=client, args=(index,)) for index in range(8)]
+        for thread in threads:
+            thread.start()
+        time.sleep(1.5)
+        workers[0].kill()
+        time.sleep(1.0)
+        stop.set()
+        for thread in threads:
+            thread.join(30)
+        os.kill(server.pid, signal.SIGTERM)  # the control writes what it holds
+        assert server.proc.wait(60) == 0, server.log(3000)
+    finally:
+        stop.set()
+        server.stop()
+    engine = create_engine(_sqlite(state_dir))
+    with engine.connect() as conn:
+        written = set(conn.execute(select(usage_rows.c.request_id)).scalars())
+    engine.dispose()
+    missing = [rid for rid in answered if rid not in written]
+    assert len(answered) > 100, len(answered)
+    assert len(missing) <= len(failed), (len(missing), len(failed), len(answered))

@@ -109,3 +109,40 @@ def test_workers_share_a_key_through_the_controls_rounds() -> None:
     control.absorb(1, *b_report, {"t": limits})
     round_trip()
     assert a.requests.level == b.requests.level == 1.0  # 10 - 8, shared
+
+
+def test_reservations_hold_a_budget_under_concurrency_and_settle_with_the_real_use() -> None:
+    quota = KeyQuota(KeyLimits(tokens_per_day=300, tokens_per_minute=1000), JAN_1)
+    held = []
+    for _ in range(20):  # 20 requests admitted at once, each of which may cost 120
+        if quota.admit(JAN_1) is None:
+            refused = quota.reserve(120, JAN_1)
+            if refused is None:
+                held.append(120)
+            else:
+                assert refused.code == "rate_limit_exceeded" and "may use 120" in refused.message and refused.retry_after_s == 1.0
+                quota.finish(0, JAN_1)
+    assert held == [120, 120] and quota.day is not None and quota.day.used == 240
+    quota.finish(30, JAN_1, reserved=120)  # settled: what it held back, its real use kept
+    assert quota.day.used == 150 and quota.reserved == 120 and quota.tokens is not None and quota.tokens.level == 850
+    quota.finish(30, JAN_1, reserved=120)
+    assert quota.day.used == 60 and quota.reserved == 0
+    assert quota.admit(JAN_1) is None and quota.reserve(5000, JAN_1) is None  # alone: larger than a limit, it still runs
+    assert quota.reserve(1, JAN_1) is not None  # but nothing beside it
+
+
+def test_a_worker_reserves_only_its_share_of_what_was_left() -> None:
+    quota = KeyQuota(KeyLimits(tokens_per_day=300), JAN_1, share=0.5)
+    assert quota.admit(JAN_1) is None and quota.reserve(100, JAN_1) is None
+    assert quota.admit(JAN_1) is None and quota.reserve(100, JAN_1) is not None  # 200 > its half of 300
+
+
+def test_budgets_restored_from_the_ledger_apply_to_keys_made_before_and_after() -> None:
+    quotas = Quotas(clock=lambda: JAN_1 + 60)
+    limits = KeyLimits(tokens_per_day=300, tokens_per_month=1000)
+    early = quotas.of("early", limits)
+    quotas.restore("day", {"early": 310, "late": 120})
+    quotas.restore("month", {"late": 900})
+    assert early.day is not None and early.day.used == 310 and early.admit(JAN_1 + 60) is not None
+    late = quotas.of("late", limits)
+    assert late.day is not None and late.month is not None and (late.day.used, late.month.used) == (120, 900)
