@@ -113,7 +113,7 @@ def backend_view(backend: Backend) -> BackendView:
         context_length=backend.context_length, unavailable=backend.unavailable_reason(),
         retry_after_s=backend.retry_after_s, managed=backend.managed, is_router=backend.is_router,
         sends_at_once=backend.sends_at_once, schedules_by_priority=backend.schedules_by_priority,
-        sglang_version=backend.sglang_version,
+        sglang_version=backend.engine_version.sglang,
     )  # fmt: skip
 
 

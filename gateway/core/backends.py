@@ -132,7 +132,13 @@ class EngineBackend(Backend):
     def __init__(self, served_name: str, engine: EngineProcess, *, replica: int = 0) -> None:
         super().__init__(served_name, replica=replica)
         self.engine = engine
-        self.sglang_version = installed_sglang(engine.config.python_executable)  # cached: its start asked already
+
+    @property
+    def engine_version(self) -> EngineVersion:
+        """The version installed for the engine's python, read once (the launcher asked already: cached)."""
+        if self.sglang_version is None:
+            self.sglang_version = installed_sglang(self.engine.config.python_executable)
+        return super().engine_version
 
     @property
     def url(self) -> str:

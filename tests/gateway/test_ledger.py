@@ -202,10 +202,10 @@ def test_every_request_gets_a_row_with_the_usage_the_upstream_reported(ledger_ga
 
 def test_per_key_prometheus_counters(ledger_gateway: Any) -> None:
     url = ledger_gateway.url
-    before = httpx.get(url + "/metrics", headers=auth()).text
+    before = httpx.get(url + "/metrics", headers=auth(ADMIN)).text  # per-key series: the admin's (a client key sees its own)
     for index in range(3):
         assert _post(url, f"prom-{index}", _chat(model="n")).status_code == 200
-    text = httpx.get(url + "/metrics", headers=auth()).text
+    text = httpx.get(url + "/metrics", headers=auth(ADMIN)).text
     requests = {"key": "unnamed", "model": "n", "status_class": "2xx"}
     assert (prometheus_value(text, "gateway_key_requests_total", requests) or 0) - (prometheus_value(before, "gateway_key_requests_total", requests) or 0) == 3
     prompt = {"key": "unnamed", "model": "n", "kind": "prompt"}
@@ -220,7 +220,7 @@ def test_a_named_keys_rows_and_counters_carry_its_name(usage_upstream: str, tmp_
         assert _post(server.url, "named-1", _chat(), key=named).status_code == 200
         assert _post(server.url, "plain-1", _chat()).status_code == 200
         rows = _rows(_sqlite(tmp_path), ["named-1", "plain-1"])
-        text = httpx.get(server.url + "/metrics", headers=auth()).text
+        text = httpx.get(server.url + "/metrics", headers=auth(ADMIN)).text
     assert rows["named-1"]["key_name"] == "team-a" and rows["plain-1"]["key_name"] is None
     assert prometheus_value(text, "gateway_key_requests_total", {"key": "team-a", "model": "m", "status_class": "2xx"}) == 1
 
@@ -324,7 +324,7 @@ def test_a_full_buffer_drops_the_oldest_rows_and_counts_them(usage_upstream: str
         ids = [f"drop-{i}" for i in range(8)]
         for rid in ids:
             assert _post(server.url, rid, _chat()).status_code == 200
-        metrics = httpx.get(server.url + "/metrics", headers={**auth(), "X-Request-Id": "drop-metrics"}).text
+        metrics = httpx.get(server.url + "/metrics", headers={**auth(ADMIN), "X-Request-Id": "drop-metrics"}).text
         assert prometheus_value(metrics, "gateway_usage_rows_dropped_total") == 3
         time.sleep(0.1)
         assert server.state.ledger.buffered == 5  # drop-4 .. drop-7 and the /metrics request (its row pushed drop-3 out)

@@ -162,7 +162,7 @@ def test_odd_headers_never_500(http: httpx.Client, path: str, headers: dict[str,
     assert response.headers["x-request-id"]
 
 
-GATEWAY_GETS = ("/health", "/ready", "/metrics", "/v1/models", "/openapi.json")
+GATEWAY_GETS = ("/", "/health", "/ready", "/metrics", "/v1/models", "/openapi.json")  # "/": the status page ("/." resolves to it)
 """The gateway's own GET routes (answered 200 here: the key is sent, the engine is up)."""
 
 
