@@ -66,8 +66,6 @@ def check_stack(facts: HostFacts, engines: Sequence[EngineConfig]) -> list[Check
                       f"pip install -r <(python launch/gpu_profiles.py requirements --profile {profile.name})")]  # fmt: skip
     if profile is not None:
         return [Check("gpu stack", "ok", f"{versions}: profile {profile.name}")]
-    if not _wants_gpu(facts, engines):
-        return [Check("gpu stack", "info", f"{versions}: a CPU environment (no GPU stack profile); device: cpu engines only")]
     return [Check("gpu stack", "warning", f"{versions} is no GPU stack profile: the driver rule cannot be applied",
                   "install a profile: python launch/gpu_profiles.py requirements --profile NAME")]  # fmt: skip
 
