@@ -69,15 +69,8 @@ check_cpu_environment() {
   echo "  and its media, dataset and training extras ($(echo $cpu_left_out_extras | sed 's/ /, /g')): a text server does not use them." >&2
 }
 
-# pip prints a warning per package for this machine's absent local indexes: keep the log readable.
-pip_quiet() {
-  local rc
-  set +e
-  "$@" 2>&1 | grep -v "is ignored: it is neither a file nor a directory"
-  rc=${PIPESTATUS[0]}
-  set -e
-  return "$rc"
-}
+# pip_quiet: pip with this machine's absent-local-index warnings filtered out, its status kept.
+source "$root/scripts/lib.sh"
 
 if [ ! -f "$venv/.complete" ]; then
   echo "bootstrap: building the $flavor environment in $venv (first run: several minutes)" >&2

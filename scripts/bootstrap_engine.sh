@@ -10,6 +10,7 @@
 # Cached under a hash of that file: a second run prints the path in well under a second.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/lib.sh
 version=${1:?usage: scripts/bootstrap_engine.sh SGLANG_VERSION}
 requirements="requirements/engines/sglang-$version.txt"
 if [ ! -f "$requirements" ]; then
@@ -26,15 +27,7 @@ if [ ! -f "$venv/.complete" ]; then
   rm -rf "$venv"
   mkdir -p "$cache"
   "$python" -m venv "$venv"
-  # pip prints a warning per package for this machine's absent local indexes: keep the log readable, keep pip's status.
-  pip() {
-    local rc
-    set +e
-    "$venv/bin/python" -m pip --disable-pip-version-check -q "$@" 2>&1 | grep -v "is ignored: it is neither a file nor a directory"
-    rc=${PIPESTATUS[0]}
-    set -e
-    return "$rc"
-  }
+  pip() { pip_quiet "$venv/bin/python" -m pip --disable-pip-version-check -q "$@"; }
   pip install --upgrade "pip>=24"
   pip install -r "$requirements"
   pip install --no-deps "sglang==$version"
