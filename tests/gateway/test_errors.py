@@ -8,12 +8,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import openai
 
 from gateway.core.errors import readable_validation_dump, sanitize_message, upstream_error
 from launch.process import EngineProcess
+from tests.fake_engine import running_fake_engine
 from tests.gateway.helpers import (
     KEY,
     GatewayServer,
@@ -178,37 +180,50 @@ def test_429_concurrency_limit_with_retry_after(tiny_engine: EngineProcess) -> N
         assert status == 200
 
 
-def test_429_after_queue_timeout_and_queued_request_proceeds(tiny_engine: EngineProcess) -> None:
-    limits = {"limits": {"max_concurrent": 1, "max_queue": 1, "queue_timeout_s": 1.0}}
-    with serve({"tiny": {"url": tiny_engine.url}}, limits) as gw, httpx.Client(base_url=gw.url, timeout=60) as http:
-        limiter = gw.state.registry.route("tiny").limiter
-        body = {"model": "tiny", "messages": HELLO, "max_tokens": 2000, "temperature": 0, "stream": True, "ignore_eos": True}
-        results: dict[str, httpx.Response] = {}
+def test_429_after_queue_timeout_and_queued_request_proceeds(tmp_path: Path) -> None:
+    """Model ``tiny`` queues for 1 s and then refuses; model ``patient`` (same engine, same caps) queues for 30 s,
+    so the test can see its request waiting however late this thread wakes on a loaded machine (a 1 s queue
+    could time out between two polls). The engine is the FAKE one, whose 3000-token stream takes 30 s: a real
+    engine finished its whole stream into the socket buffers in ~3 s, and on CI the waiting request came after."""
+    quick = {"max_concurrent": 1, "max_queue": 1, "queue_timeout_s": 1.0}
+    gateway_cfg = {"limits": quick, "model_limits": {"patient": {**quick, "queue_timeout_s": 30.0}}}
+    with running_fake_engine(tmp_path) as engine_url:
+        models = {"tiny": {"url": engine_url}, "patient": {"url": engine_url}}
+        with serve(models, gateway_cfg) as gw, httpx.Client(base_url=gw.url, timeout=60) as http:
+            queue_and_refuse(gw, http)
 
-        def send(name: str) -> None:
-            results[name] = httpx.post(gw.url + CHAT, json={"model": "tiny", "messages": HELLO, "max_tokens": 2}, timeout=60)
 
-        with http.stream("POST", CHAT, json=body) as holding:
-            held = holding.iter_raw()  # keep the iterator: dropping it closes the stream
-            next(held)  # the only slot is taken while this stream is open
-            timing_out = threading.Thread(target=send, args=("timed out",))
-            timing_out.start()
-            wait_until(lambda: limiter.waiting == 1, "the request to wait in the queue")
-            timing_out.join(30)  # the holder is still streaming: nothing frees the slot
-            assert_openai_error(results["timed out"], 429, "concurrency_limit_exceeded")
-            assert "no free slot within 1s" in results["timed out"].json()["error"]["message"]
-            assert limiter.waiting == 0
+def queue_and_refuse(gw: GatewayServer, http: httpx.Client) -> None:
+    """A slot held by a stream: a request for ``tiny`` is refused after its 1 s in the queue; one for ``patient``
+    waits, and gets the slot once the holder goes away."""
+    body = {"messages": HELLO, "max_tokens": 3000, "stream": True}
+    results: dict[str, httpx.Response] = {}
 
-        # A queued request gets the slot as soon as the holder goes away.
-        with http.stream("POST", CHAT, json=body) as holding:
-            held = holding.iter_raw()
-            next(held)
-            queued = threading.Thread(target=send, args=("queued",))
-            queued.start()
-            wait_until(lambda: limiter.waiting == 1, "the request to wait in the queue")
-            assert "queued" not in results
-        queued.join(30)
-        assert results["queued"].status_code == 200, results["queued"].text
+    def send(name: str, model: str) -> None:
+        results[name] = httpx.post(gw.url + CHAT, json={"model": model, "messages": HELLO, "max_tokens": 2}, timeout=60)
+
+    limiter = gw.state.registry.route("tiny").limiter
+    with http.stream("POST", CHAT, json={**body, "model": "tiny"}) as holding:
+        held = holding.iter_raw()  # keep the iterator: dropping it closes the stream
+        next(held)  # the only slot is taken while this stream is open
+        timing_out = threading.Thread(target=send, args=("timed out", "tiny"))
+        timing_out.start()
+        timing_out.join(30)  # the holder is still streaming: nothing frees the slot
+        assert_openai_error(results["timed out"], 429, "concurrency_limit_exceeded")
+        assert "no free slot within 1s" in results["timed out"].json()["error"]["message"]
+        assert limiter.waiting == 0
+
+    # A queued request gets the slot as soon as the holder goes away.
+    limiter = gw.state.registry.route("patient").limiter
+    with http.stream("POST", CHAT, json={**body, "model": "patient"}) as holding:
+        held = holding.iter_raw()
+        next(held)
+        queued = threading.Thread(target=send, args=("queued", "patient"))
+        queued.start()
+        wait_until(lambda: limiter.waiting == 1, "the request to wait in the queue")
+        assert "queued" not in results
+    queued.join(30)
+    assert results["queued"].status_code == 200, results["queued"].text
 
 
 def test_model_limits_override_the_default_per_model(tiny_engine: EngineProcess) -> None:
