@@ -29,6 +29,8 @@ A map, by folder; each folder may import those listed after it, never those befo
   ``stream_pool``    streams' own keep-alive upstream connections, relayed from the socket's callbacks*;
                      under load each stream is read every ``stream_coalesce_ms`` (not after a read that finishes)
   ``upstream_session`` plain requests' pooled aiohttp session; ``upstream_errors`` transport failures -> errors
+  ``prompt_count``   a cut stream's prompt, counted by the engine's tokenizer; ``usage_request`` what a request may
+                     cost, and the usage asked of every stream
   ``balancer``       which replica takes a request (least in flight, or prompt-prefix affinity)*
 
 ``edge/`` (a client's connection)

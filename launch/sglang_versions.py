@@ -112,6 +112,13 @@ class EngineVersion:
             if model in newest
         }
 
+    @functools.cached_property
+    def tokenize_fields(self) -> frozenset[str]:
+        """The fields this version's ``/v1/tokenize`` takes (0.5.10: a plain prompt only; 0.5.23: chat messages too)."""
+        fields = facts(self.sglang)["request_fields"]
+        assert isinstance(fields, dict)
+        return frozenset(fields.get(REQUEST_MODELS["/v1/tokenize"], ()))
+
     def field_problem(self, route: str, body: Mapping[str, object]) -> str | None:
         """A one-line refusal for a body field this version's engine would silently ignore, else None."""
         missing = self.missing_fields.get(route)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Coroutine
+from functools import partial
 from typing import Any, TypeVar
 
 import aiohttp
@@ -37,6 +38,7 @@ from gateway.core.state import Waker
 from gateway.core.tracing import Tracing, finish_reasons, request_params
 from gateway.data.balancer import pick
 from gateway.data.lease import Lease
+from gateway.data.prompt_count import count_prompt
 from gateway.data.relay import SSEProxyResponse, wait_disconnect
 from gateway.data.stream_pool import (
     StreamExchange,
@@ -44,7 +46,7 @@ from gateway.data.stream_pool import (
     UpstreamPoolFull,
 )
 from gateway.data.upstream_errors import UPSTREAM_ERRORS, router_lost_its_worker, transport_error
-from gateway.data.usage_request import ask_for_usage, cost_bound
+from gateway.data.usage_request import ask_for_usage, cost_bound, prompt_bound
 from gateway.data.waking import WakingStreamResponse
 from gateway.edge.auth import OPEN_OWNER
 
@@ -211,6 +213,9 @@ class Proxy:
                 break
             if not finished:
                 info.error = "client disconnected"
+                # the engine took the prompt (and aborts what it was generating, which the gateway never sees)
+                counted = await count_prompt(self.session, backend, path, body)
+                info.prompt_tokens = counted if counted is not None else info.prompt_estimate or prompt_bound(len(payload))
                 return Response(b"", status_code=499)  # nobody is listening; 499 only shows in logs/metrics
             assert result is not None
             upstream, content = result
@@ -235,7 +240,8 @@ class Proxy:
                 return Response(content or b"", status_code=200, media_type=media)
             handed_over = True
             on_created = (lambda response_id: self.responses.record(response_id, route.name, backend.identity, owner)) if endpoint.response_ids else None
-            return SSEProxyResponse(lease, info, self.metrics, route.name, endpoint.stream or StreamKind.DATA, on_created, body, hide_usage)
+            counter = partial(count_prompt, self.session, backend, path, body)  # for a stream that ends without usage
+            return SSEProxyResponse(lease, info, self.metrics, route.name, endpoint.stream or StreamKind.DATA, on_created, body, hide_usage, counter)
         finally:
             if not handed_over:
                 lease.close()

@@ -24,6 +24,7 @@ from gateway.core.errors import GatewayError, StreamKind, sanitize_message, sse_
 from gateway.core.metrics import Metrics
 from gateway.core.tracing import finish_reasons
 from gateway.data.lease import Lease
+from gateway.data.prompt_count import PromptCounter
 from gateway.data.stream_pool import (
     StreamExchange,
 )
@@ -105,6 +106,7 @@ class SSEProxyResponse(Response):
         on_created: Callable[[str], None] | None = None,
         request: dict[str, Any] | None = None,
         hide_usage: bool = False,
+        count_prompt: PromptCounter | None = None,
     ) -> None:
         super().__init__(status_code=200, media_type="text/event-stream")
         assert isinstance(lease.upstream, StreamExchange)
@@ -118,6 +120,8 @@ class SSEProxyResponse(Response):
         self.request = request  # the body sent: an engine error event may be about its input (gateway.core.client_mistakes)
         self.hide_usage = hide_usage  # the gateway asked for the usage event, the client did not: it is not forwarded
         self.events = 0  # events relayed: a stream that ends without the engine's usage is charged by them
+        self.count_prompt = count_prompt  # ... and its prompt counted by the engine's tokenizer, where it can say
+        self._uncounted = False  # the prompt is still to be counted, once the client has what it gets
         self._scan = _SCAN[kind]
         self._endings = _ENDING_SCAN[kind]
         self._last = (b"", b"")  # the last two pieces written: where a complete stream's own ending is
@@ -164,6 +168,8 @@ class SSEProxyResponse(Response):
             if head is not None:
                 head.release()  # (a stream cut before any write: what the client gets is as before, the head alone)
             self.lease.close()  # a stream cut short closes the upstream connection: the engine aborts the request
+            if self._uncounted:
+                await self._count_the_prompt()
 
     def _on_data(self, chunk: bytes) -> bool:
         """One upstream body piece, in the socket's callback: whole events go to the client at once. Returns whether
@@ -231,13 +237,27 @@ class SSEProxyResponse(Response):
     def _charge_unreported(self) -> None:
         """A stream that ended without the engine's usage (cut by the client, failed midway): its completion is
         the events relayed (SGLang sends one per token, plus a few framing events: docs/tenants.md), its prompt
-        the bound on it (the body's size in bytes) when the engine did not say it (Messages' ``message_start`` does)."""
+        what the engine's tokenizer counts (:mod:`gateway.data.prompt_count`, once the client has its answer) when
+        the engine did not say it (Messages' ``message_start`` does), else the bound on it (the body's bytes)."""
         info = self.info
         if info.completion_tokens is None:
             info.completion_tokens = self.events
         if info.prompt_tokens is None:
-            sent = self.lease.request
-            info.prompt_tokens = info.prompt_estimate if info.prompt_estimate is not None else prompt_bound(len(sent[1])) if sent else None
+            if self.count_prompt is not None:
+                self._uncounted = True
+            else:
+                info.prompt_tokens = self._prompt_bound()
+
+    async def _count_the_prompt(self) -> None:
+        self._uncounted = False
+        assert self.count_prompt is not None
+        counted = await self.count_prompt()
+        if self.info.prompt_tokens is None:
+            self.info.prompt_tokens = counted if counted is not None else self._prompt_bound()
+
+    def _prompt_bound(self) -> int | None:
+        info, sent = self.info, self.lease.request
+        return info.prompt_estimate if info.prompt_estimate is not None else prompt_bound(len(sent[1])) if sent else None
 
     def _next_sequence_number(self) -> int:
         """Responses: the number after the last one the engine gave its events (they count from 0), for the error

@@ -79,6 +79,26 @@ def test_streams_are_charged_whether_or_not_they_ask_for_usage(tiny_engine: Any,
         assert prompt > 0
 
 
+def test_a_plain_request_the_client_abandons_is_charged_its_prompt(tiny_engine: Any, tmp_path: Path) -> None:
+    """A client that gives up on a plain request (499): the engine took its prompt, counted by the engine's tokenizer
+    like the same request answered; what the engine generated before the abort is not seen, and not charged."""
+    key = {"name": "quitter", "key": TOKENS}
+    gateway = {**_gateway(tmp_path, key), "admin_keys": ["admin"]}
+    headers = {"Authorization": f"Bearer {TOKENS}"}
+
+    async def abandon(url: str) -> None:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(http.post("/v1/chat/completions", json=_chat(1900, False), headers=headers), 0.5)
+
+    with serve({"tiny": {"url": tiny_engine.url}}, gateway) as server:
+        answered = httpx.post(server.url + "/v1/chat/completions", json=_chat(3, False), headers=headers, timeout=60).json()
+        asyncio.run(abandon(server.url))
+        requests, prompt, completion = _settled(server.url, "quitter", 2)
+    assert requests == 2
+    assert (prompt, completion) == (2 * answered["usage"]["prompt_tokens"], 3), (prompt, completion, answered["usage"])
+
+
 def test_a_day_budget_holds_under_a_burst_and_across_a_restart(tiny_engine: Any, tmp_path: Path) -> None:
     key = {"name": "budgeted", "key": BUDGETED, "limits": {"tokens_per_day": 300}}
     gateway = {**_gateway(tmp_path, key), "admin_keys": ["admin"]}
