@@ -21,9 +21,9 @@ from typing import Any
 import httpx
 import yaml
 
-from tests.gateway.helpers import KEY, auth
 from tests.gateway.test_residency import Rig, _engine, fake_python, gateway  # noqa: F401 (fake_python: a fixture)
 from tests.gateway.test_swap import WATCHDOG
+from tests.gateway_server import KEY, auth
 
 
 def _ask(rig: Rig, model: str, tokens: int = 2) -> httpx.Response:

@@ -22,7 +22,8 @@ import yaml
 from gateway.app import app_from_config
 from gateway.config import gateway_settings
 from launch.config import ConfigError, load_config, parse_config
-from tests.gateway.helpers import KEY, GatewayServer, assert_openai_error, auth, closed_port_url, serve
+from tests.gateway.helpers import assert_openai_error, closed_port_url
+from tests.gateway_server import KEY, GatewayServer, auth, serve
 from tests.servers import CLI, server_process
 
 ADMIN = "admin-key-1"

@@ -21,7 +21,8 @@ import openai
 import pytest
 
 from gateway.core.endpoints import PROXIED, endpoint_table
-from tests.gateway.helpers import KEY, GatewayServer, auth, prometheus_value
+from tests.gateway.helpers import prometheus_value
+from tests.gateway_server import KEY, GatewayServer, auth
 
 pytestmark = pytest.mark.engine
 ENDPOINTS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "serving.md"  # holds the endpoint table

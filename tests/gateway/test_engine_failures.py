@@ -16,16 +16,8 @@ import httpx
 import openai
 
 from launch.process import EngineProcess
-from tests.gateway.helpers import (
-    KEY,
-    BackgroundStream,
-    CuttingRelay,
-    GatewayServer,
-    auth,
-    last_sse_event,
-    prometheus_value,
-    serve,
-)
+from tests.gateway.helpers import BackgroundStream, CuttingRelay, last_sse_event, prometheus_value
+from tests.gateway_server import KEY, GatewayServer, auth, serve
 
 HELLO = [{"role": "user", "content": "Tell me a long story."}]
 LONG = {"max_tokens": 1900, "temperature": 0, "extra_body": {"ignore_eos": True}}

@@ -20,7 +20,8 @@ import pytest
 
 from launch.model_info import vocab_size
 from launch.process import EngineProcess
-from tests.gateway.helpers import KEY, GatewayServer, assert_openai_error, auth, serve
+from tests.gateway.helpers import assert_openai_error
+from tests.gateway_server import KEY, GatewayServer, auth, serve
 
 HELLO = [{"role": "user", "content": "hi"}]
 

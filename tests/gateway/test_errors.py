@@ -16,16 +16,9 @@ import openai
 from gateway.core.errors import readable_validation_dump, sanitize_message, upstream_error
 from launch.process import EngineProcess
 from tests.fake_engine import running_fake_engine
-from tests.gateway.helpers import (
-    KEY,
-    GatewayServer,
-    assert_openai_error,
-    auth,
-    closed_port_url,
-    fake_stalled_upstream,
-    prometheus_value,
-    serve,
-)
+from tests.fake_upstreams import fake_stalled_upstream
+from tests.gateway.helpers import assert_openai_error, closed_port_url, prometheus_value
+from tests.gateway_server import KEY, GatewayServer, auth, serve
 
 CHAT = "/v1/chat/completions"
 HELLO = [{"role": "user", "content": "hi"}]

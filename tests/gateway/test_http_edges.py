@@ -17,15 +17,8 @@ import httpx
 import pytest
 from loguru import logger
 
-from tests.gateway.helpers import (
-    KEY,
-    GatewayServer,
-    assert_openai_error,
-    auth,
-    closed_port_url,
-    prometheus_value,
-    serve,
-)
+from tests.gateway.helpers import assert_openai_error, closed_port_url, prometheus_value
+from tests.gateway_server import KEY, GatewayServer, auth, serve
 
 ADMIN = "admin-key-1"
 LIMITS = {

@@ -12,7 +12,8 @@ import pytest
 
 from gateway.core.metrics_scope import scoped_exposition
 from tests.fake_engine import running_fake_engine
-from tests.gateway.helpers import assert_openai_error, auth, serve
+from tests.gateway.helpers import assert_openai_error
+from tests.gateway_server import auth, serve
 
 KEY_MINE, KEY_OTHER, ADMIN, METRICS = "key-of-mine-tenant", "key-of-other-tenant", "metrics-admin-key", "prometheus-scrape-key"
 

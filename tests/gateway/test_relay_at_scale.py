@@ -27,7 +27,9 @@ from gateway.config import GatewaySettings, gateway_settings
 from gateway.core.registry import build_registry
 from gateway.server import uvicorn_config
 from launch.config import parse_config
-from tests.gateway.helpers import GatewayServer, assert_openai_error, fake_stalled_upstream, serve
+from tests.fake_upstreams import fake_stalled_upstream
+from tests.gateway.helpers import assert_openai_error
+from tests.gateway_server import GatewayServer, serve
 from tests.servers import REPO, ServerProcess, server_process
 
 TOKENS = 20

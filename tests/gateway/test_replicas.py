@@ -44,9 +44,10 @@ from gateway.app import app_from_config
 from launch.config import load_config
 from launch.procgroup import group_pids
 from tests.fake_engine import fake_engine_python
-from tests.gateway.helpers import KEY, GatewayServer, auth, prometheus_value
+from tests.gateway.helpers import prometheus_value
 from tests.gateway.test_swap import Load, report
 from tests.gateway.test_swap_fake_engine import fake_engine_section
+from tests.gateway_server import KEY, GatewayServer, auth
 from tests.model_code.helpers import engine_children
 
 ADMIN = "replicas-admin-key"

@@ -39,7 +39,8 @@ from launch.process import EngineProcess
 from launch.procgroup import group_pids
 from tests.docs.readme_blocks import marked_blocks
 from tests.fake_engine import fake_engine_python
-from tests.gateway.helpers import KEY, GatewayServer, auth, prometheus_value
+from tests.gateway.helpers import prometheus_value
+from tests.gateway_server import KEY, GatewayServer, auth
 from tests.leaks import LeakCheck
 
 ADMIN = "residency-admin-key"

@@ -18,9 +18,9 @@ import pytest
 import yaml
 
 from launch.procgroup import group_pids
-from tests.gateway.helpers import auth
 from tests.gateway.test_residency import gateway
 from tests.gateway.test_swap import report
+from tests.gateway_server import auth
 
 
 def _engine(model_dir: Path) -> dict[str, Any]:

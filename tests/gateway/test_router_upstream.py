@@ -37,8 +37,8 @@ from benchmarks.affinity import metric_sum
 from launch.config import EngineConfig
 from launch.model_info import vocab_size
 from launch.process import EngineProcess
-from tests.gateway.helpers import KEY, GatewayServer, auth, serve
 from tests.gateway.test_swap import report
+from tests.gateway_server import KEY, GatewayServer, auth, serve
 from tests.load import ThreadedLoad
 
 pytestmark = pytest.mark.engine

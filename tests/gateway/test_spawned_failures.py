@@ -15,8 +15,8 @@ import pytest
 from loguru import logger
 
 from tests.fake_engine import fake_engine_python
-from tests.gateway.helpers import auth
 from tests.gateway.test_residency import _engine, gateway
+from tests.gateway_server import auth
 
 
 @pytest.fixture()

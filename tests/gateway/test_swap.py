@@ -56,12 +56,8 @@ from launch.config import load_config
 from launch.process import EngineProcess
 from launch.procgroup import group_pids
 from tests.browser import browser_missing, chromium_page
-from tests.gateway.helpers import (
-    KEY,
-    GatewayServer,
-    auth,
-    prometheus_value,
-)
+from tests.gateway.helpers import prometheus_value
+from tests.gateway_server import KEY, GatewayServer, auth
 from tests.leaks import LeakCheck
 from tests.load import ThreadedLoad
 from tests.servers import REPO

@@ -55,7 +55,7 @@ from launch.config import EngineConfig, load_config
 from launch.process import EngineProcess
 from launch.procgroup import group_pids, signal_group
 from tests.fake_engine import fake_engine_python
-from tests.gateway.helpers import KEY, BackgroundStream, GatewayServer, assert_openai_error, auth, prometheus_value
+from tests.gateway.helpers import BackgroundStream, assert_openai_error, prometheus_value
 from tests.gateway.test_swap import (
     ENGINES,
     PROMPT,
@@ -66,6 +66,7 @@ from tests.gateway.test_swap import (
     changes,
     report,
 )
+from tests.gateway_server import KEY, GatewayServer, auth
 from tests.leaks import LeakCheck
 
 FAKE_START_S = "3"

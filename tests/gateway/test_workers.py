@@ -31,7 +31,8 @@ import yaml
 from launch.process import EngineProcess
 from launch.procgroup import stat_fields
 from tests.fake_engine import CRASH, FREEZE, TOKEN, fake_engine_python
-from tests.gateway.helpers import KEY, auth, prometheus_value
+from tests.gateway.helpers import prometheus_value
+from tests.gateway_server import KEY, auth
 from tests.leaks import leaves_nothing
 from tests.load import ThreadedLoad
 from tests.servers import CLI, ServerProcess

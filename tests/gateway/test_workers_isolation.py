@@ -19,8 +19,8 @@ import httpx
 import pytest
 
 from tests.fake_engine import FREEZE, fake_engine_python
-from tests.gateway.helpers import auth
 from tests.gateway.test_workers import ADMIN, admin, serve
+from tests.gateway_server import auth
 from tests.leaks import leaves_nothing
 from tests.servers import ServerProcess
 

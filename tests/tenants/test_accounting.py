@@ -15,7 +15,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.gateway.helpers import serve
+from tests.gateway_server import serve
 from tests.servers import CLI, server_process
 
 pytestmark = pytest.mark.engine

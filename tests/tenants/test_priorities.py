@@ -19,7 +19,7 @@ import yaml
 
 from benchmarks import processes
 from tests.fake_engine import fake_engine_python, running_fake_engine
-from tests.gateway.helpers import GatewayServer, serve
+from tests.gateway_server import GatewayServer, serve
 from tests.leaks import leaves_nothing
 from tests.servers import CLI, ServerProcess
 
