@@ -14,7 +14,7 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-def wait_until(predicate: Callable[[], T], what: str | Callable[[], object], timeout_s: float = 30, every_s: float = 0.05) -> T:
+def wait_until(predicate: Callable[[], T], what: str | Callable[[], object], timeout_s: float = 30, every_s: float = 0.1) -> T:
     """Call ``predicate`` every ``every_s`` until it returns something truthy, and return that.
 
     After ``timeout_s`` it fails with ``what``: a description, or a function called then for one that shows the state

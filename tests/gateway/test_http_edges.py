@@ -19,6 +19,7 @@ from loguru import logger
 
 from tests.gateway.helpers import assert_openai_error, closed_port_url, prometheus_value
 from tests.gateway_server import KEY, GatewayServer, auth, serve
+from tests.waiting import wait_until
 
 ADMIN = "admin-key-1"
 LIMITS = {
@@ -246,9 +247,7 @@ def test_client_leaving_mid_body_is_499_without_traceback(edge: GatewayServer) -
                 + b"\r\nContent-Length: 1000\r\n\r\n{\"model\": \"m\""
             )  # fmt: skip
             time.sleep(0.2)
-        deadline = time.monotonic() + 10
-        while not any("status=499" in line for line in lines) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: any("status=499" in line for line in lines), "the request's log line with status=499", 10, every_s=0.05)
     finally:
         logger.remove(sink)
     request_lines = [line for line in lines if "path=/v1/chat/completions" in line]
@@ -268,9 +267,7 @@ def test_request_path_cannot_forge_log_lines(edge: GatewayServer) -> None:
             sock.sendall(b"GET /x%0a2026-01-01%20|%20INFO%20|%20forged%00nul HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() + b"\r\nConnection: close\r\n\r\n")
             status, _, _ = read_response(sock)
         assert status == 404
-        deadline = time.monotonic() + 5
-        while not any("forged" in line for line in lines) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: any("forged" in line for line in lines), "the request's log line", 5, every_s=0.05)
     finally:
         logger.remove(sink)
     forged = [line for line in lines if "forged" in line]

@@ -49,6 +49,7 @@ from tests.gateway.test_swap import Load, report
 from tests.gateway.test_swap_fake_engine import fake_engine_section
 from tests.gateway_server import KEY, GatewayServer, auth
 from tests.model_code.helpers import engine_children
+from tests.waiting import wait_until
 
 ADMIN = "replicas-admin-key"
 
@@ -178,10 +179,10 @@ def _kill_replica_until_back(rig: Rig, index: int, pid: int) -> tuple[float, flo
     engine. (when it was killed, when it was back)"""
     killed = time.monotonic()
     os.kill(pid, signal.SIGKILL)
-    deadline = killed + 300
-    while not ((m := rig.model())["ready_replicas"] == 2 and m["replicas"][index]["engine"]["pid"] != pid):
-        assert time.monotonic() < deadline, f"replica {index} not back within 300s: {m}"
-        time.sleep(0.25)
+    wait_until(
+        lambda: (m := rig.model())["ready_replicas"] == 2 and m["replicas"][index]["engine"]["pid"] != pid,
+        lambda: f"replica {index} not back: {rig.model()}", 300, every_s=0.25,
+    )  # fmt: skip
     return killed, time.monotonic()
 
 
@@ -273,18 +274,18 @@ def test_managed_router_in_front_of_the_replicas(rig: Rig) -> None:
         # the router's workers follow the restart (checked before the router itself is restarted, which would
         # start it in front of the replicas of the moment anyway)
         replicas_now = sorted(r["url"] for r in rig.model()["replicas"])
-        deadline = time.monotonic() + 10  # the router adds a worker in the background, in milliseconds
-        while (workers := sorted(rig.router_workers())) != replicas_now:
-            assert time.monotonic() < deadline, f"the router's workers {workers} are not the replicas {replicas_now}"
-            time.sleep(0.1)
+        wait_until(  # the router adds a worker in the background, in milliseconds
+            lambda: sorted(rig.router_workers()) == replicas_now,
+            lambda: f"the router's workers {sorted(rig.router_workers())} are not the replicas {replicas_now}", 10,
+        )  # fmt: skip
         load.wait_for_requests(6, back)
         # the router itself dies: requests go to the replicas directly until the watchdog restarts it
         router_pid = rig.model()["router"]["pid"]
         os.kill(router_pid, signal.SIGKILL)
-        deadline = time.monotonic() + 120
-        while not ((m := rig.model()).get("router", {}).get("running") and m["router"]["pid"] != router_pid):
-            assert time.monotonic() < deadline, f"router not restarted: {m.get('router')}"
-            time.sleep(0.25)
+        wait_until(
+            lambda: (m := rig.model()).get("router", {}).get("running") and m["router"]["pid"] != router_pid,
+            lambda: f"router not restarted: {rig.model().get('router')}", 120, every_s=0.25,
+        )  # fmt: skip
         load.wait_for_requests(6, time.monotonic())
     kinds = load.counts(load.outcomes)
     assert not [o for o in load.outcomes if not o.stream and o.kind != "ok"], kinds

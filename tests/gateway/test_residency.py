@@ -42,6 +42,7 @@ from tests.fake_engine import fake_engine_python
 from tests.gateway.helpers import prometheus_value
 from tests.gateway_server import KEY, GatewayServer, auth
 from tests.leaks import LeakCheck
+from tests.waiting import wait_until
 
 ADMIN = "residency-admin-key"
 FAKE_START_S = 0.5
@@ -87,13 +88,10 @@ class Rig:
         return answer.choices[0].message.content or ""
 
     def wait_state(self, model: str, state: str, timeout_s: float = 20) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            found = self.models()[model]
-            if found["state"] == state:
-                return found
-            assert time.monotonic() < deadline, f"{model} stayed {found['state']!r}, not {state!r}: {found}"
-            time.sleep(0.1)
+        return wait_until(
+            lambda: (found := self.models()[model])["state"] == state and found,
+            lambda: f"{model} stayed {self.models()[model]['state']!r}, not {state!r}: {self.models()[model]}", timeout_s,
+        )  # fmt: skip
 
     def events(self, *kinds: str) -> list[tuple[str, str]]:
         """(kind, model) of the residency events, oldest first."""
@@ -163,10 +161,7 @@ def test_an_idle_model_stops_after_idle_stop_s_and_its_next_request_starts_it_ag
         asleep = rig.wait_state("a", "sleeping")
         assert time.monotonic() - used >= 1.5, "stopped before it was idle for idle_stop_s"
         assert "engine" not in asleep  # out of the registry first: no request reaches it while it stops
-        deadline = time.monotonic() + 15
-        while group_pids(pid):
-            assert time.monotonic() < deadline, "the stopped engine's processes are still there"
-            time.sleep(0.1)
+        wait_until(lambda: not group_pids(pid), "the stopped engine's processes to go", 15)
         assert rig.metric("gateway_residency_stops_total", model="a", reason="idle") == 1
         assert rig.metric("gateway_engine_restarts_total", model="a") == 0  # a deliberate stop is no failure
         swap = rig.admin("POST", "/admin/models/a/swap")
@@ -302,10 +297,13 @@ def test_a_cold_start_longer_than_queue_timeout_answers_200_and_says_starting_me
     models = {"a": {"engine": engine, "residency": {"on_demand": True}}}
     with gateway(tmp_path, models, limits={"queue_timeout_s": 1.0}) as rig, ThreadPoolExecutor(1) as pool:
         waiting = pool.submit(rig.chat, "a")
-        deadline = time.monotonic() + 10
-        while rig.cards()["a"].get("status") != "starting":
-            assert time.monotonic() < deadline and not waiting.done(), "never said starting"
-            time.sleep(0.05)
+
+        def starting() -> bool:
+            said = rig.cards()["a"].get("status") == "starting"
+            assert said or not waiting.done(), "never said starting"
+            return said
+
+        wait_until(starting, "the card to say starting", 10, every_s=0.05)
         ready = httpx.get(rig.server.url + "/ready", timeout=30).json()["models"]["a"]
         assert ready == {"ready": True, "asleep": True, "starting": True}, ready
         assert rig.models()["a"]["state"] == "starting"
