@@ -93,20 +93,6 @@ def assert_no_internals(response: httpx.Response) -> None:
     assert "Traceback" not in text and 'File "' not in text and not re.search(r"/[\w./-]*\.py\b", text), response.text
 
 
-def prometheus_value(text: str, name: str, labels: dict[str, str] | None = None) -> float | None:
-    """The value of one sample in Prometheus text format (labels must all match), or None."""
-    for line in text.splitlines():
-        if line.startswith("#") or not line.startswith(name):
-            continue
-        match = re.match(r"^([^{\s]+)(\{([^}]*)\})?\s+(\S+)$", line)
-        if not match or match.group(1) != name:
-            continue
-        found = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', match.group(3) or ""))
-        if all(found.get(k) == v for k, v in (labels or {}).items()):
-            return float(match.group(4))
-    return None
-
-
 class CuttingRelay:
     """A TCP relay in front of a real engine. Once :meth:`arm` is called, each connection forwards
     ``hold_after`` more bytes of answers, then holds the rest, until :meth:`cut` closes every connection: an

@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from gateway.core.endpoints import PROXIED, endpoint_table
-from tests.gateway.helpers import prometheus_value
+from tests.admin_client import prometheus_value
 from tests.gateway_server import KEY, GatewayServer, auth
 from tests.waiting import wait_until
 

@@ -14,7 +14,8 @@ import json
 import httpx
 
 from launch.process import EngineProcess
-from tests.gateway.helpers import assert_openai_error, prometheus_value
+from tests.admin_client import prometheus_value
+from tests.gateway.helpers import assert_openai_error
 from tests.gateway_server import KEY, GatewayServer, auth
 
 HELLO = [{"role": "user", "content": "hi"}]

@@ -15,7 +15,8 @@ import httpx
 import openai
 
 from launch.process import EngineProcess
-from tests.gateway.helpers import BackgroundStream, CuttingRelay, last_sse_event, prometheus_value
+from tests.admin_client import prometheus_value
+from tests.gateway.helpers import BackgroundStream, CuttingRelay, last_sse_event
 from tests.gateway_server import KEY, GatewayServer, auth, serve
 from tests.waiting import wait_until
 

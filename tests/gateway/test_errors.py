@@ -15,9 +15,10 @@ import openai
 
 from gateway.core.errors import readable_validation_dump, sanitize_message, upstream_error
 from launch.process import EngineProcess
+from tests.admin_client import prometheus_value
 from tests.fake_engine import running_fake_engine
 from tests.fake_upstreams import fake_stalled_upstream
-from tests.gateway.helpers import assert_openai_error, closed_port_url, prometheus_value
+from tests.gateway.helpers import assert_openai_error, closed_port_url
 from tests.gateway_server import KEY, GatewayServer, auth, serve
 from tests.waiting import wait_until
 

@@ -17,7 +17,8 @@ import httpx
 import pytest
 from loguru import logger
 
-from tests.gateway.helpers import assert_openai_error, closed_port_url, prometheus_value
+from tests.admin_client import prometheus_value
+from tests.gateway.helpers import assert_openai_error, closed_port_url
 from tests.gateway_server import KEY, GatewayServer, auth, serve
 from tests.waiting import wait_until
 

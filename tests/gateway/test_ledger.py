@@ -38,7 +38,8 @@ from gateway.tenants.ledger_schema import LATEST, SchemaError, migrate, open_eng
 from gateway.tenants.usage_query import UsageReader, parse_query
 from launch.config import ConfigError, parse_config
 from launch.ports import pick_free_port
-from tests.gateway.helpers import assert_openai_error, prometheus_value
+from tests.admin_client import prometheus_value
+from tests.gateway.helpers import assert_openai_error
 from tests.gateway_server import KEY, auth, serve
 from tests.postgres import PostgresServer
 from tests.servers import CLI, ServerProcess

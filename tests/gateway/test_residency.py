@@ -37,9 +37,9 @@ from launch.config import (
 )
 from launch.process import EngineProcess
 from launch.procgroup import group_pids
+from tests.admin_client import AdminClient
 from tests.docs.readme_blocks import marked_blocks
 from tests.fake_engine import fake_engine_python
-from tests.gateway.helpers import prometheus_value
 from tests.gateway_server import KEY, GatewayServer, auth
 from tests.leaks import LeakCheck
 from tests.waiting import wait_until
@@ -53,29 +53,24 @@ def fake_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return fake_engine_python(tmp_path_factory.mktemp("fake-engine"))
 
 
-class Rig:
+class Rig(AdminClient):
     """One gateway over fake engines, from a YAML file the test may rewrite and reload."""
+
+    admin_key = ADMIN
 
     def __init__(self, path: Path, server: GatewayServer, leaks: LeakCheck, timeout_s: float = 60) -> None:
         self.path, self.server, self.leaks = path, server, leaks
         self.sdk = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=timeout_s)
 
-    def admin(self, method: str, path: str) -> httpx.Response:
-        return httpx.request(method, self.server.url + path, headers=auth(ADMIN), timeout=60)
-
     def models(self) -> dict[str, dict[str, Any]]:
         """``GET /admin/models`` by name; every engine pid seen is watched (gone at the end)."""
-        found = {m["name"]: m for m in self.admin("GET", "/admin/models").json()["models"]}
+        found = self.listed_models()
         for model in found.values():
             self.leaks.watch(model.get("engine", {}).get("pid"))
         return found
 
     def cards(self) -> dict[str, dict[str, Any]]:
         return {card["id"]: card for card in httpx.get(self.server.url + "/v1/models", headers=auth(), timeout=30).json()["data"]}
-
-    def metric(self, name: str, **labels: str) -> float:
-        text = httpx.get(self.server.url + "/metrics", headers=auth(), timeout=30).text
-        return prometheus_value(text, name, labels) or 0.0
 
     def chat(self, model: str, stream: bool = False) -> str:
         """Four tokens' text. ``ignore_eos``: a real tiny engine samples its random weights, and an end-of-sequence

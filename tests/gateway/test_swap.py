@@ -43,7 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
 import openai
@@ -55,8 +55,8 @@ from gateway.core.backends import EngineBackend
 from launch.config import load_config
 from launch.process import EngineProcess
 from launch.procgroup import group_pids
+from tests.admin_client import AdminClient
 from tests.browser import browser_missing, chromium_page
-from tests.gateway.helpers import prometheus_value
 from tests.gateway_server import KEY, GatewayServer, auth
 from tests.leaks import LeakCheck
 from tests.load import ThreadedLoad
@@ -189,7 +189,10 @@ def _broken_model_dir(tmp: Path) -> Path:
 
 
 @dataclass
-class SwapRig:
+class SwapRig(AdminClient):
+    admin_key: ClassVar[str] = ADMIN
+    admin_timeout_s: ClassVar[float] = 600
+
     server: GatewayServer
     config: Path
     model_dir: Path
@@ -228,19 +231,15 @@ class SwapRig:
         """Write the YAML of the running engine config (a reload of it changes no engine), with ``options``."""
         self.deploy(self.model_dir, **ENGINES[self.running()], **options)
 
-    def admin(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        return httpx.request(method, self.server.url + path, headers=auth(ADMIN), timeout=600, **kwargs)
-
     def model(self) -> dict[str, Any]:
         """The model's entry in GET /admin/models (its engine must be gone when the module ends)."""
-        model = {m["name"]: m for m in self.admin("GET", "/admin/models").json()["models"]}["tiny"]
+        model = self.listed_models()["tiny"]
         self.leaks.watch(model.get("engine", {}).get("pid"))
         return model
 
     def metrics(self) -> dict[str, float]:
         """The gateway's own counters of swaps, reloads and restarts of the model, by value."""
-        text = httpx.get(self.server.url + "/metrics", headers=auth(KEY), timeout=30).text
-        series = {
+        return self.metric_values({
             "swaps_ok": ("gateway_model_swaps_total", {"model": "tiny", "result": "ok"}),
             "swaps_failed": ("gateway_model_swaps_total", {"model": "tiny", "result": "failed"}),
             "reloads_ok": ("gateway_config_reloads_total", {"result": "ok"}),
@@ -249,8 +248,7 @@ class SwapRig:
             "restarts": ("gateway_engine_restarts_total", {"model": "tiny"}),
             "restart_failures": ("gateway_engine_restart_failures_total", {"model": "tiny"}),
             "stream_errors": ("gateway_stream_errors_total", {"model": "tiny"}),
-        }
-        return {key: prometheus_value(text, name, labels) or 0.0 for key, (name, labels) in series.items()}
+        })
 
     def wait_ready_after(self, old_pid: int, timeout_s: float = 300) -> dict[str, Any]:
         """Until the model is ready again on an engine other than ``old_pid``."""

@@ -54,8 +54,9 @@ from gateway.app import app_from_config
 from launch.config import EngineConfig, load_config
 from launch.process import EngineProcess
 from launch.procgroup import group_pids, signal_group
+from tests.admin_client import prometheus_value
 from tests.fake_engine import fake_engine_python
-from tests.gateway.helpers import BackgroundStream, assert_openai_error, prometheus_value
+from tests.gateway.helpers import BackgroundStream, assert_openai_error
 from tests.gateway.test_swap import (
     ENGINES,
     PROMPT,

@@ -30,8 +30,8 @@ import yaml
 
 from launch.process import EngineProcess
 from launch.procgroup import stat_fields
+from tests.admin_client import prometheus_value
 from tests.fake_engine import CRASH, FREEZE, TOKEN, fake_engine_python
-from tests.gateway.helpers import prometheus_value
 from tests.gateway_server import KEY, auth
 from tests.leaks import leaves_nothing
 from tests.load import ThreadedLoad
