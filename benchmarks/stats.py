@@ -145,7 +145,7 @@ TENANT_REQ_S_KEPT = 0.97  # ... and req/s at c=64 within noise of it (paired med
 def evaluate_tenant_targets(
     levels: dict[int, dict[str, Any]], target: str = "gateway-keys", twin: str = "gateway-twin"
 ) -> list[dict[str, Any]]:
-    """Issue 23's bar for named keys + the usage ledger, against the plain gateway of the same run (``vs_gateway``).
+    """The bar set for named keys + the usage ledger (+0.1 ms p50 at c=1, no drop at c=64 beyond noise), against the plain gateway of the same run (``vs_gateway``).
 
     ``twin``: an identical plain gateway measured alongside (an A/A control), where the run has one. Its distance from
     the plain gateway is the run's noise, shown next to each check; at c=64 the keyed gateway may keep as little
@@ -185,7 +185,7 @@ TRACING_ADDED_P50_MS = 0.2  # tracing on, every request sampled: at most this mu
 
 
 def evaluate_tracing_targets(levels: dict[int, dict[str, Any]], target: str = "gateway-traced") -> list[dict[str, Any]]:
-    """Issue 27's bar for tracing at ratio 1.0, against the plain gateway of the same run (``vs_gateway``)."""
+    """The bar set for tracing at ratio 1.0 (+0.2 ms p50 at c=1), against the plain gateway of the same run (``vs_gateway``)."""
     checks: list[dict[str, Any]] = []
     entry = levels.get(1, {})
     vs = entry.get("vs_gateway", {}).get(target)

@@ -26,6 +26,7 @@ from launch.config import (
     DeploymentConfig,
     format_validation_error,
 )
+from launch.reference import settings_table
 
 OpenPath = Literal["/health", "/ready", "/metrics"]
 SwapPolicy = Literal["auto", "blue-green", "stop-first", "rolling"]
@@ -46,7 +47,10 @@ class LimitSettings(_Strict):
     heavy_grammar_bytes: int = Field(
         2048, ge=0, description="A request whose grammars (regex, ebnf, JSON schemas, forced tools) total this many bytes takes a grammar slot."
     )
-    queue_timeout_s: float = Field(30.0, gt=0, description="How long a queued request waits before 429.")
+    queue_timeout_s: float = Field(
+        30.0, gt=0, description="How long a queued request waits for a slot before 429 (not a wait for a "
+        "[residency](residency.md) cold start: that is bounded by the engine's startup_timeout_s).",
+    )  # fmt: skip
     retry_after_s: int = Field(1, ge=0, description="Retry-After header sent with 429 and 503.")
 
 
@@ -194,7 +198,7 @@ class HttpSettings(_Strict):
 
     max_connections: int = Field(
         8192, ge=1,
-        description="Open client connections; beyond, new ones get 503 and are closed. Each stream holds about three file descriptors: the gateway raises its open-file limit to the hard limit at start; the default is lowered to what that limit fits, an explicit value above it is warned about.",
+        description="Open client connections; beyond, new ones get 503 and are closed. Each stream holds about three file descriptors: the gateway raises its open-file limit to the hard limit at start; the default is lowered to what that limit fits (logged), an explicit value above it is warned about. A process out of descriptors anyway answers 503 gateway_out_of_descriptors naming its own limit.",
     )
     max_header_bytes: int = Field(32768, ge=1024, description="Request line plus headers; beyond: 431.")
     max_headers: int = Field(100, ge=1, description="Header fields per request; beyond: 431.")
@@ -203,9 +207,9 @@ class HttpSettings(_Strict):
     keepalive_timeout_s: float = Field(30.0, gt=0, description="An idle connection (new or between requests) is closed after this.")
     body_timeout_s: float = Field(30.0, gt=0, description="Longest silence while a request body arrives; beyond: 408.")
     body_deadline_s: float = Field(
-        60.0, gt=0, description="From a request's last header to the last byte of its body, however steadily it trickles; beyond: 408."
+        60.0, gt=0, description="From a request's last header to the last byte of its body, however steadily it trickles; beyond: 408, connection closed."
     )
-    write_timeout_s: float = Field(30.0, gt=0, description="A client that accepts no response bytes this long is disconnected.")
+    write_timeout_s: float = Field(30.0, gt=0, description="A client that accepts no response bytes this long is disconnected (its stream stops, its slot is freed).")
 
 
 class UsageSettings(_Strict):
@@ -215,7 +219,7 @@ class UsageSettings(_Strict):
     database_url: SecretStr | None = Field(
         None,
         description="SQLAlchemy URL of the usage database: sqlite:///path or postgresql+psycopg://user:pass@host/db "
-        "(unset: usage.sqlite3 under state_dir). Every worker process writes its own rows to it.",
+        "(unset: usage.sqlite3 under state_dir). Every worker process writes its own rows to it; a password is never logged.",
     )
     flush_interval_s: float = Field(1.0, gt=0, le=3600, description="Seconds between two writes of the buffered rows.")
     batch_rows: int = Field(500, ge=1, le=100_000, description="Rows written in one transaction; a buffer this full is written at once.")
@@ -268,14 +272,15 @@ class ResidencyGroup(_Strict):
     max_resident: int = Field(1, ge=1, description="Engines of the group's models running at once.")
     turn_s: float = Field(
         300.0, gt=0, description="A member resident this long while another member's request waits for room has had its turn: "
-        "it takes no new request (they wait for its next turn) and is stopped once its requests in flight end.",
+        "it takes no new request (they wait for its next turn) and is stopped once its requests in flight end (none is cut; "
+        "see [Taking turns](residency.md#taking-turns-no-key-holds-or-thrashes-a-group)).",
     )  # fmt: skip
     min_resident_s: float = Field(
         30.0, ge=0, description="An engine of the group is not stopped to make room before it has been resident this long (thrash guard)."
     )
     wakes_per_key_per_hour: int | None = Field(
         60, ge=1, description="Cold starts of the group's models one key may cause in an hour; past it, its request for an "
-        "asleep member is refused with 429 wake_limit_exceeded (unset: no limit).",
+        "asleep member is refused with 429 wake_limit_exceeded and Retry-After (unset: no limit).",
     )  # fmt: skip
 
 
@@ -287,23 +292,23 @@ class GatewaySettings(_Strict):
         "auto",
         description="Data-plane processes accepting on the port (each its own SO_REUSEPORT socket); the engines, reloads, swaps, "
         "the watchdog and the admin API stay in one control process. auto: 1 below 4 CPUs, else one per 4 CPUs, at most 8 "
-        "(restart to change).",
+        "(restart to change; see [Worker processes](serving.md#worker-processes)).",
     )
     port: int = Field(8000, ge=0, le=65535, description="Port to bind (--port overrides).")
-    api_keys: list[SecretStr] = Field(default_factory=list, description="Accepted bearer keys.")
+    api_keys: list[SecretStr] = Field(default_factory=list, description="Accepted bearer keys (none: the gateway is open).")
     api_keys_env: str | None = Field(None, description="Environment variable with comma-separated keys.")
-    api_keys_file: Path | None = Field(None, description="File with one key per line (# comments).")
+    api_keys_file: Path | None = Field(None, description="File with one key per line (# comments), relative to the YAML.")
     open_paths: list[OpenPath] = Field(
-        default_factory=lambda: ["/health", "/ready"], description="Routes reachable without a key."
+        default_factory=lambda: ["/health", "/ready"], description="Routes reachable without a key (any of /health, /ready, /metrics)."
     )
     limits: LimitSettings = Field(default_factory=LimitSettings, description="Default per-model limits.")
-    model_limits: dict[str, LimitSettings] = Field(default_factory=dict, description="Per-model overrides.")
+    model_limits: dict[str, LimitSettings] = Field(default_factory=dict, description="Per-model overrides of limits (model name: the keys of limits).")
     max_body_bytes: int = Field(10 * 1024 * 1024, ge=1024, description="Largest request body (413 beyond).")
     upstream_connect_timeout_s: float = Field(5.0, gt=0, description="Connect timeout to an engine (504).")
     upstream_read_timeout_s: float = Field(600.0, gt=0, description="Longest wait for the next upstream bytes (504).")
     upstream_max_connections: int | None = Field(
         None, ge=1,
-        description="Connections to the engines at once, per pool (plain requests, streams); beyond, a request waits up to upstream_connect_timeout_s, then 503 upstream_pool_full (unset: no cap, the engines' own limits apply).",
+        description="Connections to the engines at once, per pool (plain requests, streams); beyond, a request waits up to upstream_connect_timeout_s, then 503 upstream_pool_full with Retry-After, never a 504 (kept for an engine that timed out) (unset: no cap, the engines' own limits apply).",
     )
     stream_coalesce_ms: float = Field(
         100.0, ge=0, le=1000,
@@ -312,7 +317,7 @@ class GatewaySettings(_Strict):
         "client in one read and one write (a read that carries a stream's finish is followed at once). 0: every event as "
         "it comes. At 20 ms decode steps and 256-2,048 streams, 100 took the CPU per relayed event from ~50 to ~21-33 µs "
         "(80: ~25-35; under two decode steps: nothing); events after a stream's first may reach the client up to this "
-        "much later (restart to change).",
+        "much later (restart to change; see [Serving](serving.md#many-streams-per-process-stream_coalesce_ms)).",
     )
     stream_coalesce_min_streams: int = Field(
         128, ge=0,
@@ -321,21 +326,28 @@ class GatewaySettings(_Strict):
     )
     health_timeout_s: float = Field(5.0, gt=0, description="Timeout of each /health probe made by /ready.")
     cors_allow_origins: list[str] = Field(default_factory=list, description="CORS origins (empty: CORS off).")
-    shutdown_grace_s: float = Field(30.0, ge=0, description="In-flight requests may finish this long on SIGTERM.")
+    shutdown_grace_s: float = Field(30.0, ge=0, description="In-flight requests may finish this long on SIGTERM or Ctrl-C.")
     log_requests: bool = Field(True, description="One structured log line per request.")
     residency_groups: dict[str, ResidencyGroup] = Field(
-        default_factory=dict, description="Groups of models that share GPUs (models.<name>.residency.group), by name."
+        default_factory=dict,
+        description="[Residency groups](residency.md): models that share GPUs (`models.<name>.residency.group`), by name; "
+        "applied on reload.",
     )
     status_page: bool = Field(
         True,
         description="The status page and playground at / (static files: what they show comes from the API with the keys the "
-        "browser's user enters; admin parts need an admin key). false: / answers 404.",
+        "browser's user enters; admin parts need an admin key; see [the status page](status-page.md)). false: / answers 404.",
     )
-    keys: list[NamedKey] = Field(default_factory=list, description="Named client keys (tenants), each with its models and limits.")
+    keys: list[NamedKey] = Field(
+        default_factory=list,
+        description="Named client keys (tenants), each with its models and limits "
+        "(see [Named keys](tenants.md#named-keys-tenants-with-their-models-and-limits)).",
+    )
     priority_classes: dict[str, int] = Field(
         default_factory=dict,
         description="Names of priority classes (name: number, -1000..1000, higher first) that keys' priority and "
-        "allowed_priorities and the x-gateway-priority header may use in place of the number, e.g. {batch: -1, interactive: 5}.",
+        "allowed_priorities and the x-gateway-priority header may use in place of the number, e.g. {batch: -1, interactive: 5}; "
+        "applied on reload (see [Tenants](tenants.md#choosing-a-class-per-request)).",
     )
     keys_env: str | None = Field(None, description="Environment variable holding more named keys: a JSON or YAML list like keys.")
     keys_file: Path | None = Field(None, description="YAML file with more named keys (a list like keys; each gives key_sha256, not the key).")
@@ -343,7 +355,9 @@ class GatewaySettings(_Strict):
     admin_keys_env: str | None = Field(None, description="Environment variable with comma-separated admin keys.")
     admin_keys_file: Path | None = Field(None, description="File with one admin key per line (# comments).")
     metrics_key: SecretStr | None = Field(
-        None, description="Bearer key that reads all of /metrics (as the admin keys do) on a gateway with client keys: Prometheus' key."
+        None,
+        description="Bearer key that reads all of /metrics (as the admin keys do) on a gateway with client keys: Prometheus' "
+        "key (its authorization block); client keys read only their own part (see [Security](security.md#metrics)).",
     )
     metrics_key_env: str | None = Field(None, description="Environment variable holding the metrics key.")
     metrics_key_file: Path | None = Field(None, description="File holding the metrics key (# comments).")
@@ -357,16 +371,21 @@ class GatewaySettings(_Strict):
     http: HttpSettings = Field(default_factory=HttpSettings, description="Connection and header limits, timeouts.")
     balancing: BalancingSettings = Field(default_factory=BalancingSettings, description="Spreading requests over replicas.")
     model_balancing: dict[str, BalancingSettings] = Field(default_factory=dict, description="Per-model overrides of balancing.")
-    request_bounds: RequestBounds = Field(default_factory=RequestBounds, description="Fan-out and grammar bounds of one request.")
-    usage: UsageSettings = Field(default_factory=UsageSettings, description="The usage ledger (one row per request).")
-    tracing: TracingSettings = Field(default_factory=TracingSettings, description="OpenTelemetry traces over OTLP (off by default).")
+    request_bounds: RequestBounds = Field(default_factory=RequestBounds, description="Fan-out and grammar bounds of one request (see [Bounds](security.md#request-bounds)).")
+    usage: UsageSettings = Field(default_factory=UsageSettings, description="The [usage ledger](tenants.md#usage-ledger) (one row per request).")
+    tracing: TracingSettings = Field(default_factory=TracingSettings, description="OpenTelemetry traces over OTLP (off by default; see [tracing.md](tracing.md)); read at start.")
     extension_fields: dict[str, list[str]] = Field(
-        default_factory=dict, description="Per model, the SGLang extension fields clients may send (off by default; see docs/security.md)."
+        default_factory=dict,
+        description="Per model, the SGLang extension fields clients may send (off by default; see [SGLang extension "
+        "fields](security.md#sglang-extension-fields)); an MLflow model logged from this config reads it too "
+        "([the MLflow path](security.md#the-mlflow-path-the-same-guard)).",
     )
     state_dir: Path | None = Field(
         None,
         description="Where state that outlives the gateway process is kept (which key owns which stored response, on "
-        "which engine). Default: $XDG_STATE_HOME (~/.local/state)/sglang-gateway/<config name>-<hash of its path>.",
+        "which engine, and the usage ledger), relative to the YAML. Default: "
+        "`$XDG_STATE_HOME/sglang-gateway/<config name>-<hash of its path>` ($XDG_STATE_HOME: ~/.local/state); memory only "
+        "for a deployment built without a file.",
     )
 
     @field_validator("workers", mode="before")
@@ -596,3 +615,9 @@ def _check_named_keys(settings: GatewaySettings, deployment: DeploymentConfig, s
                 )
         if digest in others:
             raise ConfigError(f"{source}: gateway.keys ({entry.name}): its key is also in {others[digest]}")
+
+
+def reference_table() -> str:
+    """The ``gateway:`` settings reference of docs/configuration.md, drawn from the settings' own descriptions
+    (a test checks that page holds exactly this)."""
+    return settings_table(GatewaySettings)

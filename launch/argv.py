@@ -12,14 +12,13 @@ import subprocess
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Literal, get_args, get_origin
 
 import yaml
 from loguru import logger
-from pydantic.fields import FieldInfo
 
 from launch.config import CPU_DEFAULT_MAX_TOTAL_TOKENS, EngineConfig, RouterConfig
 from launch.engine_net import socket_env
+from launch.reference import default_text, meaning
 from launch.sglang_versions import NEWEST, VERSIONS, EngineVersion, engine_version, installed_sglang, same_interpreter
 from launch.tracing import PROTOCOL_ENV
 
@@ -259,23 +258,8 @@ def engine_reference_table() -> str:
             spelled = f"`{flag.flags[0]}` followed by each item"
         else:
             spelled = f"`{flag.flags[0]}`"
-        meaning = field.description or ""
-        choices = get_args(field.annotation) if get_origin(field.annotation) is Literal else ()
-        if choices:
-            meaning += " One of " + ", ".join(f"`{choice}`" for choice in choices) + "."
-        lines.append(f"| `{key}` | {_default_text(field)} | {spelled} | {meaning} |")
+        lines.append(f"| `{key}` | {default_text(field)} | {spelled} | {meaning(field)} |")
     return "\n".join(lines)
-
-
-def _default_text(field: FieldInfo) -> str:
-    if field.is_required():
-        return "required"
-    value = field.get_default(call_default_factory=True)
-    if value is None:
-        return "unset"
-    if isinstance(value, bool):
-        return str(value).lower()
-    return f"`{value}`" if isinstance(value, (str, list, dict)) else str(value)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import signal
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,6 +24,7 @@ from pathlib import Path
 from launch.engine_tmp import PREFIX as ENGINE_TMP_PREFIX
 from launch.procgroup import group_pids, signal_group
 from launch.shm import SHM_DIR, shm_in_use
+from tests.waiting import wait_until
 
 SETTLE_S = 30.0
 """How long leftovers may take to go (another engine on the machine may be mid-stop meanwhile)."""
@@ -67,17 +67,17 @@ class LeakCheck:
             signal_group(pgid, signal.SIGKILL)
 
     def assert_nothing_left(self, settle_s: float = SETTLE_S) -> None:
-        deadline = time.monotonic() + settle_s
-        while True:
+        """Until the watched groups are gone and nothing they held is left; fails naming what is still there."""
+
+        def report() -> str:
             alive, files, tmp_dirs = self.leftovers()
-            if not alive and not files and not tmp_dirs:
-                return
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
-        assert not alive, f"process groups still alive (group: pids): {alive}"
-        assert not files, f"/dev/shm files that no live process uses were left behind: {sorted(map(str, files))}"
-        assert not tmp_dirs, f"engine temporary directories were left behind: {sorted(map(str, tmp_dirs))}"
+            return "; ".join(
+                [f"process groups still alive (group: pids): {alive}"] * bool(alive)
+                + [f"/dev/shm files that no live process uses were left behind: {sorted(map(str, files))}"] * bool(files)
+                + [f"engine temporary directories were left behind: {sorted(map(str, tmp_dirs))}"] * bool(tmp_dirs)
+            )
+
+        wait_until(lambda: not any(self.leftovers()), report, settle_s, every_s=0.5)
 
 
 @contextmanager

@@ -7,7 +7,6 @@ Exporters (the gateway's, SGLang's) talk to them exactly as to a collector; noth
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
 from benchmarks.tracing import OTLPHTTPServer
+from tests.waiting import wait_until
 
 
 @dataclass(frozen=True)
@@ -77,16 +77,19 @@ class SpanLog:
 
     def wait_for(self, predicate: Callable[[list[Span]], bool], timeout_s: float = 30, what: str = "spans") -> list[Span]:
         """Until ``predicate(all spans so far)`` holds; the spans then."""
-        deadline = time.monotonic() + timeout_s
-        while True:
+
+        def received() -> tuple[list[Span]] | None:
             with self._lock:
                 spans = list(self.spans)
-            if predicate(spans):
-                return spans
-            if time.monotonic() > deadline:
-                names = sorted({(span.service, span.name) for span in spans})
-                raise AssertionError(f"no {what} within {timeout_s}s; received: {names}")
-            time.sleep(0.1)
+            return (spans,) if predicate(spans) else None
+
+        def failure() -> str:
+            with self._lock:
+                names = sorted({(span.service, span.name) for span in self.spans})
+            return f"no {what}; received: {names}"
+
+        (spans,) = wait_until(received, failure, timeout_s)
+        return spans
 
 
 class OTLPReceiver(SpanLog, OTLPHTTPServer):

@@ -11,7 +11,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,6 +19,7 @@ import httpx
 
 from launch.ports import pick_free_port
 from launch.procgroup import popen_group, stop_group
+from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 CLI = [sys.executable, "-m", "gateway.cli"]
@@ -50,18 +50,16 @@ class ServerProcess:
 
     def wait_until(self, predicate: Callable[[], object], timeout_s: float, what: str) -> object:
         """Poll ``predicate`` until it returns something truthy; fail (with the log tail) if the server exits."""
-        deadline = time.monotonic() + timeout_s
-        while True:
+
+        def while_running() -> object:
             result = predicate()
-            if result:
-                return result
-            if self.proc.poll() is not None:
+            if not result and self.proc.poll() is not None:
                 raise AssertionError(
                     f"{self.argv[:4]} exited with code {self.proc.returncode} before {what}:\n{self.log(3000)}"
                 )
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{self.argv[:4]}: no {what} after {timeout_s:.0f}s:\n{self.log(3000)}")
-            time.sleep(0.25)
+            return result
+
+        return wait_until(while_running, lambda: f"{self.argv[:4]}: no {what}:\n{self.log(3000)}", timeout_s, every_s=0.25)
 
     def wait_http(self, path: str, timeout_s: float = 300) -> None:
         """Until ``GET path`` answers 200."""

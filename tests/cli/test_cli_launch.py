@@ -19,6 +19,7 @@ from launch.shm import SHM_DIR, owned_shm_files, shm_in_use
 from tests.fake_engine import fake_engine_python
 from tests.leaks import leaves_nothing
 from tests.servers import CLI, REPO, ServerProcess
+from tests.waiting import wait_until
 
 READY = r"engine tiny \(pid (\d+)\) ready at (http://\S+)"
 
@@ -98,10 +99,7 @@ def test_launch_killed_takes_its_engine_along_and_ctrl_c_leaves_nothing(tiny_mod
                 held.enter_context(path.open("rb"))
             os.kill(killed.pid, signal.SIGKILL)  # the launcher only: its engine is in a group of its own
             assert killed.proc.wait(timeout=30) == -signal.SIGKILL
-            deadline = time.monotonic() + 120
-            while group_pids(engine_pid):
-                assert time.monotonic() < deadline, "the engine outlived its SIGKILLed launcher"
-                time.sleep(0.5)
+            wait_until(lambda: not group_pids(engine_pid), "the engine to end with its SIGKILLed launcher", 120, every_s=0.5)
             orphans = {path for path in appeared if path.exists()} - shm_in_use(but=[os.getpid()])
             assert orphans, "the dead engine's files are gone or still in use before the next start"
             _date_back(orphans)

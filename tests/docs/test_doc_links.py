@@ -1,5 +1,5 @@
 """The documentation holds together: the README stays a short door, every relative link and ``#anchor`` in the
-README, ``docs/*.md``, ``benchmarks/README.md``, ``tests/README.md`` and ``deploy/**/*.md`` lands on a file that
+README, ``docs/*.md``, ``benchmarks/README.md`` and ``HISTORY.md``, ``tests/README.md`` and ``deploy/**/*.md`` lands on a file that
 exists and on a heading of it, and the README links every page of ``docs/``. No engine, no network.
 
 Anchors follow GitHub's heading slugs: the heading's text (link syntax reduced to the link's text) lowercased,
@@ -25,6 +25,7 @@ LINKED_PAGES = sorted(
         README,
         *DOCS.glob("*.md"),
         REPO / "benchmarks" / "README.md",
+        REPO / "benchmarks" / "HISTORY.md",
         REPO / "tests" / "README.md",
         *REPO.glob("deploy/**/*.md"),
     ]

@@ -15,7 +15,7 @@ import pytest
 
 from launch.process import EngineProcess
 from tests.docs.readme_blocks import marked_blocks
-from tests.gateway.helpers import GatewayServer, serve
+from tests.gateway_server import GatewayServer, serve
 
 README_BASE = "http://127.0.0.1:8000"
 

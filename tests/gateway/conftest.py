@@ -14,7 +14,7 @@ import pytest
 
 from launch.model_info import vocab_size
 from launch.process import EngineProcess
-from tests.gateway.helpers import KEY, GatewayServer, serve
+from tests.gateway_server import KEY, GatewayServer, serve
 
 
 @pytest.fixture(scope="session")

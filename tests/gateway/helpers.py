@@ -1,4 +1,5 @@
-"""Run a gateway app under a real uvicorn in a background thread, and small test utilities."""
+"""Small utilities of the gateway tests: background streams, SSE and error-body checks, Prometheus values, a
+cutting relay in front of an engine, a port nothing listens on."""
 
 from __future__ import annotations
 
@@ -6,68 +7,9 @@ import json
 import re
 import socket
 import threading
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import httpx
-import uvicorn
-from fastapi import FastAPI
-
-from gateway.app import create_app
-from gateway.config import GatewaySettings, gateway_settings
-from gateway.core.registry import build_registry
-from gateway.server import uvicorn_config
-from launch.config import parse_config
-from launch.ports import pick_free_port
-from launch.process import EngineProcess
-
-KEY = "test-key-1"
-
-
-class GatewayServer:
-    """A gateway app served by uvicorn on a free localhost port, in a thread."""
-
-    def __init__(self, app: FastAPI, settings: GatewaySettings) -> None:
-        self.app = app
-        self.port = pick_free_port()
-        self.settings = settings.model_copy(update={"port": self.port, "host": "127.0.0.1"})
-        self.server = uvicorn.Server(uvicorn_config(app, self.settings, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, name=f"gateway-{self.port}", daemon=True)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def start(self, timeout_s: float = 60.0) -> GatewayServer:
-        self.thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"gateway did not start (startup error: {self.app.state.startup_error!r})")
-            time.sleep(0.05)
-        return self
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(60)
-
-    @property
-    def state(self) -> Any:
-        return self.app.state.gateway
-
-
-@contextmanager
-def serve(
-    models: dict[str, Any], gateway: dict[str, Any] | None = None, engines: dict[str, EngineProcess] | None = None
-) -> Iterator[GatewayServer]:
-    """Build a deployment from ``models``/``gateway`` mappings and serve it (engines given, not owned)."""
-    deployment = parse_config({"models": models, "gateway": gateway or {}})
-    settings = gateway_settings(deployment)
-    app = create_app(settings, build_registry(deployment, settings, engines))
-    server = GatewayServer(app, settings).start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 class BackgroundStream:
@@ -130,10 +72,6 @@ def last_sse_event(lines: list[str]) -> tuple[str | None, dict[str, Any]]:
     return last
 
 
-def auth(key: str = KEY) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}
-
-
 def assert_openai_error(response: httpx.Response, status: int, code: str | None = None) -> dict[str, Any]:
     """The response has ``status`` and an OpenAI-shaped error body (and an X-Request-Id)."""
     assert response.status_code == status, response.text
@@ -153,60 +91,6 @@ def assert_no_internals(response: httpx.Response) -> None:
     body field the answer names ("unknown field '.py'")."""
     text = response.text.replace(response.request.url.path, "<path>")
     assert "Traceback" not in text and 'File "' not in text and not re.search(r"/[\w./-]*\.py\b", text), response.text
-
-
-def prometheus_value(text: str, name: str, labels: dict[str, str] | None = None) -> float | None:
-    """The value of one sample in Prometheus text format (labels must all match), or None."""
-    for line in text.splitlines():
-        if line.startswith("#") or not line.startswith(name):
-            continue
-        match = re.match(r"^([^{\s]+)(\{([^}]*)\})?\s+(\S+)$", line)
-        if not match or match.group(1) != name:
-            continue
-        found = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', match.group(3) or ""))
-        if all(found.get(k) == v for k, v in (labels or {}).items()):
-            return float(match.group(4))
-    return None
-
-
-@contextmanager
-def fake_tcp_upstream(accepted: Callable[[socket.socket], None]) -> Iterator[str]:
-    """A FAKE engine's listener: each connection it accepts goes to ``accepted`` (which must not block); the
-    connections are closed at the end. Its URL is yielded."""
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(16)
-    listener.settimeout(0.2)
-    stop = threading.Event()
-    held: list[socket.socket] = []
-
-    def accept() -> None:
-        while not stop.is_set():
-            try:
-                conn, _ = listener.accept()
-            except (TimeoutError, OSError):
-                continue
-            held.append(conn)
-            accepted(conn)
-
-    thread = threading.Thread(target=accept, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
-    finally:
-        stop.set()
-        thread.join(2)
-        for conn in held:
-            conn.close()
-        listener.close()
-
-
-@contextmanager
-def fake_stalled_upstream() -> Iterator[str]:
-    """A FAKE engine that accepts connections and reads requests but never answers (for the 504 tests): the real
-    engine cannot be made to stall on demand."""
-    with fake_tcp_upstream(lambda conn: None) as url:
-        yield url
 
 
 class CuttingRelay:

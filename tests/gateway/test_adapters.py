@@ -21,9 +21,10 @@ from typing import Any
 import httpx
 import yaml
 
-from tests.gateway.helpers import KEY, auth
 from tests.gateway.test_residency import Rig, _engine, fake_python, gateway  # noqa: F401 (fake_python: a fixture)
 from tests.gateway.test_swap import WATCHDOG
+from tests.gateway_server import KEY, auth
+from tests.waiting import wait_until
 
 
 def _ask(rig: Rig, model: str, tokens: int = 2) -> httpx.Response:
@@ -161,10 +162,10 @@ def test_adapters_loaded_at_run_time_answer_again_after_the_watchdog_restarts_a_
         _reload(rig, {"a1": "/adapters/a1", "a2": "/adapters/a2"})
         pid = rig.models()["tiny"]["engine"]["pid"]
         os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 60
-        while (engine := rig.models()["tiny"].get("engine", {})).get("pid") in (pid, None) or rig.models()["tiny"]["state"] != "ready":
-            assert time.monotonic() < deadline, rig.models()["tiny"]
-            time.sleep(0.2)
+        engine = wait_until(
+            lambda: (tiny := rig.models()["tiny"])["state"] == "ready" and tiny.get("engine", {}).get("pid") not in (pid, None) and tiny["engine"],
+            lambda: rig.models()["tiny"], 60, every_s=0.2,
+        )  # fmt: skip
         assert engine["pid"] != pid
         # the new engine loads both from its command line (no call to its API)
         assert [_ask(rig, name).json()["fake_model"] for name in ("tiny:a1", "tiny:a2")] == ["tiny:a1", "tiny:a2"]

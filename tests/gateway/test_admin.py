@@ -22,7 +22,9 @@ import yaml
 from gateway.app import app_from_config
 from gateway.config import gateway_settings
 from launch.config import ConfigError, load_config, parse_config
-from tests.gateway.helpers import KEY, GatewayServer, assert_openai_error, auth, closed_port_url, serve
+from tests.chat import post_chat
+from tests.gateway.helpers import assert_openai_error, closed_port_url
+from tests.gateway_server import KEY, GatewayServer, auth, serve
 from tests.servers import CLI, server_process
 
 ADMIN = "admin-key-1"
@@ -56,11 +58,6 @@ def _admin(gw: GatewayServer, method: str, path: str, key: str = ADMIN, **kwargs
 
 def _model_ids(gw: GatewayServer) -> set[str]:
     return {card["id"] for card in httpx.get(gw.url + "/v1/models", headers=auth(KEY), timeout=30).json()["data"]}
-
-
-def _chat(gw: GatewayServer, model: str) -> httpx.Response:
-    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
-    return httpx.post(gw.url + "/v1/chat/completions", json=body, headers=auth(KEY), timeout=30)
 
 
 def test_admin_api_needs_the_admin_key(gateway: GatewayServer) -> None:
@@ -107,9 +104,9 @@ def test_reload_applies_aliases_limits_urls_and_keys_at_once(gateway: GatewaySer
     assert report["restart_required"] == ["port"]
 
     assert _model_ids(gateway) == {"a", "alpha2", "c"}
-    assert_openai_error(_chat(gateway, "alpha"), 404, "model_not_found")
-    assert_openai_error(_chat(gateway, "b"), 404, "model_not_found")
-    assert_openai_error(_chat(gateway, "alpha2"), 503, "engine_unavailable")
+    assert_openai_error(post_chat(gateway.url, "alpha", max_tokens=1, timeout_s=30), 404, "model_not_found")
+    assert_openai_error(post_chat(gateway.url, "b", max_tokens=1, timeout_s=30), 404, "model_not_found")
+    assert_openai_error(post_chat(gateway.url, "alpha2", max_tokens=1, timeout_s=30), 503, "engine_unavailable")
     assert httpx.get(gateway.url + "/v1/models", headers=auth("new-client-key")).status_code == 200
     assert_openai_error(_admin(gateway, "GET", "/admin/models"), 401, "invalid_api_key")  # old admin key gone
     listing = _admin(gateway, "GET", "/admin/models", key="admin-key-2")
@@ -153,13 +150,13 @@ def test_concurrent_reloads_are_serialized(gateway: GatewayServer, config_file: 
 def test_drain_and_undrain(gateway: GatewayServer) -> None:
     drained = _admin(gateway, "POST", "/admin/models/alpha/drain", params={"wait": "true"})
     assert drained.json() == {"model": "a", "drained": True, "in_flight": 0, "idle": True}
-    refused = _chat(gateway, "a")
+    refused = post_chat(gateway.url, "a", max_tokens=1, timeout_s=30)
     assert_openai_error(refused, 503, "model_drained")
     assert refused.headers["retry-after"]
-    assert_openai_error(_chat(gateway, "b"), 503, "engine_unavailable")  # other models untouched
+    assert_openai_error(post_chat(gateway.url, "b", max_tokens=1, timeout_s=30), 503, "engine_unavailable")  # other models untouched
     assert {m["name"]: m["state"] for m in _admin(gateway, "GET", "/admin/models").json()["models"]}["a"] == "drained"
     assert _admin(gateway, "POST", "/admin/models/a/undrain").json()["drained"] is False
-    assert_openai_error(_chat(gateway, "a"), 503, "engine_unavailable")
+    assert_openai_error(post_chat(gateway.url, "a", max_tokens=1, timeout_s=30), 503, "engine_unavailable")
     assert_openai_error(_admin(gateway, "POST", "/admin/models/zz/drain"), 404, "model_not_found")
 
 

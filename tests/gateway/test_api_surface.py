@@ -11,7 +11,6 @@ import json
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,9 @@ import openai
 import pytest
 
 from gateway.core.endpoints import PROXIED, endpoint_table
-from tests.gateway.helpers import KEY, GatewayServer, auth, prometheus_value
+from tests.admin_client import prometheus_value
+from tests.gateway_server import KEY, GatewayServer, auth
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.engine
 ENDPOINTS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "serving.md"  # holds the endpoint table
@@ -63,10 +64,10 @@ def test_responses_create_plain_and_streamed(client: openai.OpenAI, gateway: Gat
 
     # Both answers counted once each, with the tokens each reported (recorded once the last byte went out).
     expected = (answered + 2, tokens + reply.usage.output_tokens + final.usage.output_tokens)
-    deadline = time.monotonic() + 10
-    while (now := counters(gateway)) != expected and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert now == expected, f"(requests, completion tokens) moved from {(answered, tokens)} to {now}, not to {expected}"
+    wait_until(
+        lambda: counters(gateway) == expected,
+        lambda: f"(requests, completion tokens) moved from {(answered, tokens)} to {counters(gateway)}, not to {expected}", 10, every_s=0.05,
+    )  # fmt: skip
 
 
 def test_stored_responses_by_id(client: openai.OpenAI) -> None:

@@ -10,7 +10,8 @@ import pytest
 from gateway.config import gateway_settings
 from launch.config import ConfigError, parse_config
 from launch.process import EngineProcess
-from tests.gateway.helpers import KEY, GatewayServer, assert_openai_error, auth, serve
+from tests.gateway.helpers import assert_openai_error
+from tests.gateway_server import KEY, GatewayServer, auth, serve
 
 HELLO = [{"role": "user", "content": "hi"}]
 # Each route and one request for it (an authorised embeddings call that succeeds is in test_embeddings.py).

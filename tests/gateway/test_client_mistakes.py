@@ -14,7 +14,9 @@ import json
 import httpx
 
 from launch.process import EngineProcess
-from tests.gateway.helpers import KEY, GatewayServer, assert_openai_error, auth, prometheus_value
+from tests.admin_client import prometheus_value
+from tests.gateway.helpers import assert_openai_error
+from tests.gateway_server import KEY, GatewayServer, auth
 
 HELLO = [{"role": "user", "content": "hi"}]
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import get_origin
 
 import pytest
 
-from gateway.config import GatewaySettings, gateway_settings
+from gateway.config import GatewaySettings, gateway_settings, reference_table
 from launch.config import (
     GATEWAY_KEY_FILE_SETTINGS,
     GATEWAY_KEY_SETTINGS,
@@ -14,6 +15,8 @@ from launch.config import (
     ConfigError,
     parse_config,
 )
+
+REFERENCE_PAGE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"  # holds the gateway settings reference
 
 
 def _deployment(gateway: dict) -> object:
@@ -28,6 +31,17 @@ def test_the_setting_names_read_outside_the_gateway_package_are_its_own() -> Non
     assert set(GATEWAY_KEY_FILE_SETTINGS) == {name for name in GATEWAY_KEY_SETTINGS if name.endswith("_file")}
     mappings = {name for name, field in fields.items() if get_origin(field.annotation) is dict}
     assert set(GATEWAY_PER_MODEL_SETTINGS) == mappings - {"priority_classes", "residency_groups"}  # the mappings not keyed by model
+
+
+def test_docs_gateway_reference_is_the_settings_table() -> None:
+    """docs/configuration.md's ``gateway:`` table is the settings' own: a setting added, renamed, redescribed or
+    given another default in gateway/config.py fails here until the page is regenerated."""
+    table = reference_table()
+    assert all(f"| `{key}` |" in table for key in ("port", "limits.max_queue", "residency_groups.<name>.turn_s", "keys[].limits.tokens_per_day"))
+    assert table in REFERENCE_PAGE.read_text(), (
+        "docs/configuration.md's gateway: settings reference differs from gateway/config.py: paste the output of "
+        "python -c 'from gateway.config import reference_table as t; print(t())'"
+    )
 
 
 def test_defaults_and_cli_overrides() -> None:

@@ -13,7 +13,8 @@ import httpx
 import pytest
 
 from launch.process import EngineProcess
-from tests.gateway.helpers import KEY, GatewayServer, assert_openai_error, auth, serve
+from tests.gateway.helpers import assert_openai_error
+from tests.gateway_server import KEY, GatewayServer, auth, serve
 
 APP = "https://app.example"
 CHAT = "/v1/chat/completions"

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from tests.fake_engine import running_fake_engine
-from tests.gateway.helpers import serve
+from tests.gateway_server import serve
 from tests.servers import CLI, ServerProcess
 
 

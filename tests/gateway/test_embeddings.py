@@ -13,7 +13,9 @@ import pytest
 
 from launch.config import EngineConfig
 from launch.process import EngineProcess
-from tests.gateway.helpers import KEY, GatewayServer, assert_openai_error, prometheus_value, serve
+from tests.admin_client import prometheus_value
+from tests.gateway.helpers import assert_openai_error
+from tests.gateway_server import KEY, GatewayServer, serve
 from tests.leaks import leaves_nothing
 
 

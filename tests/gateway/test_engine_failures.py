@@ -10,22 +10,15 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 
 import httpx
 import openai
 
 from launch.process import EngineProcess
-from tests.gateway.helpers import (
-    KEY,
-    BackgroundStream,
-    CuttingRelay,
-    GatewayServer,
-    auth,
-    last_sse_event,
-    prometheus_value,
-    serve,
-)
+from tests.admin_client import prometheus_value
+from tests.gateway.helpers import BackgroundStream, CuttingRelay, last_sse_event
+from tests.gateway_server import KEY, GatewayServer, auth, serve
+from tests.waiting import wait_until
 
 HELLO = [{"role": "user", "content": "Tell me a long story."}]
 LONG = {"max_tokens": 1900, "temperature": 0, "extra_body": {"ignore_eos": True}}
@@ -41,14 +34,6 @@ def engine_metric(engine: EngineProcess, name: str) -> float:
     return prometheus_value(text, name) or 0.0
 
 
-def wait_for(predicate, timeout_s: float, what: str) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.1)
-
-
 def gateway_metric(gateway: GatewayServer, name: str, labels: dict[str, str]) -> float:
     return prometheus_value(httpx.get(gateway.url + "/metrics", headers=auth(KEY), timeout=10).text, name, labels) or 0.0
 
@@ -61,12 +46,12 @@ def test_client_disconnect_mid_stream_aborts_engine_request(gateway: GatewayServ
     chunks = iter(stream)
     for _ in range(3):
         next(chunks)
-    wait_for(lambda: engine_metric(tiny_engine, "sglang:num_running_reqs") >= 1, 60, "the engine to report the running request")
+    wait_until(lambda: engine_metric(tiny_engine, "sglang:num_running_reqs") >= 1, "the engine to report the running request", 60)
     stream.close()  # the client goes away mid-answer
     # The engine aborts the request (it would otherwise run to its 1900th token and count no abort).
-    wait_for(lambda: engine_metric(tiny_engine, "sglang:num_aborted_requests_total") == aborted + 1, 60, "the engine to abort it")
-    wait_for(lambda: engine_metric(tiny_engine, "sglang:num_running_reqs") == 0, 60, "the engine to run nothing")
-    wait_for(lambda: gateway_metric(gateway, "gateway_in_flight_requests", {"model": "tiny"}) == 0, 30, "gateway in-flight 0")
+    wait_until(lambda: engine_metric(tiny_engine, "sglang:num_aborted_requests_total") == aborted + 1, "the engine to abort it", 60)
+    wait_until(lambda: engine_metric(tiny_engine, "sglang:num_running_reqs") == 0, "the engine to run nothing", 60)
+    wait_until(lambda: gateway_metric(gateway, "gateway_in_flight_requests", {"model": "tiny"}) == 0, "gateway in-flight 0", 30)
     assert gateway_metric(gateway, "gateway_requests_total", requests) == answered + 1  # recorded once, as a 200
 
 
@@ -81,10 +66,10 @@ def test_client_giving_up_on_plain_request_aborts_engine_request(gateway: Gatewa
     with socket.create_connection(("127.0.0.1", gateway.port)) as sock:
         sock.sendall(head.encode() + body)
         # The engine has the request before the client leaves...
-        wait_for(lambda: engine_metric(tiny_engine, "sglang:num_running_reqs") >= 1, 60, "the engine to start the request")
+        wait_until(lambda: engine_metric(tiny_engine, "sglang:num_running_reqs") >= 1, "the engine to start the request", 60)
     # ...and aborts it once the client has gone.
-    wait_for(lambda: engine_metric(tiny_engine, "sglang:num_aborted_requests_total") == aborted + 1, 60, "the engine to abort it")
-    wait_for(lambda: engine_metric(tiny_engine, "sglang:num_running_reqs") == 0, 60, "the engine to run nothing")
+    wait_until(lambda: engine_metric(tiny_engine, "sglang:num_aborted_requests_total") == aborted + 1, "the engine to abort it", 60)
+    wait_until(lambda: engine_metric(tiny_engine, "sglang:num_running_reqs") == 0, "the engine to run nothing", 60)
 
 
 def test_shutdown_grace_cuts_off_streams_that_outlast_it(tiny_engine: EngineProcess) -> None:
@@ -98,7 +83,7 @@ def test_shutdown_grace_cuts_off_streams_that_outlast_it(tiny_engine: EngineProc
         gw.stop()  # what SIGTERM does: stop accepting, wait up to shutdown_grace_s, then cut
         events = stream.finish()
     assert "data: [DONE]" not in events and len(events) < 1900 // 2, (len(events), events[-2:])
-    wait_for(lambda: engine_metric(tiny_engine, "sglang:num_aborted_requests_total") == aborted + 1, 60, "the engine to abort it")
+    wait_until(lambda: engine_metric(tiny_engine, "sglang:num_aborted_requests_total") == aborted + 1, "the engine to abort it", 60)
 
 
 def test_an_upstream_lost_mid_stream_ends_each_dialects_stream_with_its_error_event(tiny_engine: EngineProcess) -> None:
@@ -119,7 +104,7 @@ def test_an_upstream_lost_mid_stream_ends_each_dialects_stream_with_its_error_ev
         before = gateway_metric(gw, "gateway_stream_errors_total", {"model": "tiny"})
         relay.arm()
         BackgroundStream.start_together(*streams.values())  # each has its 200 and first line; the rest is held
-        wait_for(lambda: relay.holding == 3, 120, "the relay to hold all three answers")
+        wait_until(lambda: relay.holding == 3, "the relay to hold all three answers", 120)
         relay.cut()
         lines = {name: stream.finish() for name, stream in streams.items()}
         assert gateway_metric(gw, "gateway_stream_errors_total", {"model": "tiny"}) == before + 3

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from launch.model_info import vocab_size
 from launch.process import EngineProcess
-from tests.gateway.helpers import KEY, GatewayServer, auth, serve
+from tests.gateway_server import KEY, GatewayServer, auth, serve
 
 pytestmark = pytest.mark.engine
 EXAMPLES = int(os.environ.get("SGLANG_GATEWAY_FUZZ_EXAMPLES", "300"))

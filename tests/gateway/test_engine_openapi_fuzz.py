@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from launch.model_info import vocab_size
 from launch.process import EngineProcess
-from tests.gateway.helpers import KEY, GatewayServer, auth, serve
+from tests.gateway_server import KEY, GatewayServer, auth, serve
 
 EXAMPLES = int(os.environ.get("SGLANG_GATEWAY_OPENAPI_FUZZ", "150"))
 TRACE = os.environ.get("SGLANG_GATEWAY_FUZZ_TRACE")  # a file that gets every request sent (to find a culprit)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,7 +19,9 @@ import pytest
 
 from launch.model_info import vocab_size
 from launch.process import EngineProcess
-from tests.gateway.helpers import KEY, GatewayServer, assert_openai_error, auth, serve
+from tests.gateway.helpers import assert_openai_error
+from tests.gateway_server import KEY, GatewayServer, auth, serve
+from tests.waiting import wait_until
 
 HELLO = [{"role": "user", "content": "hi"}]
 
@@ -101,15 +102,12 @@ def test_a_client_that_stops_reading_gives_its_slot_back(tiny_engine: EngineProc
         stalled = _stalled_stream(gw.port, body)
         try:
             with httpx.Client(base_url=gw.url, headers=auth(), timeout=60) as http:
-                deadline = time.monotonic() + 30
-                while http.post("/v1/chat/completions", json={"model": "tiny", "messages": HELLO, "max_tokens": 1}).status_code != 429:
-                    assert time.monotonic() < deadline, "the stalled stream never held the only slot"
-                    time.sleep(0.1)
-                held_since = time.monotonic()
-                deadline = held_since + 120
-                while (reply := http.post("/v1/chat/completions", json={"model": "tiny", "messages": HELLO, "max_tokens": 1})).status_code == 429:
-                    assert time.monotonic() < deadline, "the slot was never given back"
-                    time.sleep(0.25)
+                one = {"model": "tiny", "messages": HELLO, "max_tokens": 1}
+                wait_until(lambda: http.post("/v1/chat/completions", json=one).status_code == 429, "the stalled stream to hold the only slot", 30)
+                reply = wait_until(
+                    lambda: (answer := http.post("/v1/chat/completions", json=one)).status_code != 429 and answer,
+                    "the slot to be given back", 120, every_s=0.25,
+                )  # fmt: skip
                 assert reply.status_code == 200, reply.text
             # The gateway cut the stalled client off: what it can still read ends without the end of the stream.
             stalled.settimeout(10)

@@ -6,7 +6,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -15,27 +15,15 @@ import openai
 
 from gateway.core.errors import readable_validation_dump, sanitize_message, upstream_error
 from launch.process import EngineProcess
+from tests.admin_client import prometheus_value
 from tests.fake_engine import running_fake_engine
-from tests.gateway.helpers import (
-    KEY,
-    GatewayServer,
-    assert_openai_error,
-    auth,
-    closed_port_url,
-    fake_stalled_upstream,
-    prometheus_value,
-    serve,
-)
+from tests.fake_upstreams import fake_stalled_upstream
+from tests.gateway.helpers import assert_openai_error, closed_port_url
+from tests.gateway_server import KEY, GatewayServer, auth, serve
+from tests.waiting import wait_until
 
 CHAT = "/v1/chat/completions"
 HELLO = [{"role": "user", "content": "hi"}]
-
-
-def wait_until(predicate: Callable[[], bool], what: str, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 def test_sanitize_message_strips_traceback_frames_and_paths() -> None:
@@ -173,10 +161,10 @@ def test_429_concurrency_limit_with_retry_after(tiny_engine: EngineProcess) -> N
             assert_openai_error(refused, 429, "concurrency_limit_exceeded")
             assert refused.headers["retry-after"] == "3"
         # The slot frees as soon as the gateway sees the holder go away.
-        deadline = time.monotonic() + 10
-        while (status := http.post(CHAT, json={"model": "tiny", "messages": HELLO, "max_tokens": 2}).status_code) == 429:
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        status = wait_until(
+            lambda: (code := http.post(CHAT, json={"model": "tiny", "messages": HELLO, "max_tokens": 2}).status_code) != 429 and code,
+            "the held slot to be freed", 10,
+        )  # fmt: skip
         assert status == 200
 
 
@@ -220,7 +208,7 @@ def queue_and_refuse(gw: GatewayServer, http: httpx.Client) -> None:
         next(held)
         queued = threading.Thread(target=send, args=("queued", "patient"))
         queued.start()
-        wait_until(lambda: limiter.waiting == 1, "the request to wait in the queue")
+        wait_until(lambda: limiter.waiting == 1, "the request to wait in the queue", every_s=0.02)
         assert "queued" not in results
     queued.join(30)
     assert results["queued"].status_code == 200, results["queued"].text

@@ -79,7 +79,7 @@ def test_heavy_grammars_reach_the_engine_a_few_at_a_time_and_light_requests_pass
     import uvicorn
 
     from launch.ports import pick_free_port
-    from tests.gateway.helpers import KEY, auth, serve
+    from tests.gateway_server import KEY, auth, serve
 
     engine = _SlowGrammarEngine()
     port = pick_free_port()

@@ -21,7 +21,8 @@ from gateway.config import gateway_settings
 from gateway.core.registry import build_registry
 from launch.config import parse_config
 from launch.process import EngineProcess
-from tests.gateway.helpers import GatewayServer, assert_openai_error
+from tests.gateway.helpers import assert_openai_error
+from tests.gateway_server import GatewayServer
 
 pytestmark = pytest.mark.engine
 

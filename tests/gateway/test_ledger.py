@@ -38,9 +38,12 @@ from gateway.tenants.ledger_schema import LATEST, SchemaError, migrate, open_eng
 from gateway.tenants.usage_query import UsageReader, parse_query
 from launch.config import ConfigError, parse_config
 from launch.ports import pick_free_port
-from tests.gateway.helpers import KEY, assert_openai_error, auth, prometheus_value, serve
+from tests.admin_client import prometheus_value
+from tests.gateway.helpers import assert_openai_error
+from tests.gateway_server import KEY, auth, serve
 from tests.postgres import PostgresServer
 from tests.servers import CLI, ServerProcess
+from tests.waiting import wait_until
 
 ADMIN = "ledger-admin-key"
 USAGE = {"prompt_tokens": 11, "completion_tokens": 7, "total_tokens": 18, "prompt_tokens_details": {"cached_tokens": 4}}
@@ -134,17 +137,20 @@ def _rows(url: str, ids: list[str], timeout_s: float = 20) -> dict[str, dict[str
     """The ledger rows of ``ids`` in the database at ``url``, once all are there."""
     engine = create_engine(url)
     try:
-        deadline = time.monotonic() + timeout_s
-        while True:
+
+        def rows() -> dict[str, dict[str, Any]]:
             try:
                 with engine.connect() as conn:
-                    found = {row.request_id: dict(row._mapping) for row in conn.execute(select(usage_rows).where(usage_rows.c.request_id.in_(ids)))}
+                    return {row.request_id: dict(row._mapping) for row in conn.execute(select(usage_rows).where(usage_rows.c.request_id.in_(ids)))}
             except Exception:  # noqa: BLE001 - not created yet / server down: wait
-                found = {}
-            if len(found) == len(ids) or time.monotonic() > deadline:
-                assert sorted(found) == sorted(ids), f"rows missing: {sorted(set(ids) - set(found))}"
-                return found
-            time.sleep(0.05)
+                return {}
+
+        (found,) = wait_until(
+            lambda: (now,) if len(now := rows()) == len(ids) else None,
+            lambda: f"rows missing: {sorted(set(ids) - set(rows()))}", timeout_s, every_s=0.05,
+        )  # fmt: skip
+        assert sorted(found) == sorted(ids), f"rows missing: {sorted(set(ids) - set(found))}"
+        return found
     finally:
         engine.dispose()
 

@@ -11,8 +11,10 @@ import httpx
 import pytest
 
 from gateway.core.metrics_scope import scoped_exposition
+from tests.chat import CHAT, chat_body
 from tests.fake_engine import running_fake_engine
-from tests.gateway.helpers import assert_openai_error, auth, serve
+from tests.gateway.helpers import assert_openai_error
+from tests.gateway_server import auth, serve
 
 KEY_MINE, KEY_OTHER, ADMIN, METRICS = "key-of-mine-tenant", "key-of-other-tenant", "metrics-admin-key", "prometheus-scrape-key"
 
@@ -24,8 +26,7 @@ def engine_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 def _chat(http: httpx.Client, key: str | None, model: str) -> None:
-    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    assert http.post("/v1/chat/completions", json=body, headers=auth(key) if key else {}).status_code == 200
+    assert http.post(CHAT, json=chat_body(model), headers=auth(key) if key else {}).status_code == 200
 
 
 def test_a_client_key_reads_its_own_part_and_the_admin_and_metrics_keys_all(engine_url: str, tmp_path: Path) -> None:

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 from launch.model_info import vocab_size
 from launch.process import EngineProcess
-from tests.gateway.helpers import KEY, GatewayServer, assert_no_internals, assert_openai_error, auth, serve
+from tests.gateway.helpers import assert_no_internals, assert_openai_error
+from tests.gateway_server import KEY, GatewayServer, auth, serve
 
 MAX_BODY = 4096
 HELLO = [{"role": "user", "content": "hi"}]

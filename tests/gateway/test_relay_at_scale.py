@@ -27,7 +27,10 @@ from gateway.config import GatewaySettings, gateway_settings
 from gateway.core.registry import build_registry
 from gateway.server import uvicorn_config
 from launch.config import parse_config
-from tests.gateway.helpers import GatewayServer, assert_openai_error, fake_stalled_upstream, serve
+from tests.chat import chat_body
+from tests.fake_upstreams import fake_stalled_upstream
+from tests.gateway.helpers import assert_openai_error
+from tests.gateway_server import GatewayServer, serve
 from tests.servers import REPO, ServerProcess, server_process
 
 TOKENS = 20
@@ -48,10 +51,6 @@ def _paced(gateway: GatewayServer, streams: int, ramp_s: float, timeout_s: float
         return loop.run_until_complete(run_paced(gateway.url, CHAT, streams, TOKENS, ramp_s=ramp_s, timeout_s=timeout_s, model="m"))
     finally:
         loop.close()
-
-
-def _chat(stream: bool, tokens: int = TOKENS) -> dict[str, object]:
-    return {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": tokens, "stream": stream}
 
 
 def test_a_thousand_concurrent_long_streams_through_the_default_settings_all_complete(paced_fake: ServerProcess) -> None:
@@ -89,7 +88,7 @@ def test_a_coalesced_stream_the_client_cuts_closes_its_engine_connection(paced_f
     connection closed (the engine aborts the request), not kept for reuse."""
     with serve({"m": {"url": paced_fake.url}}, {"stream_coalesce_min_streams": 0}) as gateway, httpx.Client(timeout=30) as http:
         streams = gateway.state.proxy.streams
-        with http.stream("POST", gateway.url + "/v1/chat/completions", json=_chat(True, 150)) as response:
+        with http.stream("POST", gateway.url + "/v1/chat/completions", json=chat_body("m", max_tokens=150, stream=True)) as response:
             assert response.status_code == 200
             lines = response.iter_lines()
             assert next(line for line in lines if line.startswith("data: ")).startswith("data: {")
@@ -104,16 +103,16 @@ def test_a_coalesced_stream_the_client_cuts_closes_its_engine_connection(paced_f
 def test_a_small_configured_pool_answers_503_upstream_pool_full_never_504(paced_fake: ServerProcess) -> None:
     gateway_settings = {"upstream_max_connections": 2, "upstream_connect_timeout_s": 0.5}
     with serve({"m": {"url": paced_fake.url}}, gateway_settings) as gateway, httpx.Client(base_url=gateway.url, timeout=30) as http:
-        with http.stream("POST", "/v1/chat/completions", json=_chat(True, 150)) as first, http.stream(
-            "POST", "/v1/chat/completions", json=_chat(True, 150)
+        with http.stream("POST", "/v1/chat/completions", json=chat_body("m", max_tokens=150, stream=True)) as first, http.stream(
+            "POST", "/v1/chat/completions", json=chat_body("m", max_tokens=150, stream=True)
         ) as second:
             assert first.status_code == second.status_code == 200
-            refused = http.post("/v1/chat/completions", json=_chat(True))
+            refused = http.post("/v1/chat/completions", json=chat_body("m", max_tokens=TOKENS, stream=True))
             body = assert_openai_error(refused, 503, "upstream_pool_full")
             assert refused.headers["retry-after"] == "1" and "upstream_max_connections" in body["error"]["message"]
             first.close()
         for _ in range(50):  # the closed stream's connection is given back: the next request gets one
-            answer = http.post("/v1/chat/completions", json=_chat(False))
+            answer = http.post("/v1/chat/completions", json=chat_body("m", max_tokens=TOKENS, stream=False))
             if answer.status_code == 200:
                 break
         assert answer.status_code == 200, answer.text
@@ -126,9 +125,9 @@ def test_plain_requests_waiting_for_a_capped_pool_get_503_upstream_pool_full() -
 
         async def two() -> list[httpx.Response]:
             async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
-                held = asyncio.ensure_future(http.post("/v1/chat/completions", json=_chat(False)))
+                held = asyncio.ensure_future(http.post("/v1/chat/completions", json=chat_body("m", max_tokens=TOKENS, stream=False)))
                 await asyncio.sleep(0.3)  # the first holds the only connection (the fake never answers)
-                return [await http.post("/v1/chat/completions", json=_chat(False)), await held]
+                return [await http.post("/v1/chat/completions", json=chat_body("m", max_tokens=TOKENS, stream=False)), await held]
 
         refused, timed_out = asyncio.run(two())
     assert_openai_error(refused, 503, "upstream_pool_full")
@@ -162,7 +161,7 @@ def test_streams_relay_alike_through_asgi_messages_under_another_server(paced_fa
 
 
 def _events(http: httpx.Client, url: str) -> list[str]:
-    with http.stream("POST", url + "/v1/chat/completions", json=_chat(True)) as response:
+    with http.stream("POST", url + "/v1/chat/completions", json=chat_body("m", max_tokens=TOKENS, stream=True)) as response:
         assert response.status_code == 200
         text = response.read().decode()
     return [event for event in text.split("\n\n") if event]

@@ -12,7 +12,8 @@ import threading
 import time
 from contextlib import AbstractContextManager
 
-from tests.gateway.helpers import fake_tcp_upstream, serve
+from tests.fake_upstreams import fake_tcp_upstream
+from tests.gateway_server import serve
 
 EVENT = b'data: {"choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":null}]}\n\n'
 END = b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n'

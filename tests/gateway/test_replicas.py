@@ -43,11 +43,14 @@ import yaml
 from gateway.app import app_from_config
 from launch.config import load_config
 from launch.procgroup import group_pids
+from tests.admin_client import AdminClient
+from tests.chat import post_chat
 from tests.fake_engine import fake_engine_python
-from tests.gateway.helpers import KEY, GatewayServer, auth, prometheus_value
 from tests.gateway.test_swap import Load, report
 from tests.gateway.test_swap_fake_engine import fake_engine_section
+from tests.gateway_server import KEY, GatewayServer
 from tests.model_code.helpers import engine_children
+from tests.waiting import wait_until
 
 ADMIN = "replicas-admin-key"
 
@@ -69,8 +72,11 @@ def _deployment(model_dir: Path, *, max_total_tokens: int = 4096, policy: str = 
     }
 
 
-class Rig:
+class Rig(AdminClient):
     """The module's gateway; every YAML it writes runs the engines on the fake (``python``)."""
+
+    admin_key = ADMIN
+    admin_timeout_s = 900
 
     def __init__(self, server: GatewayServer, config: Path, model_dir: Path, python: Path) -> None:
         self.server, self.config, self.model_dir, self.python = server, config, model_dir, python
@@ -86,9 +92,6 @@ class Rig:
         gateway = self.current["gateway"]
         return {**self.current, "gateway": {**gateway, "balancing": {**gateway["balancing"], "policy": policy}}}
 
-    def admin(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        return httpx.request(method, self.server.url + path, headers=auth(ADMIN), timeout=900, **kwargs)
-
     def router_workers(self) -> list[str]:
         """The worker URLs SGLang's router itself lists (asked with the key only the gateway holds)."""
         route = self.server.app.state.controller.registry.route("tiny")
@@ -96,13 +99,12 @@ class Rig:
         return list(route.front.router.workers())
 
     def model(self) -> dict[str, Any]:
-        (model,) = self.admin("GET", "/admin/models").json()["models"]
+        (model,) = self.listed_models().values()
         self.pids |= {r["engine"]["pid"] for r in model["replicas"] if r["engine"]["pid"]}
         return model
 
     def served_by(self) -> dict[str, float]:
-        text = httpx.get(self.server.url + "/metrics", headers=auth(KEY), timeout=30).text
-        return {r: prometheus_value(text, "gateway_replica_requests_total", {"model": "tiny", "replica": r}) or 0 for r in ("0", "1")}
+        return self.metric_values({r: ("gateway_replica_requests_total", {"model": "tiny", "replica": r}) for r in ("0", "1")})
 
     def reload(self, data: dict[str, Any]) -> dict[str, Any]:
         self.current = data = self.faked(data)
@@ -130,11 +132,6 @@ def rig(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         assert not [pid for pid in rig.pids if group_pids(pid)], "engine process groups still alive after shutdown"
 
 
-def _chat(url: str, content: str, system: str | None = None) -> httpx.Response:
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
-    return httpx.post(url + "/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 2}, headers=auth(KEY), timeout=120)
-
-
 def test_requests_spread_over_both_replicas(rig: Rig) -> None:
     model = rig.model()
     assert model["state"] == "ready" and model["ready_replicas"] == 2
@@ -144,7 +141,7 @@ def test_requests_spread_over_both_replicas(rig: Rig) -> None:
     assert ready["models"]["tiny"] == {"ready": True, "replicas_ready": 2}
     before = rig.served_by()
     with ThreadPoolExecutor(8) as pool:
-        answers = list(pool.map(lambda n: _chat(rig.server.url, f"question {n}"), range(48)))
+        answers = list(pool.map(lambda n: post_chat(rig.server.url, "tiny", f"question {n}"), range(48)))
     assert all(answer.status_code == 200 for answer in answers)
     after = rig.served_by()
     counts = {replica: after[replica] - before[replica] for replica in after}
@@ -159,14 +156,14 @@ def test_prefix_affinity_keeps_a_system_prompt_on_one_replica(rig: Rig) -> None:
     system = "You grade documents about data platforms. " * 20
     before = rig.served_by()
     for n in range(12):
-        assert _chat(rig.server.url, f"document {n}", system=system).status_code == 200
+        assert post_chat(rig.server.url, "tiny", f"document {n}", system=system).status_code == 200
     after = rig.served_by()
     counts = {replica: after[replica] - before[replica] for replica in after}
     report("prefix affinity, one system prompt", requests=12, per_replica=counts)
     assert sorted(counts.values()) == [0, 12], counts
     before = after
     for n in range(16):  # different system prompts spread (rendezvous hashing over the two replicas)
-        assert _chat(rig.server.url, "same question", system=f"persona {n}").status_code == 200
+        assert post_chat(rig.server.url, "tiny", "same question", system=f"persona {n}").status_code == 200
     after = rig.served_by()
     assert min(after[r] - before[r] for r in after) > 0
     rig.reload(rig.with_policy(before_policy))
@@ -177,10 +174,10 @@ def _kill_replica_until_back(rig: Rig, index: int, pid: int) -> tuple[float, flo
     engine. (when it was killed, when it was back)"""
     killed = time.monotonic()
     os.kill(pid, signal.SIGKILL)
-    deadline = killed + 300
-    while not ((m := rig.model())["ready_replicas"] == 2 and m["replicas"][index]["engine"]["pid"] != pid):
-        assert time.monotonic() < deadline, f"replica {index} not back within 300s: {m}"
-        time.sleep(0.25)
+    wait_until(
+        lambda: (m := rig.model())["ready_replicas"] == 2 and m["replicas"][index]["engine"]["pid"] != pid,
+        lambda: f"replica {index} not back: {rig.model()}", 300, every_s=0.25,
+    )  # fmt: skip
     return killed, time.monotonic()
 
 
@@ -261,7 +258,7 @@ def test_managed_router_in_front_of_the_replicas(rig: Rig) -> None:
 
     before = rig.served_by()
     for n in range(4):
-        assert _chat(rig.server.url, f"through the router {n}").status_code == 200
+        assert post_chat(rig.server.url, "tiny", f"through the router {n}").status_code == 200
     assert rig.served_by() == before  # the router chose, not the gateway's balancer
 
     internal = {str(r["engine"]["port"]) for r in model["replicas"]} | {router["url"].rsplit(":", 1)[1]}
@@ -272,18 +269,18 @@ def test_managed_router_in_front_of_the_replicas(rig: Rig) -> None:
         # the router's workers follow the restart (checked before the router itself is restarted, which would
         # start it in front of the replicas of the moment anyway)
         replicas_now = sorted(r["url"] for r in rig.model()["replicas"])
-        deadline = time.monotonic() + 10  # the router adds a worker in the background, in milliseconds
-        while (workers := sorted(rig.router_workers())) != replicas_now:
-            assert time.monotonic() < deadline, f"the router's workers {workers} are not the replicas {replicas_now}"
-            time.sleep(0.1)
+        wait_until(  # the router adds a worker in the background, in milliseconds
+            lambda: sorted(rig.router_workers()) == replicas_now,
+            lambda: f"the router's workers {sorted(rig.router_workers())} are not the replicas {replicas_now}", 10,
+        )  # fmt: skip
         load.wait_for_requests(6, back)
         # the router itself dies: requests go to the replicas directly until the watchdog restarts it
         router_pid = rig.model()["router"]["pid"]
         os.kill(router_pid, signal.SIGKILL)
-        deadline = time.monotonic() + 120
-        while not ((m := rig.model()).get("router", {}).get("running") and m["router"]["pid"] != router_pid):
-            assert time.monotonic() < deadline, f"router not restarted: {m.get('router')}"
-            time.sleep(0.25)
+        wait_until(
+            lambda: (m := rig.model()).get("router", {}).get("running") and m["router"]["pid"] != router_pid,
+            lambda: f"router not restarted: {rig.model().get('router')}", 120, every_s=0.25,
+        )  # fmt: skip
         load.wait_for_requests(6, time.monotonic())
     kinds = load.counts(load.outcomes)
     assert not [o for o in load.outcomes if not o.stream and o.kind != "ok"], kinds

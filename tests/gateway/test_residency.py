@@ -37,10 +37,12 @@ from launch.config import (
 )
 from launch.process import EngineProcess
 from launch.procgroup import group_pids
+from tests.admin_client import AdminClient
 from tests.docs.readme_blocks import marked_blocks
 from tests.fake_engine import fake_engine_python
-from tests.gateway.helpers import KEY, GatewayServer, auth, prometheus_value
+from tests.gateway_server import KEY, GatewayServer, auth
 from tests.leaks import LeakCheck
+from tests.waiting import wait_until
 
 ADMIN = "residency-admin-key"
 FAKE_START_S = 0.5
@@ -51,29 +53,24 @@ def fake_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return fake_engine_python(tmp_path_factory.mktemp("fake-engine"))
 
 
-class Rig:
+class Rig(AdminClient):
     """One gateway over fake engines, from a YAML file the test may rewrite and reload."""
+
+    admin_key = ADMIN
 
     def __init__(self, path: Path, server: GatewayServer, leaks: LeakCheck, timeout_s: float = 60) -> None:
         self.path, self.server, self.leaks = path, server, leaks
         self.sdk = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=timeout_s)
 
-    def admin(self, method: str, path: str) -> httpx.Response:
-        return httpx.request(method, self.server.url + path, headers=auth(ADMIN), timeout=60)
-
     def models(self) -> dict[str, dict[str, Any]]:
         """``GET /admin/models`` by name; every engine pid seen is watched (gone at the end)."""
-        found = {m["name"]: m for m in self.admin("GET", "/admin/models").json()["models"]}
+        found = self.listed_models()
         for model in found.values():
             self.leaks.watch(model.get("engine", {}).get("pid"))
         return found
 
     def cards(self) -> dict[str, dict[str, Any]]:
         return {card["id"]: card for card in httpx.get(self.server.url + "/v1/models", headers=auth(), timeout=30).json()["data"]}
-
-    def metric(self, name: str, **labels: str) -> float:
-        text = httpx.get(self.server.url + "/metrics", headers=auth(), timeout=30).text
-        return prometheus_value(text, name, labels) or 0.0
 
     def chat(self, model: str, stream: bool = False) -> str:
         """Four tokens' text. ``ignore_eos``: a real tiny engine samples its random weights, and an end-of-sequence
@@ -86,13 +83,10 @@ class Rig:
         return answer.choices[0].message.content or ""
 
     def wait_state(self, model: str, state: str, timeout_s: float = 20) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            found = self.models()[model]
-            if found["state"] == state:
-                return found
-            assert time.monotonic() < deadline, f"{model} stayed {found['state']!r}, not {state!r}: {found}"
-            time.sleep(0.1)
+        return wait_until(
+            lambda: (found := self.models()[model])["state"] == state and found,
+            lambda: f"{model} stayed {self.models()[model]['state']!r}, not {state!r}: {self.models()[model]}", timeout_s,
+        )  # fmt: skip
 
     def events(self, *kinds: str) -> list[tuple[str, str]]:
         """(kind, model) of the residency events, oldest first."""
@@ -162,10 +156,7 @@ def test_an_idle_model_stops_after_idle_stop_s_and_its_next_request_starts_it_ag
         asleep = rig.wait_state("a", "sleeping")
         assert time.monotonic() - used >= 1.5, "stopped before it was idle for idle_stop_s"
         assert "engine" not in asleep  # out of the registry first: no request reaches it while it stops
-        deadline = time.monotonic() + 15
-        while group_pids(pid):
-            assert time.monotonic() < deadline, "the stopped engine's processes are still there"
-            time.sleep(0.1)
+        wait_until(lambda: not group_pids(pid), "the stopped engine's processes to go", 15)
         assert rig.metric("gateway_residency_stops_total", model="a", reason="idle") == 1
         assert rig.metric("gateway_engine_restarts_total", model="a") == 0  # a deliberate stop is no failure
         swap = rig.admin("POST", "/admin/models/a/swap")
@@ -301,10 +292,13 @@ def test_a_cold_start_longer_than_queue_timeout_answers_200_and_says_starting_me
     models = {"a": {"engine": engine, "residency": {"on_demand": True}}}
     with gateway(tmp_path, models, limits={"queue_timeout_s": 1.0}) as rig, ThreadPoolExecutor(1) as pool:
         waiting = pool.submit(rig.chat, "a")
-        deadline = time.monotonic() + 10
-        while rig.cards()["a"].get("status") != "starting":
-            assert time.monotonic() < deadline and not waiting.done(), "never said starting"
-            time.sleep(0.05)
+
+        def starting() -> bool:
+            said = rig.cards()["a"].get("status") == "starting"
+            assert said or not waiting.done(), "never said starting"
+            return said
+
+        wait_until(starting, "the card to say starting", 10, every_s=0.05)
         ready = httpx.get(rig.server.url + "/ready", timeout=30).json()["models"]["a"]
         assert ready == {"ready": True, "asleep": True, "starting": True}, ready
         assert rig.models()["a"]["state"] == "starting"

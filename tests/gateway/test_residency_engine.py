@@ -18,9 +18,10 @@ import pytest
 import yaml
 
 from launch.procgroup import group_pids
-from tests.gateway.helpers import auth
 from tests.gateway.test_residency import gateway
 from tests.gateway.test_swap import report
+from tests.gateway_server import auth
+from tests.waiting import wait_until
 
 
 def _engine(model_dir: Path) -> dict[str, Any]:
@@ -61,10 +62,9 @@ def test_two_real_engines_take_turns_in_a_group_of_one(tiny_model_dir: Path, tmp
         report("residency: a real engine's cold start in a group of one", cold_start_s=round(start_s, 1), request_waited_s=round(waited, 1))
 
         b_pid = now["b"]["engine"]["pid"]
-        deadline = time.monotonic() + 30
-        while not rig.metric("gateway_residency_stops_total", model="b", reason="idle"):  # idle_stop_s: 3; counted once stopped
-            assert time.monotonic() < deadline, rig.models()["b"]
-            time.sleep(0.25)
+        wait_until(  # idle_stop_s: 3; counted once stopped
+            lambda: rig.metric("gateway_residency_stops_total", model="b", reason="idle"), lambda: rig.models()["b"], 30, every_s=0.25
+        )
         assert rig.metric("gateway_residency_stops_total", model="b", reason="idle") == 1
         assert rig.models()["b"]["state"] == "sleeping" and not group_pids(b_pid), rig.models()["b"]
         assert rig.metric("gateway_engine_restarts_total", model="b") == 0

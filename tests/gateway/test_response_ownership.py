@@ -19,7 +19,7 @@ import pytest
 
 from launch.model_info import vocab_size
 from launch.process import EngineProcess
-from tests.gateway.helpers import GatewayServer, serve
+from tests.gateway_server import GatewayServer, serve
 
 KEY_A, KEY_B = "owner-key-a", "owner-key-b"
 

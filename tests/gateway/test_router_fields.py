@@ -21,7 +21,8 @@ import httpx
 import pytest
 
 from benchmarks import processes
-from tests.gateway.helpers import KEY, GatewayServer, assert_openai_error, auth, serve
+from tests.gateway.helpers import assert_openai_error
+from tests.gateway_server import KEY, GatewayServer, auth, serve
 
 HELLO = [{"role": "user", "content": "hi"}]
 CHAT_ANSWER = {

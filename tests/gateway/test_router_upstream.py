@@ -37,9 +37,10 @@ from benchmarks.affinity import metric_sum
 from launch.config import EngineConfig
 from launch.model_info import vocab_size
 from launch.process import EngineProcess
-from tests.gateway.helpers import KEY, GatewayServer, auth, serve
 from tests.gateway.test_swap import report
+from tests.gateway_server import KEY, GatewayServer, auth, serve
 from tests.load import ThreadedLoad
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.engine
 PROMPT = [{"role": "user", "content": "Say something."}]
@@ -302,7 +303,4 @@ class RawLoad(ThreadedLoad[RawOutcome]):
         return outcome
 
     def wait_for_ok(self, n: int, since: float, timeout_s: float = 120) -> None:
-        deadline = time.monotonic() + timeout_s
-        while len([o for o in self.since(since) if o.status == 200]) < n:
-            assert time.monotonic() < deadline, f"fewer than {n} answers in {timeout_s}s"
-            time.sleep(0.1)
+        wait_until(lambda: len([o for o in self.since(since) if o.status == 200]) >= n, f"{n} answers", timeout_s)

@@ -24,7 +24,7 @@ from launch.config import load_config
 from launch.process import EngineProcess
 from model_code.client import EngineClient
 from model_code.errors import AuthenticationError
-from tests.gateway.helpers import GatewayServer, auth
+from tests.gateway_server import GatewayServer, auth
 
 SECRETS = {
     "yaml client key": "sk-yaml-5f0c1e9a7b",

@@ -15,8 +15,9 @@ import pytest
 from loguru import logger
 
 from tests.fake_engine import fake_engine_python
-from tests.gateway.helpers import auth
 from tests.gateway.test_residency import _engine, gateway
+from tests.gateway_server import auth
+from tests.waiting import wait_until
 
 
 @pytest.fixture()
@@ -50,9 +51,6 @@ def test_a_start_nobody_waits_for_fails_without_an_unretrieved_task_exception(
                 httpx.post(rig.server.url + "/v1/chat/completions", headers=auth(), timeout=0.5,
                            json={"model": "b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})  # fmt: skip
             assert running.result(timeout=60).choices[0].finish_reason is not None
-        deadline = time.monotonic() + 30
-        while not any("model b:" in line and "WARNING" in line for line in loguru_lines):  # b's start gave up
-            assert time.monotonic() < deadline, loguru_lines[-20:]
-            time.sleep(0.1)
+        wait_until(lambda: any("model b:" in line and "WARNING" in line for line in loguru_lines), lambda: loguru_lines[-20:], 30)  # b's start gave up
         gc.collect()  # where asyncio reports a failed task nobody retrieved
     assert "never retrieved" not in caplog.text, caplog.text

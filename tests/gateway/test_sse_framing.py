@@ -7,7 +7,7 @@ import json
 import httpx
 import pytest
 
-from tests.gateway.helpers import GatewayServer, auth
+from tests.gateway_server import GatewayServer, auth
 
 
 def _raw_stream(gateway: GatewayServer, path: str, body: dict) -> tuple[httpx.Response, bytes]:

@@ -13,7 +13,8 @@ import re
 import httpx
 import pytest
 
-from tests.gateway.helpers import KEY, assert_openai_error, auth, closed_port_url, serve
+from tests.gateway.helpers import assert_openai_error, closed_port_url
+from tests.gateway_server import KEY, auth, serve
 
 ADMIN = "page-admin-key"
 

@@ -43,7 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
 import openai
@@ -55,16 +55,13 @@ from gateway.core.backends import EngineBackend
 from launch.config import load_config
 from launch.process import EngineProcess
 from launch.procgroup import group_pids
+from tests.admin_client import AdminClient
 from tests.browser import browser_missing, chromium_page
-from tests.gateway.helpers import (
-    KEY,
-    GatewayServer,
-    auth,
-    prometheus_value,
-)
+from tests.gateway_server import KEY, GatewayServer, auth
 from tests.leaks import LeakCheck
 from tests.load import ThreadedLoad
 from tests.servers import REPO
+from tests.waiting import wait_until
 
 ADMIN = "swap-admin-key"
 PROMPT = [{"role": "user", "content": "Say something."}]
@@ -129,10 +126,10 @@ class Load(ThreadedLoad[Outcome]):
         return out
 
     def wait_for_requests(self, n: int, since: float, timeout_s: float = 60) -> None:
-        deadline = time.monotonic() + timeout_s
-        while len([o for o in self.since(since) if o.kind == "ok"]) < n:
-            assert time.monotonic() < deadline, f"fewer than {n} successful requests in {timeout_s}s: {self.counts(self.since(since))}"
-            time.sleep(0.1)
+        wait_until(
+            lambda: len([o for o in self.since(since) if o.kind == "ok"]) >= n,
+            lambda: f"fewer than {n} successful requests: {self.counts(self.since(since))}", timeout_s,
+        )  # fmt: skip
 
 
 def report(title: str, **numbers: Any) -> None:
@@ -192,7 +189,10 @@ def _broken_model_dir(tmp: Path) -> Path:
 
 
 @dataclass
-class SwapRig:
+class SwapRig(AdminClient):
+    admin_key: ClassVar[str] = ADMIN
+    admin_timeout_s: ClassVar[float] = 600
+
     server: GatewayServer
     config: Path
     model_dir: Path
@@ -217,10 +217,10 @@ class SwapRig:
     def settle(self, timeout_s: float) -> SwapRig:
         """Whatever ran before: the model ready, the YAML of its running config with the module's settings, applied
         (a reload that starts no engine)."""
-        deadline = time.monotonic() + timeout_s
-        while (model := self.model())["state"] != "ready":
-            assert time.monotonic() < deadline, f"the model is not ready after the previous test: {model}"
-            time.sleep(0.25)
+        wait_until(
+            lambda: self.model()["state"] == "ready",
+            lambda: f"the model is not ready after the previous test: {self.model()}", timeout_s, every_s=0.25,
+        )  # fmt: skip
         self.deploy_running()
         response = self.admin("POST", "/admin/reload")
         assert response.status_code == 200, response.text
@@ -231,19 +231,15 @@ class SwapRig:
         """Write the YAML of the running engine config (a reload of it changes no engine), with ``options``."""
         self.deploy(self.model_dir, **ENGINES[self.running()], **options)
 
-    def admin(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        return httpx.request(method, self.server.url + path, headers=auth(ADMIN), timeout=600, **kwargs)
-
     def model(self) -> dict[str, Any]:
         """The model's entry in GET /admin/models (its engine must be gone when the module ends)."""
-        model = {m["name"]: m for m in self.admin("GET", "/admin/models").json()["models"]}["tiny"]
+        model = self.listed_models()["tiny"]
         self.leaks.watch(model.get("engine", {}).get("pid"))
         return model
 
     def metrics(self) -> dict[str, float]:
         """The gateway's own counters of swaps, reloads and restarts of the model, by value."""
-        text = httpx.get(self.server.url + "/metrics", headers=auth(KEY), timeout=30).text
-        series = {
+        return self.metric_values({
             "swaps_ok": ("gateway_model_swaps_total", {"model": "tiny", "result": "ok"}),
             "swaps_failed": ("gateway_model_swaps_total", {"model": "tiny", "result": "failed"}),
             "reloads_ok": ("gateway_config_reloads_total", {"result": "ok"}),
@@ -252,16 +248,14 @@ class SwapRig:
             "restarts": ("gateway_engine_restarts_total", {"model": "tiny"}),
             "restart_failures": ("gateway_engine_restart_failures_total", {"model": "tiny"}),
             "stream_errors": ("gateway_stream_errors_total", {"model": "tiny"}),
-        }
-        return {key: prometheus_value(text, name, labels) or 0.0 for key, (name, labels) in series.items()}
+        })
 
     def wait_ready_after(self, old_pid: int, timeout_s: float = 300) -> dict[str, Any]:
         """Until the model is ready again on an engine other than ``old_pid``."""
-        deadline = time.monotonic() + timeout_s
-        while (model := self.model())["state"] != "ready" or model["engine"]["pid"] == old_pid:
-            assert time.monotonic() < deadline, f"not back within {timeout_s}s: {model}"
-            time.sleep(0.25)
-        return model
+        return wait_until(
+            lambda: (model := self.model())["state"] == "ready" and model["engine"]["pid"] != old_pid and model,
+            lambda: f"not back: {self.model()}", timeout_s, every_s=0.25,
+        )  # fmt: skip
 
     def chat(self, model: str = "tiny") -> httpx.Response:
         body = {"model": model, "messages": PROMPT, "max_tokens": 2}
@@ -410,10 +404,7 @@ def test_h_request_that_crashed_the_engine_is_refused_afterwards_and_the_status_
         assert first.status_code in (502, 503), first.text  # the engine died under it
         if page is not None:
             page.shows("tiny", "restarting", timeout_s=60)
-        deadline = crashed + 300
-        while rig.model()["state"] != "ready" or rig.model()["engine"]["pid"] == pid:
-            assert time.monotonic() < deadline, f"not restarted within 300s: {rig.model()}"
-            time.sleep(0.25)
+        rig.wait_ready_after(pid, timeout_s=crashed + 300 - time.monotonic())
         back = time.monotonic()
         if page is not None:
             page.after_the_restart(rig.model()["engine"]["pid"])
@@ -517,10 +508,12 @@ class StatusPage:
 
 def expect_text(locator: Any, wanted: str | re.Pattern[str], timeout_s: float = 30) -> None:
     """Until ``locator``'s text is ``wanted`` (or matches it): the page refreshes every few seconds."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        text = (locator.text_content(timeout=timeout_s * 1000) or "").strip() if locator.count() else None
-        if text is not None and (wanted.search(text) if isinstance(wanted, re.Pattern) else text == wanted):
-            return
-        assert time.monotonic() < deadline, f"{locator}: {text!r}, not {wanted!r}, after {timeout_s}s"
-        time.sleep(0.2)
+
+    def text() -> str | None:
+        return (locator.text_content(timeout=timeout_s * 1000) or "").strip() if locator.count() else None
+
+    def shown() -> bool:
+        found = text()
+        return found is not None and bool(wanted.search(found) if isinstance(wanted, re.Pattern) else found == wanted)
+
+    wait_until(shown, lambda: f"{locator}: {text()!r}, not {wanted!r}", timeout_s, every_s=0.2)

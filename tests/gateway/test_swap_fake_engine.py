@@ -54,8 +54,9 @@ from gateway.app import app_from_config
 from launch.config import EngineConfig, load_config
 from launch.process import EngineProcess
 from launch.procgroup import group_pids, signal_group
+from tests.admin_client import prometheus_value
 from tests.fake_engine import fake_engine_python
-from tests.gateway.helpers import KEY, BackgroundStream, GatewayServer, assert_openai_error, auth, prometheus_value
+from tests.gateway.helpers import BackgroundStream, assert_openai_error
 from tests.gateway.test_swap import (
     ENGINES,
     PROMPT,
@@ -66,7 +67,9 @@ from tests.gateway.test_swap import (
     changes,
     report,
 )
+from tests.gateway_server import KEY, GatewayServer, auth
 from tests.leaks import LeakCheck
+from tests.waiting import wait_until
 
 FAKE_START_S = "3"
 """How long a fake engine takes to listen (a real one: 30-40 s); the fakes' env, so no swap changes it."""
@@ -231,17 +234,22 @@ def test_d_sigkilled_engine_is_restarted_and_requests_get_503_meanwhile(rig: Swa
                 pass
         assert "tiny" in cut_short.value.message and "engine" in cut_short.value.message
         assert cut_short.value.body["type"] == "service_unavailable"
-        deadline = killed + 60  # far less than a restart takes: a /ready that never flips fails here
-        while (ready := httpx.get(rig.server.url + "/ready", timeout=10)).status_code == 200:
-            assert time.monotonic() < deadline, "/ready still 200 after the kill"
-            time.sleep(0.05)
+        noticed_by = killed + 60  # far less than a restart takes: a /ready that never flips fails here
+        ready = wait_until(
+            lambda: (answer := httpx.get(rig.server.url + "/ready", timeout=10)).status_code != 200 and answer,
+            "/ready to say 503 after the kill", noticed_by - time.monotonic(), every_s=0.05,
+        )  # fmt: skip
         body = assert_openai_error(ready, 503, "not_ready")
         assert body["models"]["tiny"]["ready"] is False and body["models"]["other"]["ready"] is True
         assert "tiny" in body["error"]["message"] and "other" not in body["error"]["message"]
         assert rig.chat("other").status_code == 200  # the other model is served meanwhile
-        while (down := rig.model())["state"] != "restarting":  # "unavailable" until the watchdog's next look
-            assert time.monotonic() < deadline and down["state"] == "unavailable", down
-            time.sleep(0.05)
+
+        def restarting() -> dict[str, Any] | None:  # "unavailable" until the watchdog's next look
+            model = rig.model()
+            assert model["state"] in ("restarting", "unavailable"), model
+            return model if model["state"] == "restarting" else None
+
+        down = wait_until(restarting, lambda: rig.model(), noticed_by - time.monotonic(), every_s=0.05)
         assert down["replicas"][0]["log_tail"], down  # why it is down, for the status page
         metrics = httpx.get(rig.server.url + "/metrics", headers=auth(KEY)).text
         assert prometheus_value(metrics, "gateway_engine_up", {"model": "tiny"}) == 0
@@ -287,16 +295,10 @@ def test_e_hung_engine_is_restarted_and_requests_get_503_meanwhile(rig: SwapRig)
     counters = rig.metrics()
     pid = before["engine"]["pid"]
     # Healthy for stable_after_s since the last restart: the next one starts a new backoff streak.
-    deadline = time.monotonic() + 60
-    while rig.model()["engine"]["uptime_s"] < WATCHDOG["stable_after_s"] + 2:
-        assert time.monotonic() < deadline
-        time.sleep(0.5)
+    wait_until(lambda: rig.model()["engine"]["uptime_s"] >= WATCHDOG["stable_after_s"] + 2, "a stable stretch", 60, every_s=0.5)
     signal_group(pid, signal.SIGSTOP)
     try:
-        deadline = time.monotonic() + 120
-        while (model := rig.model())["state"] == "ready":
-            assert time.monotonic() < deadline, f"the hung engine was not noticed: {model}"
-            time.sleep(0.2)
+        wait_until(lambda: rig.model()["state"] != "ready", lambda: f"the hung engine was not noticed: {rig.model()}", 120, every_s=0.2)
         refused = rig.chat()
         message = assert_openai_error(refused, 503, "engine_unavailable")["error"]["message"]
         assert refused.headers["retry-after"]
@@ -356,10 +358,7 @@ def test_g_watchdog_gives_up_then_a_swap_revives(rig: SwapRig) -> None:
     pid = before["engine"]["pid"]
     try:
         os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 60
-        while (model := rig.model())["state"] != "failed":
-            assert time.monotonic() < deadline, f"the watchdog did not give up: {model}"
-            time.sleep(0.2)
+        wait_until(lambda: rig.model()["state"] == "failed", lambda: f"the watchdog did not give up: {rig.model()}", 60, every_s=0.2)
         refused = rig.chat()
         assert "an operator must swap or reload model 'tiny'" in assert_openai_error(refused, 503, "engine_unavailable")["error"]["message"]
         time.sleep(3 * WATCHDOG["interval_s"])

@@ -14,7 +14,7 @@ import httpx
 import openai
 
 from launch.process import EngineProcess
-from tests.gateway.helpers import KEY, auth, serve
+from tests.gateway_server import KEY, auth, serve
 from tests.otlp import Span, otlp_grpc_receiver, otlp_receiver
 
 SERVER, CLIENT, INTERNAL = 2, 3, 1

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from launch.process import EngineProcess
-from tests.gateway.helpers import KEY, serve
+from tests.gateway_server import KEY, serve
 
 UPSTREAM_KEY = "upstream-secret-key"
 HELLO = [{"role": "user", "content": "Hello"}]

@@ -30,11 +30,13 @@ import yaml
 
 from launch.process import EngineProcess
 from launch.procgroup import stat_fields
+from tests.admin_client import prometheus_value
 from tests.fake_engine import CRASH, FREEZE, TOKEN, fake_engine_python
-from tests.gateway.helpers import KEY, auth, prometheus_value
+from tests.gateway_server import KEY, auth
 from tests.leaks import leaves_nothing
 from tests.load import ThreadedLoad
 from tests.servers import CLI, ServerProcess
+from tests.waiting import wait_until
 
 ADMIN = "workers-admin-key"
 PROMPT = [{"role": "user", "content": "Say something."}]
@@ -185,7 +187,7 @@ def owned(tmp_path: Path, tiny_model_dir: Path) -> Iterator[tuple[ServerProcess,
     with leaves_nothing(shm=False) as check:  # a FAKE engine maps no /dev/shm
         server = serve(config, tmp_path)
         check.watch(server.pid)
-        check.watch(_engine_pid(server))
+        check.watch(engine_pid(server))
         runtime_dir = _runtime_dir_of(server)
         try:
             yield server, tmp_path / "deploy.yaml", config
@@ -202,23 +204,28 @@ def _runtime_dir_of(server: ServerProcess) -> Path:
     raise AssertionError("the control process never said where its admin socket is")
 
 
-def _engine_pid(server: ServerProcess) -> int:
+def engine_pid(server: ServerProcess) -> int:
     return admin(server, "/admin/models")["models"][0]["replicas"][0]["engine"]["pid"]
+
+
+def wait_engine_replaced(server: ServerProcess, old_pid: int, timeout_s: float, what: str = "not restarted") -> None:
+    """Until the model is ready on an engine other than ``old_pid`` (restarted or swapped)."""
+    wait_until(
+        lambda: admin(server, "/admin/models")["models"][0]["state"] == "ready" and engine_pid(server) != old_pid,
+        lambda: f"{what}: {admin(server, '/admin/models')['models'][0]}\n{server.log(3000)}", timeout_s, every_s=0.2,
+    )  # fmt: skip
 
 
 def test_a_sighup_swap_under_load_on_both_workers_fails_no_request(owned: tuple[ServerProcess, Path, dict[str, Any]]) -> None:
     server, path, config = owned
-    old_pid = _engine_pid(server)
+    old_pid = engine_pid(server)
     with Load(server.url, workers=4) as load:
         time.sleep(2.0)
         config["models"]["tiny"]["engine"]["env"]["FAKE_ENGINE_SWAPPED"] = "1"  # an engine change: blue-green
         path.write_text(yaml.safe_dump(config))
         swapped = time.monotonic()
         os.kill(server.pid, signal.SIGHUP)  # a reload, as an operator sends it to the control process
-        deadline = swapped + 60
-        while _engine_pid(server) == old_pid or admin(server, "/admin/models")["models"][0]["state"] != "ready":
-            assert time.monotonic() < deadline, f"no swap within 60 s of SIGHUP:\n{server.log(3000)}"
-            time.sleep(0.2)
+        wait_engine_replaced(server, old_pid, swapped + 60 - time.monotonic(), "no swap after SIGHUP")
         time.sleep(3.5)
     assert admin(server, "/admin/models")["last_reload"]["ok"]
     assert not _pid_alive(old_pid), "the old engine still runs after the swap"
@@ -232,15 +239,12 @@ def test_a_sighup_swap_under_load_on_both_workers_fails_no_request(owned: tuple[
 def _poisoned_through_one_worker(server: ServerProcess, content: str) -> tuple[dict[str, httpx.Response], str]:
     """Send a request that takes the engine down (``content``: CRASH or FREEZE) through one worker, wait until the
     watchdog brought a new engine, then send it again through each worker: (answers by worker, the first one's)."""
-    old_pid = _engine_pid(server)
+    old_pid = engine_pid(server)
     poison = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 2}
     with fresh(server.url) as client:
         first = client.post("/v1/chat/completions", json=poison, timeout=60)
         assert first.status_code in (502, 503), first.text  # the engine died (or was stopped, frozen) under it
-        deadline = time.monotonic() + 60
-        while (model := admin(server, "/admin/models")["models"][0])["state"] != "ready" or _engine_pid(server) == old_pid:
-            assert time.monotonic() < deadline, f"not restarted within 60 s: {model}"
-            time.sleep(0.2)
+        wait_engine_replaced(server, old_pid, 60)
         return until_each_worker(server.url, lambda c: c.post("/v1/chat/completions", json=poison)), first.headers[WORKER]
 
 
@@ -279,10 +283,10 @@ def test_a_killed_worker_comes_back_while_the_other_serves(owned: tuple[ServerPr
     # Streams on the other worker were untouched, and every request sent after the kill succeeded.
     survivors = [o for o in load.outcomes if o.worker == "1" or o.started > killed + 0.5]
     assert survivors and all(o.complete for o in survivors), [o for o in survivors if not o.complete][:5]
-    deadline = time.monotonic() + 60
-    while not ((back := admin(server, "/admin/workers")["workers"][0])["connected"] and back["pid"] != victim):
-        assert time.monotonic() < deadline, f"worker 0 not back within 60 s: {back}"
-        time.sleep(0.2)
+    back = wait_until(
+        lambda: (worker := admin(server, "/admin/workers")["workers"][0])["connected"] and worker["pid"] != victim and worker,
+        lambda: f"worker 0 not back: {admin(server, '/admin/workers')['workers'][0]}", 60, every_s=0.2,
+    )  # fmt: skip
     assert back["restarts"] == 1 and back["running"]
     body = {"model": "tiny", "messages": PROMPT, "max_tokens": 2}
     answers = until_each_worker(server.url, lambda client: client.post("/v1/chat/completions", json=body))

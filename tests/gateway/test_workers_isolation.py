@@ -19,10 +19,11 @@ import httpx
 import pytest
 
 from tests.fake_engine import FREEZE, fake_engine_python
-from tests.gateway.helpers import auth
-from tests.gateway.test_workers import ADMIN, admin, serve
+from tests.gateway.test_workers import ADMIN, admin, engine_pid, serve, wait_engine_replaced
+from tests.gateway_server import auth
 from tests.leaks import leaves_nothing
 from tests.servers import ServerProcess
+from tests.waiting import wait_until
 
 KEY_A, KEY_B = "key-of-tenant-a", "key-of-tenant-b"
 ORDINARY = {"model": "tiny", "messages": [{"role": "user", "content": "Say something."}], "max_tokens": 400}
@@ -48,32 +49,24 @@ def keyed(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Ite
             assert server.stop(signal.SIGTERM, grace_s=30) == 0, server.log(3000)
 
 
-def _engine_pid(server: ServerProcess) -> int:
-    return admin(server, "/admin/models")["models"][0]["replicas"][0]["engine"]["pid"]
-
-
 def _post(server: ServerProcess, key: str, body: dict[str, Any]) -> httpx.Response:
     return httpx.post(server.url + "/v1/chat/completions", json=body, headers=auth(key), timeout=120)
 
 
 def _freeze_with_both_in_flight(server: ServerProcess) -> None:
     """A and B each have an ordinary request upstream; then A's frozen one; wait for the restarted engine."""
-    old_pid = _engine_pid(server)
+    old_pid = engine_pid(server)
     answers: list[int] = []
     threads = [threading.Thread(target=lambda k=key: answers.append(_post(server, k, ORDINARY).status_code)) for key in (KEY_A, KEY_B)]
     for thread in threads:
         thread.start()
-    deadline = time.monotonic() + 30
-    while sum(w["in_flight"] for w in admin(server, "/admin/workers")["workers"]) < 2:
-        assert time.monotonic() < deadline, "the ordinary requests never got upstream"
-        time.sleep(0.05)
+    restarted_by = time.monotonic() + 90
+    wait_until(lambda: sum(w["in_flight"] for w in admin(server, "/admin/workers")["workers"]) >= 2, "the ordinary requests to get upstream", 30, every_s=0.05)
     assert _post(server, KEY_A, FROZEN).status_code in (502, 503)
     for thread in threads:
         thread.join(120)
     assert sorted(answers) != [200, 200], answers  # they were in flight when the engine froze
-    while (model := admin(server, "/admin/models")["models"][0])["state"] != "ready" or _engine_pid(server) == old_pid:
-        assert time.monotonic() < deadline + 60, f"not restarted: {model}"
-        time.sleep(0.2)
+    wait_engine_replaced(server, old_pid, restarted_by - time.monotonic())
 
 
 def test_a_key_that_freezes_the_engine_twice_is_refused_and_the_other_key_is_served(keyed: ServerProcess) -> None:

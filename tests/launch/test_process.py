@@ -27,6 +27,7 @@ from launch.procgroup import group_pids
 from launch.shm import SHM_DIR, orphaned_shm_files, remove_orphaned_shm
 from tests.fake_engine import fake_engine_python
 from tests.leaks import leaves_nothing, unused_shm_files
+from tests.waiting import wait_until
 
 
 @pytest.mark.usefixtures("starts_engine")
@@ -126,9 +127,7 @@ def test_stop_falls_back_to_sigkill(tmp_path: Path) -> None:
     model.mkdir()
     engine = EngineProcess("stubborn", EngineConfig(model_path=str(model), device="cpu", python=str(fake)), log_dir=tmp_path)
     engine.start()
-    deadline = time.monotonic() + 10
-    while "fake engine up" not in "\n".join(engine.log_tail()) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: "fake engine up" in "\n".join(engine.log_tail()), "the fake engine to be up (ignoring SIGTERM)", 10, every_s=0.05)
     started = time.monotonic()
     returncode = engine.stop(grace_s=1.0)
     assert returncode == -9

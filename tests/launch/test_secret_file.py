@@ -17,6 +17,7 @@ import yaml
 
 from launch.procgroup import cmdline
 from launch.secret_file import remove_orphaned_secret_files, write_secret_file
+from tests.waiting import wait_until
 
 
 @pytest.fixture()
@@ -44,9 +45,7 @@ def test_only_files_no_live_process_was_started_with_are_removed(key_files: list
     holder = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()", "--config", str(in_use)], stdin=subprocess.PIPE)
     try:
         # /proc/PID/cmdline reads empty for a moment after Popen returns: wait until the holder names the file
-        deadline = time.monotonic() + 10
-        while str(in_use) not in cmdline(holder.pid) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: str(in_use) in cmdline(holder.pid), "the holder's command line to name the file", 10, every_s=0.01)
         removed = remove_orphaned_secret_files()
         assert orphan in removed and not orphan.exists()
         assert in_use.exists() and young.exists() and in_use not in removed and young not in removed

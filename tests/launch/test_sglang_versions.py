@@ -26,7 +26,7 @@ from launch.sglang_versions import (
     facts,
 )
 from tests.fake_engine import running_fake_engine
-from tests.gateway.helpers import GatewayServer, serve
+from tests.gateway_server import GatewayServer, serve
 from tests.launch.test_argv import VARIANTS
 
 REPO = Path(__file__).resolve().parents[2]

@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -26,6 +25,7 @@ from launch import engine_dir, shared
 from launch.config import EngineConfig
 from launch.procgroup import group_pids
 from launch.shm import owned_shm_files
+from tests.waiting import wait_until
 
 SETTLE_S = 120  # bound on waiting for processes to appear or go away (never a timing assertion)
 
@@ -87,12 +87,6 @@ def _state(key_dir: Path) -> dict:
     return engine_dir.read_json(key_dir / engine_dir.STATE_FILE) or {}
 
 
-def _wait_for(predicate, what: str) -> None:
-    deadline = time.monotonic() + SETTLE_S
-    while not predicate():
-        assert time.monotonic() < deadline, f"gave up waiting for {what}"
-        time.sleep(0.2)
-
 
 def _chat(lease: shared.SharedEngine) -> int:
     body = {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
@@ -128,7 +122,7 @@ def test_shared_engine_life_cycle(tiny_engine_config: EngineConfig, runtime_dir:
     user = threading.Thread(target=first_user)
     user.start()
     # the host dies while the engine starts: the user waiting on it starts a new host
-    _wait_for(lambda: _state(key_dir).get("status") == "starting", "the first host to start the engine")
+    wait_until(lambda: _state(key_dir).get("status") == "starting", "the first host to start the engine", SETTLE_S, every_s=0.2)
     first_host = _state(key_dir)["host_pid"]
     os.kill(first_host, signal.SIGKILL)
     user.join(timeout=SETTLE_S * 3)
@@ -163,6 +157,6 @@ def test_shared_engine_life_cycle(tiny_engine_config: EngineConfig, runtime_dir:
     assert engine_dir.host_alive(key_dir)  # the first user still holds the engine
 
     lease.close()
-    _wait_for(lambda: not group_pids(new_engine) and not key_dir.exists(), "the engine to stop and its directory to go")
-    _wait_for(lambda: not Path(f"/proc/{host}").exists(), "the host to exit")  # reaped by this process
+    wait_until(lambda: not group_pids(new_engine) and not key_dir.exists(), "the engine to stop and its directory to go", SETTLE_S, every_s=0.2)
+    wait_until(lambda: not Path(f"/proc/{host}").exists(), "the host to exit", SETTLE_S, every_s=0.2)  # reaped by this process
     assert [f for f in shm_files if f.exists()] == []

@@ -36,6 +36,7 @@ from model_code import log_model
 from model_code.entrypoint import PORT_ENV
 from tests.leaks import LeakCheck
 from tests.model_code.helpers import engine_children
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -114,17 +115,18 @@ def container(artifacts_folder: tuple[str, Path], tmp_path: Path) -> Iterator[di
 def _wait_ready(container: dict[str, Any]) -> float:
     """Poll ``GET /v1/models`` as the platform does; the seconds from the command's start to the first 200."""
     proc, url, log_path = container["proc"], container["url"], container["log"]
-    deadline = time.monotonic() + START_WAIT_S
-    while time.monotonic() < deadline:
+
+    def answered() -> bool:
         assert proc.poll() is None, f"the command exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}"
         try:
             response = httpx.get(url + "/v1/models", timeout=5)
         except httpx.TransportError:  # refused: uvicorn binds only once the engines are ready
-            time.sleep(0.5)
-            continue
+            return False
         assert response.status_code == 200, response.text
-        return time.monotonic() - container["started"]
-    raise AssertionError(f"no 200 from /v1/models after {START_WAIT_S:.0f}s:\n{log_path.read_text()[-4000:]}")
+        return True
+
+    wait_until(answered, lambda: f"no 200 from /v1/models:\n{log_path.read_text()[-4000:]}", START_WAIT_S, every_s=0.5)
+    return time.monotonic() - container["started"]
 
 
 def test_the_logged_entrypoint_serves_like_a_custom_llm_container(container: dict[str, Any]) -> None:

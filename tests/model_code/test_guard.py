@@ -31,6 +31,7 @@ from model_code.replica_set import Replica, ReplicaSet
 from model_code.target import ModelCodeSettings
 from tests.fake_engine import CRASH, fake_engine_python
 from tests.gateway.test_engine_openapi_fuzz import _clamped, from_schema, hostile
+from tests.waiting import wait_until
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 EXAMPLES = int(os.environ.get("SGLANG_GATEWAY_MLFLOW_FUZZ", "100"))
@@ -155,15 +156,14 @@ def test_a_call_that_crashes_the_engine_is_not_retried_and_its_shape_is_refused(
             model.predict({"messages": [{"role": "user", "content": CRASH.lower()}]})
         assert refused.value.code == "request_quarantined" and "messages" in refused.value.message
         assert calls.read_text().split().count("chat") == 1
-        deadline = time.monotonic() + 60  # another shape is served once the host has restarted the engine
-        while True:
+
+        def answered() -> dict | None:
             try:
-                answer = model.predict({"messages": MESSAGES, "custom_inputs": {"max_tokens": 2}})
-                break
+                return model.predict({"messages": MESSAGES, "custom_inputs": {"max_tokens": 2}})
             except EngineRequestError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.5)
+                return None
+
+        answer = wait_until(answered, "another shape to be served once the host has restarted the engine", 60, every_s=0.5)
         assert answer["messages"][0]["content"] == "tok tok "
     finally:
         close_model(model)

@@ -23,7 +23,7 @@ import pytest
 from gateway.mlflow.model_uri import app_for_served_model, read_gateway_section
 from launch.config import ConfigError
 from tests.fake_engine import running_fake_engine
-from tests.gateway.helpers import GatewayServer
+from tests.gateway_server import GatewayServer
 
 NOTEBOOKS, OPS, PARKED = "sk-notebooks-uri-0123456789", "sk-ops-uri-0123456789", "sk-parked-uri-0123456789"
 KEY_ENV = "SGLANG_GATEWAY_TEST_NOTEBOOKS_KEY"

@@ -43,6 +43,7 @@ from tests.fake_engine import fake_engine_python
 from tests.leaks import leaves_nothing
 from tests.model_code.helpers import engine_children
 from tests.servers import server_process
+from tests.waiting import wait_until
 
 MESSAGES = [{"role": "user", "content": "What is Databricks?"}]
 BODY = {"messages": MESSAGES, "custom_inputs": {"max_tokens": 4, "temperature": 0.0}}
@@ -159,10 +160,7 @@ def test_a_shared_start_given_up_stops_its_engine_and_leaves_nothing(tiny_deploy
         check.watch(seen["host_pid"])
         for pid in seen["engines"]:
             check.watch(pid)
-    deadline = time.monotonic() + SETTLE_S
-    while key_dir.exists():
-        assert time.monotonic() < deadline, f"shared-engine directory left: {key_dir}"
-        time.sleep(0.5)
+    wait_until(lambda: not key_dir.exists(), f"the shared-engine directory {key_dir} to go", SETTLE_S, every_s=0.5)
 
 
 # ------------------------------------------------------------------------------------ with real engines
@@ -287,12 +285,10 @@ def test_one_engine_killed_the_other_serves_then_close_leaves_nothing(loaded):
         assert served_since(engines[:1], [survivor_before], 6) == [6]
 
         # the killed engine's host starts it again; once it answers it takes requests again
-        deadline = time.monotonic() + SETTLE_S
-        state: dict[str, Any] = {}
-        while not (state.get("status") == "ready" and state.get("engine_pid") not in (None, old_pid)):
-            assert time.monotonic() < deadline, f"the killed replica was not restarted: {state}"
-            time.sleep(1)
-            state = read_json(key_dir / STATE_FILE) or {}
+        state = wait_until(
+            lambda: (now := read_json(key_dir / STATE_FILE) or {}).get("status") == "ready" and now.get("engine_pid") not in (None, old_pid) and now,
+            lambda: f"the killed replica was not restarted: {read_json(key_dir / STATE_FILE)}", SETTLE_S, every_s=1,
+        )  # fmt: skip
         check.watch(state["engine_pid"])
         assert state["url"] == old_url  # its old port again: URLs held by others (serve --model-uri) stay valid
         for _ in range(60):
@@ -307,9 +303,8 @@ def test_one_engine_killed_the_other_serves_then_close_leaves_nothing(loaded):
 
         close_model(loaded)
         assert not any(engine.running for engine in engines)
-    deadline = time.monotonic() + SETTLE_S  # each host removes its shared-engine directory once its engine stopped
-    while any(path.exists() for path in key_dirs):
-        assert time.monotonic() < deadline, f"shared-engine directories left: {key_dirs}"
-        time.sleep(0.5)
+    wait_until(  # each host removes its shared-engine directory once its engine stopped
+        lambda: not any(path.exists() for path in key_dirs), f"the shared-engine directories {key_dirs} to go", SETTLE_S, every_s=0.5
+    )
     with pytest.raises(EngineUnavailableError, match="the client was closed"):
         loaded.predict(BODY)

@@ -26,6 +26,7 @@ from launch.engine_dir import STATE_FILE, runtime_root
 from launch.shm import owned_shm_files
 from model_code import log_model
 from tests.servers import server_process
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -107,12 +108,6 @@ def _connection_owner(server_port: int, client_port: int) -> int | None:
     return None
 
 
-def _wait_for(predicate, what: str) -> None:
-    deadline = time.monotonic() + SETTLE_S
-    while not predicate():
-        assert time.monotonic() < deadline, f"gave up waiting for {what}"
-        time.sleep(0.5)
-
 
 @pytest.fixture(scope="module")
 def logged_agent(mlflow_store, tiny_deployment, tiny_model_dir):
@@ -132,9 +127,9 @@ def test_two_workers_one_engine_survives_the_owner_and_leaves_nothing(logged_age
     log_path = mlflow_store / "mlflow-serve-w2.log"
     with server_process(argv, log_path=log_path, env=env, ready_path="/ping") as served:
         url, server = served.url, psutil.Process(served.pid)
-        _wait_for(lambda: len(scoring_workers(server)) == 2, "two scoring workers")
+        wait_until(lambda: len(scoring_workers(server)) == 2, "two scoring workers", SETTLE_S, every_s=0.5)
         workers = {p.pid for p in scoring_workers(server)}
-        _wait_for(lambda: {p.ppid() for p in engine_hosts(tag) if p.pid not in hosts_before} & workers, "the engine host")
+        wait_until(lambda: {p.ppid() for p in engine_hosts(tag) if p.pid not in hosts_before} & workers, "the engine host", SETTLE_S, every_s=0.5)
         [host] = [p for p in engine_hosts(tag) if p.pid not in hosts_before and p.ppid() in workers]
         owner = host.ppid()  # the worker that started the engine (through its host)
 
@@ -164,7 +159,7 @@ def test_two_workers_one_engine_survives_the_owner_and_leaves_nothing(logged_age
         assert [p.pid for p in engines_of({host.pid})] == [engine.pid] and _live(host)
 
         # uvicorn replaces the dead worker; the new one joins the running engine instead of starting one
-        _wait_for(lambda: len({p.pid for p in scoring_workers(server)} - workers) == 1, "a replacement worker")
+        wait_until(lambda: len({p.pid for p in scoring_workers(server)} - workers) == 1, "a replacement worker", SETTLE_S, every_s=0.5)
         [replacement] = {p.pid for p in scoring_workers(server)} - workers
         for _ in range(SETTLE_S):
             status, worker = ask(url)
@@ -179,8 +174,8 @@ def test_two_workers_one_engine_survives_the_owner_and_leaves_nothing(logged_age
         assert "server_args=" not in log_path.read_text(errors="replace")  # the engine's log stays in its file
 
     # the server is stopped (process group SIGTERM): the host sees no user left and stops the engine
-    _wait_for(lambda: not _live(host) and not _live(engine), "the engine and its host to stop")
-    _wait_for(lambda: not key_dir.exists(), "the shared-engine directory to be removed")
+    wait_until(lambda: not _live(host) and not _live(engine), "the engine and its host to stop", SETTLE_S, every_s=0.5)
+    wait_until(lambda: not key_dir.exists(), "the shared-engine directory to be removed", SETTLE_S, every_s=0.5)
     assert [h.pid for h in engine_hosts(tag) if h.pid not in hosts_before] == []
     assert [f for f in shm_files if f.exists()] == []
 

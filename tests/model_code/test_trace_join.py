@@ -16,7 +16,7 @@ import mlflow
 from launch.process import EngineProcess
 from model_code import close_model, log_model
 from model_code.trace_context import PARENT_SPAN_ATTRIBUTE, TRACE_ID_ATTRIBUTE
-from tests.gateway.helpers import KEY, serve
+from tests.gateway_server import KEY, serve
 from tests.otlp import Span, otlp_receiver
 
 SERVER = 2

@@ -15,7 +15,8 @@ import httpx
 import pytest
 import yaml
 
-from tests.gateway.helpers import serve
+from tests.chat import chat_body
+from tests.gateway_server import serve
 from tests.servers import CLI, server_process
 
 pytestmark = pytest.mark.engine
@@ -26,11 +27,6 @@ TOKENS = "sk-tokens-key"
 
 def _gateway(state_dir: Path, *keys: dict[str, Any]) -> dict[str, Any]:
     return {"keys": list(keys), "state_dir": str(state_dir), "usage": {"flush_interval_s": 0.05}}
-
-
-def _chat(tokens: int, stream: bool, **extra: Any) -> dict[str, Any]:
-    return {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": tokens, "stream": stream,
-            "ignore_eos": True, **extra}  # fmt: skip
 
 
 def _events(text: str) -> list[dict[str, Any]]:
@@ -58,7 +54,7 @@ def test_streams_are_charged_whether_or_not_they_ask_for_usage(tiny_engine: Any,
     gateway = {**_gateway(tmp_path, key), "admin_keys": ["admin"]}
     with serve({"tiny": {"url": tiny_engine.url}}, gateway) as server, httpx.Client(base_url=server.url, timeout=60) as http:
         headers = {"Authorization": f"Bearer {TOKENS}"}
-        silent = http.post("/v1/chat/completions", json=_chat(12, True, n=2), headers=headers)
+        silent = http.post("/v1/chat/completions", json=chat_body(max_tokens=12, stream=True, ignore_eos=True, n=2), headers=headers)
         assert silent.status_code == 200
         assert all("usage" not in event or event["usage"] is None for event in _events(silent.text)), silent.text
         assert silent.text.rstrip().endswith("data: [DONE]")
@@ -66,7 +62,7 @@ def test_streams_are_charged_whether_or_not_they_ask_for_usage(tiny_engine: Any,
                                                     "stream_options": {"include_usage": True}}, headers=headers)  # fmt: skip
         usage = [event["usage"] for event in _events(asked.text) if event.get("usage")]
         assert usage and usage[-1]["completion_tokens"] == 5
-        with http.stream("POST", "/v1/chat/completions", json=_chat(200, True), headers=headers) as cut:
+        with http.stream("POST", "/v1/chat/completions", json=chat_body(max_tokens=200, stream=True, ignore_eos=True), headers=headers) as cut:
             lines = 0
             for line in cut.iter_lines():
                 lines += line.startswith("data: ")
@@ -102,7 +98,7 @@ def test_a_plain_request_the_client_abandons_is_charged_its_prompt(tiny_engine: 
 def test_a_day_budget_holds_under_a_burst_and_across_a_restart(tiny_engine: Any, tmp_path: Path) -> None:
     key = {"name": "budgeted", "key": BUDGETED, "limits": {"tokens_per_day": 300}}
     gateway = {**_gateway(tmp_path, key), "admin_keys": ["admin"]}
-    body = _chat(20, False)
+    body = chat_body(max_tokens=20, stream=False, ignore_eos=True)
     bound = len(json.dumps(body, separators=(",", ":"))) + 20  # one request's reservation: the stated overshoot
 
     async def burst(url: str) -> list[int]:
@@ -121,7 +117,7 @@ def test_a_day_budget_holds_under_a_burst_and_across_a_restart(tiny_engine: Any,
                 break
         assert answer.status_code == 429 and answer.json()["error"]["code"] == "insufficient_quota", answer.text
     with serve({"tiny": {"url": tiny_engine.url}}, gateway) as server:  # the same state_dir: the same ledger
-        again = httpx.post(server.url + "/v1/chat/completions", json=_chat(200, False), headers={"Authorization": f"Bearer {BUDGETED}"}, timeout=60)
+        again = httpx.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=200, stream=False, ignore_eos=True), headers={"Authorization": f"Bearer {BUDGETED}"}, timeout=60)
         assert again.status_code == 429 and again.json()["error"]["code"] == "insufficient_quota", again.text
 
 
@@ -136,7 +132,7 @@ def test_a_key_at_its_budget_stays_at_it_after_sigkill_and_restart(database: str
     config = tmp_path / "deploy.yaml"
     config.write_text(yaml.safe_dump({"models": {"tiny": {"url": tiny_engine.url}}, "gateway": gateway}))
     headers = {"Authorization": f"Bearer {BUDGETED}"}
-    body = _chat(40, False)
+    body = chat_body(max_tokens=40, stream=False, ignore_eos=True)
     with server_process([*CLI, "serve", str(config), "--port", "{port}"], log_path=tmp_path / "first.log", ready_path="/health", timeout_s=90) as server:
         admitted = 0
         for _ in range(40):

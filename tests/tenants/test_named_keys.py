@@ -22,7 +22,8 @@ import pytest
 from benchmarks import processes
 from gateway.config import gateway_settings
 from launch.config import ConfigError, parse_config
-from tests.gateway.helpers import GatewayServer, fake_stalled_upstream, serve
+from tests.fake_upstreams import fake_stalled_upstream
+from tests.gateway_server import GatewayServer, serve
 
 PROMPT = [{"role": "user", "content": "hi"}]
 BATCH, CHAT, OTHER = "sk-batch-0123456789", "sk-chat-0123456789", "sk-plain-0123456789"

@@ -19,9 +19,10 @@ import yaml
 
 from benchmarks import processes
 from tests.fake_engine import fake_engine_python, running_fake_engine
-from tests.gateway.helpers import GatewayServer, serve
+from tests.gateway_server import GatewayServer, serve
 from tests.leaks import leaves_nothing
 from tests.servers import CLI, ServerProcess
+from tests.waiting import wait_until
 
 BATCH, CHAT, PLAIN = "sk-batch-prio-0123456789", "sk-chat-prio-0123456789", "sk-plain-prio-0123456789"
 LIMITS = {"max_concurrent": 1, "max_queue": 40, "queue_timeout_s": 60}  # one request upstream, the others queued
@@ -53,10 +54,7 @@ def _served_order(server: GatewayServer, low: int, high: tuple[str, str | None],
     limiter = server.state.registry.route("m").limiter
 
     def queued(count: int) -> None:
-        deadline = time.monotonic() + 30
-        while limiter.waiting < count:
-            assert time.monotonic() < deadline, f"{limiter.waiting} of {count} queued"
-            time.sleep(0.005)
+        wait_until(lambda: limiter.waiting >= count, lambda: f"{limiter.waiting} of {count} queued", 30, every_s=0.005)
 
     done: dict[str, float] = {}
     threads = [_stream(server.url, BATCH, 300, done, "holder")]  # 6 s on the one slot: time to queue the others

@@ -17,7 +17,7 @@ import pytest
 from gateway.config import gateway_settings
 from launch.config import ConfigError, parse_config
 from tests.fake_engine import running_fake_engine
-from tests.gateway.helpers import GatewayServer, serve
+from tests.gateway_server import GatewayServer, serve
 
 PROMPT = [{"role": "user", "content": "hi"}]
 APP, FIXED, PLAIN = "sk-app-header-0123456789", "sk-fixed-header-0123456789", "sk-plain-header-0123456789"
