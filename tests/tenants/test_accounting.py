@@ -85,10 +85,10 @@ def test_a_plain_request_the_client_abandons_is_charged_its_prompt(tiny_engine: 
     async def abandon(url: str) -> None:
         async with httpx.AsyncClient(base_url=url, timeout=60) as http:
             with pytest.raises(TimeoutError):
-                await asyncio.wait_for(http.post("/v1/chat/completions", json=_chat(1900, False), headers=headers), 0.5)
+                await asyncio.wait_for(http.post("/v1/chat/completions", json=chat_body(max_tokens=1900, stream=False, ignore_eos=True), headers=headers), 0.5)
 
     with serve({"tiny": {"url": tiny_engine.url}}, gateway) as server:
-        answered = httpx.post(server.url + "/v1/chat/completions", json=_chat(3, False), headers=headers, timeout=60).json()
+        answered = httpx.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=3, stream=False, ignore_eos=True), headers=headers, timeout=60).json()
         asyncio.run(abandon(server.url))
         requests, prompt, completion = _settled(server.url, "quitter", 2)
     assert requests == 2
