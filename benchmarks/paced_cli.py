@@ -161,7 +161,7 @@ def _print_table(rows: list[dict[str, Any]], targets: list[str]) -> None:
             _fmt(row.get("cpu_us_per_event_upstream")),
             _fmt(row.get("cpu_us_per_event_client")),
         )  # fmt: skip
-    Console(width=150).print(table)
+    Console(width=180).print(table)
     by = {(row["streams"], row["target"]): row for row in rows}
     for count in sorted({row["streams"] for row in rows}):
         router = by.get((count, "router"))
