@@ -98,6 +98,7 @@ def paced_run(
                         row[f"cpu_s_{name}"] = spent
                         row[f"cpu_us_per_event_{name}"] = spent / result.events * 1e6 if result.events else None
                     rows.append(row)
+                    _add_gap_added(row, rows)
                     console.print(_line(row))
                     time.sleep(0.5)  # closed connections settle before the next run
             if profile_streams and "gateway" in urls:  # (one process: the single-worker gateway)
@@ -123,6 +124,16 @@ def _profile(loop: Any, url: str, pid: int, dialect: Any, streams: int, tokens: 
     return report
 
 
+def _add_gap_added(row: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    """The gap a target adds to a stream's events: its gap p50 / p99 minus direct's at the same stream count, same
+    run (None without a direct row). Direct's own gap is the fake's step plus the client's lag; what a proxy adds
+    on top is its own doing."""
+    direct = next((r for r in rows if r["target"] == "direct" and r["streams"] == row["streams"]), None)
+    for q in ("p50", "p99"):
+        ours, base = row.get(f"gap_{q}_ms"), direct.get(f"gap_{q}_ms") if direct else None
+        row[f"gap_added_{q}_ms"] = ours - base if ours is not None and base is not None and row["target"] != "direct" else None
+
+
 def _fmt(value: Any, digits: int = 1) -> str:
     return "-" if value is None else f"{value:,.{digits}f}"
 
@@ -130,24 +141,27 @@ def _fmt(value: Any, digits: int = 1) -> str:
 def _line(row: dict[str, Any]) -> str:
     return (
         f"{row['streams']:>5} {row['target']:<11} {row['events_per_s']:>9,.0f} ev/s  TTFT p50 {_fmt(row['ttft_p50_ms'])} ms  "
-        f"gap p99 {_fmt(row['gap_p99_ms'])} ms  errors {row['errors']}  proxy {_fmt(row.get('cpu_us_per_event_proxy'))} µs/event "
+        f"gap p99 {_fmt(row['gap_p99_ms'])} ms (added p50/p99 {_fmt(row.get('gap_added_p50_ms'))}/{_fmt(row.get('gap_added_p99_ms'))})  errors {row['errors']}  proxy {_fmt(row.get('cpu_us_per_event_proxy'))} µs/event "
         f"({_fmt(row.get('cpu_us_per_event_proxy_system'))} in the kernel)"
     )
 
 
 def _print_table(rows: list[dict[str, Any]], targets: list[str]) -> None:
     table = Table(title="paced streams: per target (CPU µs per event received by the client)")
-    for column in ("streams", "target", "events/s", "TTFT p50/p99 ms", "gap p50/p99 ms", "errors", "proxy µs/ev", "of it kernel", "upstream µs/ev", "client µs/ev"):
+    for column in (
+        "streams", "target", "events/s", "TTFT p50/p99 ms", "gap p50/p99 ms", "added gap p50/p99 ms", "errors", "proxy µs/ev",
+        "of it kernel", "upstream µs/ev", "client µs/ev",
+    ):  # fmt: skip
         table.add_column(column, justify="right")
     for row in rows:
         table.add_row(
             str(row["streams"]), row["target"], f"{row['events_per_s']:,.0f}",
             f"{_fmt(row['ttft_p50_ms'])} / {_fmt(row['ttft_p99_ms'])}", f"{_fmt(row['gap_p50_ms'])} / {_fmt(row['gap_p99_ms'])}",
-            str(row["errors"]), _fmt(row.get("cpu_us_per_event_proxy")), _fmt(row.get("cpu_us_per_event_proxy_system")),
+            f"{_fmt(row.get('gap_added_p50_ms'))} / {_fmt(row.get('gap_added_p99_ms'))}", str(row["errors"]), _fmt(row.get("cpu_us_per_event_proxy")), _fmt(row.get("cpu_us_per_event_proxy_system")),
             _fmt(row.get("cpu_us_per_event_upstream")),
             _fmt(row.get("cpu_us_per_event_client")),
         )  # fmt: skip
-    Console(width=150).print(table)
+    Console(width=180).print(table)
     by = {(row["streams"], row["target"]): row for row in rows}
     for count in sorted({row["streams"] for row in rows}):
         router = by.get((count, "router"))
@@ -155,7 +169,11 @@ def _print_table(rows: list[dict[str, Any]], targets: list[str]) -> None:
             gateway = by.get((count, target))
             if gateway and router and gateway.get("cpu_us_per_event_proxy") and router.get("cpu_us_per_event_proxy"):
                 ratio = gateway["cpu_us_per_event_proxy"] / router["cpu_us_per_event_proxy"]
-                console.print(f"{count:>5} streams: {target}/router CPU per event {ratio:.2f}x, events/s {gateway['events_per_s'] / router['events_per_s']:.2f}x")
+                console.print(
+                    f"{count:>5} streams: {target}/router CPU per event {ratio:.2f}x, events/s {gateway['events_per_s'] / router['events_per_s']:.2f}x, "
+                    f"TTFT p50 {_ratio(gateway['ttft_p50_ms'], router['ttft_p50_ms'])}; added gap p50 {_fmt(gateway.get('gap_added_p50_ms'))} ms "
+                    f"(router {_fmt(router.get('gap_added_p50_ms'))}), p99 {_fmt(gateway.get('gap_added_p99_ms'))} ms (router {_fmt(router.get('gap_added_p99_ms'))})"
+                )
         single = by.get((count, "gateway"))
         for target in (t for t in targets if t.startswith("gateway-w") or t == processes.BASELINE):
             many = by.get((count, target))
@@ -164,6 +182,10 @@ def _print_table(rows: list[dict[str, Any]], targets: list[str]) -> None:
                     f"{count:>5} streams: {target}/gateway CPU per event {many['cpu_us_per_event_proxy'] / single['cpu_us_per_event_proxy']:.2f}x, "
                     f"events/s {many['events_per_s'] / single['events_per_s']:.2f}x"
                 )
+
+
+def _ratio(ours: float | None, theirs: float | None) -> str:
+    return f"{ours / theirs:.2f}x" if ours is not None and theirs else "-"
 
 
 def gateway_workers(target: str) -> int | None:

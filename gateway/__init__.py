@@ -27,7 +27,7 @@ A map, by folder; each folder may import those listed after it, never those befo
   ``proxy``          admission, the replica (one retry elsewhere), forwarding; ``lease`` what a request holds*
   ``relay``          the SSE relay, event by event: usage, errors and Responses ids inspected, endings judged*
   ``stream_pool``    streams' own keep-alive upstream connections, relayed from the socket's callbacks*;
-                     under load each stream is read every ``stream_coalesce_ms`` (not after a read that finishes)
+                     while the process falls behind, each stream rests after a read as its lag says (``loop_lag``)
   ``upstream_session`` plain requests' pooled aiohttp session; ``upstream_errors`` transport failures -> errors
   ``prompt_count``   a cut stream's prompt, counted by the engine's tokenizer; ``usage_request`` what a request may
                      cost, and the usage asked of every stream

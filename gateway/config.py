@@ -312,17 +312,17 @@ class GatewaySettings(_Strict):
     )
     stream_coalesce_ms: float = Field(
         100.0, ge=0, le=1000,
-        description="While this process relays at least stream_coalesce_min_streams streams, it reads each stream again "
-        "only this many milliseconds after relaying what it read, so that the events the engine sent meanwhile go to the "
-        "client in one read and one write (a read that carries a stream's finish is followed at once). 0: every event as "
-        "it comes. At 20 ms decode steps and 256-2,048 streams, 100 took the CPU per relayed event from ~50 to ~21-33 µs "
-        "(80: ~25-35; under two decode steps: nothing); events after a stream's first may reach the client up to this "
-        "much later (restart to change; see [Serving](serving.md#many-streams-per-process-stream_coalesce_ms)).",
+        description="The longest a stream's next read is put off while this process falls behind its work. As long as "
+        "it keeps up (its event loop runs timers under 5 ms late on average), every event is relayed as it comes; "
+        "beyond, each stream rests after a read for 8x that lag, up to this, so that what the engine sent meanwhile "
+        "goes to the client in one read and one write (a read that carries a stream's finish is followed at once): "
+        "the gap this adds follows the lag the process already has. 0: every event as it comes, however far behind "
+        "(restart to change; see [Serving](serving.md#many-streams-per-process-stream_coalesce_ms)).",
     )
     stream_coalesce_min_streams: int = Field(
-        128, ge=0,
-        description="Streams this process relays at once from which stream_coalesce_ms applies (0: always); below, "
-        "every event is relayed as it comes, when the CPU it saves is not needed (restart to change).",
+        0, ge=0,
+        description="Streams this process must relay at once before any stream may rest (0: at any count; how far "
+        "behind the process is decides, see stream_coalesce_ms) (restart to change).",
     )
     health_timeout_s: float = Field(5.0, gt=0, description="Timeout of each /health probe made by /ready.")
     cors_allow_origins: list[str] = Field(default_factory=list, description="CORS origins (empty: CORS off).")

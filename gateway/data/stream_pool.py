@@ -5,7 +5,9 @@ each a small write every 10-30 ms. Relaying that through a client library's stre
 wake-up, a future and a few coroutine frames per event. Here the response is parsed by ``httptools`` (the
 C parser uvicorn uses) inside the socket's ``data_received``, and what each read brought goes straight to the
 exchange's sink, which relays it in the same callback (:mod:`gateway.relay`): no task runs per event, and
-events that arrived together leave together.
+events that arrived together leave together. Only while the process falls behind its own work (its loop runs
+timers late: :mod:`gateway.data.loop_lag`) does each stream rest a while after a read, so that its next read
+and write carry several events: the gap that adds follows the lag the process already has.
 
 Everything else about the exchange keeps the guarantees of the pooled client: connections are kept alive and
 reused (idle ones for :data:`KEEPALIVE_S`, under the engines' own keep-alive), a connection that breaks is
@@ -30,10 +32,14 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from gateway.data.loop_lag import PROBE_S, LagGauge, LoopLag
+
 KEEPALIVE_S = 4.0  # idle connections kept this long: under uvicorn's (SGLang's server) 5 s keep-alive
 _MAX_IDLE_PER_HOST = 1024
 _DNS_TTL_S = 300.0
-_TICKS_PER_REST = 8  # rests end on a grid of this many ticks per window (each ends up to a tick late)
+_REST_TICK_S = PROBE_S  # rests end on a grid of 5 ms ticks (each up to a tick late): one timer per tick, not per rest
+_LAG_FLOOR_S = 0.005  # below this mean loop lag the process keeps up: every event goes as it comes
+_REST_PER_LAG = 8.0  # a rest is this many times the mean lag (at the floor, 40 ms: two 20 ms decode steps)
 _AFTER_REST_S = 0.05  # a silence check that falls in a rest waits this long past its end (the read comes first)
 
 
@@ -144,10 +150,10 @@ class _Connection(asyncio.Protocol):
 
     def _deliver(self, rest: bool) -> None:
         """What one read brought, to the relay in one call: an engine that got ahead (several events waiting
-        in the socket, as under load) costs one write to the client, not one per event. With
-        ``stream_coalesce_ms`` the exchange then rests (reads nothing) that long, so that it gets ahead: while the
-        pool carries at least ``stream_coalesce_min_streams`` streams, and unless the read says the stream is
-        finishing (its end, and the engine's slot, then come without the wait)."""
+        in the socket, as under load) costs one write to the client, not one per event. While the process falls
+        behind (:meth:`StreamPool.rest_for`), the exchange then rests (reads nothing) for a while, so that what
+        the engine sends meanwhile comes in one read; unless the read says the stream is finishing (its end, and
+        the engine's slot, then come without the wait)."""
         pieces = self._pieces
         if pieces:
             body = pieces[0] if len(pieces) == 1 else b"".join(pieces)
@@ -157,8 +163,10 @@ class _Connection(asyncio.Protocol):
                 finishing = sink(body)
                 exchange = self.exchange
                 pool = self.pool
-                if rest and not finishing and exchange is not None and pool.coalescing():
-                    exchange.rest(pool.coalesce_s)
+                if rest and not finishing and exchange is not None:
+                    seconds = pool.rest_for()
+                    if seconds:
+                        exchange.rest(seconds)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
@@ -327,8 +335,8 @@ class StreamExchange:
                 transport.resume_reading()
 
     def rest(self, seconds: float) -> None:
-        """Read nothing for ``seconds`` (``stream_coalesce_ms``): what the engine sends meanwhile waits in the
-        socket and is then read, and relayed, in one read and one write."""
+        """Read nothing for ``seconds`` (:meth:`StreamPool.rest_for`): what the engine sends meanwhile waits in
+        the socket and is then read, and relayed, in one read and one write."""
         if self._rest_until is None and not self._released and not self._complete:
             self.pause_reading("rest")
             self._rest_until = self.connection.pool.wake_later(self, seconds)
@@ -379,9 +387,10 @@ class StreamPool:
         max_connections: int | None = None,
         coalesce_s: float = 0.0,
         coalesce_min_streams: int = 0,
+        lag: LagGauge | None = None,
     ) -> None:
         self.connect_timeout_s = connect_timeout_s
-        self.coalesce_s = coalesce_s  # gateway.stream_coalesce_ms: how long an exchange rests after each read it relayed
+        self.coalesce_s = coalesce_s  # gateway.stream_coalesce_ms: the longest rest after a read, while behind
         self.coalesce_min_streams = coalesce_min_streams  # gateway.stream_coalesce_min_streams: from how many streams on
         self.read_timeout_s = read_timeout_s
         self.max_connections = max_connections
@@ -396,6 +405,7 @@ class StreamPool:
         # resting exchanges by wake-up tick: one timer per tick, not per rest, and the streams woken together are
         # read in one turn of the loop
         self._wakeups: dict[float, list[StreamExchange]] = {}
+        self.lag: LagGauge = lag or LoopLag(lambda: self._busy > 0)  # probed while streams run
 
     @property
     def busy(self) -> int:
@@ -403,11 +413,10 @@ class StreamPool:
         return self._busy
 
     def wake_later(self, exchange: StreamExchange, seconds: float) -> float:
-        """Have ``exchange.rested`` called ``seconds`` from now, rounded up to a tick of an eighth of that (12.5 ms
-        for 100): returns the tick's loop time."""
+        """Have ``exchange.rested`` called ``seconds`` from now, rounded up to a 5 ms tick: returns the tick's
+        loop time."""
         loop = asyncio.get_running_loop()
-        tick = seconds / _TICKS_PER_REST
-        at = math.ceil((loop.time() + seconds) / tick) * tick
+        at = math.ceil((loop.time() + seconds) / _REST_TICK_S) * _REST_TICK_S
         resting = self._wakeups.get(at)
         if resting is None:
             resting = self._wakeups[at] = []
@@ -419,9 +428,16 @@ class StreamPool:
         for exchange in self._wakeups.pop(at, ()):
             exchange.rested(at)
 
-    def coalescing(self) -> bool:
-        """Whether a stream rests after each read now: a window is set and the pool carries enough streams."""
-        return self.coalesce_s > 0 and self._busy >= self.coalesce_min_streams
+    def rest_for(self) -> float:
+        """How long a stream rests after a read now: 0 while the process keeps up (its loop's mean lag under 5 ms),
+        or when ``stream_coalesce_ms`` is 0 or the pool carries fewer than ``stream_coalesce_min_streams`` streams;
+        else 8x the lag, up to ``stream_coalesce_ms``. So the gap a rest adds follows how far behind the process
+        already is, and a rest is only taken when it spans a few decode steps (one shorter than the engine's next
+        event costs a pause, a resume and a timer, and saves no read)."""
+        lag = self.lag.lag_s
+        if lag < _LAG_FLOOR_S or self._busy < self.coalesce_min_streams:
+            return 0.0
+        return min(self.coalesce_s, lag * _REST_PER_LAG)
 
     async def request(
         self, base_url: str, path: str, payload: bytes, headers: dict[str, str], *, quickack: bool = True
@@ -435,6 +451,7 @@ class StreamPool:
         head += [f"{name}: {value}\r\n" for name, value in headers.items()]
         request = "".join(head).encode("latin-1") + b"\r\n" + payload
         await self._take_slot()
+        self.lag.start()
         for attempt in (1, 2):
             try:
                 connection = self._idle_connection(key) or await self._connect(key, quickack)

@@ -214,6 +214,9 @@ def test_paced_with_a_baseline_relays_through_both_gateways_and_splits_their_cpu
         assert row["events"] == rows[0]["events"] > PACED_STREAMS * PACED_TOKENS, row
     for row in rows[1:]:
         assert row["cpu_us_per_event_proxy"] > 0 and 0 <= row["cpu_us_per_event_proxy_system"] <= row["cpu_us_per_event_proxy"]
+        for q in ("p50", "p99"):  # the gap each proxy adds: its own minus direct's, same run
+            assert row[f"gap_added_{q}_ms"] == row[f"gap_{q}_ms"] - rows[0][f"gap_{q}_ms"], row
+    assert rows[0]["gap_added_p50_ms"] is None
     assert mark.exists()  # only the baseline's process has DIR on its path
     assert "gateway-baseline/gateway CPU per event" in " ".join((proc.stdout + proc.stderr).split())  # (rich wraps lines)
 

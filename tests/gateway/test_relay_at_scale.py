@@ -30,6 +30,7 @@ from launch.config import parse_config
 from tests.chat import chat_body
 from tests.fake_upstreams import fake_stalled_upstream
 from tests.gateway.helpers import assert_openai_error
+from tests.gateway.test_stream_pool import Behind
 from tests.gateway_server import GatewayServer, serve
 from tests.servers import REPO, ServerProcess, server_process
 
@@ -63,9 +64,9 @@ def test_a_thousand_concurrent_long_streams_through_the_default_settings_all_com
 
 
 def test_a_few_streams_through_the_default_settings_get_every_event_as_it_comes(paced_fake: ServerProcess) -> None:
-    """50 streams, under stream_coalesce_min_streams: no stream rests, each token's event is read on its own."""
+    """50 streams, which one process relays without falling behind: no stream rests, each token's event is read
+    on its own."""
     with serve({"m": {"url": paced_fake.url}}) as gateway:
-        assert not gateway.state.proxy.streams.coalescing()
         result = _paced(gateway, 50, ramp_s=0.2, timeout_s=60)
     assert (result.completed, result.statuses, result.events) == (50, {}, 50 * (TOKENS + 4)), result.summary()
     assert len(result.gaps) >= 0.9 * 50 * (TOKENS - 1), result.summary()  # one read per token (coalesced: < 0.6)
@@ -73,10 +74,13 @@ def test_a_few_streams_through_the_default_settings_get_every_event_as_it_comes(
 
 
 def test_coalesced_streams_all_complete_with_their_events_arriving_together(paced_fake: ServerProcess) -> None:
-    """``stream_coalesce_ms: 60`` against 20 ms decode steps: every stream and event arrives, most events in
-    the same read as others (without it, the client reads each token's event on its own, one step apart)."""
-    with serve({"m": {"url": paced_fake.url}}, {"stream_coalesce_ms": 60, "stream_coalesce_min_streams": 0}) as gateway:
-        assert gateway.state.proxy.streams.coalesce_s == 0.06
+    """A process behind its work, ``stream_coalesce_ms: 60`` against 20 ms decode steps: every stream and event
+    arrives, most events in the same read as others (without rests, the client reads each token's event on its
+    own, one step apart)."""
+    with serve({"m": {"url": paced_fake.url}}, {"stream_coalesce_ms": 60}) as gateway:
+        streams = gateway.state.proxy.streams
+        streams.lag = Behind(0.02)
+        assert streams.rest_for() == 0.06
         result = _paced(gateway, 50, ramp_s=0.2, timeout_s=60)
     assert (result.completed, result.statuses, result.events) == (50, {}, 50 * (TOKENS + 4)), result.summary()
     assert len(result.gaps) < 0.6 * 50 * TOKENS, result.summary()  # reads that brought events, after each stream's first
@@ -84,15 +88,16 @@ def test_coalesced_streams_all_complete_with_their_events_arriving_together(pace
 
 
 def test_a_coalesced_stream_the_client_cuts_closes_its_engine_connection(paced_fake: ServerProcess) -> None:
-    """Coalescing at any load (minimum 0): a client gone mid-stream, during a rest or not, has its engine
+    """A process behind its work, so resting: a client gone mid-stream, during a rest or not, has its engine
     connection closed (the engine aborts the request), not kept for reuse."""
-    with serve({"m": {"url": paced_fake.url}}, {"stream_coalesce_min_streams": 0}) as gateway, httpx.Client(timeout=30) as http:
+    with serve({"m": {"url": paced_fake.url}}) as gateway, httpx.Client(timeout=30) as http:
         streams = gateway.state.proxy.streams
+        streams.lag = Behind(0.02)
         with http.stream("POST", gateway.url + "/v1/chat/completions", json=chat_body("m", max_tokens=150, stream=True)) as response:
             assert response.status_code == 200
             lines = response.iter_lines()
             assert next(line for line in lines if line.startswith("data: ")).startswith("data: {")
-            assert streams.coalescing()
+            assert streams.rest_for() > 0
         for _ in range(100):  # the gateway sees the client go, and the engine connection's close completes
             if streams.busy == 0 and not streams._open:
                 break

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from gateway.data.loop_lag import LoopLag
 from gateway.data.stream_pool import (
     StreamPool,
     UpstreamConnectionLost,
@@ -22,6 +23,17 @@ from gateway.data.stream_pool import (
 from tests.gateway.test_upstream_session import _sse_server
 
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+class Behind:
+    """Stands in for the loop's lag probe: the process is ``lag_s`` behind, however fast the test's loop runs
+    (a test cannot make a machine busy on demand, and must not depend on how busy it is)."""
+
+    def __init__(self, lag_s: float) -> None:
+        self.lag_s = lag_s
+
+    def start(self) -> None:
+        pass
 
 
 class _Server:
@@ -191,13 +203,14 @@ async def _ticking(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n
 
 
 def test_a_resting_exchange_relays_what_came_meanwhile_in_one_call_and_its_connection_is_reused() -> None:
-    """``stream_coalesce_ms``: after each read it relayed, the exchange reads nothing for the window; the events
-    sent meanwhile arrive together. The connection goes back to the pool reading (the next request is answered)."""
+    """A process behind its work: after each read it relayed, the exchange reads nothing for its rest (here the
+    ceiling, ``stream_coalesce_ms``); the events sent meanwhile arrive together. The connection goes back to the
+    pool reading (the next request is answered)."""
 
     async def main() -> list[list[bytes]]:
         fake = _Server(_ticking)
         async with fake as url:
-            pool = StreamPool(5.0, 30.0, coalesce_s=0.05)
+            pool = StreamPool(5.0, 30.0, coalesce_s=0.05, lag=Behind(0.02))
             streams = [await _relay_calls(pool, url) for _ in range(2)]
             assert fake.connections == 1 and pool.busy == 0
             await pool.close()
@@ -209,13 +222,51 @@ def test_a_resting_exchange_relays_what_came_meanwhile_in_one_call_and_its_conne
         assert len(calls) <= 6, calls  # 12 events over ~120 ms, read at most every 50 ms (each read: one call)
 
 
+def test_a_process_that_keeps_up_never_rests_and_one_behind_rests_as_its_lag_says() -> None:
+    """Under 5 ms of mean loop lag every read is relayed as it comes; beyond, a stream rests 8x the lag (a rest
+    must span a few decode steps to save a read), up to ``stream_coalesce_ms``; 0 there: never."""
+    lagging = Behind(0.0)
+    pool = StreamPool(5.0, 30.0, coalesce_s=0.1, lag=lagging)
+    rests = []
+    for lag_s in (0.0, 0.004, 0.005, 0.01, 0.5):
+        lagging.lag_s = lag_s
+        rests.append(pool.rest_for())
+    assert rests == [0.0, 0.0, 0.04, 0.08, 0.1]
+    assert StreamPool(5.0, 30.0, coalesce_s=0.0, lag=Behind(0.5)).rest_for() == 0.0
+
+
+def test_the_loop_lag_is_how_late_a_timer_runs_and_is_probed_only_while_wanted() -> None:
+    """A loop whose callbacks hold it 20 ms at a time runs the probe late; once nothing is wanted, it stops."""
+
+    async def main() -> tuple[float, float, bool]:
+        loop = asyncio.get_running_loop()
+        wanted = True
+        lag = LoopLag(lambda: wanted)
+        lag.start()
+        await asyncio.sleep(0.1)
+        idle = lag.lag_s
+        busy_until = loop.time() + 0.3
+        while loop.time() < busy_until:  # the loop's own work holds it 20 ms at a time
+            time.sleep(0.02)
+            await asyncio.sleep(0)
+        behind = lag.lag_s
+        wanted = False
+        await asyncio.sleep(0.05)
+        return idle, behind, lag._running
+
+    idle, behind, running = asyncio.run(main())
+    assert behind >= 0.005 and behind > idle, (idle, behind)
+    assert not running
+
+
 def test_streams_rest_only_while_the_pool_carries_stream_coalesce_min_streams() -> None:
-    """One stream alone (under the minimum of 2) gets each event as it comes; two at once both rest."""
+    """Behind its work, one stream alone (under the minimum of 2) still gets each event as it comes; two at once
+    both rest."""
 
     async def main() -> tuple[list[bytes], list[list[bytes]]]:
         async with _Server(_ticking) as url:
-            pool = StreamPool(5.0, 30.0, coalesce_s=0.05, coalesce_min_streams=2)
-            assert not pool.coalescing()
+            pool = StreamPool(5.0, 30.0, coalesce_s=0.05, coalesce_min_streams=2, lag=Behind(0.02))
+            assert pool.rest_for() == 0.0
             alone = await _relay_calls(pool, url)
             together = await asyncio.gather(_relay_calls(pool, url), _relay_calls(pool, url))
             await pool.close()
@@ -244,7 +295,7 @@ def test_a_read_that_carries_a_streams_finish_is_not_followed_by_a_rest() -> Non
 
     async def main(says_finishing: bool) -> list[tuple[bytes, bool]]:
         async with _Server(_finishing) as url:
-            pool = StreamPool(5.0, 30.0, coalesce_s=0.04)
+            pool = StreamPool(5.0, 30.0, coalesce_s=0.04, lag=Behind(0.02))
             exchange = await pool.request(url, "/", b"{}", {})
             transport = exchange.connection.transport
             loop = asyncio.get_running_loop()
@@ -270,7 +321,7 @@ def test_a_read_that_carries_a_streams_finish_is_not_followed_by_a_rest() -> Non
 
 
 def test_rests_that_begin_close_together_end_on_one_tick() -> None:
-    """One timer per tick of an eighth of the window, not per rest: streams that rested together are read together."""
+    """One timer per 5 ms tick, not per rest: streams that rested together are read together."""
 
     class Resting:
         def __init__(self) -> None:
@@ -283,13 +334,13 @@ def test_rests_that_begin_close_together_end_on_one_tick() -> None:
         pool = StreamPool(5.0, 30.0, coalesce_s=0.08)
         loop = asyncio.get_running_loop()
         first, second, later = Resting(), Resting(), Resting()
-        tick = 0.08 / 8
+        tick = 0.005
         while not 0.05 < ((loop.time() + 0.08) / tick) % 1 < 0.5:  # early in a tick: both rests begin within it
             pass
         began = loop.time()
         at = pool.wake_later(first, 0.08)  # type: ignore[arg-type]
         assert pool.wake_later(second, 0.08) == at  # the same tick
-        assert began + 0.08 <= at <= began + 0.08 + 0.01  # at least the window, at most a tick (10 ms) more
+        assert began + 0.08 <= at <= began + 0.08 + tick  # at least the rest, at most a tick more
         await asyncio.sleep(0.012)
         assert pool.wake_later(later, 0.08) > at  # a tick later: the next one
         await asyncio.sleep(0.2)
@@ -368,7 +419,7 @@ def test_a_silence_check_that_falls_in_a_rest_waits_for_what_came_meanwhile() ->
 
     async def main() -> tuple[bytes, BaseException | None]:
         async with _Server(_ticking) as url:
-            pool = StreamPool(5.0, 0.15, coalesce_s=0.3)
+            pool = StreamPool(5.0, 0.15, coalesce_s=0.3, lag=Behind(1.0))
             result = await _relayed(pool, url)
             await pool.close()
             return result
