@@ -19,7 +19,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.core.context import SCOPE_KEY, RequestInfo
+from gateway.core.context import BATCH_SCOPE_KEY, SCOPE_KEY, RequestInfo
 from gateway.core.endpoints import dialect_for_path, route_label
 from gateway.core.errors import GatewayError, error_response
 from gateway.core.metrics import Metrics
@@ -63,6 +63,7 @@ class RequestContextMiddleware:
         incoming = found.get(b"x-request-id")
         request_id = incoming if incoming and _GOOD_ID.match(incoming) else secrets.token_hex(16)
         info = RequestInfo(request_id=request_id, method=scope["method"], path=scope["path"])
+        info.batch_id = scope.get(BATCH_SCOPE_KEY)
         if traced:
             info.trace = self.tracing.begin(found.get(b"traceparent"), found.get(b"tracestate"), info.started)  # type: ignore[union-attr]
         scope[SCOPE_KEY] = info
@@ -117,7 +118,7 @@ class RequestContextMiddleware:
                 UsageRow(
                     time.time() - elapsed, info.key_name, info.model, info.path, info.prompt_tokens, info.completion_tokens,
                     info.cached_tokens, status, elapsed * 1000, ttft * 1000 if ttft is not None else None, info.request_id,
-                    info.replica, info.stream, info.error,
+                    info.replica, info.stream, info.error, info.batch_id,
                 )
             )  # fmt: skip
         if not self.log_requests:
