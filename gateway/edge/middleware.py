@@ -168,9 +168,12 @@ class BodyLimitMiddleware:
     (a sender trickling one byte every few seconds is never silent for long, and must not hold a connection
     forever either)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float = 30.0, deadline_s: float = 60.0) -> None:
+    def __init__(
+        self, app: ASGIApp, max_bytes: int, timeout_s: float = 30.0, deadline_s: float = 60.0, larger: dict[str, int] | None = None
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.larger = larger or {}  # path -> its own cap (an upload route: gateway.batches.max_file_bytes)
         self.timeout_s = timeout_s
         self.deadline_s = deadline_s
 
@@ -178,14 +181,15 @@ class BodyLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        max_bytes = self.larger.get(scope["path"], self.max_bytes) if self.larger else self.max_bytes
         declared = _headers(scope, _LENGTH_HEADER).get(b"content-length")
         if declared is not None:
             if not declared.isdigit():
                 error = GatewayError(400, "invalid Content-Length header", code="invalid_header")
                 await error_response(error, dialect_for_path(scope["path"]))(scope, receive, send)
                 return
-            if int(declared) > self.max_bytes:
-                await error_response(self._too_large(), dialect_for_path(scope["path"]))(scope, receive, send)
+            if int(declared) > max_bytes:
+                await error_response(self._too_large(max_bytes), dialect_for_path(scope["path"]))(scope, receive, send)
                 return
         seen = 0
         complete = False
@@ -203,8 +207,8 @@ class BodyLimitMiddleware:
                 message = await self._within(receive, deadline - loop.time())
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise self._too_large()
+                if seen > max_bytes:
+                    raise self._too_large(max_bytes)
                 complete = not message.get("more_body", False)
             return message
 
@@ -226,8 +230,8 @@ class BodyLimitMiddleware:
                 408, f"request body {message}", code="request_timeout", headers={"Connection": "close"}
             ) from None
 
-    def _too_large(self) -> GatewayError:
-        return GatewayError(413, f"request body is larger than {self.max_bytes} bytes", code="request_too_large")
+    def _too_large(self, max_bytes: int) -> GatewayError:
+        return GatewayError(413, f"request body is larger than {max_bytes} bytes", code="request_too_large")
 
 
 class JSONCORSMiddleware(CORSMiddleware):

@@ -45,6 +45,7 @@ batches = Table(
     Column("output_file_id", String(64)),
     Column("error_file_id", String(64)),
     Column("metadata", Text),  # JSON object (at most 16 string pairs)
+    Column("errors", Text),  # JSON: OpenAI's {"object": "list", "data": [{code, message, line}]} of a failed batch
     Column("total", Integer, nullable=False),
     Column("completed", Integer, nullable=False, default=0),
     Column("failed", Integer, nullable=False, default=0),
