@@ -5,7 +5,10 @@ marked as batch rows; bad files are refused whole; another key sees none of it; 
 from __future__ import annotations
 
 import io
+import json
+import os
 import sqlite3
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +21,7 @@ import pytest
 from tests.batches.helpers import chat_lines, jsonl, results, upload, wait_ended
 from tests.fake_engine import running_fake_engine
 from tests.gateway.helpers import GatewayServer, serve
+from tests.servers import CLI, REPO
 
 ALPHA, BETA, ADMIN = "sk-alpha", "sk-beta", "sk-admin"
 
@@ -172,3 +176,21 @@ def test_cancel_starts_no_new_line_and_keeps_the_answers_of_those_in_flight(gate
     assert sorted(answered) == sorted("cancel-" + line["custom_id"] for line in out)  # nothing ran after the cancel but those in flight
     with pytest.raises(openai.ConflictError):
         client.batches.cancel(batch.id)
+
+
+def test_the_cli_submits_waits_and_downloads(gateway: GatewayServer, tmp_path: Path) -> None:
+    source = tmp_path / "jobs.jsonl"
+    source.write_bytes(jsonl(chat_lines(5)))
+    env = {**os.environ, "SGLANG_GATEWAY_URL": gateway.url, "SGLANG_GATEWAY_KEY": ALPHA}
+    submitted = subprocess.run([*CLI, "batch", "submit", str(source), "--endpoint", "/v1/chat/completions", "--wait"],
+                               capture_output=True, text=True, env=env, timeout=120, cwd=REPO)  # fmt: skip
+    assert submitted.returncode == 0, submitted.stderr
+    batch_id = submitted.stdout.split()[0]
+    written = [json.loads(line) for line in (tmp_path / "jobs.output.jsonl").read_text().splitlines()]
+    assert [line["custom_id"] for line in written] == [f"line-{i}" for i in range(5)]
+    status = subprocess.run([*CLI, "batch", "status", batch_id], capture_output=True, text=True, env=env, timeout=60, cwd=REPO)
+    assert "completed" in status.stdout and "5/5" in status.stdout, status.stdout + status.stderr
+    listed = subprocess.run([*CLI, "batch", "list"], capture_output=True, text=True, env=env, timeout=60, cwd=REPO)
+    assert batch_id in listed.stdout
+    other = subprocess.run([*CLI, "batch", "cancel", batch_id], capture_output=True, text=True, env={**env, "SGLANG_GATEWAY_KEY": BETA}, timeout=60, cwd=REPO)
+    assert other.returncode == 1 and "404" in other.stderr and "Traceback" not in other.stderr
