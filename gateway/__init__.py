@@ -10,6 +10,14 @@ A map, by folder; each folder may import those listed after it, never those befo
 
 ``mlflow/``          a logged MLflow model: ``serve --model-uri`` (``model_uri``), ``POST /invocations``
 
+``batches/`` (OpenAI's Files and Batches API, run by the gateway at low priority; docs/batches.md)
+  ``api``            the routes of the table's ``BATCH_ROUTES``; ``shapes`` the wire objects; ``validate`` every line
+                     through a live request's guard before a batch exists
+  ``files``          the files' bytes (state_dir, one small interface); ``store`` files, batches, lines in the ledger's database
+  ``runner``         the queued lines, bounded and retried, resumed at start; ``results`` the output and error files
+  ``dispatch``       the one adapter into the data plane (a line is a request of its key at the batch class);
+                     ``service`` the parts put together for the app
+
 ``control/`` (engines coming and going)
   ``controller``     boot, reload, swap and drain on request (admin API, SIGHUP, file watch), and supervision
   ``applier``        makes a deployment the one in force: boot applies it to an empty registry, a reload the

@@ -18,6 +18,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from gateway.batches.api import batch_routes
+from gateway.batches.dispatch import line_chain
+from gateway.batches.service import batches_for
 from gateway.config import GatewaySettings, gateway_settings
 from gateway.control.admin import admin_routes
 from gateway.control.controller import Controller
@@ -25,7 +28,7 @@ from gateway.control.swap import SwapExecutor
 from gateway.control.usage_routes import usage_routes
 from gateway.control.worker_link import WorkerLink, admin_forwarder
 from gateway.control.workers import WorkerPlan, WorkerSupervisor
-from gateway.core.endpoints import INVOCATIONS, PROXIED_BY_PATH, ProxiedRoute, dialect_for_path
+from gateway.core.endpoints import FILES, INVOCATIONS, PROXIED_BY_PATH, ProxiedRoute, dialect_for_path
 from gateway.core.errors import GatewayError, error_response, shaped_for
 from gateway.core.health import HealthProbes
 from gateway.core.metrics import Metrics
@@ -113,6 +116,7 @@ def create_app(
     tracing = Tracing(settings.tracing) if settings.tracing.enabled and workers is None else None
     executor = SwapExecutor(state, log_dir=log_dir)
     controller = Controller(state, keys, executor, deployment=deployment, overrides=overrides, watch=watch, boot=boot)
+    batches = batches_for(state)  # None: the batch API is off (or nowhere to keep its files)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -140,9 +144,13 @@ def create_app(
                     await link.start(state, keys)
                     ledger.hand_to(link.send_rows)  # rows go to the control process as requests end
                     link.apply(link.version, link.first)
+                    if batches is not None:  # creates batches; the control process runs them
+                        await batches.open(None, app, keys, state.metrics)
                     try:
                         yield
                     finally:
+                        if batches is not None:
+                            await batches.close(0)
                         await link.close()
                         await streams.close()
                     return
@@ -157,11 +165,15 @@ def create_app(
                                                           port=workers.port, verbose=workers.verbose, quotas=app.state.quotas)  # fmt: skip
                             state.peers = supervisor
                             await supervisor.start()
+                        if batches is not None:  # takes up every unfinished batch (a restart resumes them here)
+                            await batches.open(app.state.line_chain, app, keys, state.metrics)
                     except BaseException as error:
                         app.state.startup_error = error
                         raise
                     yield
                 finally:
+                    if batches is not None:  # lines in flight finish while the engines still run
+                        await batches.close(settings.shutdown_grace_s)
                     if supervisor is not None:
                         await supervisor.stop(settings.shutdown_grace_s)  # the workers' requests end before the engines
                     await controller.close()  # stops every engine the gateway owns
@@ -178,7 +190,9 @@ def create_app(
     app.state.gateway = state
     app.state.startup_error = None
     app.state.controller = controller
+    app.state.batches = batches
     app.include_router(api_routes)
+    app.include_router(batch_routes())
     app.include_router(ui_routes)
     app.include_router(admin_forwarder(link) if link is not None else admin_routes)
     if link is None:  # a worker forwards /admin/usage to the control process too
@@ -193,7 +207,10 @@ def create_app(
     layers: list[tuple[type[Any], dict[str, Any]]] = [
         (
             BodyLimitMiddleware,
-            {"max_bytes": settings.max_body_bytes, "timeout_s": settings.http.body_timeout_s, "deadline_s": settings.http.body_deadline_s},
+            {
+                "max_bytes": settings.max_body_bytes, "timeout_s": settings.http.body_timeout_s, "deadline_s": settings.http.body_deadline_s,
+                "larger": {FILES: settings.batches.max_file_bytes + 1024 * 1024},  # the multipart framing of an upload
+            },  # fmt: skip
         ),
         (QuotaMiddleware, {"quotas": quotas}),
         (AuthMiddleware, {"holder": keys}),
@@ -220,6 +237,8 @@ def create_app(
     for middleware, options in layers:
         chain = middleware(chain, **options)
     app.proxied, app.chain = proxied_endpoint, chain
+    # batch lines: the same chain less the client's connection (key check, CORS, body cap): gateway.batches.dispatch
+    app.state.line_chain = line_chain(app.dispatch, metrics=state.metrics, ledger=ledger, quotas=quotas, tracing=tracing, log_requests=settings.log_requests)
     return app
 
 

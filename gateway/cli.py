@@ -17,6 +17,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from gateway.batches.cli import batch_app
 from gateway.config import gateway_settings
 from gateway.console import configure_logging
 from launch.argv import build_argv, build_env, effective_engine
@@ -35,6 +36,7 @@ app = typer.Typer(
 )
 err = Console(stderr=True)
 out = Console()
+app.add_typer(batch_app, name="batch")
 
 ConfigArg = Annotated[Path, typer.Argument(help="Deployment YAML file.", show_default=False)]
 

@@ -240,6 +240,27 @@ class UsageSettings(_Strict):
         return SecretStr(url)
 
 
+class BatchSettings(_Strict):
+    """The batch API (``/v1/files``, ``/v1/batches``): jobs of many requests run in the engines' idle time."""
+
+    enabled: bool = Field(True, description="Serve /v1/files and /v1/batches and run the batches (needs a state_dir or usage.database_url).")
+    max_file_bytes: int = Field(100 * 1024 * 1024, ge=1024, description="Largest uploaded file (413 beyond; raises max_body_bytes for POST /v1/files).")
+    max_lines: int = Field(50_000, ge=1, description="Requests in one batch input file (400 beyond).")
+    max_line_bytes: int = Field(1024 * 1024, ge=256, description="Bytes of one line of an input file (400 beyond).")
+    max_concurrency: int = Field(
+        4, ge=1, description="Batch lines in flight at once, over every batch: the rest wait in the gateway, not on the engine."
+    )
+    priority: int | str | None = Field(
+        None,
+        description="Priority class of batch lines (in the model's queue, and on engines that schedule by priority). "
+        "Unset: one below the lowest class any key or gateway.priority_classes names (and below 0).",
+    )
+    max_queued_lines_per_key: int = Field(200_000, ge=1, description="Lines one key may have waiting over all its batches (429 beyond).")
+    max_active_batches_per_key: int = Field(20, ge=1, description="Batches of one key not yet finished (429 beyond).")
+    retry_backoff_s: float = Field(1.0, gt=0, description="First wait before a line that met a passing failure (429, 502, 503, 504) is sent again.")
+    poll_interval_s: float = Field(1.0, gt=0, description="How often the runner looks for batches created elsewhere (worker processes) or cancelled.")
+
+
 class TracingSettings(_Strict):
     """OpenTelemetry spans per request, exported over OTLP (off by default); the standard ``OTEL_*`` variables
     fill what is unset here (docs/tracing.md)."""
@@ -374,6 +395,7 @@ class GatewaySettings(_Strict):
     request_bounds: RequestBounds = Field(default_factory=RequestBounds, description="Fan-out and grammar bounds of one request (see [Bounds](security.md#request-bounds)).")
     usage: UsageSettings = Field(default_factory=UsageSettings, description="The [usage ledger](tenants.md#usage-ledger) (one row per request).")
     tracing: TracingSettings = Field(default_factory=TracingSettings, description="OpenTelemetry traces over OTLP (off by default; see [tracing.md](tracing.md)); read at start.")
+    batches: BatchSettings = Field(default_factory=BatchSettings, description="The batch API: files, batches, their limits (see [Batches](batches.md)).")
     extension_fields: dict[str, list[str]] = Field(
         default_factory=dict,
         description="Per model, the SGLang extension fields clients may send (off by default; see [SGLang extension "

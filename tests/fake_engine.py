@@ -21,6 +21,7 @@ What it does, SGLang's way (what the gateway relies on, nothing more):
   ``--lora-paths``, and then as ``POST /load_lora_adapter`` / ``/unload_lora_adapter`` (key needed) change them, as
   SGLang's do (a path containing ``broken`` fails to load; each call is noted in ``FAKE_ENGINE_CALLS``,
   ``load <name>`` / ``unload <name>``);
+- with ``FAKE_ENGINE_ANSWERS`` set: each plain chat answer's last message content appended to that file as it is sent;
 - ``POST /v1/responses`` (not streamed) and ``GET /v1/responses/{id}``: responses stored in memory;
 - a chat message whose content is :data:`CRASH`: it logs a traceback and exits 70 while the request is in
   flight, as an engine a request crashes does; one whose content is :data:`FREEZE`: it blocks its event loop
@@ -60,6 +61,7 @@ FREEZE = "FAKE_ENGINE_FREEZE"  # ... makes it freeze under the request: its even
 TOKEN_S = float(os.environ.get("FAKE_ENGINE_TOKEN_S", "0.01"))  # time per generated piece
 START_S = float(os.environ.get("FAKE_ENGINE_START_S", "0"))  # how long it takes to listen
 CALLS = os.environ.get("FAKE_ENGINE_CALLS")  # a file the memory calls and chat requests are appended to
+ANSWERS = os.environ.get("FAKE_ENGINE_ANSWERS")  # a file each plain chat answer's last message content is appended to, once answered
 SGLANG_VERSION = os.environ.get("FAKE_ENGINE_SGLANG_VERSION", "0.5.23")  # what GET /get_server_info says
 HERE = Path(__file__).resolve()
 
@@ -82,8 +84,9 @@ def fake_engine_python(directory: Path) -> Path:
 
 
 @contextmanager
-def running_fake_engine(directory: Path, served_name: str = "m") -> Iterator[str]:
-    """The fake run on its own (no key) until the block ends: its base URL, for a ``url:`` model."""
+def running_fake_engine(directory: Path, served_name: str = "m", env: dict[str, str] | None = None) -> Iterator[str]:
+    """The fake run on its own (no key) until the block ends: its base URL, for a ``url:`` model. ``env``: variables
+    added to this process's (``FAKE_ENGINE_TOKEN_S``, ``FAKE_ENGINE_ANSWERS``...)."""
     from tests.servers import server_process  # not imported when this file runs as the engine
 
     model = directory / "fake-model"
@@ -91,7 +94,8 @@ def running_fake_engine(directory: Path, served_name: str = "m") -> Iterator[str
     (model / "config.json").write_text("{}")
     argv = [sys.executable, str(HERE), "-m", "sglang.launch_server", "--model-path", str(model), "--port", "{port}"]
     argv += ["--served-model-name", served_name]
-    with server_process(argv, log_path=directory / "fake-engine.log", ready_path="/health", timeout_s=60) as server:
+    environment = {**os.environ, **env} if env else None
+    with server_process(argv, log_path=directory / "fake-engine.log", ready_path="/health", timeout_s=60, env=environment) as server:
         yield server.url
 
 
@@ -192,6 +196,9 @@ def build_app(
             finally:
                 running[0] -= 1
             message = {"role": "assistant", "content": piece * tokens}
+            if ANSWERS:  # what was answered (a batch test counts each line's answers)
+                with open(ANSWERS, "a") as answers:
+                    answers.write(str((body.get("messages") or [{}])[-1].get("content")) + "\n")
             return JSONResponse({
                 "id": cid, "object": "chat.completion", "created": created, "model": model, "usage": usage,
                 "fake_priority": body.get("priority"),  # what the request's priority was, as the engine got it

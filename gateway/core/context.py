@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from gateway.core.tracing import RequestTrace
 
 SCOPE_KEY = "gateway.request"
+BATCH_SCOPE_KEY = "gateway.batch"  # the batch id of a batch line's request (set by gateway.batches.dispatch)
 
 
 @dataclass
@@ -41,6 +42,7 @@ class RequestInfo:
     reserve: Callable[[int], None] | None = None
     reserved: int = 0
     prompt_estimate: int | None = None
+    batch_id: str | None = None  # a batch line's request: its batch (the ledger row says so)
 
     def set_usage(self, usage: Any) -> None:
         """Take token counts from an OpenAI (``prompt_tokens``/``completion_tokens``) or a Responses /

@@ -97,8 +97,30 @@ INVOCATIONS = ProxiedRoute(
 RESPONSE_BY_ID = "/v1/responses/{response_id}"
 RESPONSE_CANCEL = "/v1/responses/{response_id}/cancel"
 
+# The batch API (gateway.batches.api serves exactly these; its handlers are looked up by (method, path)).
+FILES = "/v1/files"
+FILE_BY_ID = "/v1/files/{file_id}"
+FILE_CONTENT = "/v1/files/{file_id}/content"
+BATCHES = "/v1/batches"
+BATCH_BY_ID = "/v1/batches/{batch_id}"
+BATCH_CANCEL = "/v1/batches/{batch_id}/cancel"
+ADMIN_BATCHES = "/admin/batches"
+BATCH_ROUTES: tuple[tuple[str, str, str], ...] = (
+    ("POST", FILES, "Upload a batch input file (multipart, purpose=batch, JSONL)"),
+    ("GET", FILES, "The caller's files"),
+    ("GET", FILE_BY_ID, "One file"),
+    ("DELETE", FILE_BY_ID, "Delete a file"),
+    ("GET", FILE_CONTENT, "A file's bytes (an input, output or error file)"),
+    ("POST", BATCHES, "Create a batch from an uploaded file (every line checked first)"),
+    ("GET", BATCHES, "The caller's batches, newest first (after, limit)"),
+    ("GET", BATCH_BY_ID, "One batch, with its request counts"),
+    ("POST", BATCH_CANCEL, "Cancel a batch: no new line starts"),
+    ("GET", ADMIN_BATCHES, "Every key's batches (admin key)"),
+)
+
 # Served by the gateway itself: (method, path, summary), for docs/serving.md and the metrics labels.
 GATEWAY_ROUTES: tuple[tuple[str, str, str], ...] = (
+    *BATCH_ROUTES,
     ("GET", RESPONSE_BY_ID, "A stored response, from the engine that created it"),
     ("POST", RESPONSE_CANCEL, "Cancel a background response, on the engine that runs it"),
     ("GET", "/v1/models", "The models and aliases, with context lengths"),
@@ -143,6 +165,8 @@ def route_label(path: str) -> str:
         return RESPONSE_CANCEL if path.endswith("/cancel") else RESPONSE_BY_ID
     if path.startswith("/v1/models/"):
         return "/v1/models/{model}"
+    if path.startswith(("/v1/files/", "/v1/batches/")):  # ids folded
+        return _batch_label(path)
     if path.startswith(ADMIN_PREFIX):
         return "/admin"  # one label for the admin API (its paths carry model names)
     if path.startswith(UI_PREFIX):
@@ -151,6 +175,15 @@ def route_label(path: str) -> str:
 
 
 _GATEWAY_PATHS = frozenset(path for _, path, _ in GATEWAY_ROUTES if "{" not in path)
+
+
+def _batch_label(path: str) -> str:
+    parts = path.strip("/").split("/")  # v1, files|batches, id[, content|cancel]
+    if len(parts) == 3:
+        return FILE_BY_ID if parts[1] == "files" else BATCH_BY_ID
+    if len(parts) == 4 and (parts[1], parts[3]) in (("files", "content"), ("batches", "cancel")):
+        return FILE_CONTENT if parts[1] == "files" else BATCH_CANCEL
+    return "other"
 
 
 def endpoint_table() -> str:

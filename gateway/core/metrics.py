@@ -57,6 +57,9 @@ class Metrics:
             buckets=_WAKE_BUCKETS, registry=r,
         )  # fmt: skip
         self.residency_stops = Counter("gateway_residency_stops", "Engines stopped by residency, by model and reason (idle / evicted).", ["model", "reason"], registry=r)
+        # The batch API (gateway.batches.runner): lines by how they ended, and lines still waiting (set by the runner)
+        self.batch_lines = Counter("gateway_batch_lines", "Batch lines ended, by model and result (done / failed / expired).", ["model", "result"], registry=r)
+        self.batch_queued = Gauge("gateway_batch_queued_lines", "Batch lines waiting to run, over every batch.", registry=r, multiprocess_mode="livesum")
         r.register(_EngineUp(registry))
         r.register(_ReplicasReady(registry))
         r.register(_Resident(registry))

@@ -53,21 +53,10 @@ def _json(data: Any, status: int = 200) -> Response:
 async def _proxied(request: Request, endpoint: ProxiedRoute) -> Response:
     state = _state(request)
     info: RequestInfo = request_info(request.scope) or RequestInfo("-", request.method, endpoint.path)
-    path = endpoint.upstream_path
     tenant: Tenant | None = request.scope.get(TENANT_SCOPE_KEY)
     priority = request_priority(request.scope, tenant)  # a proxied route is never an open path: None is no client keys
     raw = await request.body()
-    try:  # the request guard (engine_guard): the allowlist, its types and bounds, grammar inputs
-        body = parse_body(raw, endpoint.schema, path)
-        grammar_size = check_bounds(path, body, state.settings.request_bounds)
-    except Refused as refusal:
-        raise refused(refusal) from None
-    route = _model_route(state, body, endpoint, tenant)
-    info.model = route.name  # an adapter's name, "<model>:<adapter>", is set by the proxy that selects it
-    try:
-        check_extensions(body, path, state.settings.extensions_for(route.name), route.name)
-    except Refused as refusal:
-        raise refused(refusal) from None
+    body, route, grammar_size = guard_request(state, endpoint, raw, tenant, info)
     owner = request_owner(request.scope)
     pinned = _continued_response(state, body, route, owner) if endpoint.response_ids else None
     assert state.proxy is not None, "the app's lifespan did not run"
@@ -76,6 +65,28 @@ async def _proxied(request: Request, endpoint: ProxiedRoute) -> Response:
         route, endpoint, body, info, request.receive, balancing=balancing, pinned=pinned, owner=owner, grammar_size=grammar_size,
         priority=priority,
     )
+
+
+def guard_request(
+    state: GatewayState, endpoint: ProxiedRoute, raw: bytes, tenant: Tenant | None, info: RequestInfo | None = None
+) -> tuple[dict[str, Any], ModelRoute, int]:
+    """The request guard of a live request (and of each batch line, checked at the batch's creation): the body parsed
+    against the route's allowlist, its bounds and grammar inputs (engine_guard), its model among the key's, its
+    extension fields allowed for that model. (body, model route, grammar bytes), or the GatewayError a client gets."""
+    path = endpoint.upstream_path
+    try:  # the request guard (engine_guard): the allowlist, its types and bounds, grammar inputs
+        body = parse_body(raw, endpoint.schema, path)
+        grammar_size = check_bounds(path, body, state.settings.request_bounds)
+    except Refused as refusal:
+        raise refused(refusal) from None
+    route = _model_route(state, body, endpoint, tenant)
+    if info is not None:
+        info.model = route.name  # an adapter's name, "<model>:<adapter>", is set by the proxy that selects it
+    try:
+        check_extensions(body, path, state.settings.extensions_for(route.name), route.name)
+    except Refused as refusal:
+        raise refused(refusal) from None
+    return body, route, grammar_size
 
 
 def _model_route(state: GatewayState, body: dict[str, Any], endpoint: ProxiedRoute, tenant: Tenant | None = None) -> ModelRoute:

@@ -19,7 +19,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.core.context import SCOPE_KEY, RequestInfo
+from gateway.core.context import BATCH_SCOPE_KEY, SCOPE_KEY, RequestInfo
 from gateway.core.endpoints import dialect_for_path, route_label
 from gateway.core.errors import GatewayError, error_response
 from gateway.core.metrics import Metrics
@@ -63,6 +63,7 @@ class RequestContextMiddleware:
         incoming = found.get(b"x-request-id")
         request_id = incoming if incoming and _GOOD_ID.match(incoming) else secrets.token_hex(16)
         info = RequestInfo(request_id=request_id, method=scope["method"], path=scope["path"])
+        info.batch_id = scope.get(BATCH_SCOPE_KEY)
         if traced:
             info.trace = self.tracing.begin(found.get(b"traceparent"), found.get(b"tracestate"), info.started)  # type: ignore[union-attr]
         scope[SCOPE_KEY] = info
@@ -117,7 +118,7 @@ class RequestContextMiddleware:
                 UsageRow(
                     time.time() - elapsed, info.key_name, info.model, info.path, info.prompt_tokens, info.completion_tokens,
                     info.cached_tokens, status, elapsed * 1000, ttft * 1000 if ttft is not None else None, info.request_id,
-                    info.replica, info.stream, info.error,
+                    info.replica, info.stream, info.error, info.batch_id,
                 )
             )  # fmt: skip
         if not self.log_requests:
@@ -167,9 +168,12 @@ class BodyLimitMiddleware:
     (a sender trickling one byte every few seconds is never silent for long, and must not hold a connection
     forever either)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float = 30.0, deadline_s: float = 60.0) -> None:
+    def __init__(
+        self, app: ASGIApp, max_bytes: int, timeout_s: float = 30.0, deadline_s: float = 60.0, larger: dict[str, int] | None = None
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.larger = larger or {}  # path -> its own cap (an upload route: gateway.batches.max_file_bytes)
         self.timeout_s = timeout_s
         self.deadline_s = deadline_s
 
@@ -177,14 +181,15 @@ class BodyLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        max_bytes = self.larger.get(scope["path"], self.max_bytes) if self.larger else self.max_bytes
         declared = _headers(scope, _LENGTH_HEADER).get(b"content-length")
         if declared is not None:
             if not declared.isdigit():
                 error = GatewayError(400, "invalid Content-Length header", code="invalid_header")
                 await error_response(error, dialect_for_path(scope["path"]))(scope, receive, send)
                 return
-            if int(declared) > self.max_bytes:
-                await error_response(self._too_large(), dialect_for_path(scope["path"]))(scope, receive, send)
+            if int(declared) > max_bytes:
+                await error_response(self._too_large(max_bytes), dialect_for_path(scope["path"]))(scope, receive, send)
                 return
         seen = 0
         complete = False
@@ -202,8 +207,8 @@ class BodyLimitMiddleware:
                 message = await self._within(receive, deadline - loop.time())
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise self._too_large()
+                if seen > max_bytes:
+                    raise self._too_large(max_bytes)
                 complete = not message.get("more_body", False)
             return message
 
@@ -225,8 +230,8 @@ class BodyLimitMiddleware:
                 408, f"request body {message}", code="request_timeout", headers={"Connection": "close"}
             ) from None
 
-    def _too_large(self) -> GatewayError:
-        return GatewayError(413, f"request body is larger than {self.max_bytes} bytes", code="request_too_large")
+    def _too_large(self, max_bytes: int) -> GatewayError:
+        return GatewayError(413, f"request body is larger than {max_bytes} bytes", code="request_too_large")
 
 
 class JSONCORSMiddleware(CORSMiddleware):

@@ -62,6 +62,7 @@ class UsageRow:
     replica: int | None
     stream: bool
     error: str | None  # a short reason, for failures
+    batch_id: str | None = None  # the batch this request was a line of (gateway.batches)
 
 
 def database_url(settings: GatewaySettings) -> str | None:
@@ -287,11 +288,11 @@ class Ledger:
 
 # SQLite: many rows per INSERT statement, not executemany. The sqlite3 module lets go of the GIL around every
 # row's step, so an executemany of a batch in the writer thread wrests the GIL from the event loop once per row;
-# one statement of many rows takes it back once. 14 values a row: 2,000 rows stay under SQLite's 32,766 variables.
+# one statement of many rows takes it back once. 15 values a row: 2,000 rows stay under SQLite's 32,766 variables.
 SQLITE_ROWS_PER_STATEMENT = 2000
 _COLUMNS = (
     "at", "key_name", "model", "route", "prompt_tokens", "completion_tokens", "cached_tokens", "status", "latency_ms",
-    "ttft_ms", "request_id", "replica", "stream", "error",
+    "ttft_ms", "request_id", "replica", "stream", "error", "batch_id",
 )  # fmt: skip
 
 
@@ -306,7 +307,7 @@ def _sqlite_values(row: UsageRow) -> tuple[Any, ...]:
     return (
         _sqlite_time(row.at), row.key, row.model, row.route[:ROUTE_CHARS],
         row.prompt_tokens, row.completion_tokens, row.cached_tokens, row.status, row.latency_ms, row.ttft_ms,
-        row.request_id, row.replica, row.stream, row.error[:ERROR_CHARS] if row.error else None,
+        row.request_id, row.replica, row.stream, row.error[:ERROR_CHARS] if row.error else None, row.batch_id,
     )  # fmt: skip
 
 
@@ -342,6 +343,7 @@ def _values(row: UsageRow) -> dict[str, Any]:
         "replica": row.replica,
         "stream": row.stream,
         "error": row.error[:ERROR_CHARS] if row.error else None,
+        "batch_id": row.batch_id,
     }
 
 

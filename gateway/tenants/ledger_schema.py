@@ -5,8 +5,9 @@ lock when a writer first connects: ``usage_schema_version`` holds the version, :
 order, each once (SQLite: ``BEGIN IMMEDIATE``; PostgreSQL: a transaction-scoped advisory lock). A database
 written by a newer gateway (a version this code does not know) is left alone: :class:`SchemaError`.
 
-A plain list of migrations rather than Alembic: one table, applied at open by every writer, no separate tool or
-migration scripts to ship.
+A plain list of migrations rather than Alembic: a few tables, applied at open by every writer, no separate tool or
+migration scripts to ship. The batch API's tables (:mod:`gateway.tenants.batch_schema`) live in the same database and
+come with migration 2, which also marks a row made by a batch line (``usage_rows.batch_id``).
 """
 
 from __future__ import annotations
@@ -33,11 +34,14 @@ from sqlalchemy import (
     event,
     func,
     insert,
+    inspect,
     select,
     text,
     update,
 )
 from sqlalchemy.engine import make_url
+
+from gateway.tenants import batch_schema
 
 SQLITE_FILE = "usage.sqlite3"
 ERROR_CHARS = 300  # a row's error: a short reason
@@ -65,6 +69,7 @@ usage_rows = Table(
     Column("replica", Integer),
     Column("stream", Boolean, nullable=False),
     Column("error", String(ERROR_CHARS)),
+    Column("batch_id", String(64)),  # the batch a row's request was a line of (None: a live request); migration 2
     Index("usage_rows_at", "at"),
     Index("usage_rows_key_at", "key_name", "at"),
     Index("usage_rows_model_at", "model", "at"),
@@ -86,7 +91,17 @@ def _v1_usage_rows(conn: Connection) -> None:
     usage_rows.create(conn, checkfirst=True)  # with its indexes (time; key and time; model and time)
 
 
-MIGRATIONS: tuple[Migration, ...] = (Migration(1, "usage_rows: one row per request, indexed by time, key and model", _v1_usage_rows),)
+def _v2_batches(conn: Connection) -> None:
+    if "batch_id" not in {column["name"] for column in inspect(conn).get_columns(usage_rows.name)}:  # a v1 table
+        conn.execute(text(f"ALTER TABLE {usage_rows.name} ADD COLUMN batch_id VARCHAR(64)"))
+    for table in batch_schema.TABLES:
+        table.create(conn, checkfirst=True)
+
+
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(1, "usage_rows: one row per request, indexed by time, key and model", _v1_usage_rows),
+    Migration(2, "batches: files, batches and their lines; usage_rows.batch_id marks a batch line's row", _v2_batches),
+)
 LATEST = MIGRATIONS[-1].version
 _PG_LOCK = 0x5553_4147_4531  # pg_advisory_xact_lock id of the ledger's migrations ("USAGE1")
 

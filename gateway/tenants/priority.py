@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from gateway.tenants.keys import Tenant  # which imports this module
 
 PRIORITY_HEADER = "x-gateway-priority"
+PRIORITY_SCOPE_KEY = "gateway.priority"  # a class the gateway itself gives a request (a batch line's), ahead of the header
 _HEADER_NAME = PRIORITY_HEADER.encode()
 
 
@@ -73,7 +74,11 @@ def asked_priority(key: str | None, choice: PriorityChoice | None, asked: str, *
 
 def request_priority(scope: Mapping[str, Any], tenant: Tenant | None) -> int | None:
     """A request's priority class: the one its header picks (refused as :func:`asked_priority` says), else its key's
-    (None: none). ``tenant``: the caller's (None: a gateway without client keys)."""
+    (None: none). ``tenant``: the caller's (None: a gateway without client keys). A class set in the scope by the
+    gateway (:data:`PRIORITY_SCOPE_KEY`: a batch line's) wins: no client sends it."""
+    given = scope.get(PRIORITY_SCOPE_KEY)
+    if given is not None:
+        return int(given)
     asked = None
     for name, value in scope["headers"]:
         if name == _HEADER_NAME:  # ASGI servers give header names in lower case

@@ -1,0 +1,233 @@
+"""The routes of :data:`gateway.core.endpoints.BATCH_ROUTES`: files and batches as the ``openai`` SDK calls them.
+
+Everything belongs to the key that created it (``request_owner``): another key's id answers the same 404 as an id
+that does not exist. Errors are the gateway's OpenAI-shaped ones (:class:`GatewayError`). The router is made from the
+route table (one handler per (method, path), checked both ways), so docs, metrics labels and OpenAPI agree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Request
+from pydantic import ValidationError
+from starlette.datastructures import UploadFile
+from starlette.responses import Response, StreamingResponse
+
+from gateway.batches.files import CHUNK
+from gateway.batches.service import Batches
+from gateway.batches.shapes import ACTIVE, TERMINAL, WINDOW_S, BatchCreate, page
+from gateway.batches.store import BatchStore
+from gateway.batches.validate import checked_lines
+from gateway.core.endpoints import (
+    ADMIN_BATCHES,
+    BATCH_BY_ID,
+    BATCH_CANCEL,
+    BATCH_ROUTES,
+    BATCHES,
+    FILE_BY_ID,
+    FILE_CONTENT,
+    FILES,
+)
+from gateway.core.errors import GatewayError
+from gateway.edge.auth import request_owner
+from gateway.tenants.keys import TENANT_SCOPE_KEY, Tenant
+
+MAX_PAGE = 100
+
+
+def _batches(request: Request) -> tuple[Batches, BatchStore]:
+    batches: Batches | None = getattr(request.app.state, "batches", None)
+    if batches is None or batches.store is None:
+        raise GatewayError(404, "the batch API is off here (gateway.batches.enabled, and a state_dir for the files)", code="batches_off")
+    return batches, batches.store
+
+
+def _json(data: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(data), status_code=status, media_type="application/json")
+
+
+def _limit(request: Request, default: int = 20) -> int:
+    raw = request.query_params.get("limit", str(default))
+    if not raw.isdigit() or not 1 <= int(raw) <= MAX_PAGE:
+        raise GatewayError(400, f"limit must be a number from 1 to {MAX_PAGE}", param="limit")
+    return int(raw)
+
+
+async def _db(call: Callable[..., Any], *args: Any) -> Any:
+    return await asyncio.to_thread(call, *args)
+
+
+# ---------------------------------------------------------------------------- files
+async def upload_file(request: Request) -> Response:
+    batches, store = _batches(request)
+    limit = batches.settings.max_file_bytes
+    form = await request.form(max_files=1, max_fields=4)
+    try:
+        purpose, upload = form.get("purpose"), form.get("file")
+        if purpose != "batch":
+            raise GatewayError(400, f"purpose must be 'batch' (got {purpose!r})", param="purpose")
+        if not isinstance(upload, UploadFile):
+            raise GatewayError(400, "send the file as the multipart field 'file'", param="file")
+        if upload.size is not None and upload.size > limit:
+            raise GatewayError(413, f"the file is larger than {limit} bytes (gateway.batches.max_file_bytes)", code="file_too_large", param="file")
+        file_id = "file-" + secrets.token_hex(12)
+        size = await _db(batches.files.write, file_id, upload.file)
+        if size > limit:
+            await _db(batches.files.delete, file_id)
+            raise GatewayError(413, f"the file is larger than {limit} bytes (gateway.batches.max_file_bytes)", code="file_too_large", param="file")
+        created = await _db(store.add_file, file_id, request_owner(request.scope), "batch", upload.filename or "input.jsonl", size)
+    finally:
+        await form.close()
+    return _json(created.model_dump())
+
+
+async def list_files(request: Request) -> Response:
+    _, store = _batches(request)
+    items, more = await _db(store.files, request_owner(request.scope), request.query_params.get("purpose"), request.query_params.get("after"), _limit(request, 100))
+    return _json(page([item.model_dump() for item in items], more))
+
+
+async def _owned_file(request: Request, file_id: str) -> Any:
+    _, store = _batches(request)
+    found = await _db(store.file, file_id, request_owner(request.scope))
+    if found is None:
+        raise GatewayError(404, f"No such File object: {file_id}", code="file_not_found", param="file_id")
+    return found
+
+
+async def get_file(file_id: str, request: Request) -> Response:
+    return _json((await _owned_file(request, file_id)).model_dump())
+
+
+async def delete_file(file_id: str, request: Request) -> Response:
+    batches, store = _batches(request)
+    await _owned_file(request, file_id)
+    using = await _db(store.batch_using, file_id)
+    if using is not None:
+        raise GatewayError(409, f"file {file_id} is the input of batch {using}, which has not ended; cancel it first", param="file_id")
+    await _db(store.delete_file, file_id)
+    await _db(batches.files.delete, file_id)
+    return _json({"id": file_id, "object": "file", "deleted": True})
+
+
+async def file_content(file_id: str, request: Request) -> Response:
+    batches, _ = _batches(request)
+    await _owned_file(request, file_id)
+    stream = await _db(batches.files.open, file_id)
+
+    def chunks() -> Iterator[bytes]:
+        with stream:
+            while chunk := stream.read(CHUNK):
+                yield chunk
+
+    return StreamingResponse(chunks(), media_type="application/octet-stream")
+
+
+# ---------------------------------------------------------------------------- batches
+async def create_batch(request: Request) -> Response:
+    batches, store = _batches(request)
+    try:
+        asked = BatchCreate.model_validate_json(await request.body())
+    except ValidationError as error:
+        problem = error.errors()[0]
+        field = ".".join(str(part) for part in problem["loc"]) or None
+        raise GatewayError(400, f"{field or 'body'}: {problem['msg']}", param=field) from None
+    owner = request_owner(request.scope)
+    tenant: Tenant | None = request.scope.get(TENANT_SCOPE_KEY)
+    source = await _db(store.file, asked.input_file_id, owner)
+    if source is None or source.purpose != "batch":
+        raise GatewayError(404, f"No such File object: {asked.input_file_id}", code="file_not_found", param="input_file_id")
+    limits = batches.settings
+    active, queued = await _db(store.load, owner)
+    if active >= limits.max_active_batches_per_key:
+        raise GatewayError(429, f"this key has {active} batches in progress (gateway.batches.max_active_batches_per_key)", code="batch_limit_exceeded")
+    state = request.app.state.gateway
+    custom_ids = await _db(checked_lines, state, batches.files, asked.input_file_id, asked.endpoint, tenant, limits)
+    if queued + len(custom_ids) > limits.max_queued_lines_per_key:
+        raise GatewayError(
+            429, f"this key has {queued} lines queued; {len(custom_ids)} more exceed gateway.batches.max_queued_lines_per_key "
+            f"({limits.max_queued_lines_per_key})", code="batch_limit_exceeded",
+        )  # fmt: skip
+    now = int(time.time())
+    row = {
+        "id": "batch_" + secrets.token_hex(12), "owner": owner, "key_name": tenant.name if tenant is not None else None,
+        "endpoint": asked.endpoint, "input_file_id": asked.input_file_id, "completion_window": asked.completion_window,
+        "status": "validating", "created_at": now, "expires_at": now + WINDOW_S[asked.completion_window],
+        "metadata": json.dumps(asked.metadata) if asked.metadata is not None else None,
+    }  # fmt: skip
+    created = await _db(store.create_batch, row, custom_ids)
+    if batches.runner is not None:
+        batches.runner.wake()
+    return _json(created.model_dump())
+
+
+async def _owned_batch(request: Request, batch_id: str) -> Any:
+    _, store = _batches(request)
+    found = await _db(store.batch, batch_id, request_owner(request.scope))
+    if found is None:
+        raise GatewayError(404, f"No such Batch object: {batch_id}", code="batch_not_found", param="batch_id")
+    return found
+
+
+async def get_batch(batch_id: str, request: Request) -> Response:
+    return _json((await _owned_batch(request, batch_id)).model_dump())
+
+
+async def list_batches(request: Request) -> Response:
+    _, store = _batches(request)
+    items, more = await _db(store.batches, request_owner(request.scope), request.query_params.get("after"), _limit(request))
+    return _json(page([item.model_dump() for item in items], more))
+
+
+async def cancel_batch(batch_id: str, request: Request) -> Response:
+    """No line starts from now on; lines in flight finish and their answers are kept; the batch ends ``cancelled``."""
+    batches, store = _batches(request)
+    batch = await _owned_batch(request, batch_id)
+    if batch.status in TERMINAL:
+        raise GatewayError(409, f"batch {batch_id} is {batch.status} already", code="batch_not_cancellable", param="batch_id")
+    await _db(store.move, batch_id, "cancelling", tuple(ACTIVE - {"cancelling", "finalizing"}))
+    if batches.runner is not None:
+        batches.runner.cancel(batch_id)
+    return _json((await _owned_batch(request, batch_id)).model_dump())
+
+
+async def admin_batches(request: Request) -> Response:
+    """Every key's batches (admin key), each with the key that owns it."""
+    _, store = _batches(request)
+    items, more = await _db(store.batches, None, request.query_params.get("after"), _limit(request))
+    rows = []
+    for item in items:
+        whose = await _db(store.owner_of, item.id)
+        rows.append({**item.model_dump(), "key": whose[1] if whose else None})
+    return _json(page(rows, more))
+
+
+HANDLERS: dict[tuple[str, str], Callable[..., Any]] = {
+    ("POST", FILES): upload_file,
+    ("GET", FILES): list_files,
+    ("GET", FILE_BY_ID): get_file,
+    ("DELETE", FILE_BY_ID): delete_file,
+    ("GET", FILE_CONTENT): file_content,
+    ("POST", BATCHES): create_batch,
+    ("GET", BATCHES): list_batches,
+    ("GET", BATCH_BY_ID): get_batch,
+    ("POST", BATCH_CANCEL): cancel_batch,
+    ("GET", ADMIN_BATCHES): admin_batches,
+}
+
+
+def batch_routes() -> APIRouter:
+    """The FastAPI routes of the table's batch lines (every line served, nothing served that the table lacks)."""
+    table = {(method, path): summary for method, path, summary in BATCH_ROUTES}
+    assert table.keys() == HANDLERS.keys(), f"gateway.core.endpoints.BATCH_ROUTES and the batch handlers differ: {table.keys() ^ HANDLERS.keys()}"
+    router = APIRouter()
+    for (method, path), summary in table.items():
+        router.add_api_route(path, HANDLERS[(method, path)], methods=[method], summary=summary, name=f"{method} {path}")
+    return router

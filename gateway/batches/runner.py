@@ -1,0 +1,223 @@
+"""Runs batches: their queued lines through the data plane, a bounded number at a time, then their result files.
+
+One runner per gateway (the control process's; worker processes only create batches, which it finds in the
+database every ``batches.poll_interval_s``, or at once when created in its own process). At start it takes up every
+unfinished batch: the lines still ``queued`` in the database are exactly those whose end was never recorded, so a
+restart after SIGKILL neither loses a line nor runs again one whose answer was recorded (each answer is recorded as
+it arrives, in its own transaction). A line whose answer arrived but was not yet recorded when the process died (a
+window of milliseconds per line in flight) runs again.
+
+A line that meets a passing failure (429 of the key's rate limits or of the model's queue, 502/503/504: an engine
+restarting, swapped, asleep or gone a moment) waits and is sent again (backoff from ``retry_backoff_s`` to 30 s), so
+such events pause lines and never fail them; any other answer is the line's result. Cancel: no line starts from then
+on, the lines in flight finish (their answers are kept in the output), the queued ones end as ``batch_cancelled``.
+``expires_at``: lines not started by then end as ``batch_expired``. Shutdown: no line starts; those in flight get
+``grace_s`` to finish, then are abandoned and stay queued for the next start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import orjson
+from loguru import logger
+
+from gateway.batches.dispatch import Answer, LineSender
+from gateway.batches.files import FileStorage, jsonl_lines
+from gateway.batches.results import result_files
+from gateway.batches.shapes import BatchObject
+from gateway.batches.store import BatchStore, LineEnd
+from gateway.config import BatchSettings
+from gateway.core.metrics import Metrics
+
+T = TypeVar("T")
+PASSING = frozenset({429, 502, 503, 504})
+MAX_BACKOFF_S = 30.0
+EXPIRED = {"code": "batch_expired", "message": "This request could not be executed before the completion window expired."}
+CANCELLED = {"code": "batch_cancelled", "message": "The batch was cancelled before this request started."}
+
+
+class BatchRunner:
+    def __init__(self, store: BatchStore, files: FileStorage, sender: LineSender, settings: BatchSettings, metrics: Metrics) -> None:
+        self.store = store
+        self.files = files
+        self.sender = sender
+        self.settings = settings
+        self.metrics = metrics
+        self._slots = asyncio.Semaphore(settings.max_concurrency)
+        self._wake = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._cancelled: set[str] = set()
+        self._batches: dict[str, asyncio.Task[None]] = {}
+        self._lines: set[asyncio.Task[None]] = set()
+        self._task: asyncio.Task[None] | None = None
+
+    async def _db(self, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        return await asyncio.to_thread(call, *args, **kwargs)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="batch runner")
+
+    def wake(self) -> None:
+        """A batch was created: look now, not at the next poll."""
+        self._wake.set()
+
+    def cancel(self, batch_id: str) -> None:
+        """No line of ``batch_id`` starts from now on (its status is ``cancelling`` in the database already)."""
+        self._cancelled.add(batch_id)
+        self._wake.set()
+
+    async def close(self, grace_s: float) -> None:
+        """Start no line; let those in flight finish for ``grace_s``, then abandon them (they stay queued)."""
+        self._stop.set()
+        self._wake.set()
+        tasks = [task for task in (self._task, *self._batches.values()) if task is not None]
+        if tasks:
+            _, late = await asyncio.wait(tasks, timeout=grace_s)
+            for task in (*late, *self._lines):
+                task.cancel()
+            await asyncio.gather(*late, *self._lines, return_exceptions=True)
+
+    async def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                unfinished = await self._db(self.store.unfinished)
+                waiting = 0
+                for batch in unfinished:
+                    counts = batch.request_counts
+                    waiting += counts.total - counts.completed - counts.failed
+                    if batch.status == "cancelling":
+                        self._cancelled.add(batch.id)
+                    if batch.id not in self._batches:
+                        self._batches[batch.id] = asyncio.create_task(self._run(batch), name=f"batch {batch.id}")
+                self.metrics.batch_queued.set(waiting)
+            except Exception as error:  # noqa: BLE001 - a database down: try again at the next poll
+                logger.warning("batches: cannot read the batches ({}: {}); retrying", type(error).__name__, error)
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.settings.poll_interval_s)
+            except TimeoutError:
+                pass
+
+    async def _run(self, batch: BatchObject) -> None:
+        try:
+            if batch.status == "validating":
+                await self._db(self.store.move, batch.id, "in_progress", ("validating",))
+            if batch.status in ("validating", "in_progress"):
+                await self._run_lines(batch)
+            if not self._stop.is_set():
+                await self._finish(batch)
+        except Exception:  # noqa: BLE001 - logged; the batch is taken up again at the next poll
+            logger.exception("batches: batch {} stopped on an error; it is taken up again", batch.id)
+            await asyncio.sleep(self.settings.poll_interval_s)
+        finally:
+            self._batches.pop(batch.id, None)
+
+    def _stopped(self, batch: BatchObject) -> bool:
+        return self._stop.is_set() or batch.id in self._cancelled or (batch.expires_at is not None and time.time() >= batch.expires_at)
+
+    async def _run_lines(self, batch: BatchObject) -> None:
+        queued = set(await self._db(self.store.queued, batch.id))
+        whose = await self._db(self.store.owner_of, batch.id)
+        if not queued or whose is None:
+            return
+        mine: set[asyncio.Task[None]] = set()
+        with self.files.open(batch.input_file_id) as stream:
+            for index, _, raw in jsonl_lines(stream):
+                if index not in queued:
+                    continue
+                await self._slots.acquire()
+                if self._stopped(batch):
+                    self._slots.release()
+                    break
+                task = asyncio.create_task(self._line(batch, whose[0], index, raw))
+                for group in (mine, self._lines):
+                    group.add(task)
+                    task.add_done_callback(group.discard)
+        await asyncio.gather(*mine, return_exceptions=True)
+
+    async def _line(self, batch: BatchObject, owner: str, index: int, raw: bytes) -> None:
+        try:
+            end, model = await self._answer(batch, owner, index, raw)
+            if end is not None and await self._db(self.store.end_line, batch.id, index, end):
+                self.metrics.child(self.metrics.batch_lines, model, "done" if end.status_code == 200 else "failed").inc()
+        finally:
+            self._slots.release()
+
+    async def _answer(self, batch: BatchObject, owner: str, index: int, raw: bytes) -> tuple[LineEnd | None, str]:
+        """How the line ended, and its model (for the metrics); None: it did not (cancelled or expired while it waited
+        to be sent again: it ends so at the batch's finish). Cancelled (shutdown): it stays queued."""
+        model = "-"
+        try:
+            body = orjson.loads(raw)["body"]
+            model = str(body.get("model", "-"))
+            payload = orjson.dumps(body)
+            request_id = f"{batch.id}-{index}"
+            backoff = self.settings.retry_backoff_s
+            while _passing(answer := await self.sender.send(batch.endpoint, payload, owner, batch.id, request_id)):
+                if self._stopped(batch):
+                    return None, model
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, MAX_BACKOFF_S)
+            return _end(answer, request_id), model
+        except Exception as error:  # noqa: BLE001 - the gateway's own failure: the line fails, not the batch
+            logger.exception("batches: line {} of {} failed in the gateway", index, batch.id)
+            return LineEnd("failed", result={"code": "internal_error", "message": type(error).__name__}), model
+
+    async def _finish(self, batch: BatchObject) -> None:
+        """End a batch whose lines stopped: completed, cancelled or expired, with its result files."""
+        status = await self._db(self.store.status, batch.id)
+        left = await self._db(self.store.queued, batch.id)
+        if status == "cancelling" or batch.id in self._cancelled:
+            await self._db(self.store.end_queued, batch.id, "cancelled", CANCELLED)
+            final, source = "cancelled", ("cancelling", "validating", "in_progress")
+        elif left and batch.expires_at is not None and time.time() >= batch.expires_at:
+            expired = await self._db(self.store.end_queued, batch.id, "expired", EXPIRED)
+            self.metrics.child(self.metrics.batch_lines, "-", "expired").inc(expired)
+            final, source = "expired", ("in_progress",)
+        elif not left:
+            await self._db(self.store.move, batch.id, "finalizing", ("in_progress",))
+            final, source = "completed", ("finalizing",)
+        else:
+            return  # lines left (stopped without ending them): taken up again at the next poll
+        output_id, errors_id = await self._write_results(batch)
+        if await self._db(self.store.move, batch.id, final, source, output_file_id=output_id, error_file_id=errors_id):
+            self._cancelled.discard(batch.id)
+            logger.info("batches: batch {} {}", batch.id, final)
+
+    async def _write_results(self, batch: BatchObject) -> tuple[str | None, str | None]:
+        lines = await self._db(self.store.ended_lines, batch.id)
+        whose = await self._db(self.store.owner_of, batch.id)
+        assert whose is not None
+        output, errors = result_files(batch.id, lines)
+        ids: list[str | None] = []
+        stem = batch.id.removeprefix("batch_")
+        for kind, data in (("output", output), ("errors", errors)):
+            if not data:
+                ids.append(None)
+                continue
+            file_id = f"file-{stem}-{kind}"  # the same id when a finalization is redone after a restart
+            size = await self._db(self.files.write, file_id, data)
+            await self._db(self.store.add_file, file_id, whose[0], "batch_output", f"{batch.id}_{kind}.jsonl", size)
+            ids.append(file_id)
+        return ids[0], ids[1]
+
+
+def _passing(answer: Answer) -> bool:
+    """A failure that passes (retried): 429 of a rate or the queue (not a spent budget), 502/503/504."""
+    return answer.status in PASSING and not (answer.status == 429 and b"insufficient_quota" in answer.body)
+
+
+def _end(answer: Answer, request_id: str) -> LineEnd:
+    try:
+        body: Any = orjson.loads(answer.body) if answer.body else None
+    except orjson.JSONDecodeError:
+        body = {"error": {"code": "invalid_answer", "message": answer.body[:300].decode("utf-8", "replace")}}
+    usage = body.get("usage") if isinstance(body, dict) else None
+    usage = usage if isinstance(usage, dict) else {}
+    prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+    completion = usage.get("completion_tokens", usage.get("output_tokens"))
+    return LineEnd("done", answer.status, request_id, body, prompt if isinstance(prompt, int) else None, completion if isinstance(completion, int) else None)

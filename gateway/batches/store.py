@@ -1,0 +1,208 @@
+"""Files, batches and their lines in the usage ledger's database (SQLite by default, PostgreSQL by URL).
+
+Synchronous SQLAlchemy, called in a thread (:func:`asyncio.to_thread`) by the API and the runner. Every line's end
+is one transaction that also counts it on its batch, and only a line still ``queued`` can end: a line is counted
+once whatever runs it, and a restarted gateway finds exactly the lines that never ended still queued.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Engine, and_, delete, func, insert, or_, select, update
+
+from gateway.batches.shapes import ACTIVE, BatchObject, FileObject, RequestCounts
+from gateway.tenants.batch_schema import batch_files, batch_lines, batches
+from gateway.tenants.ledger_schema import migrate, open_engine
+
+
+@dataclass(frozen=True)
+class LineEnd:
+    """How one line ended: ``done`` (an HTTP answer, any status), ``failed`` (the gateway could not get one),
+    ``expired`` or ``cancelled`` (never sent)."""
+
+    state: str
+    status_code: int | None = None
+    request_id: str | None = None
+    result: Any = None  # the answer's JSON body, or an error object {"code", "message"}
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
+class BatchStore:
+    def __init__(self, url: str) -> None:
+        self.engine: Engine = open_engine(url, write=True)
+        migrate(self.engine)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    # ---------------------------------------------------------------- files
+    def add_file(self, file_id: str, owner: str, purpose: str, filename: str, size: int) -> FileObject:
+        """Record a written file (replacing a record of the same id: a finalization redone after a restart)."""
+        row = {"id": file_id, "owner": owner, "purpose": purpose, "filename": filename[:256], "bytes": size, "created_at": int(time.time())}
+        with self.engine.begin() as conn:
+            conn.execute(delete(batch_files).where(batch_files.c.id == file_id))
+            conn.execute(insert(batch_files).values(**row))
+        return _file(row)
+
+    def file(self, file_id: str, owner: str | None) -> FileObject | None:
+        """``file_id`` if ``owner`` holds it (None: whoever does)."""
+        query = select(batch_files).where(batch_files.c.id == file_id)
+        if owner is not None:
+            query = query.where(batch_files.c.owner == owner)
+        with self.engine.begin() as conn:
+            row = conn.execute(query).mappings().first()
+        return _file(row) if row is not None else None
+
+    def files(self, owner: str, purpose: str | None, after: str | None, limit: int) -> tuple[list[FileObject], bool]:
+        query = select(batch_files).where(batch_files.c.owner == owner)
+        if purpose:
+            query = query.where(batch_files.c.purpose == purpose)
+        rows = self._page(query, batch_files, after, limit)
+        return [_file(row) for row in rows[:limit]], len(rows) > limit
+
+    def delete_file(self, file_id: str) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(delete(batch_files).where(batch_files.c.id == file_id))
+
+    def batch_using(self, file_id: str) -> str | None:
+        """An unfinished batch reading ``file_id`` (its input must stay until the batch ends)."""
+        query = select(batches.c.id).where(batches.c.input_file_id == file_id, batches.c.status.in_(ACTIVE))
+        with self.engine.begin() as conn:
+            return conn.execute(query.limit(1)).scalar()
+
+    # ---------------------------------------------------------------- batches
+    def create_batch(self, row: dict[str, Any], custom_ids: list[str]) -> BatchObject:
+        """The batch and its lines (all queued), in one transaction: a batch exists whole or not at all."""
+        row = {**row, "total": len(custom_ids), "completed": 0, "failed": 0}
+        lines = [{"batch_id": row["id"], "line": index, "custom_id": custom_id, "state": "queued"} for index, custom_id in enumerate(custom_ids)]
+        with self.engine.begin() as conn:
+            conn.execute(insert(batches).values(**row))
+            for start in range(0, len(lines), 1000):
+                conn.execute(insert(batch_lines), lines[start : start + 1000])
+        return _batch(row)
+
+    def batch(self, batch_id: str, owner: str | None) -> BatchObject | None:
+        query = select(batches).where(batches.c.id == batch_id)
+        if owner is not None:
+            query = query.where(batches.c.owner == owner)
+        with self.engine.begin() as conn:
+            row = conn.execute(query).mappings().first()
+        return _batch(row) if row is not None else None
+
+    def owner_of(self, batch_id: str) -> tuple[str, str | None] | None:
+        """(owner, key name) of a batch: whom its lines run as."""
+        with self.engine.begin() as conn:
+            row = conn.execute(select(batches.c.owner, batches.c.key_name).where(batches.c.id == batch_id)).first()
+        return (row[0], row[1]) if row is not None else None
+
+    def batches(self, owner: str | None, after: str | None, limit: int) -> tuple[list[BatchObject], bool]:
+        query = select(batches)
+        if owner is not None:
+            query = query.where(batches.c.owner == owner)
+        rows = self._page(query, batches, after, limit)
+        return [_batch(row) for row in rows[:limit]], len(rows) > limit
+
+    def load(self, owner: str) -> tuple[int, int]:
+        """(unfinished batches, lines still queued) of ``owner``: what the per-key limits count."""
+        active = and_(batches.c.owner == owner, batches.c.status.in_(ACTIVE))
+        with self.engine.begin() as conn:
+            count = conn.execute(select(func.count()).where(active)).scalar() or 0
+            queued = conn.execute(
+                select(func.coalesce(func.sum(batches.c.total - batches.c.completed - batches.c.failed), 0)).where(active)
+            ).scalar()
+        return int(count), int(queued or 0)
+
+    def unfinished(self) -> list[BatchObject]:
+        """Every batch not yet ended, oldest first: what the runner takes up (at start: what a restart resumes)."""
+        query = select(batches).where(batches.c.status.in_(ACTIVE)).order_by(batches.c.created_at, batches.c.id)
+        with self.engine.begin() as conn:
+            return [_batch(row) for row in conn.execute(query).mappings()]
+
+    def status(self, batch_id: str) -> str | None:
+        with self.engine.begin() as conn:
+            return conn.execute(select(batches.c.status).where(batches.c.id == batch_id)).scalar()
+
+    def move(self, batch_id: str, to: str, only_from: Iterable[str], **values: Any) -> bool:
+        """Set ``batch_id``'s status to ``to`` (with its ``<to>_at`` time and ``values``) if it is one of ``only_from``."""
+        stamp = {f"{to}_at": int(time.time())} if f"{to}_at" in batches.c else {}
+        query = update(batches).where(batches.c.id == batch_id, batches.c.status.in_(tuple(only_from)))
+        with self.engine.begin() as conn:
+            return conn.execute(query.values(status=to, **stamp, **values)).rowcount == 1
+
+    # ---------------------------------------------------------------- lines
+    def queued(self, batch_id: str) -> list[int]:
+        query = select(batch_lines.c.line).where(batch_lines.c.batch_id == batch_id, batch_lines.c.state == "queued")
+        with self.engine.begin() as conn:
+            return sorted(conn.execute(query).scalars())
+
+    def end_line(self, batch_id: str, line: int, end: LineEnd) -> bool:
+        """Record how a queued line ended and count it on its batch (one transaction); False if it had ended already."""
+        values = {
+            "state": end.state, "status_code": end.status_code, "request_id": end.request_id,
+            "result": json.dumps(end.result) if end.result is not None else None,
+            "prompt_tokens": end.prompt_tokens, "completion_tokens": end.completion_tokens,
+        }  # fmt: skip
+        where = and_(batch_lines.c.batch_id == batch_id, batch_lines.c.line == line, batch_lines.c.state == "queued")
+        with self.engine.begin() as conn:
+            if conn.execute(update(batch_lines).where(where).values(**values)).rowcount != 1:
+                return False
+            counted = _counted_as(end)
+            if counted is not None:
+                column = batches.c[counted]
+                conn.execute(update(batches).where(batches.c.id == batch_id).values({column: column + 1}))
+        return True
+
+    def end_queued(self, batch_id: str, state: str, error: dict[str, str]) -> int:
+        """Every line still queued ends as ``state`` (expired, cancelled) with ``error``; how many."""
+        where = and_(batch_lines.c.batch_id == batch_id, batch_lines.c.state == "queued")
+        with self.engine.begin() as conn:
+            return conn.execute(update(batch_lines).where(where).values(state=state, result=json.dumps(error))).rowcount
+
+    def ended_lines(self, batch_id: str) -> list[dict[str, Any]]:
+        """Every line that ended, in input order, with its answer."""
+        query = select(batch_lines).where(batch_lines.c.batch_id == batch_id, batch_lines.c.state != "queued").order_by(batch_lines.c.line)
+        with self.engine.begin() as conn:
+            return [dict(row) for row in conn.execute(query).mappings()]
+
+    def _page(self, query: Any, table: Any, after: str | None, limit: int) -> list[Any]:
+        """Newest first, ``limit`` + 1 rows (the extra one says ``has_more``), starting after the id ``after``."""
+        if after is not None:
+            with self.engine.begin() as conn:
+                cursor = conn.execute(select(table.c.created_at).where(table.c.id == after)).scalar()
+            if cursor is not None:
+                query = query.where(or_(table.c.created_at < cursor, and_(table.c.created_at == cursor, table.c.id < after)))
+        query = query.order_by(table.c.created_at.desc(), table.c.id.desc()).limit(limit + 1)
+        with self.engine.begin() as conn:
+            return list(conn.execute(query).mappings())
+
+
+def _counted_as(end: LineEnd) -> str | None:
+    """Which request count a line's end adds to: a 200 answer is completed; any other answer, or none, failed;
+    a line never sent (expired, cancelled) neither."""
+    if end.state == "done" and end.status_code == 200:
+        return "completed"
+    if end.state in ("done", "failed"):
+        return "failed"
+    return None
+
+
+def _file(row: Any) -> FileObject:
+    return FileObject(id=row["id"], bytes=row["bytes"], created_at=row["created_at"], filename=row["filename"], purpose=row["purpose"])
+
+
+def _batch(row: Any) -> BatchObject:
+    times = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at", "cancelled_at")
+    return BatchObject(
+        id=row["id"], endpoint=row["endpoint"], input_file_id=row["input_file_id"], completion_window=row["completion_window"],
+        status=row["status"], output_file_id=row.get("output_file_id"), error_file_id=row.get("error_file_id"),
+        created_at=row["created_at"], expires_at=row["expires_at"], **{name: row.get(name) for name in times},
+        errors=json.loads(row["errors"]) if row.get("errors") else None,
+        request_counts=RequestCounts(total=row["total"], completed=row["completed"], failed=row["failed"]),
+        metadata=json.loads(row["metadata"]) if row.get("metadata") else None,
+    )  # fmt: skip

@@ -1,0 +1,45 @@
+"""What the batch tests share: input files, waiting for a batch to end, reading its result files."""
+
+from __future__ import annotations
+
+import io
+import json
+from typing import Any
+
+import openai
+
+from tests.waiting import wait_until
+
+ENDED = ("completed", "failed", "expired", "cancelled")
+
+
+def chat_lines(count: int, model: str = "m", **body: Any) -> list[dict[str, Any]]:
+    """``count`` chat requests, custom_id ``line-<i>``, each saying its own custom_id (what a FAKE engine notes)."""
+    return [
+        {"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": model, "messages": [{"role": "user", "content": f"line-{i}"}], "max_tokens": 4, **body}}
+        for i in range(count)
+    ]  # fmt: skip
+
+
+def jsonl(lines: list[Any]) -> bytes:
+    return b"".join((line if isinstance(line, str) else json.dumps(line)).encode() + b"\n" for line in lines)
+
+
+def upload(client: openai.OpenAI, lines: list[Any]) -> str:
+    return client.files.create(file=("input.jsonl", io.BytesIO(jsonl(lines))), purpose="batch").id
+
+
+def wait_ended(client: openai.OpenAI, batch_id: str, timeout_s: float = 120) -> Any:
+    """The batch once it ended (completed, failed, expired, cancelled)."""
+    return wait_until(
+        lambda: (batch := client.batches.retrieve(batch_id)).status in ENDED and batch,
+        lambda: f"batch {batch_id} ended: {client.batches.retrieve(batch_id).status}",
+        timeout_s=timeout_s,
+    )
+
+
+def results(client: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
+    if file_id is None:
+        return []
+    return [json.loads(line) for line in client.files.content(file_id).text.splitlines() if line.strip()]

@@ -1,0 +1,66 @@
+"""The seed use case end to end against the real CPU engine, with the ``openai`` SDK: chat lines answered in a JSON
+schema; every output line parses against it, in input order, and the key's ledger holds exactly the tokens the output
+lines report. (Small: the suite's budget; the large runs are in benchmarks/batch_ttft.py.)"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.batches.helpers import results, upload, wait_ended
+from tests.gateway_server import serve
+
+pytestmark = pytest.mark.engine
+
+KEY, ADMIN = "sk-reviews", "sk-admin"
+LINES = 20
+SCHEMA = {
+    "type": "object",
+    "properties": {"sentiment": {"type": "string", "enum": ["positive", "negative", "neutral"]}, "stars": {"type": "integer", "enum": [1, 2, 3, 4, 5]}},
+    "required": ["sentiment", "stars"],
+    "additionalProperties": False,
+}
+
+
+def _line(i: int) -> dict[str, Any]:
+    body = {
+        "model": "tiny", "messages": [{"role": "user", "content": f"Review {i}: the product was fine."}], "max_tokens": 64,
+        "temperature": 0, "response_format": {"type": "json_schema", "json_schema": {"name": "review", "schema": SCHEMA}},
+    }  # fmt: skip
+    return {"custom_id": f"review-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}
+
+
+def _valid(answer: str) -> bool:
+    data = json.loads(answer)
+    return set(data) == {"sentiment", "stars"} and data["sentiment"] in ("positive", "negative", "neutral") and data["stars"] in (1, 2, 3, 4, 5)
+
+
+def test_json_schema_lines_against_the_real_engine(tiny_engine: Any, tmp_path: Path) -> None:
+    gateway = {"keys": [{"name": "reviews", "key": KEY}], "admin_keys": [ADMIN], "state_dir": str(tmp_path), "usage": {"flush_interval_s": 0.05}}
+    with serve({"tiny": {"url": tiny_engine.url}}, gateway) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+        batch = client.batches.create(input_file_id=upload(client, [_line(i) for i in range(LINES)]), endpoint="/v1/chat/completions",
+                                      completion_window="24h")  # fmt: skip
+        ended = wait_ended(client, batch.id, timeout_s=300)
+        assert ended.status == "completed" and ended.request_counts.completed == LINES, ended
+        out = results(client, ended.output_file_id)
+        assert [line["custom_id"] for line in out] == [f"review-{i}" for i in range(LINES)]
+        bodies = [line["response"]["body"] for line in out]
+        assert all(_valid(body["choices"][0]["message"]["content"]) for body in bodies), [b["choices"][0]["message"]["content"] for b in bodies]
+        prompt = sum(body["usage"]["prompt_tokens"] for body in bodies)
+        completion = sum(body["usage"]["completion_tokens"] for body in bodies)
+        deadline = time.monotonic() + 20
+        while True:
+            usage = httpx.get(server.url + "/admin/usage", params={"key": "reviews"}, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30).json()
+            row = usage["rows"][0] if usage.get("rows") else {"prompt_tokens": 0, "completion_tokens": 0}
+            if (row["prompt_tokens"], row["completion_tokens"]) == (prompt, completion) or time.monotonic() > deadline:
+                break  # (rows are written every flush_interval_s)
+            time.sleep(0.05)
+        # the key's rows: the batch's lines (the file and batch calls are rows too, with no tokens)
+        assert (row["prompt_tokens"], row["completion_tokens"]) == (prompt, completion), row
