@@ -45,7 +45,7 @@ from gateway.edge.middleware import BodyLimitMiddleware, JSONCORSMiddleware, Req
 from gateway.edge.quota import QuotaMiddleware
 from gateway.tenants.keys import tenants_of
 from gateway.tenants.ledger import open_ledger
-from gateway.tenants.quotas import Quotas, restore_budgets
+from gateway.tenants.quotas import Quotas, restore_budgets_when_readable
 from gateway.ui.routes import ui_routes
 from launch.config import DeploymentConfig
 from launch.preflight import preflight_all
@@ -155,9 +155,10 @@ def create_app(
                         await streams.close()
                     return
                 supervisor = None
+                restoring: asyncio.Task[None] | None = None  # budgets restored once the ledger answers (down at start)
                 try:
                     try:
-                        await restore_budgets(app.state.quotas, ledger)
+                        restoring = await restore_budgets_when_readable(app.state.quotas, ledger)
                         await controller.boot()
                         await controller.start()
                         if workers is not None:
@@ -172,6 +173,8 @@ def create_app(
                         raise
                     yield
                 finally:
+                    if restoring is not None:
+                        restoring.cancel()
                     if batches is not None:  # lines in flight finish while the engines still run
                         await batches.close(settings.shutdown_grace_s)
                     if supervisor is not None:

@@ -42,11 +42,17 @@ from gateway.tenants.keys import TENANT_SCOPE_KEY, Tenant
 MAX_PAGE = 100
 
 
-def _batches(request: Request) -> tuple[Batches, BatchStore]:
+async def _batches(request: Request) -> tuple[Batches, BatchStore]:
+    """The app's batch API and its database (opened at its first use: 503 while it cannot be)."""
     batches: Batches | None = getattr(request.app.state, "batches", None)
-    if batches is None or batches.store is None:
+    if batches is None:
         raise GatewayError(404, "the batch API is off here (gateway.batches.enabled, and a state_dir for the files)", code="batches_off")
-    return batches, batches.store
+    try:
+        store = await batches.store_now(create=True)
+    except Exception as error:  # noqa: BLE001 - the database down: said, never a 500 with a trace
+        raise GatewayError(503, f"the batch database cannot be reached ({type(error).__name__}); try again later", code="batches_unavailable") from error
+    assert store is not None
+    return batches, store
 
 
 def _json(data: Any, status: int = 200) -> Response:
@@ -66,7 +72,7 @@ async def _db(call: Callable[..., Any], *args: Any) -> Any:
 
 # ---------------------------------------------------------------------------- files
 async def upload_file(request: Request) -> Response:
-    batches, store = _batches(request)
+    batches, store = await _batches(request)
     limit = batches.settings.max_file_bytes
     form = await request.form(max_files=1, max_fields=4)
     try:
@@ -89,13 +95,13 @@ async def upload_file(request: Request) -> Response:
 
 
 async def list_files(request: Request) -> Response:
-    _, store = _batches(request)
+    _, store = await _batches(request)
     items, more = await _db(store.files, request_owner(request.scope), request.query_params.get("purpose"), request.query_params.get("after"), _limit(request, 100))
     return _json(page([item.model_dump() for item in items], more))
 
 
 async def _owned_file(request: Request, file_id: str) -> Any:
-    _, store = _batches(request)
+    _, store = await _batches(request)
     found = await _db(store.file, file_id, request_owner(request.scope))
     if found is None:
         raise GatewayError(404, f"No such File object: {file_id}", code="file_not_found", param="file_id")
@@ -107,7 +113,7 @@ async def get_file(file_id: str, request: Request) -> Response:
 
 
 async def delete_file(file_id: str, request: Request) -> Response:
-    batches, store = _batches(request)
+    batches, store = await _batches(request)
     await _owned_file(request, file_id)
     using = await _db(store.batch_using, file_id)
     if using is not None:
@@ -118,7 +124,7 @@ async def delete_file(file_id: str, request: Request) -> Response:
 
 
 async def file_content(file_id: str, request: Request) -> Response:
-    batches, _ = _batches(request)
+    batches, _ = await _batches(request)
     await _owned_file(request, file_id)
     stream = await _db(batches.files.open, file_id)
 
@@ -132,7 +138,7 @@ async def file_content(file_id: str, request: Request) -> Response:
 
 # ---------------------------------------------------------------------------- batches
 async def create_batch(request: Request) -> Response:
-    batches, store = _batches(request)
+    batches, store = await _batches(request)
     try:
         asked = BatchCreate.model_validate_json(await request.body())
     except ValidationError as error:
@@ -169,7 +175,7 @@ async def create_batch(request: Request) -> Response:
 
 
 async def _owned_batch(request: Request, batch_id: str) -> Any:
-    _, store = _batches(request)
+    _, store = await _batches(request)
     found = await _db(store.batch, batch_id, request_owner(request.scope))
     if found is None:
         raise GatewayError(404, f"No such Batch object: {batch_id}", code="batch_not_found", param="batch_id")
@@ -181,14 +187,14 @@ async def get_batch(batch_id: str, request: Request) -> Response:
 
 
 async def list_batches(request: Request) -> Response:
-    _, store = _batches(request)
+    _, store = await _batches(request)
     items, more = await _db(store.batches, request_owner(request.scope), request.query_params.get("after"), _limit(request))
     return _json(page([item.model_dump() for item in items], more))
 
 
 async def cancel_batch(batch_id: str, request: Request) -> Response:
     """No line starts from now on; lines in flight finish and their answers are kept; the batch ends ``cancelled``."""
-    batches, store = _batches(request)
+    batches, store = await _batches(request)
     batch = await _owned_batch(request, batch_id)
     if batch.status in TERMINAL:
         raise GatewayError(409, f"batch {batch_id} is {batch.status} already", code="batch_not_cancellable", param="batch_id")
@@ -200,7 +206,7 @@ async def cancel_batch(batch_id: str, request: Request) -> Response:
 
 async def admin_batches(request: Request) -> Response:
     """Every key's batches (admin key), each with the key that owns it."""
-    _, store = _batches(request)
+    _, store = await _batches(request)
     items, more = await _db(store.batches, None, request.query_params.get("after"), _limit(request))
     rows = []
     for item in items:
@@ -229,5 +235,8 @@ def batch_routes() -> APIRouter:
     assert table.keys() == HANDLERS.keys(), f"gateway.core.endpoints.BATCH_ROUTES and the batch handlers differ: {table.keys() ^ HANDLERS.keys()}"
     router = APIRouter()
     for (method, path), summary in table.items():
-        router.add_api_route(path, HANDLERS[(method, path)], methods=[method], summary=summary, name=f"{method} {path}")
+        router.add_api_route(
+            path, HANDLERS[(method, path)], methods=[method], summary=summary, name=f"{method} {path}",
+            include_in_schema=not path.startswith("/admin"),  # as every admin route: not listed to client keys
+        )  # fmt: skip
     return router

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import orjson
@@ -41,8 +41,13 @@ CANCELLED = {"code": "batch_cancelled", "message": "The batch was cancelled befo
 
 
 class BatchRunner:
-    def __init__(self, store: BatchStore, files: FileStorage, sender: LineSender, settings: BatchSettings, metrics: Metrics) -> None:
-        self.store = store
+    store: BatchStore  # set by the loop once the database is open (no batch runs before)
+
+    def __init__(
+        self, connect: Callable[[bool], Awaitable[BatchStore | None]], files: FileStorage, sender: LineSender, settings: BatchSettings,
+        metrics: Metrics,
+    ) -> None:
+        self.connect = connect  # the database, or None while none exists yet (``Batches.store_now``)
         self.files = files
         self.sender = sender
         self.settings = settings
@@ -84,7 +89,10 @@ class BatchRunner:
     async def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                unfinished = await self._db(self.store.unfinished)
+                store = await self.connect(False)  # None: no database yet, so no batch
+                if store is not None:
+                    self.store = store
+                unfinished = await self._db(store.unfinished) if store is not None else []
                 waiting = 0
                 for batch in unfinished:
                     counts = batch.request_counts

@@ -1,11 +1,17 @@
 """The batch API's parts put together for one app: storage, the database, and (in the process that runs batches)
-the runner with its adapter into the data plane. Opened and closed by the app's lifespan."""
+the runner with its adapter into the data plane. Opened and closed by the app's lifespan.
+
+The database is opened at its first need, not at start: a gateway that never uses the batch API creates no database
+file, and a database down at start fails no start (the API answers 503 ``batches_unavailable`` meanwhile, the runner
+tries again at each poll)."""
 
 from __future__ import annotations
 
 import asyncio
 from pathlib import Path
 
+from loguru import logger
+from sqlalchemy.engine import make_url
 from starlette.types import ASGIApp
 
 from gateway.batches.dispatch import LineSender
@@ -29,15 +35,32 @@ class Batches:
         self.files: FileStorage = LocalFiles(root)
         self.store: BatchStore | None = None
         self.runner: BatchRunner | None = None
+        self._opening = asyncio.Lock()
 
     async def open(self, run: ASGIApp | None, app: object, keys: KeyHolder, metrics: Metrics) -> None:
-        """The database (schema brought up to date); with ``run`` (the line chain, :func:`gateway.batches.dispatch.line_chain`),
-        the runner too, which takes up every unfinished batch at once."""
-        self.store = await asyncio.to_thread(BatchStore, self.url)
+        """Open the database if it exists (schema brought up to date); with ``run`` (the line chain,
+        :func:`gateway.batches.dispatch.line_chain`), start the runner, which takes up every unfinished batch."""
+        try:
+            await self.store_now(create=False)
+        except Exception as error:  # noqa: BLE001 - said in one line; the API and the runner try again
+            logger.warning("batches: the database cannot be opened ({}: {}); the batch API answers 503 until it can", type(error).__name__, error)
         if run is not None:
             sender = LineSender(run, app, keys, self.settings, self.state.settings.priority_classes)
-            self.runner = BatchRunner(self.store, self.files, sender, self.settings, metrics)
+            self.runner = BatchRunner(self.store_now, self.files, sender, self.settings, metrics)
             self.runner.start()
+
+    async def store_now(self, create: bool) -> BatchStore | None:
+        """The database, opened once. ``create=False``: None while an SQLite file does not exist yet (no batch can
+        be waiting in it). Raises when it cannot be opened."""
+        if self.store is None:
+            async with self._opening:
+                if self.store is None and (create or self._exists()):
+                    self.store = await asyncio.to_thread(BatchStore, self.url)
+        return self.store
+
+    def _exists(self) -> bool:
+        url = make_url(self.url)
+        return url.get_backend_name() != "sqlite" or (url.database is not None and Path(url.database).exists())
 
     async def close(self, grace_s: float) -> None:
         if self.runner is not None:

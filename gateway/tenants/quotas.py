@@ -20,12 +20,15 @@ other workers admitted since, ~150 ms).
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
+
+from loguru import logger
 
 from gateway.config import KeyLimits
 
@@ -392,3 +395,29 @@ async def restore_budgets(quotas: Quotas, ledger: _SpentReader) -> None:
     for period in ("day", "month"):
         since = dt.datetime.fromtimestamp(period_start(now, period), dt.UTC)
         quotas.restore(period, await ledger.spent_since(since))
+
+
+async def restore_budgets_when_readable(quotas: Quotas, ledger: _SpentReader, retry_s: float = 5.0) -> asyncio.Task[None] | None:
+    """:func:`restore_budgets` now; a ledger that cannot be read fails no start: said in one line, then tried again
+    every ``retry_s`` in a task (returned, for the caller to cancel at stop) until it answers. Meanwhile a budget
+    counts from what this process has seen since its start."""
+    try:
+        await restore_budgets(quotas, ledger)
+        return None
+    except Exception as error:  # noqa: BLE001 - the database down at start
+        logger.error(
+            "usage ledger: cannot read what keys spent this day and month ({}: {}); budgets count from this start until it "
+            "can, tried again every {:g} s", type(error).__name__, str(error).splitlines()[0][:200], retry_s,
+        )  # fmt: skip
+
+    async def retry() -> None:
+        while True:
+            await asyncio.sleep(retry_s)
+            try:
+                await restore_budgets(quotas, ledger)
+            except Exception:  # noqa: BLE001,S112 - still down: said once already
+                continue
+            logger.info("usage ledger: readable again; the day and month budgets are restored from it")
+            return
+
+    return asyncio.create_task(retry(), name="restore budgets")

@@ -20,6 +20,7 @@ import pytest
 
 from tests.batches.helpers import chat_lines, jsonl, results, upload, wait_ended
 from tests.fake_engine import running_fake_engine
+from tests.gateway.helpers import closed_port_url
 from tests.gateway_server import GatewayServer, serve
 from tests.servers import CLI, REPO
 
@@ -194,3 +195,20 @@ def test_the_cli_submits_waits_and_downloads(gateway: GatewayServer, tmp_path: P
     assert batch_id in listed.stdout
     other = subprocess.run([*CLI, "batch", "cancel", batch_id], capture_output=True, text=True, env={**env, "SGLANG_GATEWAY_KEY": BETA}, timeout=60, cwd=REPO)
     assert other.returncode == 1 and "404" in other.stderr and "Traceback" not in other.stderr
+
+
+def test_the_database_down_answers_503_and_fails_no_start(fake: tuple[str, Path], tmp_path: Path) -> None:
+    """A batch database that cannot be reached (a PostgreSQL URL where nothing listens): the gateway starts and
+    serves chat; the batch API answers 503 ``batches_unavailable``, never a 500. A gateway without a ledger whose batch API
+    was not used created no database file (the batch API opens it at its first use)."""
+    port = closed_port_url().rsplit(":", 1)[1]
+    down = {"state_dir": str(tmp_path / "down"), "usage": {"database_url": f"postgresql+psycopg://nobody@127.0.0.1:{port}/none"}}
+    with serve({"m": {"url": fake[0]}}, down) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=30)
+        assert client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2).choices
+        with pytest.raises(openai.APIStatusError) as refused:
+            client.batches.list()
+        assert refused.value.status_code == 503 and refused.value.body["code"] == "batches_unavailable", refused.value.body
+    with serve({"m": {"url": fake[0]}}, {"state_dir": str(tmp_path / "unused"), "usage": {"enabled": False}}) as server:
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    assert not (tmp_path / "unused" / "usage.sqlite3").exists()

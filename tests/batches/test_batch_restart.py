@@ -19,7 +19,7 @@ from tests.fake_engine import running_fake_engine
 from tests.servers import CLI, server_process
 
 KEY = "sk-batch-owner"
-LINES, CONCURRENCY = 120, 4
+LINES, CONCURRENCY = 500, 16
 
 
 def _recorded(url: str, batch_id: str) -> set[str]:

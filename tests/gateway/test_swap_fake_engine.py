@@ -29,6 +29,7 @@ YAML file, the same assertions on what clients see and on the ``/metrics`` count
 - (f) a stop-first reload to an engine that fails: a stream outliving ``drain_timeout_s`` is cut, the model
   answers 503 until the watchdog restarts the previous config;
 - (g) with ``max_restarts: 0`` the watchdog gives up on a dead engine; an admin swap revives it.
+- a batch (the batch API) runs through a stop-first swap: its refused lines wait and are sent again, none fails.
 
 Replicas (spread, affinity, a replica SIGKILLed, a rolling swap, SGLang's router in front) run on fake engines
 in tests/gateway/test_replicas.py, with this module's ``fake_engine_section``.
@@ -55,6 +56,7 @@ from launch.config import EngineConfig, load_config
 from launch.process import EngineProcess
 from launch.procgroup import group_pids, signal_group
 from tests.admin_client import prometheus_value
+from tests.batches.helpers import chat_lines, results, upload, wait_ended
 from tests.fake_engine import fake_engine_python
 from tests.gateway.helpers import BackgroundStream, assert_openai_error
 from tests.gateway.test_swap import (
@@ -371,3 +373,27 @@ def test_g_watchdog_gives_up_then_a_swap_revives(rig: SwapRig) -> None:
     finally:
         rig.deploy_running()
         rig.admin("POST", "/admin/reload")
+
+
+@pytest.mark.usefixtures("settled")
+def test_a_batch_runs_through_a_stop_first_swap_and_loses_no_line(rig: SwapRig) -> None:
+    """A stop-first swap (the model down until its new engine is up) in the middle of a batch: the lines it refuses
+    (503) wait and are sent again to the new engine; no line fails, each ends once, in input order."""
+    lines = 120  # 20 tokens each at the fake's 10 ms, 4 at a time: ~6 s of work, so the swap lands in the middle
+    sdk = openai.OpenAI(base_url=rig.server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    batch = sdk.batches.create(
+        input_file_id=upload(sdk, chat_lines(lines, model="tiny", max_tokens=20)), endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    wait_until(lambda: sdk.batches.retrieve(batch.id).request_counts.completed >= 8, "8 lines of the batch answered", 60)
+    before = rig.model()
+    counters = rig.metrics()
+    swapped = rig.admin("POST", "/admin/models/tiny/swap", params={"policy": "stop-first"})
+    assert swapped.status_code == 200, swapped.text
+    assert swapped.json()["new"]["pid"] != before["engine"]["pid"]
+    during = sdk.batches.retrieve(batch.id)
+    assert during.status == "in_progress" and during.request_counts.completed < lines, during  # the swap was mid-batch
+    ended = wait_ended(sdk, batch.id, timeout_s=120)
+    assert (ended.status, ended.request_counts.completed, ended.request_counts.failed) == ("completed", lines, 0), ended
+    assert ended.error_file_id is None
+    assert [line["custom_id"] for line in results(sdk, ended.output_file_id)] == [f"line-{i}" for i in range(lines)]
+    assert changes(counters, rig.metrics()) == {"swaps_ok": 1}
