@@ -10,10 +10,13 @@ at every start) and a fresh profile; Playwright ends its process group when the 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
+
+from tests.waiting import wait_until
 
 CHROMIUM = os.environ.get("SGLANG_GATEWAY_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 FLAGS = [
@@ -52,3 +55,16 @@ def chromium_page(**page_options: Any) -> Iterator[Any]:
             yield page
         finally:
             browser.close()
+
+
+def expect_text(locator: Any, wanted: str | re.Pattern[str], timeout_s: float = 30) -> None:
+    """Until ``locator``'s text is ``wanted`` (or matches it): the page refreshes every few seconds."""
+
+    def text() -> str | None:
+        return (locator.text_content(timeout=timeout_s * 1000) or "").strip() if locator.count() else None
+
+    def shown() -> bool:
+        found = text()
+        return found is not None and bool(wanted.search(found) if isinstance(wanted, re.Pattern) else found == wanted)
+
+    wait_until(shown, lambda: f"{locator}: {text()!r}, not {wanted!r}", timeout_s, every_s=0.2)

@@ -3,7 +3,7 @@
 The page is static: it holds no data and no secret, so it is served without a key (see
 :func:`gateway.core.endpoints.is_status_page`). What it shows, it fetches in the browser from the API,
 with the keys the user types in: ``/ready`` (open), ``/v1/models`` and ``/metrics`` (a client key when
-client keys are set), ``/admin/models`` and ``/admin/workers`` (the admin key), and the playground streams
+client keys are set), ``/admin/models``, ``/admin/workers`` and ``/admin/batches`` (the admin key), and the playground streams
 through ``/v1/chat/completions``. ``gateway.status_page: false`` turns it off (404), read per request so
 that a reload applies.
 """

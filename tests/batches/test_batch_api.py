@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from tests.batches.helpers import chat_lines, jsonl, results, upload, wait_ended
+from tests.browser import browser_missing, chromium_page, expect_text
 from tests.fake_engine import running_fake_engine
 from tests.gateway.helpers import closed_port_url
 from tests.gateway_server import GatewayServer, serve
@@ -212,3 +213,26 @@ def test_the_database_down_answers_503_and_fails_no_start(fake: tuple[str, Path]
     with serve({"m": {"url": fake[0]}}, {"state_dir": str(tmp_path / "unused"), "usage": {"enabled": False}}) as server:
         assert httpx.get(server.url + "/health", timeout=10).status_code == 200
     assert not (tmp_path / "unused" / "usage.sqlite3").exists()
+
+
+def test_the_status_page_lists_batches_with_their_progress(gateway: GatewayServer) -> None:
+    """With the admin key, the status page (headless Chromium) lists every key's batches: id, key, status and the
+    lines done; without it, no batch is shown."""
+    if (missing := browser_missing()) is not None:
+        pytest.skip(f"no browser: {missing}")
+    client = _client(gateway, ALPHA)
+    batch = client.batches.create(input_file_id=upload(client, chat_lines(3)), endpoint="/v1/chat/completions", completion_window="24h")
+    assert wait_ended(client, batch.id).status == "completed"
+    with chromium_page() as page:
+        page.goto(gateway.url + "/")
+        page.fill("#client-key", ALPHA)
+        page.click("#keys button[type=submit]")
+        assert page.locator("section#batches").is_hidden()
+        page.fill("#admin-key", ADMIN)
+        page.click("#keys button[type=submit]")
+        row = page.locator(f'#batches-body tr[data-batch="{batch.id}"]')
+        expect_text(row.locator("td:nth-child(3)"), "completed")
+        assert row.locator("td:nth-child(2)").text_content() == "alpha"
+        assert row.locator("td:nth-child(6)").text_content() == "3 / 0 / 3"
+        assert page.locator("#batches-body progress").first.get_attribute("max") is not None
+        assert not page.problems, page.problems

@@ -56,7 +56,7 @@ from launch.config import load_config
 from launch.process import EngineProcess
 from launch.procgroup import group_pids
 from tests.admin_client import AdminClient
-from tests.browser import browser_missing, chromium_page
+from tests.browser import browser_missing, chromium_page, expect_text
 from tests.gateway_server import KEY, GatewayServer, auth
 from tests.leaks import LeakCheck
 from tests.load import ThreadedLoad
@@ -504,16 +504,3 @@ class StatusPage:
         expect_text(self.cell("tiny", "engines", 4), str(engine_pid))
         events = self.page.text_content("#events-list")
         assert "engine_down tiny failed" in events and "restart tiny ok" in events, events
-
-
-def expect_text(locator: Any, wanted: str | re.Pattern[str], timeout_s: float = 30) -> None:
-    """Until ``locator``'s text is ``wanted`` (or matches it): the page refreshes every few seconds."""
-
-    def text() -> str | None:
-        return (locator.text_content(timeout=timeout_s * 1000) or "").strip() if locator.count() else None
-
-    def shown() -> bool:
-        found = text()
-        return found is not None and bool(wanted.search(found) if isinstance(wanted, re.Pattern) else found == wanted)
-
-    wait_until(shown, lambda: f"{locator}: {text()!r}, not {wanted!r}", timeout_s, every_s=0.2)

@@ -1,5 +1,5 @@
 // The status page: models (from /ready, /v1/models and /metrics) and, with the admin key, engines,
-// workers and the last swaps, reloads and restarts (from /admin/models and /admin/workers).
+// workers, batches and the last swaps, reloads and restarts (from /admin/models, /admin/workers, /admin/batches).
 // Everything from the server goes into the page as text (textContent), never as HTML.
 "use strict";
 
@@ -55,12 +55,13 @@
 
   async function refresh() {
     const asClient = !needsClientKey || keys.client;
-    const [ready, models, metrics, admin, workers] = await Promise.all([
+    const [ready, models, metrics, admin, workers, batches] = await Promise.all([
       get("/ready").catch(() => null),
       asClient ? get("/v1/models", keys.client).catch(() => null) : null,
       asClient ? get("/metrics", keys.client).catch(() => null) : null,
       keys.admin ? get("/admin/models", keys.admin).catch(() => null) : null,
       keys.admin ? get("/admin/workers", keys.admin).catch(() => null) : null,
+      keys.admin ? get("/admin/batches", keys.admin).catch(() => null) : null,
     ]);
     const notes = [];
     const traffic = metrics && metrics.status === 200 ? rates.update(metrics.body, Date.now()) : {};
@@ -72,6 +73,7 @@
     const cards = models && models.status === 200 ? models.body : null;
     renderModels(ready && ready.body, cards, traffic, adminView);
     renderAdmin(adminView, workers && workers.status === 200 ? workers.body : null);
+    renderBatches(adminView && batches && batches.status === 200 ? batches.body.data : null);
     window.GatewayPlayground?.offerModels(modelNames(ready && ready.body, cards));
     $("models-note").textContent = notes.join("; ");
     $("refreshed").textContent = ready ? `refreshed ${new Date().toLocaleTimeString()}` : "the gateway does not answer";
@@ -155,6 +157,26 @@
       events.append(li);
     }
     if (!events.children.length) events.append(el("li", "nothing yet since the gateway started", "muted"));
+  }
+
+  // The batch API's jobs (absent when it is off: /admin/batches answers 404 batches_off).
+  function renderBatches(list) {
+    $("batches").hidden = !list || list.length === 0;
+    $("batches-body").replaceChildren(...(list || []).map((batch) => {
+      const counts = batch.request_counts || { total: 0, completed: 0, failed: 0 };
+      const bar = document.createElement("progress");
+      bar.max = Math.max(counts.total, 1);
+      bar.value = counts.completed + counts.failed;
+      const progress = el("td");
+      progress.append(bar);
+      const tr = row([
+        batch.id, batch.key ?? "", stateCell(batch.status), batch.endpoint, progress,
+        el("td", `${counts.completed} / ${counts.failed} / ${counts.total}`, "num"),
+        new Date(batch.created_at * 1000).toLocaleTimeString(),
+      ]);
+      tr.dataset.batch = batch.id;
+      return tr;
+    }));
   }
 
   function start() {
