@@ -24,6 +24,7 @@ from tests.fake_engine import running_fake_engine
 from tests.gateway.helpers import closed_port_url
 from tests.gateway_server import GatewayServer, serve
 from tests.servers import CLI, REPO
+from tests.waiting import wait_until
 
 ALPHA, BETA, ADMIN = "sk-alpha", "sk-beta", "sk-admin"
 
@@ -54,18 +55,18 @@ def _client(gateway: GatewayServer, key: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=gateway.url + "/v1", api_key=key, max_retries=0, timeout=60)
 
 
-def _batch_rows(gateway: GatewayServer, batch_id: str) -> tuple[int, int, int]:
-    """(rows, prompt tokens, completion tokens) the ledger holds for ``batch_id``, once its rows are written."""
+def _batch_rows(gateway: GatewayServer, batch_id: str, lines: int) -> tuple[int, int, int]:
+    """(rows, prompt tokens, completion tokens) the ledger holds for ``batch_id`` as alpha's, once its ``lines`` rows
+    are written (every ``usage.flush_interval_s``: some may come a flush later than others)."""
     database = Path(gateway.state.settings.state_dir) / "usage.sqlite3"
-    deadline = time.monotonic() + 10
-    while True:
+
+    def found() -> tuple[int, int, int]:
         with sqlite3.connect(database) as conn:
-            found = conn.execute(
+            return conn.execute(
                 "SELECT count(*), sum(prompt_tokens), sum(completion_tokens) FROM usage_rows WHERE batch_id = ? AND key_name = 'alpha'", (batch_id,)
             ).fetchone()
-        if found[0] or time.monotonic() > deadline:
-            return found
-        time.sleep(0.05)
+
+    return wait_until(lambda: found()[0] >= lines and found(), lambda: f"the ledger holds {found()} for {batch_id}", 10, 0.05)
 
 
 def test_a_batch_runs_every_line_once_as_its_key_at_the_batch_class(gateway: GatewayServer, fake: tuple[str, Path]) -> None:
@@ -85,7 +86,7 @@ def test_a_batch_runs_every_line_once_as_its_key_at_the_batch_class(gateway: Gat
     assert all(line["response"]["request_id"] == f"{batch.id}-{i}" for i, line in enumerate(out))
     answered = fake[1].read_text().splitlines()
     assert all(answered.count(f"line-{i}") == 1 for i in range(12)), answered
-    rows, prompt, completion = _batch_rows(gateway, batch.id)  # charged to alpha, marked as this batch's
+    rows, prompt, completion = _batch_rows(gateway, batch.id, 12)  # charged to alpha, marked as this batch's
     assert rows == 12
     assert (prompt, completion) == (sum(line["response"]["body"]["usage"]["prompt_tokens"] for line in out),
                                     sum(line["response"]["body"]["usage"]["completion_tokens"] for line in out))  # fmt: skip
