@@ -32,7 +32,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from gateway.config import TracingSettings
 from gateway.core.context import Attempt, RequestInfo, RequestTrace
-from gateway.core.endpoints import route_label
+from gateway.core.endpoints import CHAT_COMPLETIONS, route_label
 from launch.config import ConfigError
 from launch.tracing import resolved_protocol, traces_endpoint
 
@@ -41,7 +41,7 @@ CANCELLED = "client disconnected"  # RequestInfo.error of a request whose client
 
 # gen_ai.operation.name by route (OpenTelemetry GenAI semantic conventions); other routes are plain HTTP spans.
 OPERATIONS = {
-    "/v1/chat/completions": "chat",
+    CHAT_COMPLETIONS: "chat",
     "/v1/messages": "chat",
     "/v1/responses": "chat",
     "/invocations": "chat",
