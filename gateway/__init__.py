@@ -1,7 +1,8 @@
 """The OpenAI-compatible (and Anthropic-compatible) gateway in front of SGLang engines.
 
 A map, by folder; each folder may import those listed after it, never those before (pyproject's
-``[tool.importlinter]``, checked by ``tests/test_layers.py``). The hot path is marked *.
+``[tool.importlinter]``, checked by ``tests/test_layers.py``; ``control/``, ``data/`` and ``ui/`` share a layer and
+import none of each other). Every module is named under its folder (a test checks it). The hot path is marked *.
 
 **Composition root**
   ``cli``            the ``sglang-gateway`` command (serve, launch, check, usage)
@@ -9,6 +10,7 @@ A map, by folder; each folder may import those listed after it, never those befo
                      chain, ``GatewayAPI`` serving the proxied POST routes as plain ASGI ahead of FastAPI*
 
 ``mlflow/``          a logged MLflow model: ``serve --model-uri`` (``model_uri``), ``POST /invocations``
+                     (``invocations``, streaming included)
 
 ``batches/`` (OpenAI's Files and Batches API, run by the gateway at low priority; docs/batches.md)
   ``api``            the routes of the table's ``BATCH_ROUTES``; ``shapes`` the wire objects; ``validate`` every line
@@ -17,11 +19,15 @@ A map, by folder; each folder may import those listed after it, never those befo
   ``runner``         the queued lines, bounded and retried, resumed at start; ``results`` the output and error files
   ``dispatch``       the one adapter into the data plane (a line is a request of its key at the batch class);
                      ``service`` the parts put together for the app
+  ``cli``            ``sglang-gateway batch``: a JSONL file submitted to a running gateway and watched (the ``openai`` SDK)
 
 ``control/`` (engines coming and going)
   ``controller``     boot, reload, swap and drain on request (admin API, SIGHUP, file watch), and supervision
   ``applier``        makes a deployment the one in force: boot applies it to an empty registry, a reload the
-                     new file to the current one (``reload.plan_reload``: what changed)
+                     new file to the current one (``reload``: what changed, a pure function of the two files)
+  ``residency``      engines that start on a model's first request and stop when idle (groups sharing GPUs)
+  ``adapters``       LoRA adapters a reload adds or removes, loaded and unloaded in the running engines;
+                     ``engine_api`` the engines' admin calls (memory saver, adapters), off the request path
   ``swap``           switches a model's backends (blue-green / rolling / stop-first, restarts, its router's list)
   ``fleet``          the engine and router processes: the only code that starts or stops them; ``drain``
                      waits until no request uses an old backend, then retires it
@@ -32,7 +38,8 @@ A map, by folder; each folder may import those listed after it, never those befo
 
 ``data/`` (every request)
   ``routes``         the FastAPI routes made from the route table, stored responses by id, models, health, ready
-  ``proxy``          admission, the replica (one retry elsewhere), forwarding; ``lease`` what a request holds*
+  ``proxy``          admission, the replica (one retry elsewhere), forwarding; ``lease`` what a request holds*;
+                     ``waking`` a stream for an asleep model, kept alive while its engine starts
   ``relay``          the SSE relay, event by event: usage, errors and Responses ids inspected, endings judged*
   ``stream_pool``    streams' own keep-alive upstream connections, relayed from the socket's callbacks*;
                      while the process falls behind, each stream rests after a read as its lag says (``loop_lag``)
@@ -40,6 +47,9 @@ A map, by folder; each folder may import those listed after it, never those befo
   ``prompt_count``   a cut stream's prompt, counted by the engine's tokenizer; ``usage_request`` what a request may
                      cost, and the usage asked of every stream
   ``balancer``       which replica takes a request (least in flight, or prompt-prefix affinity)*
+
+``ui/`` (the status page and playground: static files, no build step)
+  ``routes``         ``/`` and ``/ui/<name>``, served without a key (the page holds no data)
 
 ``edge/`` (a client's connection)
   ``connection``     uvicorn's HTTP protocol with connection/header limits and timeouts*
@@ -51,7 +61,8 @@ A map, by folder; each folder may import those listed after it, never those befo
   ``priority``       the classes a key's holder may pick per request (``x-gateway-priority``), and the refusals
   ``quotas``         per-key buckets and budgets on an injected clock; summed over worker processes*
   ``ledger``         the usage ledger: one row per request, buffered, written in batches off the event loop*;
-                     ``ledger_schema`` its tables and versioned schema (SQLite or PostgreSQL); ``usage_query`` totals
+                     ``ledger_schema`` its tables and versioned schema (SQLite or PostgreSQL); ``usage_query`` totals;
+                     ``batch_schema`` the batch API's tables, in the same database
 
 ``core/`` (what both planes read)
   ``state``          ``GatewayState``: settings, registry, metrics, proxy, probes, quarantine, responses index
@@ -63,10 +74,15 @@ A map, by folder; each folder may import those listed after it, never those befo
   ``errors``         errors in the route's dialect (OpenAI or Anthropic), sanitized (``client_mistakes``: engine
                      500s that are the request's fault)
   ``health``         every probe of a backend, on a client of its own; ``metrics`` the Prometheus series
+                     (``metrics_scope``: what of ``/metrics`` a client key may read)
+  ``events``         the last reloads, swaps and restarts, for people to read (status page, admin API)
   ``responses_index`` which engine stored which Responses API response, and which key owns it (in ``state_dir``)
-  ``context``        what is learnt about one request (for its log line)
+  ``context``        what is learnt about one request (for its log line, metrics and trace); ``tracing`` its
+                     OpenTelemetry spans, built once it is over
 
 **Tables everything reads**: ``config`` the ``gateway:`` section; ``console`` the log format of every process.
+Beside ``console``, importing nothing of the gateway: ``gc_freeze``, start-up's heap frozen out of the cyclic collector
+once the server serves.
 
 **Below the gateway**: ``engine_guard/`` (a package of its own, shared with the MLflow wrapper ``model_code``): the
 allowlist (``fields``, ``schemas``), request bounds and grammar checks, token ids against the vocabulary, and

@@ -23,7 +23,7 @@ from fastapi import FastAPI
 from loguru import logger
 from prometheus_client import values as prometheus_values
 
-from gateway import heap
+from gateway import gc_freeze
 from gateway.app import app_from_config
 from gateway.config import GatewaySettings, gateway_settings
 from gateway.control.controller import StartAborted
@@ -111,7 +111,7 @@ class GatewayServer(uvicorn.Server):
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
         if self.started:
-            heap.settle()  # start-up's objects out of the collector's passes (gateway.heap)
+            gc_freeze.settle()  # start-up's objects out of the collector's passes (gateway.gc_freeze)
             if self.on_started is not None:
                 self.on_started()
 

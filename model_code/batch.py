@@ -18,6 +18,7 @@ from mlflow.entities import SpanType
 
 from model_code.client import EngineClient, LogTimeClient, usage_dict
 from model_code.errors import BadRequestError, EngineRequestError
+from model_code.loaded import python_model_of
 from model_code.tracing import TracePolicy, traced_call
 
 PROMPT_COLUMN = "prompt"
@@ -27,8 +28,6 @@ def _client_of(model: Any) -> EngineClient | LogTimeClient:
     """The engine client behind a loaded pyfunc model, a flavour instance, or a client itself."""
     if isinstance(model, (EngineClient, LogTimeClient)):
         return model
-    from model_code.serving import python_model_of
-
     model = python_model_of(model)
     client = getattr(model, "client", None)
     if client is None:

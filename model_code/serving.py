@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from model_code.loaded import python_model_of
+
 
 def wants_stream(body: Mapping[str, Any]) -> bool:
     """Whether a request body asks for streaming (``"stream": true`` at the top level or inside ``inputs``)."""
@@ -113,29 +115,6 @@ class ServedModel:
         close = getattr(self.python_model, "close", None)
         if close is not None:
             close()
-
-
-def python_model_of(model: Any) -> Any:
-    """The flavour instance behind a model from ``mlflow.pyfunc.load_model``.
-
-    ``PyFuncModel.unwrap_python_model()`` does not work for ChatAgent / ChatModel / ResponsesAgent
-    models in MLflow 3.17 (their loader wrappers expose ``get_raw_model()`` instead): use this.
-    """
-    if hasattr(model, "get_raw_model"):
-        try:
-            return model.get_raw_model()
-        except NotImplementedError:
-            pass
-    if hasattr(model, "unwrap_python_model"):
-        return model.unwrap_python_model()
-    return model
-
-
-def close_model(model: Any) -> None:
-    """Stop the engine a loaded model started (no-op for URL mode). Same as ``python_model_of(model).close()``."""
-    close = getattr(python_model_of(model), "close", None)
-    if close is not None:
-        close()
 
 
 def load_for_serving(model_uri: str) -> ServedModel:

@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from gateway.batches.shapes import ENDPOINTS, TERMINAL
+from gateway.core.endpoints import CHAT_COMPLETIONS
 
 batch_app = typer.Typer(help="Batch jobs on a running gateway (OpenAI's Files and Batches API).", no_args_is_help=True)
 out = Console()
@@ -49,7 +50,7 @@ def _line(batch: Any) -> str:
 @batch_app.command()
 def submit(
     file: Annotated[Path, typer.Argument(help="JSONL input: one request object per line (custom_id, method, url, body).", exists=True, dir_okay=False)],
-    endpoint: Annotated[str, typer.Option(help=f"One of {', '.join(ENDPOINTS)}.")] = "/v1/chat/completions",
+    endpoint: Annotated[str, typer.Option(help=f"One of {', '.join(ENDPOINTS)}.")] = CHAT_COMPLETIONS,
     wait: Annotated[bool, typer.Option("--wait", help="Show progress until the batch ends, then download its results.")] = False,
     output: Annotated[Path | None, typer.Option("-o", "--output", help="With --wait: where the output file goes (default: FILE.output.jsonl).")] = None,
     url: Url = "http://127.0.0.1:8000",

@@ -6,7 +6,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
+from gateway.core.endpoints import CHAT_COMPLETIONS
+
+ENDPOINTS = (CHAT_COMPLETIONS, "/v1/completions", "/v1/embeddings", "/v1/responses")
 TERMINAL = frozenset({"completed", "failed", "expired", "cancelled"})
 ACTIVE = frozenset({"validating", "in_progress", "finalizing", "cancelling"})
 WINDOW_S = {"24h": 24 * 3600}

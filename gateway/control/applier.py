@@ -12,17 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Coroutine
 from dataclasses import replace
 from functools import partial
-from typing import Any
 
 from loguru import logger
 
 from gateway.config import GatewaySettings, SwapPolicy
 from gateway.control.adapters import AdapterSync
 from gateway.control.reload import Action, ModelChange, ReloadPlan
-from gateway.control.residency import dormant, starts_asleep
+from gateway.control.residency import Spawn, dormant, starts_asleep
 from gateway.control.swap import BackendFactory, SwapError, SwapExecutor, SwapResult, describe_backend
 from gateway.core.backends import Backend, DormantBackend, EngineBackend, RouterBackend
 from gateway.core.limits import ConcurrencyLimiter
@@ -32,8 +30,6 @@ from launch.config import ConfigError, DeploymentConfig, ModelEntry
 from launch.preflight import visible_gpu_count
 from launch.process import new_engine_key
 from launch.replicas import replica_engines, visible_gpu_ids
-
-Spawn = Callable[[Coroutine[Any, Any, Any]], "asyncio.Task[Any]"]
 
 
 class DeploymentApplier:

@@ -22,29 +22,39 @@ import asyncio
 import math
 import time
 from collections import deque
+from collections.abc import Callable, Coroutine
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from loguru import logger
 
 from gateway.config import ResidencyGroup
 from gateway.control.engine_api import engine_post
 from gateway.control.fleet import SwapError
+from gateway.control.swap import BackendFactory, SwapExecutor
 from gateway.core.backends import Backend, DormantBackend, EngineBackend
 from gateway.core.errors import GatewayError
 from gateway.core.registry import ModelRoute
 from gateway.core.state import GatewayState
 from launch.config import DeploymentConfig, ModelEntry, ResidencyConfig
 
-if TYPE_CHECKING:
-    from gateway.control.applier import DeploymentApplier, Spawn
-    from gateway.control.swap import SwapExecutor
-
 WAKE_WINDOW_S = 3600.0  # the window of wakes_per_key_per_hour
 CHECK_INTERVAL_S = 0.5  # how often idle models are looked for
 ROOM_POLL_S = 0.1  # how often a start waiting for room in its group looks again
 STARTING, SLEEPING, RESIDENT = "starting", "sleeping", "resident"
 RELEASE, RESUME = "/release_memory_occupation", "/resume_memory_occupation"  # SGLang 0.5.23 (needs --enable-memory-saver)
+
+Spawn = Callable[[Coroutine[Any, Any, Any]], "asyncio.Task[Any]"]  # the controller's: runs a task to its end
+
+
+class Applier(Protocol):
+    """What residency needs of the deployment's applier (:class:`gateway.control.applier.DeploymentApplier`, which
+    imports this module): the deployment in force, and how to build a model's engines."""
+
+    @property
+    def deployment(self) -> DeploymentConfig | None: ...
+
+    def builds(self, name: str, entry: ModelEntry) -> list[BackendFactory]: ...
 
 
 def dormant(route_name: str, replicas: int) -> tuple[Backend, ...]:
@@ -67,7 +77,7 @@ def starts_asleep(entry: ModelEntry) -> bool:
 class Residency:
     """Wakes asleep models for their requests and puts idle ones to sleep (the control process's; one process)."""
 
-    def __init__(self, state: GatewayState, applier: DeploymentApplier, executor: SwapExecutor, spawn: Spawn) -> None:
+    def __init__(self, state: GatewayState, applier: Applier, executor: SwapExecutor, spawn: Spawn) -> None:
         self.state = state
         self._spawn = spawn  # the controller's: a start is not cut by the client that asked for it, and ends at shutdown
         self.registry = state.registry

@@ -1,4 +1,5 @@
-"""What the gateway learns about one request while serving it (for the log line and metrics)."""
+"""What the gateway learns about one request while serving it (for the log line, metrics and, in
+:class:`RequestTrace`, the spans that :mod:`gateway.core.tracing` builds from it)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,44 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-    from gateway.core.tracing import RequestTrace
+    from opentelemetry.trace import SpanContext
 
 SCOPE_KEY = "gateway.request"
 BATCH_SCOPE_KEY = "gateway.batch"  # the batch id of a batch line's request (set by gateway.batches.dispatch)
+
+
+@dataclass(slots=True)
+class Attempt:
+    """One exchange with an upstream: the engine's spans hang under this one's ``span_id``."""
+
+    span_id: int
+    model: str  # the name the engine serves
+    url: str
+    replica: int | None
+    started: float  # time.perf_counter() readings, like RequestInfo.started
+    first_byte: float | None = None  # the response head arrived
+    ended: float | None = None  # the last byte (a stream's end), or the failure
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class RequestTrace:
+    """What one request notes for its spans (the ids are fixed at its start: the engine learns them then)."""
+
+    trace_id: int
+    span_id: int
+    parent: SpanContext | None
+    sampled: bool
+    tracestate: str | None
+    wall_ns: int  # time.time_ns() when the request started
+    started: float  # its time.perf_counter()
+    queued: tuple[float, float] | None = None
+    attempts: list[Attempt] = field(default_factory=list)
+    params: dict[str, Any] = field(default_factory=dict)
+    finish_reasons: tuple[str, ...] = ()
+
+    def ns(self, at: float) -> int:
+        return self.wall_ns + int((at - self.started) * 1e9)
 
 
 @dataclass

@@ -46,9 +46,11 @@ class ProxiedRoute:
         return self.upstream or self.path
 
 
+CHAT_COMPLETIONS = "/v1/chat/completions"  # the chat route's path: named where other modules single it out
+
 PROXIED: tuple[ProxiedRoute, ...] = (
     ProxiedRoute(
-        "/v1/chat/completions", schemas.ChatCompletionRequest, "Chat completions (OpenAI)", "generation", token_ids=CHAT_TOKEN_ID_FIELDS,
+        CHAT_COMPLETIONS, schemas.ChatCompletionRequest, "Chat completions (OpenAI)", "generation", token_ids=CHAT_TOKEN_ID_FIELDS,
     ),
     ProxiedRoute("/v1/completions", schemas.CompletionRequest, "Text completions (OpenAI)", "generation", token_ids=("prompt", "logit_bias")),
     ProxiedRoute(
@@ -90,7 +92,7 @@ PROXIED_BY_PATH: dict[str, ProxiedRoute] = {route.path: route for route in PROXI
 # (absent, or the endpoint's name) does not choose the model.
 INVOCATIONS = ProxiedRoute(
     "/invocations", schemas.InvocationsRequest, "Chat completions of the default model (a serving platform's route)",
-    "generation", model=ModelChoice.DEFAULT, upstream="/v1/chat/completions", token_ids=CHAT_TOKEN_ID_FIELDS,
+    "generation", model=ModelChoice.DEFAULT, upstream=CHAT_COMPLETIONS, token_ids=CHAT_TOKEN_ID_FIELDS,
 )  # fmt: skip
 
 # Responses stored by the engine, reached through the engine that created them (see gateway.core.responses_index).

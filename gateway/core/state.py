@@ -7,20 +7,21 @@ registry's routes in place. No module globals: tests build many apps side by sid
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Any, Protocol
 
-from gateway.config import GatewaySettings
+from starlette.responses import Response
+from starlette.types import Receive
+
+from gateway.config import BalancingSettings, GatewaySettings
 from gateway.core.backends import Backend
+from gateway.core.context import RequestInfo
+from gateway.core.endpoints import ProxiedRoute
 from gateway.core.events import EventLog
 from gateway.core.health import HealthProbes
 from gateway.core.metrics import Metrics
 from gateway.core.poison import Quarantine
 from gateway.core.registry import ModelRoute, Registry
 from gateway.core.responses_index import ResponseIndex
-
-if TYPE_CHECKING:  # the data plane's forwarder, set by the lifespan; core does not import the data plane
-    from gateway.data.proxy import Proxy
-    from gateway.tenants.ledger import Ledger
 
 
 class Peers(Protocol):
@@ -58,18 +59,60 @@ class Waker(Protocol):
         ...
 
 
+class Forwarder(Protocol):
+    """The data plane's forwarder (:class:`gateway.data.proxy.Proxy`) as the routes reach it through the state: named
+    by its shape, since core does not import the data plane."""
+
+    waker: Waker | None  # models whose engines start on demand
+
+    async def forward(
+        self,
+        route: ModelRoute,
+        endpoint: ProxiedRoute,
+        body: dict[str, Any],
+        info: RequestInfo,
+        receive: Receive | None = None,
+        *,
+        balancing: BalancingSettings | None = None,
+        pinned: Backend | None = None,
+        owner: str = ...,
+        grammar_size: int | None = None,
+        priority: int | None = None,
+    ) -> Response:
+        """Admit one validated request, send it to a replica of ``route`` and answer it (plain or a stream)."""
+        ...
+
+    async def call_backend(self, model: str, backend: Backend, method: str, path: str, info: RequestInfo) -> Response:
+        """A body-less call to one given backend (a stored response, by id)."""
+        ...
+
+
+class UsageLedger(Protocol):
+    """The usage ledger (:class:`gateway.tenants.ledger.Ledger`) as the control plane reaches it through the state:
+    named by its shape, since tenants/ sits above core. A row is a ``gateway.tenants.ledger.UsageRow``, a query a
+    ``gateway.tenants.usage_query.UsageQuery``."""
+
+    def record(self, row: Any) -> None:
+        """Keep one request's row (a worker process's too) for the ledger's writer: no I/O."""
+        ...
+
+    async def read(self, query: Any) -> list[dict[str, Any]] | None:
+        """The totals ``query`` asks for (None: no usage database)."""
+        ...
+
+
 @dataclass
 class GatewayState:
     settings: GatewaySettings
     registry: Registry
     metrics: Metrics
-    proxy: Proxy | None = None  # set by the lifespan (it owns the upstream session)
+    proxy: Forwarder | None = None  # set by the lifespan (it owns the upstream session)
     probes: HealthProbes | None = None  # set by the lifespan (it owns the probes' client)
     quarantine: Quarantine = field(default_factory=Quarantine)  # requests suspected of crashing an engine
     # stored responses -> the engine holding them and their owner; the lifespan opens the one in gateway.state_dir
     responses: ResponseIndex = field(default_factory=ResponseIndex)
     peers: Peers | None = None  # set in the control process of worker processes: a drain counts their requests too
-    ledger: Ledger | None = None  # the usage ledger (set by the app factory, started and closed by the lifespan)
+    ledger: UsageLedger | None = None  # the usage ledger (set by the app factory, started and closed by the lifespan)
     events: EventLog = field(default_factory=EventLog)  # the last reloads, swaps and restarts (status page, admin API)
 
     def in_flight(self, model: str | None, backend: Backend) -> int:

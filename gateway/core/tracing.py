@@ -1,6 +1,6 @@
 """OpenTelemetry spans of each request, built once it is over from what it noted on the way.
 
-The hot path only notes a few clock readings in the request's :class:`RequestTrace` (the wait for a slot, each
+The hot path only notes a few clock readings in the request's :class:`~gateway.core.context.RequestTrace` (the wait for a slot, each
 upstream attempt's start, first and last byte); the spans (the server span, its queue wait, one client span per
 upstream attempt, with the OpenTelemetry GenAI attributes) are built after the request ended and handed to the
 SDK's batch processor, which exports them over OTLP from its own thread. With tracing off, ``info.trace`` is None
@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import re
 import time
-from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 from urllib.parse import urlsplit
@@ -32,8 +31,8 @@ from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, Trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from gateway.config import TracingSettings
-from gateway.core.context import RequestInfo
-from gateway.core.endpoints import route_label
+from gateway.core.context import Attempt, RequestInfo, RequestTrace
+from gateway.core.endpoints import CHAT_COMPLETIONS, route_label
 from launch.config import ConfigError
 from launch.tracing import resolved_protocol, traces_endpoint
 
@@ -42,7 +41,7 @@ CANCELLED = "client disconnected"  # RequestInfo.error of a request whose client
 
 # gen_ai.operation.name by route (OpenTelemetry GenAI semantic conventions); other routes are plain HTTP spans.
 OPERATIONS = {
-    "/v1/chat/completions": "chat",
+    CHAT_COMPLETIONS: "chat",
     "/v1/messages": "chat",
     "/v1/responses": "chat",
     "/invocations": "chat",
@@ -60,40 +59,6 @@ REQUEST_PARAMS: dict[str, tuple[str, ...]] = {
     "gen_ai.request.frequency_penalty": ("frequency_penalty",),
     "gen_ai.request.presence_penalty": ("presence_penalty",),
 }
-
-
-@dataclass(slots=True)
-class Attempt:
-    """One exchange with an upstream: the engine's spans hang under this one's ``span_id``."""
-
-    span_id: int
-    model: str  # the name the engine serves
-    url: str
-    replica: int | None
-    started: float  # time.perf_counter() readings, like RequestInfo.started
-    first_byte: float | None = None  # the response head arrived
-    ended: float | None = None  # the last byte (a stream's end), or the failure
-    error: str | None = None
-
-
-@dataclass(slots=True)
-class RequestTrace:
-    """What one request notes for its spans (the ids are fixed at its start: the engine learns them then)."""
-
-    trace_id: int
-    span_id: int
-    parent: SpanContext | None
-    sampled: bool
-    tracestate: str | None
-    wall_ns: int  # time.time_ns() when the request started
-    started: float  # its time.perf_counter()
-    queued: tuple[float, float] | None = None
-    attempts: list[Attempt] = field(default_factory=list)
-    params: dict[str, Any] = field(default_factory=dict)
-    finish_reasons: tuple[str, ...] = ()
-
-    def ns(self, at: float) -> int:
-        return self.wall_ns + int((at - self.started) * 1e9)
 
 
 class Tracing:

@@ -16,6 +16,7 @@ import aiohttp
 import orjson
 
 from gateway.core.backends import Backend
+from gateway.core.endpoints import CHAT_COMPLETIONS
 
 TOKENIZE_PATH = "/v1/tokenize"
 COUNT_TIMEOUT_S = 2.0  # the client is gone: this only delays its ledger row and the settling of its reservation
@@ -29,7 +30,7 @@ PromptCounter = Callable[[], Awaitable[int | None]]
 def tokenize_request(path: str, body: dict[str, Any], accepted: frozenset[str]) -> dict[str, Any] | int | None:
     """What counts ``body``'s prompt: a count already known (token ids), the ``/v1/tokenize`` body that asks the
     engine (``accepted``: the fields its version's tokenizer route takes), or None where it cannot say."""
-    if path == "/v1/chat/completions":
+    if path == CHAT_COMPLETIONS:
         if "messages" not in accepted or not isinstance(body.get("messages"), list):
             return None
         return {"model": body.get("model"), **{name: body[name] for name in _CHAT_FIELDS if name in body and name in accepted}}

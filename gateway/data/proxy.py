@@ -282,26 +282,25 @@ class Proxy:
         finally:
             self._plain_busy -= 1
 
+    async def call_backend(self, model: str, backend: Backend, method: str, path: str, info: RequestInfo) -> Response:
+        """A body-less call to one given backend (a stored response, by id), errors mapped like any request's."""
+        reason = backend.unavailable_reason()
+        if reason is not None:
+            raise GatewayError(503, f"model {model!r} is unavailable: {reason}", code="engine_unavailable", headers={"Retry-After": "1"})
+        headers = {"X-Request-Id": info.request_id, **backend.upstream_headers()}
+        try:
+            async with self.session.request(method, self._url(backend.url + path), headers=headers) as upstream:
+                content = await upstream.read()
+                media = upstream.headers.get("Content-Type", "application/json")
+        except UPSTREAM_ERRORS as error:
+            raise transport_error(error, model) from None
+        if upstream.status != 200:
+            raise upstream_error(upstream.status, content)
+        return Response(content, status_code=200, media_type=media)
+
 
 def _another(route: ModelRoute, failed: Backend) -> bool:
     return any(backend is not failed for backend in route.available()) or (route.front is not None and route.front is not failed)
-
-
-async def call_backend(proxy: Proxy, model: str, backend: Backend, method: str, path: str, info: RequestInfo) -> Response:
-    """A body-less call to one given backend (a stored response, by id), errors mapped like any request's."""
-    reason = backend.unavailable_reason()
-    if reason is not None:
-        raise GatewayError(503, f"model {model!r} is unavailable: {reason}", code="engine_unavailable", headers={"Retry-After": "1"})
-    headers = {"X-Request-Id": info.request_id, **backend.upstream_headers()}
-    try:
-        async with proxy.session.request(method, proxy._url(backend.url + path), headers=headers) as upstream:
-            content = await upstream.read()
-            media = upstream.headers.get("Content-Type", "application/json")
-    except UPSTREAM_ERRORS as error:
-        raise transport_error(error, model) from None
-    if upstream.status != 200:
-        raise upstream_error(upstream.status, content)
-    return Response(content, status_code=200, media_type=media)
 
 
 async def _unless_disconnected(work: Coroutine[Any, Any, T], receive: Receive | None) -> tuple[bool, T | None]:

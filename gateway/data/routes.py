@@ -28,7 +28,6 @@ from gateway.core.metrics_scope import scoped_exposition
 from gateway.core.registry import ModelRoute
 from gateway.core.responses_index import StoredResponse
 from gateway.core.state import GatewayState
-from gateway.data.proxy import call_backend
 from gateway.edge.auth import request_owner
 from gateway.tenants.keys import TENANT_SCOPE_KEY, Tenant
 from gateway.tenants.priority import request_priority
@@ -203,7 +202,7 @@ async def _stored_response_call(request: Request, response_id: str, method: str,
     if info is not None:
         info.model = stored.model
     assert state.proxy is not None, "the app's lifespan did not run"
-    return await call_backend(state.proxy, stored.model, backend, method, quote(path), info or RequestInfo("-", method, path))
+    return await state.proxy.call_backend(stored.model, backend, method, quote(path), info or RequestInfo("-", method, path))
 
 
 def note_error(scope: Scope, error: GatewayError | str) -> None:

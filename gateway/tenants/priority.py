@@ -13,13 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from gateway.config import class_number
 from gateway.core.errors import GatewayError
-
-if TYPE_CHECKING:
-    from gateway.tenants.keys import Tenant  # which imports this module
 
 PRIORITY_HEADER = "x-gateway-priority"
 PRIORITY_SCOPE_KEY = "gateway.priority"  # a class the gateway itself gives a request (a batch line's), ahead of the header
@@ -41,6 +38,18 @@ class PriorityChoice:
         numbers = {class_number(label, classes) for label in labels}
         assert None not in numbers, f"a priority class of {labels} was not checked"
         return cls(frozenset(number for number in numbers if number is not None), labels, dict(classes))
+
+
+class KeyHolder(Protocol):
+    """What the class of a request needs of its caller: a :class:`gateway.tenants.keys.Tenant` (which imports this
+    module, so it is named by its shape here)."""
+
+    @property
+    def name(self) -> str | None: ...
+    @property
+    def priority(self) -> int | None: ...
+    @property
+    def priorities(self) -> PriorityChoice | None: ...
 
 
 def asked_priority(key: str | None, choice: PriorityChoice | None, asked: str, *, keyed: bool = True) -> int:
@@ -72,7 +81,7 @@ def asked_priority(key: str | None, choice: PriorityChoice | None, asked: str, *
     return number
 
 
-def request_priority(scope: Mapping[str, Any], tenant: Tenant | None) -> int | None:
+def request_priority(scope: Mapping[str, Any], tenant: KeyHolder | None) -> int | None:
     """A request's priority class: the one its header picks (refused as :func:`asked_priority` says), else its key's
     (None: none). ``tenant``: the caller's (None: a gateway without client keys). A class set in the scope by the
     gateway (:data:`PRIORITY_SCOPE_KEY`: a batch line's) wins: no client sends it."""

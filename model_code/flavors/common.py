@@ -11,6 +11,7 @@ import uuid
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from model_code.batch import batch_predict
 from model_code.client import EngineClient, LogTimeClient, usage_dict
 from model_code.errors import BadRequestError, EngineUnavailableError
 from model_code.tracing import TracePolicy, Usage
@@ -122,6 +123,4 @@ class EngineBacked:
 
     def batch(self, prompts: Any, **kwargs: Any) -> Any:
         """Many prompts at once, concurrently, results in input order: see :func:`model_code.batch.batch_predict`."""
-        from model_code.batch import batch_predict
-
         return batch_predict(self, prompts, **kwargs)

@@ -1,5 +1,5 @@
 """Once the gateway's server has started, start-up's heap is frozen out of the cyclic collector's passes
-(gateway.heap), and the youngest pass runs less often. Checked in a child process: freezing the test
+(gateway.gc_freeze), and the youngest pass runs less often. Checked in a child process: freezing the test
 process's own heap would change how every later test collects."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import subprocess
 import sys
 import textwrap
 
-from gateway import heap
+from gateway import gc_freeze
 
 _CHILD = textwrap.dedent(
     """
@@ -41,4 +41,4 @@ def test_the_started_server_freezes_start_up_heap() -> None:
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["before"]["frozen"] == 0 and result["before"]["threshold"] == 700  # Python's defaults
     assert result["started"]["frozen"] > 10_000  # the imports of the gateway and uvicorn, at least
-    assert result["started"]["threshold"] == heap.YOUNG_THRESHOLD
+    assert result["started"]["threshold"] == gc_freeze.YOUNG_THRESHOLD
