@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 
 SCOPE_KEY = "gateway.request"
 BATCH_SCOPE_KEY = "gateway.batch"  # the batch id of a batch line's request (set by gateway.batches.dispatch)
+ANTHROPIC_CACHE_COUNTS = ("cache_read_input_tokens", "cache_creation_input_tokens")  # prompt tokens input_tokens leaves out
 
 
 @dataclass(slots=True)
@@ -84,14 +85,18 @@ class RequestInfo:
         Anthropic (``input_tokens``/``output_tokens``) usage object; absent counts keep earlier ones.
 
         Cached prompt tokens: OpenAI's ``prompt_tokens_details.cached_tokens`` (Responses:
-        ``input_tokens_details``) or Anthropic's ``cache_read_input_tokens``."""
+        ``input_tokens_details``) or Anthropic's ``cache_read_input_tokens``. Anthropic's ``input_tokens`` leaves out
+        the prompt tokens read from or written to the cache (SGLang's Messages too: its prompt less the prefix-cache
+        hit), so the prompt is their sum; OpenAI's and Responses' counts include the cached ones."""
         if isinstance(usage, dict):
             prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
             completion = usage.get("completion_tokens", usage.get("output_tokens"))
-            self.prompt_tokens = prompt if isinstance(prompt, int) else self.prompt_tokens
-            self.completion_tokens = completion if isinstance(completion, int) else self.completion_tokens
             details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
             cached = details.get("cached_tokens") if isinstance(details, dict) else usage.get("cache_read_input_tokens")
+            if isinstance(prompt, int) and "prompt_tokens" not in usage and not isinstance(details, dict):
+                prompt += sum(value for key in ANTHROPIC_CACHE_COUNTS if isinstance(value := usage.get(key), int))
+            self.prompt_tokens = prompt if isinstance(prompt, int) else self.prompt_tokens
+            self.completion_tokens = completion if isinstance(completion, int) else self.completion_tokens
             self.cached_tokens = cached if isinstance(cached, int) else self.cached_tokens
 
 

@@ -485,6 +485,13 @@ def test_cached_tokens_come_from_each_dialects_usage() -> None:
     anthropic = RequestInfo("r", "POST", "/v1/messages")
     anthropic.set_usage({"input_tokens": 5, "output_tokens": 1, "cache_read_input_tokens": 4})
     assert (responses.cached_tokens, anthropic.cached_tokens) == (3, 4)
+    # the prompt: OpenAI's and Responses' counts include their cached tokens; Anthropic's input_tokens leaves out what
+    # was read from or written to the cache (SGLang's Messages: a prompt wholly in the prefix cache says input_tokens 0)
+    assert (responses.prompt_tokens, anthropic.prompt_tokens) == (5, 9)
+    written = RequestInfo("r", "POST", "/v1/messages")
+    written.set_usage({"input_tokens": 0, "output_tokens": 1, "cache_read_input_tokens": 6, "cache_creation_input_tokens": 2})
+    written.set_usage({"output_tokens": 3})  # message_delta: no input count, the prompt stays
+    assert (written.prompt_tokens, written.completion_tokens) == (8, 3)
     plain = RequestInfo("r", "POST", "/v1/chat/completions")
     plain.set_usage({"prompt_tokens": 5, "completion_tokens": 1, "prompt_tokens_details": None})
     assert plain.cached_tokens is None
