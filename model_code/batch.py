@@ -14,6 +14,7 @@ import json
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import copy_context
+from functools import partial
 from typing import Any
 
 import openai
@@ -30,6 +31,7 @@ from model_code.tracing import TracePolicy, traced_call
 PROMPT_COLUMN = "prompt"
 VIAS = ("direct", "batch")
 RESULT_KEYS = ("output", "parsed", "finish_reason", "usage", "error")
+PARSED_KEY = "json_schema"  # the batch's metadata says whether outputs are parsed, as the direct path does with json_schema
 
 
 def _client_of(model: Any) -> EngineClient | LogTimeClient:
@@ -95,7 +97,8 @@ def batch_predict(
         on_error: ``"raise"`` (the first failure raises its typed error) or ``"record"`` (its message
             goes in ``error`` and the batch goes on).
         via: ``"direct"`` (this process sends the requests) or ``"batch"`` (a model in URL mode at a gateway: the
-            same requests as one job of the gateway's batch API, which survives the kernel; see :func:`submit_batch`).
+            same requests as one job of the gateway's batch API, which survives the kernel; see :func:`submit_batch`;
+            ``max_workers`` is then the gateway's ``batches.max_concurrency``).
 
     Returns:
         A list of dicts ``{prompt, output, parsed, finish_reason, usage, error}``; for a DataFrame
@@ -108,12 +111,10 @@ def batch_predict(
     policy = TracePolicy(client.settings.tracing, client.settings.trace_sample_ratio)
     inputs = {"prompts": prompts, "system_prompt": system_prompt, "json_schema": json_schema, "params": params}
     if via == "batch":
-        def run() -> Any:
-            batch_id = submit_batch(client, prompts, system_prompt=system_prompt, json_schema=json_schema, params=params, prompt_column=prompt_column)
-            return batch_results(client, batch_id, prompts, on_error=on_error, prompt_column=prompt_column)
+        _url_client(client)  # refused before anything is traced or sent
+        run = partial(_via_batch, client, prompts, system_prompt, json_schema, params, on_error, prompt_column)
     else:
-        def run() -> Any:
-            return _run_batch(client, prompts, system_prompt, json_schema, params, max_workers, on_error, prompt_column)
+        run = partial(_run_batch, client, prompts, system_prompt, json_schema, params, max_workers, on_error, prompt_column)
     return traced_call(policy, "batch_predict", SpanType.CHAIN, inputs, run, _summed_usage)
 
 
@@ -136,7 +137,8 @@ def submit_batch(
     texts = _prompts(prompts, prompt_column)
     request = _request_of(json_schema, params)
     bodies = [client.chat_body(_messages(system_prompt, text), request) for text in texts]
-    batch_id = batch_job.submit(_batch_api(client), bodies, {"source": "model_code.batch_predict", "model": client.model})
+    metadata = {"source": "model_code.batch_predict", "model": client.model, PARSED_KEY: "yes" if json_schema is not None else "no"}
+    batch_id = batch_job.submit(_batch_api(client), bodies, metadata)
     logger.info(
         "model {}: batch {} submitted ({} prompts) to {}; batch_results(model, {!r}) gets its results, also after a kernel restart",
         client.model, batch_id, len(texts), client.base_url, batch_id,
@@ -169,11 +171,18 @@ def batch_results(
     if len(texts) != len(bodies):
         raise BadRequestError(f"batch {batch_id} has {len(bodies)} lines, but {len(texts)} prompts were given")
     lines = batch_job.result_lines(api, batch)
-    results = [
-        _line_result(text, lines.get(str(index)), _wants_json(body), on_error, batch)
-        for index, (text, body) in enumerate(zip(texts, bodies, strict=True))
-    ]
+    wants_json = (batch.metadata or {}).get(PARSED_KEY) == "yes"
+    results = [_line_result(text, lines.get(str(index)), wants_json, on_error, batch) for index, text in enumerate(texts)]
     return _shaped(prompts, results)
+
+
+def _via_batch(
+    client: EngineClient, prompts: Any, system_prompt: str | None, json_schema: Any, params: Mapping[str, Any] | None,
+    on_error: str, prompt_column: str,
+) -> Any:
+    """``via="batch"``: :func:`submit_batch` then :func:`batch_results`, waiting for the batch to end."""
+    batch_id = submit_batch(client, prompts, system_prompt=system_prompt, json_schema=json_schema, params=params, prompt_column=prompt_column)
+    return batch_results(client, batch_id, prompts, on_error=on_error, prompt_column=prompt_column)
 
 
 def _check_choices(on_error: str, via: str) -> None:
@@ -258,10 +267,6 @@ def _line_error(line: dict[str, Any] | None, response: dict[str, Any], batch: An
     if status is None:
         return EngineRequestError(f"batch line not sent ({error.get('code')}): {message}", body=error)
     return error_for_status(int(status), message, body)
-
-
-def _wants_json(body: Mapping[str, Any]) -> bool:
-    return (body.get("response_format") or {}).get("type") == "json_schema"
 
 
 def _last_user_text(body: Mapping[str, Any]) -> str:
