@@ -138,7 +138,8 @@ def submit_batch(
     request = _request_of(json_schema, params)
     bodies = [client.chat_body(_messages(system_prompt, text), request) for text in texts]
     metadata = {"source": "model_code.batch_predict", "model": client.model, PARSED_KEY: "yes" if json_schema is not None else "no"}
-    batch_id = batch_job.submit(_batch_api(client), bodies, metadata)
+    with _batch_api(client) as api:
+        batch_id = batch_job.submit(api, bodies, metadata)
     logger.info(
         "model {}: batch {} submitted ({} prompts) to {}; batch_results(model, {!r}) gets its results, also after a kernel restart",
         client.model, batch_id, len(texts), client.base_url, batch_id,
@@ -162,15 +163,15 @@ def batch_results(
     :func:`batch_predict`'s (lines never sent, of a cancelled or expired batch, are failures too).
     """
     _check_choices(on_error, "batch")
-    api = _batch_api(_url_client(model))
-    batch = batch_job.wait_ended(api, batch_id) if wait else batch_job.retrieve(api, batch_id)
-    if batch.status not in batch_job.ENDED:
-        return None
-    bodies = batch_job.input_bodies(api, batch)
+    with _batch_api(_url_client(model)) as api:
+        batch = batch_job.wait_ended(api, batch_id) if wait else batch_job.retrieve(api, batch_id)
+        if batch.status not in batch_job.ENDED:
+            return None
+        bodies = batch_job.input_bodies(api, batch)
+        lines = batch_job.result_lines(api, batch)
     texts = _prompts(prompts, prompt_column) if prompts is not None else [_last_user_text(body) for body in bodies]
     if len(texts) != len(bodies):
         raise BadRequestError(f"batch {batch_id} has {len(bodies)} lines, but {len(texts)} prompts were given")
-    lines = batch_job.result_lines(api, batch)
     wants_json = (batch.metadata or {}).get(PARSED_KEY) == "yes"
     results = [_line_result(text, lines.get(str(index)), wants_json, on_error, batch) for index, text in enumerate(texts)]
     return _shaped(prompts, results)
@@ -197,15 +198,15 @@ def _url_client(model: Any) -> EngineClient:
     client = _client_of(model)
     if not isinstance(client, EngineClient) or client.engines:
         raise BadRequestError(
-            f"via='batch' needs a model in URL mode (a gateway's url in model_config); model {client.model!r} runs "
-            "its own engine, which has no batch API: use via='direct'",
-            code="batches_off",
+            f"via='batch' needs a model in URL mode (a gateway's url in model_config); model {client.model!r} is not "
+            "(it runs its own engine, which has no batch API, or MLflow is logging it): use via='direct'",
+            code="not_url_mode",
         )
     return client
 
 
 def _batch_api(client: EngineClient) -> openai.OpenAI:
-    """An ``openai`` client at the model's URL with its key, for the files and batches routes."""
+    """An ``openai`` client at the model's URL with its key, for the files and batches routes (closed after use)."""
     return openai.OpenAI(
         base_url=client.base_url, api_key=client.api_key, timeout=client.settings.request_timeout_s, max_retries=client.settings.max_retries
     )

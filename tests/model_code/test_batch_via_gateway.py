@@ -94,6 +94,7 @@ def test_failed_lines_are_recorded_or_raised(gateway: GatewayServer) -> None:
     client = url_client(gateway.url)
     prompts = [f"slow {i}" for i in range(20)]
     batch_id = submit_batch(client, prompts, params={"max_tokens": 100})  # ~0.2 s a line, 2 at a time
+    assert batch_results(client, batch_id, wait=False) is None  # still running
     openai.OpenAI(base_url=gateway.url + "/v1", api_key=ALPHA, max_retries=0).batches.cancel(batch_id)
     recorded = batch_results(client, batch_id, prompts, on_error="record")
     assert [r["prompt"] for r in recorded] == prompts
