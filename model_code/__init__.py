@@ -14,6 +14,7 @@ models-from-code files load only what they need. A map:
 ``log``             ``log_model``: a deployment YAML -> a logged model (``requirements``: its pinned GPU stack)
 ``entrypoint``      the ``entrypoint`` flavour (the gateway as the model's server; ``entrypoint_model`` its placeholder)
 ``serving``         ``load_for_serving``: a logged model that takes serving request bodies; ``batch`` many prompts
+                    (``batch_job``: as one job of a gateway's batch API, ``via="batch"``, which survives the kernel)
 ``loaded``          the flavour instance behind a loaded model (``python_model_of``), ``close_model``
 ``paths``           where the packed code lives (``code_paths``)
 ``stack_check``     ``doctor``: a logged model's pinned GPU stack against this host, before anything starts
@@ -26,6 +27,8 @@ from typing import Any
 _EXPORTS = {
     "log_model": "model_code.log",
     "batch_predict": "model_code.batch",
+    "submit_batch": "model_code.batch",
+    "batch_results": "model_code.batch",
     "load_for_serving": "model_code.serving",
     "close_model": "model_code.loaded",
     "python_model_of": "model_code.loaded",

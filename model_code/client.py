@@ -121,6 +121,11 @@ class EngineClient:
         selected), checked by the request guard with ``messages`` (a placeholder message when not known yet)."""
         return guarded_request(self.model, self.adapters, self.settings, self.guard, params, messages, stream)
 
+    def chat_body(self, messages: list[dict[str, Any]], params: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """The JSON body :meth:`chat` sends for ``messages`` and ``params``, checked by the guard: a batch line's
+        body, so a job handed to the gateway asks exactly what the direct calls would."""
+        return engine_body(messages, self.request(params, messages))
+
     def chat(self, messages: list[dict[str, Any]], params: Mapping[str, Any] | None = None) -> ChatCompletion:
         """One non-streaming completion; typed errors."""
         kwargs = self.request(params, messages)

@@ -16,7 +16,8 @@ What it does, SGLang's way (what the gateway relies on, nothing more):
   it plays (``FAKE_ENGINE_SGLANG_VERSION``, default 0.5.23);
 - ``POST /v1/chat/completions``: ``max_tokens`` (default 16) pieces ``"tok "`` (``"<adapter> "`` for an adapter), streamed (role chunk, one chunk
   per piece every ``FAKE_ENGINE_TOKEN_S``, finish chunk, ``data: [DONE]``) or not; ``model`` is the served name;
-  a plain answer says in ``fake_priority`` the ``priority`` the request came with, in ``fake_model`` the model it
+  a plain answer with a ``json_schema`` ``response_format`` is the JSON ``{"answer": <the pieces>, "prompt": <the last
+  message's content>}`` (any schema); a plain answer says in ``fake_priority`` the ``priority`` the request came with, in ``fake_model`` the model it
   named; a ``model`` of ``<name>:<adapter>`` needs the adapter loaded (400 otherwise, as SGLang): those of
   ``--lora-paths``, and then as ``POST /load_lora_adapter`` / ``/unload_lora_adapter`` (key needed) change them, as
   SGLang's do (a path containing ``broken`` fails to load; each call is noted in ``FAKE_ENGINE_CALLS``,
@@ -195,7 +196,10 @@ def build_app(
                 await asyncio.sleep(TOKEN_S * tokens)
             finally:
                 running[0] -= 1
-            message = {"role": "assistant", "content": piece * tokens}
+            content = piece * tokens
+            if (body.get("response_format") or {}).get("type") == "json_schema":  # constrained output: JSON saying what it answered
+                content = json.dumps({"answer": content.strip(), "prompt": (body.get("messages") or [{}])[-1].get("content")})
+            message = {"role": "assistant", "content": content}
             if ANSWERS:  # what was answered (a batch test counts each line's answers)
                 with open(ANSWERS, "a") as answers:
                     answers.write(str((body.get("messages") or [{}])[-1].get("content")) + "\n")
