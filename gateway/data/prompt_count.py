@@ -1,7 +1,8 @@
 """The prompt of a stream that ended without the engine's usage, counted by the engine's own tokenizer.
 
-A client that cuts a chat or completions stream (a "stop" button) leaves the gateway without the usage event, which
-comes last. Its completion is the events relayed; its prompt is asked of the engine's ``/v1/tokenize``, which renders
+A client that cuts a chat, completions or Messages stream (a "stop" button) leaves the gateway without the usage
+event, which comes last (and SGLang's Messages stream says a prompt of 0 when a short answer's first chunk came
+without usage). Its completion is the events relayed; its prompt is asked of the engine's ``/v1/tokenize``, which renders
 the same messages through the same chat template (SGLang 0.5.23; 0.5.10 tokenizes plain prompts only), after the
 stream, off the client's path. Where the engine cannot say (an older SGLang's chat, the Responses API, a router, an
 engine gone), the prompt is charged its bound, the body's bytes (docs/tenants.md).
@@ -17,6 +18,8 @@ import orjson
 
 from gateway.core.backends import Backend
 from gateway.core.endpoints import CHAT_COMPLETIONS
+
+MESSAGES = "/v1/messages"
 
 TOKENIZE_PATH = "/v1/tokenize"
 COUNT_TIMEOUT_S = 2.0  # the client is gone: this only delays its ledger row and the settling of its reservation
@@ -34,6 +37,9 @@ def tokenize_request(path: str, body: dict[str, Any], accepted: frozenset[str]) 
         if "messages" not in accepted or not isinstance(body.get("messages"), list):
             return None
         return {"model": body.get("model"), **{name: body[name] for name in _CHAT_FIELDS if name in body and name in accepted}}
+    if path == MESSAGES and "messages" in accepted:
+        messages = _chat_messages_of_anthropic(body)
+        return {"model": body.get("model"), "messages": messages} if messages is not None else None
     if path == "/v1/completions" and "prompt" in accepted:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and all(isinstance(token, int) for token in prompt):
@@ -43,6 +49,28 @@ def tokenize_request(path: str, body: dict[str, Any], accepted: frozenset[str]) 
         if isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(text, str) for text in prompt)):
             return {"model": body.get("model"), "prompt": prompt}
     return None
+
+
+def _chat_messages_of_anthropic(body: dict[str, Any]) -> list[dict[str, str]] | None:
+    """A Messages request of plain text (a string ``system``; each message's content a string or one text block) as
+    the chat messages SGLang renders it into; None for anything else (tools, images, several blocks, thinking: their
+    rendering is the engine's own, so the bound is charged)."""
+    if any(name in body for name in ("tools", "tool_choice", "thinking")):
+        return None
+    system = body.get("system")
+    if system is not None and not isinstance(system, str):
+        return None
+    chat = [{"role": "system", "content": system}] if system and system.strip() else []
+    for message in body.get("messages") or [None]:
+        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
+            return None
+        content = message.get("content")
+        if isinstance(content, list) and len(content) == 1 and isinstance(content[0], dict) and content[0].get("type") == "text":
+            content = content[0].get("text")
+        if not isinstance(content, str):
+            return None
+        chat.append({"role": message["role"], "content": content})
+    return chat
 
 
 async def count_prompt(session: aiohttp.ClientSession, backend: Backend, path: str, body: dict[str, Any]) -> int | None:

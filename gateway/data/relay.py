@@ -238,10 +238,15 @@ class SSEProxyResponse(Response):
         """A stream that ended without the engine's usage (cut by the client, failed midway): its completion is
         the events relayed (SGLang sends one per token, plus a few framing events: docs/tenants.md), its prompt
         what the engine's tokenizer counts (:mod:`gateway.data.prompt_count`, once the client has its answer) when
-        the engine did not say it (Messages' ``message_start`` does), else the bound on it (the body's bytes)."""
+        the engine did not say it (Messages' ``message_start`` does, but for a short answer as 0), else the bound on
+        it (the body's bytes)."""
         info = self.info
         if info.completion_tokens is None:
             info.completion_tokens = self.events
+        if info.prompt_tokens == 0 and self.kind is StreamKind.ANTHROPIC:
+            # SGLang's Messages stream says input_tokens 0 when its first content chunk came without usage (a short
+            # answer): no rendered prompt is empty, so the engine did not say it
+            info.prompt_tokens = None
         if info.prompt_tokens is None:
             if self.count_prompt is not None:
                 self._uncounted = True

@@ -85,6 +85,18 @@ def _upstream_app() -> Any:
         return StreamingResponse(events(), media_type="text/event-stream")
 
     async def messages(request: Request) -> Response:
+        if (await request.json()).get("stream"):  # as SGLang says a short answer's prompt: input_tokens 0
+            events = [
+                ("message_start", {"type": "message_start", "message": {"id": "msg_1", "type": "message", "role": "assistant", "model": "m",
+                                   "content": [], "usage": {"input_tokens": 0, "output_tokens": 0}}}),
+                ("content_block_start", {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
+                ("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "tok"}}),
+                ("content_block_stop", {"type": "content_block_stop", "index": 0}),
+                ("message_delta", {"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": {"output_tokens": 1}}),
+                ("message_stop", {"type": "message_stop"}),
+            ]  # fmt: skip
+            sse = b"".join(b"event: %s\ndata: %s\n\n" % (name.encode(), json.dumps(data).encode()) for name, data in events)
+            return Response(sse, media_type="text/event-stream")
         usage = {"input_tokens": 13, "output_tokens": 6, "cache_read_input_tokens": 2}
         return JSONResponse({"id": "msg_1", "type": "message", "role": "assistant", "model": "m", "stop_reason": "max_tokens",
                              "content": [{"type": "text", "text": "tok"}], "usage": usage})  # fmt: skip
@@ -175,6 +187,7 @@ def test_every_request_gets_a_row_with_the_usage_the_upstream_reported(ledger_ga
         assert response.status_code == 200 and "[DONE]" in response.read().decode()
     messages = {"model": "m", "max_tokens": 6, "messages": [{"role": "user", "content": "hi"}]}
     assert _post(url, "r-messages", messages, path="/v1/messages").status_code == 200
+    assert "message_stop" in _post(url, "r-messages-stream", {**messages, "stream": True}, path="/v1/messages").text
     assert_openai_error(_post(url, "r-unknown-model", _chat(model="nope")), 404)
     assert_openai_error(_post(url, "r-bad-key", _chat(), key="wrong"), 401)
     assert _post(url, "r-upstream-500", _chat(text="FAIL")).status_code >= 500
@@ -183,7 +196,7 @@ def test_every_request_gets_a_row_with_the_usage_the_upstream_reported(ledger_ga
         response.read()  # the gateway ends the stream with an error event where the upstream cut it
     with httpx.stream("POST", url + "/v1/chat/completions", json=_chat(text="SLOW", stream=True), headers={**auth(), "X-Request-Id": "r-gone"}, timeout=30) as response:
         next(response.iter_lines())  # the client goes away after the first line
-    ids = ["r-plain", "r-stream", "r-messages", "r-unknown-model", "r-bad-key", "r-upstream-500", "r-cut", "r-gone"]
+    ids = ["r-plain", "r-stream", "r-messages", "r-messages-stream", "r-unknown-model", "r-bad-key", "r-upstream-500", "r-cut", "r-gone"]
     rows = _rows(_sqlite(ledger_gateway.state_dir), ids)
 
     plain, stream = rows["r-plain"], rows["r-stream"]
@@ -194,7 +207,11 @@ def test_every_request_gets_a_row_with_the_usage_the_upstream_reported(ledger_ga
     assert (stream["status"], stream["stream"], stream["prompt_tokens"], stream["completion_tokens"], stream["cached_tokens"]) == (200, True, 11, 7, 4)
     assert stream["ttft_ms"] is not None and stream["ttft_ms"] <= stream["latency_ms"]
     anthropic = rows["r-messages"]
-    assert (anthropic["route"], anthropic["prompt_tokens"], anthropic["completion_tokens"], anthropic["cached_tokens"]) == ("/v1/messages", 13, 6, 2)
+    # Anthropic's input_tokens leaves out the cache reads: the prompt is 13 + 2
+    assert (anthropic["route"], anthropic["prompt_tokens"], anthropic["completion_tokens"], anthropic["cached_tokens"]) == ("/v1/messages", 15, 6, 2)
+    # a stream that says a prompt of 0 did not say it: counted (this fake has no tokenizer: its bound, the body's bytes)
+    said_nothing = rows["r-messages-stream"]
+    assert said_nothing["completion_tokens"] == 1 and said_nothing["prompt_tokens"] >= len(json.dumps(messages)) // 2, said_nothing
     assert (rows["r-unknown-model"]["status"], rows["r-unknown-model"]["model"]) == (404, None)
     assert rows["r-unknown-model"]["error"]
     assert rows["r-bad-key"]["status"] == 401
