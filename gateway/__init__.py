@@ -7,7 +7,8 @@ import none of each other). Every module is named under its folder (a test check
 **Composition root**
   ``cli``            the ``sglang-gateway`` command (serve, launch, check, usage)
   ``server``         uvicorn and signals; ``worker`` one worker process's main; ``app`` the app factory: one state, one middleware
-                     chain, ``GatewayAPI`` serving the proxied POST routes as plain ASGI ahead of FastAPI*
+                     chain, ``GatewayAPI`` serving the proxied POST routes as plain ASGI ahead of FastAPI*;
+                     ``lifespans`` the lifespan of each process role (the only process or a control process, a worker)
 
 ``mlflow/``          a logged MLflow model: ``serve --model-uri`` (``model_uri``), ``POST /invocations``
                      (``invocations``, streaming included)

@@ -6,9 +6,7 @@ an engine they already run; ``app_from_config`` builds all of it (engines includ
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,25 +25,21 @@ from gateway.control.controller import Controller
 from gateway.control.swap import SwapExecutor
 from gateway.control.usage_routes import usage_routes
 from gateway.control.worker_link import WorkerLink, admin_forwarder
-from gateway.control.workers import WorkerPlan, WorkerSupervisor
+from gateway.control.workers import WorkerPlan
 from gateway.core.endpoints import FILES, INVOCATIONS, PROXIED_BY_PATH, ProxiedRoute, dialect_for_path
 from gateway.core.errors import GatewayError, error_response, shaped_for
-from gateway.core.health import HealthProbes
 from gateway.core.metrics import Metrics
 from gateway.core.registry import Registry
-from gateway.core.responses_index import open_response_index
 from gateway.core.state import GatewayState
 from gateway.core.tracing import Tracing
-from gateway.data.proxy import Proxy
 from gateway.data.routes import add_proxied_route, api_routes, note_error, proxied_endpoint, unexpected_error_response
-from gateway.data.stream_pool import StreamPool
-from gateway.data.upstream_session import upstream_session
 from gateway.edge.auth import AuthMiddleware, KeyHolder, key_policy
 from gateway.edge.middleware import BodyLimitMiddleware, JSONCORSMiddleware, RequestContextMiddleware
 from gateway.edge.quota import QuotaMiddleware
+from gateway.lifespans import AppParts, lifespan_for
 from gateway.tenants.keys import tenants_of
 from gateway.tenants.ledger import open_ledger
-from gateway.tenants.quotas import Quotas, restore_budgets_when_readable
+from gateway.tenants.quotas import Quotas
 from gateway.ui.routes import ui_routes
 from launch.config import DeploymentConfig
 from launch.preflight import preflight_all
@@ -94,106 +88,43 @@ def create_app(
     workers: WorkerPlan | None = None,
     link: WorkerLink | None = None,
 ) -> FastAPI:
-    """A gateway app.
-
-    With ``boot``, the lifespan applies ``deployment`` to an empty registry (starting its engines, which
-    the gateway then owns: supervised, swappable, stopped at shutdown), exactly as a reload would; without,
-    it serves ``registry`` as given (backends run by someone else: tests, a model loaded by MLflow).
-    ``deployment`` (read from a file) enables reloads; ``overrides`` are the CLI's host/port, kept across
-    reloads; ``watch`` reloads on file changes; ``invocations`` adds ``POST /invocations``
-    (:data:`gateway.core.endpoints.INVOCATIONS`).
-
-    ``workers`` makes this the control process of worker processes (started once the engines are up, stopped
-    before them); ``link`` makes it one of those workers: it routes with the state the control process sends
-    and forwards ``/admin/*`` to it (:mod:`gateway.control.workers`).
-    """
+    """A gateway app. With ``boot``, the lifespan applies ``deployment`` to an empty registry (its engines then the
+    gateway's: supervised, swappable, stopped at shutdown), as a reload would; without, it serves ``registry`` as given
+    (backends run by someone else: tests, a model loaded by MLflow). ``deployment`` (from a file) enables reloads;
+    ``overrides``: the CLI's host/port, kept across reloads; ``watch`` reloads on file changes; ``invocations`` adds
+    ``POST /invocations``. ``workers`` makes this the control process of worker processes, ``link`` one of those
+    workers (:mod:`gateway.control.workers`); each role's lifespan: :mod:`gateway.lifespans`."""
     registry = registry if registry is not None else Registry()
     state = GatewayState(settings=settings, registry=registry, metrics=Metrics(registry))
-    ledger = state.ledger = open_ledger(settings, state.metrics.usage_rows_dropped)
+    parts = _parts(state, deployment=deployment, boot=boot, overrides=overrides, watch=watch, log_dir=log_dir, workers=workers, link=link)
+    # No trailing-slash redirects: a 307 built from the client's Host header is not an API answer.
+    app = GatewayAPI(title="sglang-gateway", lifespan=lifespan_for(parts), docs_url=None, redoc_url=None, redirect_slashes=False)
+    app.state.gateway, app.state.startup_error, app.state.controller, app.state.batches = state, None, parts.controller, parts.batches
+    _include_routes(app, link, invocations)
+    _install_error_handlers(app)
+    # per named key, across reloads (tests move its clock); a worker's holds its share, the control's the sums
+    quotas = app.state.quotas = link.quotas if link is not None else Quotas()
+    app.proxied, app.chain = proxied_endpoint, _middleware_chain(app, parts, quotas)
+    # batch lines: the same chain less the client's connection (key check, CORS, body cap): gateway.batches.dispatch
+    app.state.line_chain = line_chain(
+        app.dispatch, metrics=state.metrics, ledger=parts.ledger, quotas=quotas, tracing=parts.tracing, log_requests=settings.log_requests
+    )
+    return app
+
+
+def _parts(state: GatewayState, *, workers: WorkerPlan | None, link: WorkerLink | None, log_dir: str | Path | None, **control: Any) -> AppParts:
+    """The app's parts, built once: keys, ledger, tracing, the controller (``control``: its deployment options), batches."""
+    settings = state.settings
+    state.ledger = ledger = open_ledger(settings, state.metrics.usage_rows_dropped)
     keys = KeyHolder(key_policy(tenants_of(settings), settings.resolved_admin_keys(), settings.open_paths, settings.resolved_metrics_keys()))
     # Spans in the process that records the request: a worker, or the only process (the control process of
     # workers only forwards). Exported from the SDK's own thread; the lifespan flushes them at shutdown.
     tracing = Tracing(settings.tracing) if settings.tracing.enabled and workers is None else None
-    executor = SwapExecutor(state, log_dir=log_dir)
-    controller = Controller(state, keys, executor, deployment=deployment, overrides=overrides, watch=watch, boot=boot)
-    batches = batches_for(state)  # None: the batch API is off (or nowhere to keep its files)
+    controller = Controller(state, keys, SwapExecutor(state, log_dir=log_dir), **control)
+    return AppParts(settings, state, keys, controller, ledger, tracing, batches_for(state), workers, link)
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        try:
-            state.responses = open_response_index(settings.state_dir)  # who owns which stored response, on disk
-            state.responses.shared = link is not None  # a worker: the other workers read what it records
-        except RuntimeError as error:
-            app.state.startup_error = error
-            raise
-        # Plain requests go upstream over aiohttp, streams over the relay's own pool; health and model-card probes over httpx.
-        session = upstream_session(
-            settings.upstream_connect_timeout_s, settings.upstream_read_timeout_s, settings.upstream_max_connections
-        )
-        streams = StreamPool(
-            settings.upstream_connect_timeout_s, settings.upstream_read_timeout_s, settings.upstream_max_connections,
-            coalesce_s=settings.stream_coalesce_ms / 1000, coalesce_min_streams=settings.stream_coalesce_min_streams,
-        )
-        state.probes = HealthProbes(settings.health_timeout_s, settings.upstream_connect_timeout_s)
-        try:
-            await ledger.start()  # one row per request, written off the hot path (a database down fails no request)
-            async with session:
-                waker = controller.residency if link is None else None  # residency runs in one process (gateway.config)
-                state.proxy = Proxy(session, state.metrics, state.quarantine, state.responses, streams, waker, tracing, state.registry)
-                if link is not None:  # a worker: no engines of its own
-                    await link.start(state, keys)
-                    ledger.hand_to(link.send_rows)  # rows go to the control process as requests end
-                    link.apply(link.version, link.first)
-                    if batches is not None:  # creates batches; the control process runs them
-                        await batches.open(None, app, keys, state.metrics)
-                    try:
-                        yield
-                    finally:
-                        if batches is not None:
-                            await batches.close(0)
-                        await link.close()
-                        await streams.close()
-                    return
-                supervisor = None
-                restoring: asyncio.Task[None] | None = None  # budgets restored once the ledger answers (down at start)
-                try:
-                    try:
-                        restoring = await restore_budgets_when_readable(app.state.quotas, ledger)
-                        await controller.boot()
-                        await controller.start()
-                        if workers is not None:
-                            supervisor = WorkerSupervisor(state, keys, workers.count, workers.runtime_dir, host=workers.host,
-                                                          port=workers.port, verbose=workers.verbose, quotas=app.state.quotas)  # fmt: skip
-                            state.peers = supervisor
-                            await supervisor.start()
-                        if batches is not None:  # takes up every unfinished batch (a restart resumes them here)
-                            await batches.open(app.state.line_chain, app, keys, state.metrics)
-                    except BaseException as error:
-                        app.state.startup_error = error
-                        raise
-                    yield
-                finally:
-                    if restoring is not None:
-                        restoring.cancel()
-                    if batches is not None:  # lines in flight finish while the engines still run
-                        await batches.close(settings.shutdown_grace_s)
-                    if supervisor is not None:
-                        await supervisor.stop(settings.shutdown_grace_s)  # the workers' requests end before the engines
-                    await controller.close()  # stops every engine the gateway owns
-                    await streams.close()
-        finally:
-            await state.probes.aclose()
-            await asyncio.to_thread(state.responses.close)  # writes what is pending
-            await ledger.close()  # after the last request (uvicorn's graceful shutdown ran first): writes every row
-            if tracing is not None:
-                await asyncio.to_thread(tracing.shutdown)  # exports the spans still queued
 
-    # No trailing-slash redirects: a 307 built from the client's Host header is not an API answer.
-    app = GatewayAPI(title="sglang-gateway", lifespan=lifespan, docs_url=None, redoc_url=None, redirect_slashes=False)
-    app.state.gateway = state
-    app.state.startup_error = None
-    app.state.controller = controller
-    app.state.batches = batches
+def _include_routes(app: GatewayAPI, link: WorkerLink | None, invocations: bool) -> None:
     app.include_router(api_routes)
     app.include_router(batch_routes())
     app.include_router(ui_routes)
@@ -203,10 +134,11 @@ def create_app(
     if invocations:
         app.proxied_routes = {**PROXIED_BY_PATH, INVOCATIONS.path: INVOCATIONS}
         add_proxied_route(app, INVOCATIONS, listed=False)
-    _install_error_handlers(app)
-    # Outermost last: request id/log -> CORS -> auth -> per-key limits -> body limit -> routes.
-    # per named key, across reloads (tests move its clock); a worker's holds its share, the control's the sums
-    quotas = app.state.quotas = link.quotas if link is not None else Quotas()
+
+
+def _middleware_chain(app: GatewayAPI, parts: AppParts, quotas: Quotas) -> Any:
+    """Outermost last: request id/log -> CORS -> auth -> per-key limits -> body limit -> the app's dispatch."""
+    settings, link = parts.settings, parts.link
     layers: list[tuple[type[Any], dict[str, Any]]] = [
         (
             BodyLimitMiddleware,
@@ -216,7 +148,7 @@ def create_app(
             },  # fmt: skip
         ),
         (QuotaMiddleware, {"quotas": quotas}),
-        (AuthMiddleware, {"holder": keys}),
+        (AuthMiddleware, {"holder": parts.keys}),
     ]
     if settings.cors_allow_origins:
         cors = {
@@ -230,19 +162,16 @@ def create_app(
         (
             RequestContextMiddleware,
             {
-                "metrics": state.metrics, "log_requests": settings.log_requests,
-                "worker": link.index if link is not None else None, "record": workers is None, "ledger": ledger,
-                "tracing": tracing,
+                "metrics": parts.state.metrics, "log_requests": settings.log_requests,
+                "worker": link.index if link is not None else None, "record": parts.workers is None, "ledger": parts.ledger,
+                "tracing": parts.tracing,
             },
         )  # fmt: skip
     )
     chain: Any = app.dispatch
     for middleware, options in layers:
         chain = middleware(chain, **options)
-    app.proxied, app.chain = proxied_endpoint, chain
-    # batch lines: the same chain less the client's connection (key check, CORS, body cap): gateway.batches.dispatch
-    app.state.line_chain = line_chain(app.dispatch, metrics=state.metrics, ledger=ledger, quotas=quotas, tracing=tracing, log_requests=settings.log_requests)
-    return app
+    return chain
 
 
 def app_from_config(
