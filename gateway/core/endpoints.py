@@ -47,6 +47,7 @@ class ProxiedRoute:
 
 
 CHAT_COMPLETIONS = "/v1/chat/completions"  # the chat route's path: named where other modules single it out
+MESSAGES = "/v1/messages"  # the Anthropic Messages route's path (and the prefix of its dialect)
 
 PROXIED: tuple[ProxiedRoute, ...] = (
     ProxiedRoute(
@@ -58,7 +59,7 @@ PROXIED: tuple[ProxiedRoute, ...] = (
         "generation", stream=StreamKind.RESPONSES, response_ids=True,
     ),
     ProxiedRoute(
-        "/v1/messages", schemas.MessagesRequest, "Messages (Anthropic)", "generation",
+        MESSAGES, schemas.MessagesRequest, "Messages (Anthropic)", "generation",
         dialect=Dialect.ANTHROPIC, stream=StreamKind.ANTHROPIC,
     ),
     ProxiedRoute(
@@ -156,7 +157,7 @@ def dialect_for_path(path: str) -> Dialect:
     route = PROXIED_BY_PATH.get(path)
     if route is not None:
         return route.dialect
-    return Dialect.ANTHROPIC if path.startswith("/v1/messages") else Dialect.OPENAI
+    return Dialect.ANTHROPIC if path.startswith(MESSAGES) else Dialect.OPENAI
 
 
 def route_label(path: str) -> str:

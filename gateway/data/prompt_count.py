@@ -17,9 +17,7 @@ import aiohttp
 import orjson
 
 from gateway.core.backends import Backend
-from gateway.core.endpoints import CHAT_COMPLETIONS
-
-MESSAGES = "/v1/messages"
+from gateway.core.endpoints import CHAT_COMPLETIONS, MESSAGES
 
 TOKENIZE_PATH = "/v1/tokenize"
 COUNT_TIMEOUT_S = 2.0  # the client is gone: this only delays its ledger row and the settling of its reservation
