@@ -31,6 +31,7 @@ from gateway.batches.results import result_files
 from gateway.batches.shapes import BatchObject
 from gateway.batches.store import BatchStore, LineEnd
 from gateway.config import BatchSettings
+from gateway.core.context import usage_counts
 from gateway.core.metrics import Metrics
 
 T = TypeVar("T")
@@ -225,7 +226,5 @@ def _end(answer: Answer, request_id: str) -> LineEnd:
     except orjson.JSONDecodeError:
         body = {"error": {"code": "invalid_answer", "message": answer.body[:300].decode("utf-8", "replace")}}
     usage = body.get("usage") if isinstance(body, dict) else None
-    usage = usage if isinstance(usage, dict) else {}
-    prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
-    completion = usage.get("completion_tokens", usage.get("output_tokens"))
-    return LineEnd("done", answer.status, request_id, body, prompt if isinstance(prompt, int) else None, completion if isinstance(completion, int) else None)
+    prompt, completion, _ = usage_counts(usage if isinstance(usage, dict) else {})
+    return LineEnd("done", answer.status, request_id, body, prompt, completion)

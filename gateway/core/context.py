@@ -81,23 +81,33 @@ class RequestInfo:
     batch_id: str | None = None  # a batch line's request: its batch (the ledger row says so)
 
     def set_usage(self, usage: Any) -> None:
-        """Take token counts from an OpenAI (``prompt_tokens``/``completion_tokens``) or a Responses /
-        Anthropic (``input_tokens``/``output_tokens``) usage object; absent counts keep earlier ones.
-
-        Cached prompt tokens: OpenAI's ``prompt_tokens_details.cached_tokens`` (Responses:
-        ``input_tokens_details``) or Anthropic's ``cache_read_input_tokens``. Anthropic's ``input_tokens`` leaves out
-        the prompt tokens read from or written to the cache (SGLang's Messages too: its prompt less the prefix-cache
-        hit), so the prompt is their sum; OpenAI's and Responses' counts include the cached ones."""
+        """Take the token counts of a usage object (:func:`usage_counts`); absent counts keep earlier ones."""
         if isinstance(usage, dict):
-            prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
-            completion = usage.get("completion_tokens", usage.get("output_tokens"))
-            details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
-            cached = details.get("cached_tokens") if isinstance(details, dict) else usage.get("cache_read_input_tokens")
-            if isinstance(prompt, int) and "prompt_tokens" not in usage and not isinstance(details, dict):
-                prompt += sum(value for key in ANTHROPIC_CACHE_COUNTS if isinstance(value := usage.get(key), int))
-            self.prompt_tokens = prompt if isinstance(prompt, int) else self.prompt_tokens
-            self.completion_tokens = completion if isinstance(completion, int) else self.completion_tokens
-            self.cached_tokens = cached if isinstance(cached, int) else self.cached_tokens
+            prompt, completion, cached = usage_counts(usage)
+            self.prompt_tokens = prompt if prompt is not None else self.prompt_tokens
+            self.completion_tokens = completion if completion is not None else self.completion_tokens
+            self.cached_tokens = cached if cached is not None else self.cached_tokens
+
+
+def usage_counts(usage: dict[str, Any]) -> tuple[int | None, int | None, int | None]:
+    """(prompt, completion, cached prompt) tokens of an OpenAI (``prompt_tokens``/``completion_tokens``) or a
+    Responses / Anthropic (``input_tokens``/``output_tokens``) usage object; None for a count it does not give.
+
+    Cached prompt tokens: OpenAI's ``prompt_tokens_details.cached_tokens`` (Responses: ``input_tokens_details``) or
+    Anthropic's ``cache_read_input_tokens``. Anthropic's ``input_tokens`` leaves out the prompt tokens read from or
+    written to the cache (SGLang's Messages too: its prompt less the prefix-cache hit), so the prompt is their sum;
+    OpenAI's and Responses' counts include the cached ones."""
+    prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+    completion = usage.get("completion_tokens", usage.get("output_tokens"))
+    details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else usage.get("cache_read_input_tokens")
+    if isinstance(prompt, int) and "prompt_tokens" not in usage and not isinstance(details, dict):
+        prompt += sum(value for key in ANTHROPIC_CACHE_COUNTS if isinstance(value := usage.get(key), int))
+    return (
+        prompt if isinstance(prompt, int) else None,
+        completion if isinstance(completion, int) else None,
+        cached if isinstance(cached, int) else None,
+    )
 
 
 def request_info(scope: dict[str, Any]) -> RequestInfo | None:
