@@ -66,7 +66,7 @@ def _batch_rows(gateway: GatewayServer, batch_id: str, lines: int) -> tuple[int,
                 "SELECT count(*), sum(prompt_tokens), sum(completion_tokens) FROM usage_rows WHERE batch_id = ? AND key_name = 'alpha'", (batch_id,)
             ).fetchone()
 
-    return wait_until(lambda: found()[0] >= lines and found(), lambda: f"the ledger holds {found()} for {batch_id}", 10, 0.05)
+    return wait_until(lambda: (row := found())[0] >= lines and row, lambda: f"the ledger holds {found()} for {batch_id}", 10, 0.05)
 
 
 def test_a_batch_runs_every_line_once_as_its_key_at_the_batch_class(gateway: GatewayServer, fake: tuple[str, Path]) -> None:
