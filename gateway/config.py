@@ -261,6 +261,27 @@ class BatchSettings(_Strict):
     poll_interval_s: float = Field(1.0, gt=0, description="How often the runner looks for batches created elsewhere (worker processes) or cancelled.")
 
 
+class ReplicaSettings(_Strict):
+    """Several gateway processes (pods, hosts) behind one load balancer, sharing one state through a PostgreSQL store."""
+
+    shared: bool = Field(
+        False,
+        description="This gateway is one of several replicas behind a load balancer: per-key limits and budgets, stored "
+        "responses, the quarantine and batch jobs are shared through the PostgreSQL database of usage.database_url "
+        "(required); its models must be url: or router upstreams (see [Scaling](scaling.md)).",
+    )
+    name: str | None = Field(None, description="This replica's name in the shared store (unset: the host name and process id).")
+    expected: int = Field(
+        2, ge=1, description="How many replicas share the load: while the store is unreachable, each keeps 1/expected of every key's limits."
+    )
+    sync_interval_s: float = Field(
+        0.25, gt=0, le=60, description="How often a replica exchanges its per-key usage with the store (what shared limits may overshoot by)."
+    )
+    lease_s: float = Field(
+        30.0, gt=0, description="A batch whose replica stopped renewing its lease this long ago is taken over by another replica."
+    )
+
+
 class TracingSettings(_Strict):
     """OpenTelemetry spans per request, exported over OTLP (off by default); the standard ``OTEL_*`` variables
     fill what is unset here (docs/tracing.md)."""
@@ -395,6 +416,9 @@ class GatewaySettings(_Strict):
     request_bounds: RequestBounds = Field(default_factory=RequestBounds, description="Fan-out and grammar bounds of one request (see [Bounds](security.md#request-bounds)).")
     usage: UsageSettings = Field(default_factory=UsageSettings, description="The [usage ledger](tenants.md#usage-ledger) (one row per request).")
     tracing: TracingSettings = Field(default_factory=TracingSettings, description="OpenTelemetry traces over OTLP (off by default; see [tracing.md](tracing.md)); read at start.")
+    replicas: ReplicaSettings = Field(
+        default_factory=ReplicaSettings, description="Replicas of this gateway sharing one state (see [Scaling](scaling.md)); read at start."
+    )
     batches: BatchSettings = Field(default_factory=BatchSettings, description="The batch API: files, batches, their limits (see [Batches](batches.md)).")
     extension_fields: dict[str, list[str]] = Field(
         default_factory=dict,
@@ -589,6 +613,7 @@ def gateway_settings(deployment: DeploymentConfig, **overrides: object) -> Gatew
             "start it with `sglang-gateway launch` and serve the engine from the machine with node_rank 0"
         )
     settings = _check_residency(settings, deployment, source)
+    _check_replicas(settings, deployment, source)
     for key in GATEWAY_PER_MODEL_SETTINGS:
         unknown = sorted(set(getattr(settings, key)) - set(deployment.models))
         if unknown:
@@ -618,6 +643,24 @@ def _check_residency(settings: GatewaySettings, deployment: DeploymentConfig, so
         first = next(iter(resident))
         raise ConfigError(f"{source}: models.{first}.residency: needs gateway.workers: 1 (models that start and stop on demand are served by one process)")
     return settings.model_copy(update={"workers": 1})
+
+
+def _check_replicas(settings: GatewaySettings, deployment: DeploymentConfig, source: str) -> None:
+    """Replicas share their state through PostgreSQL and launch no engines (each would start its own copy)."""
+    if not settings.replicas.shared:
+        return
+    url = settings.usage.database_url
+    if url is None or not url.get_secret_value().startswith("postgresql+psycopg://"):
+        raise ConfigError(
+            f"{source}: gateway.replicas.shared needs gateway.usage.database_url: a PostgreSQL URL that every replica reaches "
+            "(the shared store); got " + ("none" if url is None else "a SQLite file, which no other host reads")
+        )
+    launched = sorted(deployment.managed())
+    if launched:
+        raise ConfigError(
+            f"{source}: models.{launched[0]}: replicas sharing one state serve url: or router upstreams; a model they launch "
+            "would be started once per replica (serve it from its own gateway or engine, and point the replicas at its URL)"
+        )
 
 
 def _check_named_keys(settings: GatewaySettings, deployment: DeploymentConfig, source: str, plain: tuple[bytes, ...], admin: tuple[bytes, ...]) -> None:

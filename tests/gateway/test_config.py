@@ -83,3 +83,24 @@ def test_a_follower_machine_of_a_multi_machine_engine_is_not_served() -> None:
     message = str(caught.value)
     assert message.startswith("deploy.yaml: models.big.engine.node_rank: a machine with node_rank > 0 serves no HTTP")
     assert gateway_settings(parse_config({"models": {"big": {"engine": {**engine, "node_rank": 0}}}}))
+
+
+@pytest.mark.parametrize(
+    ("usage", "models", "message"),
+    [
+        ({}, None, "deploy.yaml: gateway.replicas.shared needs gateway.usage.database_url: a PostgreSQL URL that every replica reaches"),
+        ({"database_url": "sqlite:///u.db"}, None, "deploy.yaml: gateway.replicas.shared needs gateway.usage.database_url"),
+        ({"database_url": "postgresql://u@db/ledger"}, {"tiny": {"engine": {"model_path": "m"}}}, "deploy.yaml: models.tiny: replicas sharing one state serve url: or router upstreams"),
+    ],
+)
+def test_replicas_without_a_shared_store_are_refused(usage: dict, models: dict | None, message: str) -> None:
+    gateway = {"replicas": {"shared": True}, "usage": usage}
+    deployment = parse_config({"models": models, "gateway": gateway}, "deploy.yaml") if models else _deployment(gateway)
+    with pytest.raises(ConfigError) as caught:
+        gateway_settings(deployment)
+    assert str(caught.value).startswith(message), str(caught.value)
+
+
+def test_replicas_with_a_postgresql_store_and_url_models_start() -> None:
+    settings = gateway_settings(_deployment({"replicas": {"shared": True, "name": "pod-a"}, "usage": {"database_url": "postgresql://u@db/ledger"}}))
+    assert settings.replicas.shared and settings.replicas.name == "pod-a" and settings.replicas.expected == 2
