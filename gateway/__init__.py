@@ -39,8 +39,10 @@ import none of each other). Every module is named under its folder (a test check
 
 ``data/`` (every request)
   ``routes``         the FastAPI routes made from the route table, stored responses by id, models, health, ready
-  ``proxy``          admission, the replica (one retry elsewhere), forwarding; ``lease`` what a request holds*;
-                     ``waking`` a stream for an asleep model, kept alive while its engine starts
+  ``proxy``          a request's stages in order*: ``admission`` (checks, its model's slot), ``exchange`` (a replica,
+                     one retry elsewhere; ``upstream_send`` the bytes there and back), ``answer`` (plain JSON or the
+                     relay); ``lease`` what a request holds*; ``waking`` a stream for an asleep model, kept alive while
+                     its engine starts
   ``relay``          the SSE relay, event by event: usage, errors and Responses ids inspected, endings judged*
   ``stream_pool``    streams' own keep-alive upstream connections, relayed from the socket's callbacks*;
                      while the process falls behind, each stream rests after a read as its lag says (``loop_lag``)
@@ -78,6 +80,7 @@ import none of each other). Every module is named under its folder (a test check
                      (``metrics_scope``: what of ``/metrics`` a client key may read)
   ``events``         the last reloads, swaps and restarts, for people to read (status page, admin API)
   ``responses_index`` which engine stored which Responses API response, and which key owns it (in ``state_dir``)
+  ``call``           one proxied request as its stages carry it, and the hook they note its trace in*;
   ``context``        what is learnt about one request (for its log line, metrics and trace); ``tracing`` its
                      OpenTelemetry spans, built once it is over
 

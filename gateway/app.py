@@ -182,12 +182,15 @@ def app_from_config(
     log_dir: str | Path | None = None,
     watch: bool = False,
     workers: WorkerPlan | None = None,
+    settings: GatewaySettings | None = None,
 ) -> tuple[FastAPI, GatewaySettings]:
     """The app for a whole deployment: managed engines (started by the lifespan's boot) and external URLs.
 
     Every engine is preflighted first, so a bad model path or a busy port fails at once with its message.
+    ``settings``: the deployment's, when the caller parsed them already (``host`` and ``port`` applied).
     """
-    settings = gateway_settings(deployment, host=host, port=port)
+    if settings is None:
+        settings = gateway_settings(deployment, host=host, port=port)
     preflight_all(deployment)
     app = create_app(
         settings, deployment=deployment, boot=True, overrides={"host": host, "port": port}, watch=watch,

@@ -151,7 +151,7 @@ def run(
     settings = gateway_settings(deployment, host=host, port=port)
     count = settings.worker_count()
     if count == 1:
-        app, settings = app_from_config(deployment, host=host, port=port, watch=watch)
+        app, settings = app_from_config(deployment, host=host, port=port, watch=watch, settings=settings)
         logger.info("gateway: serving {} model(s) from {}", len(deployment.models), config_path)
         serve_app(app, settings, verbose=verbose, source=str(config_path))
         return
@@ -159,7 +159,8 @@ def run(
     with worker_runtime() as runtime_dir:
         port = settings.port or pick_free_port(settings.host)
         plan = WorkerPlan(count, runtime_dir, settings.host, port, verbose)
-        app, settings = app_from_config(deployment, host=host, port=port, watch=watch, workers=plan)
+        settings = settings.model_copy(update={"port": port})
+        app, settings = app_from_config(deployment, host=host, port=port, watch=watch, workers=plan, settings=settings)
         logger.info("gateway: serving {} model(s) from {} on {} worker processes", len(deployment.models), config_path, count)
         serve_app(app, settings, verbose=verbose, source=str(config_path), uds=str(runtime_dir / ADMIN_SOCKET))
 

@@ -10,12 +10,11 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from starlette.responses import Response
-from starlette.types import Receive
 
-from gateway.config import BalancingSettings, GatewaySettings
+from gateway.config import GatewaySettings
 from gateway.core.backends import Backend
+from gateway.core.call import Call
 from gateway.core.context import RequestInfo
-from gateway.core.endpoints import ProxiedRoute
 from gateway.core.events import EventLog
 from gateway.core.health import HealthProbes
 from gateway.core.metrics import Metrics
@@ -65,21 +64,8 @@ class Forwarder(Protocol):
 
     waker: Waker | None  # models whose engines start on demand
 
-    async def forward(
-        self,
-        route: ModelRoute,
-        endpoint: ProxiedRoute,
-        body: dict[str, Any],
-        info: RequestInfo,
-        receive: Receive | None = None,
-        *,
-        balancing: BalancingSettings | None = None,
-        pinned: Backend | None = None,
-        owner: str = ...,
-        grammar_size: int | None = None,
-        priority: int | None = None,
-    ) -> Response:
-        """Admit one validated request, send it to a replica of ``route`` and answer it (plain or a stream)."""
+    async def forward(self, call: Call) -> Response:
+        """Admit one validated request, send it to a replica of its model and answer it (plain or a stream)."""
         ...
 
     async def call_backend(self, model: str, backend: Backend, method: str, path: str, info: RequestInfo) -> Response:

@@ -31,8 +31,9 @@ from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, Trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from gateway.config import TracingSettings
+from gateway.core.call import NO_NOTES, TraceNotes
 from gateway.core.context import Attempt, RequestInfo, RequestTrace
-from gateway.core.endpoints import CHAT_COMPLETIONS, route_label
+from gateway.core.endpoints import CHAT_COMPLETIONS, MESSAGES, route_label
 from launch.config import ConfigError
 from launch.tracing import resolved_protocol, traces_endpoint
 
@@ -42,7 +43,7 @@ CANCELLED = "client disconnected"  # RequestInfo.error of a request whose client
 # gen_ai.operation.name by route (OpenTelemetry GenAI semantic conventions); other routes are plain HTTP spans.
 OPERATIONS = {
     CHAT_COMPLETIONS: "chat",
-    "/v1/messages": "chat",
+    MESSAGES: "chat",
     "/v1/responses": "chat",
     "/invocations": "chat",
     "/v1/completions": "text_completion",
@@ -94,6 +95,10 @@ class Tracing:
         now = time.time_ns() - int((time.perf_counter() - started) * 1e9)
         return RequestTrace(trace_id, self.ids.generate_span_id(), parent, sampled, state, now, started)
 
+    def notes(self, trace: RequestTrace | None) -> TraceNotes:
+        """The hook a request's stages note their moments in: into ``trace``, or nowhere when it has none."""
+        return NO_NOTES if trace is None else _TracedNotes(self, trace)
+
     def attempt(self, trace: RequestTrace, model: str, url: str, replica: int | None) -> dict[str, str]:
         """Note an upstream attempt starting now; the headers that give the engine its span's context."""
         span_id = self.ids.generate_span_id()
@@ -117,6 +122,36 @@ class Tracing:
         self.processor.shutdown()
 
 
+class _TracedNotes(TraceNotes):
+    """The stages' moments, noted in one request's :class:`RequestTrace` (its spans are built from it at the end)."""
+
+    __slots__ = ("tracing", "trace")
+
+    def __init__(self, tracing: Tracing, trace: RequestTrace) -> None:
+        self.tracing, self.trace = tracing, trace
+
+    def request(self, body: dict[str, Any]) -> None:
+        self.trace.params = request_params(body)
+
+    def queued(self, since: float) -> None:
+        self.trace.queued = (since, time.perf_counter())
+
+    def attempt(self, model: str, url: str, replica: int | None) -> dict[str, str]:
+        return self.tracing.attempt(self.trace, model, url, replica)
+
+    def attempt_failed(self, error: BaseException) -> None:
+        if self.trace.attempts:
+            self.trace.attempts[-1].ended, self.trace.attempts[-1].error = time.perf_counter(), type(error).__name__
+
+    def answered(self, content: bytes | None, streamed: bool) -> None:
+        if self.trace.attempts:
+            attempt = self.trace.attempts[-1]
+            attempt.first_byte = time.perf_counter()  # a plain answer's head comes with its body; a stream's at once
+            if not streamed:
+                attempt.ended = attempt.first_byte
+                self.trace.finish_reasons = finish_reasons(content or b"")
+
+
 def request_spans(
     info: RequestInfo,
     trace: RequestTrace,
@@ -131,13 +166,46 @@ def request_spans(
     server = SpanContext(trace.trace_id, trace.span_id, False, flags, state)
     route = route_label(info.path)
     operation = OPERATIONS.get(route)
+    attributes = _server_attributes(info, trace, route, operation)
+    events: list[Event] = []
+    span_status = Status(StatusCode.UNSET)
     status = info.status or 0
-    cancelled = info.error == CANCELLED or status == 499
+    if info.error == CANCELLED or status == 499:
+        attributes["error.type"] = "cancelled"
+        attributes["gateway.cancelled"] = True
+        events.append(Event("cancelled", {"reason": CANCELLED}, trace.ns(ended)))
+        span_status = Status(StatusCode.ERROR, CANCELLED)
+    elif status >= 400 or info.error is not None:
+        attributes["error.type"] = info.error_code or str(status)
+        if status >= 500 or status == 200:  # a 4xx is the client's; a stream that failed after its 200 is ours
+            span_status = Status(StatusCode.ERROR, (info.error or "")[:300])
+    spans = [
+        ReadableSpan(
+            f"{info.method} {route}", server, trace.parent, resource, attributes, events, kind=SpanKind.SERVER,
+            status=span_status, start_time=trace.wall_ns, end_time=trace.ns(ended), instrumentation_scope=scope,
+        )
+    ]  # fmt: skip
+    if trace.queued is not None:
+        start, end = trace.queued
+        queue = SpanContext(trace.trace_id, ids.generate_span_id(), False, flags, state)
+        spans.append(
+            ReadableSpan(
+                "gateway.queue", queue, server, resource, {"gen_ai.request.model": info.model or ""}, (),
+                kind=SpanKind.INTERNAL, start_time=trace.ns(start), end_time=trace.ns(end), instrumentation_scope=scope,
+            )
+        )  # fmt: skip
+    for index, attempt in enumerate(trace.attempts):
+        spans.append(_attempt_span(attempt, index, info, trace, server, ended, operation, resource, scope, flags, state))
+    return spans
+
+
+def _server_attributes(info: RequestInfo, trace: RequestTrace, route: str, operation: str | None) -> dict[str, Any]:
+    """The server span's attributes: HTTP's, then the GenAI ones the request has (its model, usage, parameters)."""
     attributes: dict[str, Any] = {
         "http.request.method": info.method,
         "http.route": route,
         "url.path": info.path,
-        "http.response.status_code": status,
+        "http.response.status_code": info.status or 0,
         "gateway.request_id": info.request_id,
     }
     if operation is not None:
@@ -158,55 +226,7 @@ def request_spans(
         attributes["gateway.stream"] = info.stream
     if trace.finish_reasons:
         attributes["gen_ai.response.finish_reasons"] = list(trace.finish_reasons)
-    events: list[Event] = []
-    span_status = Status(StatusCode.UNSET)
-    if cancelled:
-        attributes["error.type"] = "cancelled"
-        attributes["gateway.cancelled"] = True
-        events.append(Event("cancelled", {"reason": CANCELLED}, trace.ns(ended)))
-        span_status = Status(StatusCode.ERROR, CANCELLED)
-    elif status >= 400 or info.error is not None:
-        attributes["error.type"] = info.error_code or str(status)
-        if status >= 500 or status == 200:  # a 4xx is the client's; a stream that failed after its 200 is ours
-            span_status = Status(StatusCode.ERROR, (info.error or "")[:300])
-    name = f"{info.method} {route}"
-    spans = [
-        ReadableSpan(
-            name,
-            server,
-            trace.parent,
-            resource,
-            attributes,
-            events,
-            kind=SpanKind.SERVER,
-            status=span_status,
-            start_time=trace.wall_ns,
-            end_time=trace.ns(ended),
-            instrumentation_scope=scope,
-        )
-    ]
-    if trace.queued is not None:
-        start, end = trace.queued
-        queue = SpanContext(trace.trace_id, ids.generate_span_id(), False, flags, state)
-        spans.append(
-            ReadableSpan(
-                "gateway.queue",
-                queue,
-                server,
-                resource,
-                {"gen_ai.request.model": info.model or ""},
-                (),
-                kind=SpanKind.INTERNAL,
-                start_time=trace.ns(start),
-                end_time=trace.ns(end),
-                instrumentation_scope=scope,
-            )
-        )
-    for index, attempt in enumerate(trace.attempts):
-        spans.append(
-            _attempt_span(attempt, index, info, trace, server, ended, operation, resource, scope, flags, state)
-        )
-    return spans
+    return attributes
 
 
 def _attempt_span(

@@ -20,6 +20,7 @@ from engine_guard.bounds import check_bounds
 from engine_guard.refusal import Refused
 from engine_guard.schemas import check_extensions, parse_body
 from gateway.core.backends import Backend
+from gateway.core.call import Call
 from gateway.core.context import RequestInfo, request_info
 from gateway.core.endpoints import PROXIED, RESPONSE_BY_ID, RESPONSE_CANCEL, ModelChoice, ProxiedRoute
 from gateway.core.errors import Dialect, GatewayError, error_body, error_response, refused, shaped_for, unknown_model
@@ -28,7 +29,7 @@ from gateway.core.metrics_scope import scoped_exposition
 from gateway.core.registry import ModelRoute
 from gateway.core.responses_index import StoredResponse
 from gateway.core.state import GatewayState
-from gateway.edge.auth import request_owner
+from gateway.edge.auth import OPEN_OWNER, request_owner
 from gateway.tenants.keys import TENANT_SCOPE_KEY, Tenant
 from gateway.tenants.priority import request_priority
 
@@ -50,6 +51,7 @@ def _json(data: Any, status: int = 200) -> Response:
 
 
 async def _proxied(request: Request, endpoint: ProxiedRoute) -> Response:
+    """A proxied route's request: guarded, resolved into one :class:`Call`, forwarded."""
     state = _state(request)
     info: RequestInfo = request_info(request.scope) or RequestInfo("-", request.method, endpoint.path)
     tenant: Tenant | None = request.scope.get(TENANT_SCOPE_KEY)
@@ -57,13 +59,15 @@ async def _proxied(request: Request, endpoint: ProxiedRoute) -> Response:
     raw = await request.body()
     body, route, grammar_size = guard_request(state, endpoint, raw, tenant, info)
     owner = request_owner(request.scope)
-    pinned = _continued_response(state, body, route, owner) if endpoint.response_ids else None
-    assert state.proxy is not None, "the app's lifespan did not run"
-    balancing = state.settings.balancing_for(route.name)
-    return await state.proxy.forward(
-        route, endpoint, body, info, request.receive, balancing=balancing, pinned=pinned, owner=owner, grammar_size=grammar_size,
+    call = Call(
+        route, endpoint, body, info, owner, info.key_name or (None if owner == OPEN_OWNER else owner), request.receive,
+        balancing=state.settings.balancing_for(route.name),
+        pinned=_continued_response(state, body, route, owner) if endpoint.response_ids else None,
+        grammar_size=grammar_size,
         priority=priority,
-    )
+    )  # fmt: skip
+    assert state.proxy is not None, "the app's lifespan did not run"
+    return await state.proxy.forward(call)
 
 
 def guard_request(

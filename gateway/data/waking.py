@@ -16,9 +16,8 @@ from collections.abc import Awaitable, Callable
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
-from gateway.core.context import RequestInfo
+from gateway.core.call import Call
 from gateway.core.errors import GatewayError, StreamKind, sse_error_event
-from gateway.core.registry import ModelRoute
 from gateway.core.state import Waker
 from gateway.data.relay import SSE_HEADERS, wait_disconnect
 
@@ -26,20 +25,19 @@ KEEPALIVE_S = 5.0
 
 
 class WakingStreamResponse(Response):
-    """Waits for ``route``'s engine with keep-alives, then answers with what ``forward`` makes of the woken route."""
+    """Waits for the engine of ``call``'s model with keep-alives, then answers with what ``forward`` makes of ``call``
+    on the woken route."""
 
-    def __init__(
-        self, waker: Waker, route: ModelRoute, forward: Callable[[ModelRoute], Awaitable[Response]], kind: StreamKind, info: RequestInfo,
-        owner: str | None = None,
-    ) -> None:
+    def __init__(self, waker: Waker, call: Call, forward: Callable[[Call], Awaitable[Response]]) -> None:
         super().__init__(status_code=200, media_type="text/event-stream")
-        self.waker, self.route, self.forward, self.kind, self.info = waker, route, forward, kind, info
-        self.owner = owner  # the client key's identity: its cold starts are counted (wakes_per_key_per_hour)
+        self.waker, self.call, self.forward = waker, call, forward
+        self.kind = call.endpoint.stream or StreamKind.DATA
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:  # type: ignore[override]
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
-        comment = f": model {self.route.name} is starting for this request\n\n".encode()
-        waking = asyncio.ensure_future(self.waker.enter(self.route, self.owner))
+        call = self.call
+        comment = f": model {call.route.name} is starting for this request\n\n".encode()
+        waking = asyncio.ensure_future(self.waker.enter(call.route, call.owner))  # its cold starts count (wakes_per_key_per_hour)
         gone = asyncio.ensure_future(wait_disconnect(receive))
         try:
             while not waking.done():
@@ -47,29 +45,29 @@ class WakingStreamResponse(Response):
                 await asyncio.wait({waking, gone}, timeout=KEEPALIVE_S, return_when=asyncio.FIRST_COMPLETED)
                 if gone.done():
                     waking.cancel()  # the start goes on for the next request; this one left
-                    self.info.error = "client disconnected while its model started"
+                    call.info.error = "client disconnected while its model started"
                     return
         finally:
             gone.cancel()
         try:
-            route = waking.result()
+            call.route = waking.result()
         except GatewayError as error:
             await self._fail(send, error)
             return
         try:
-            response = await self.forward(route)
+            response = await self.forward(call)
         except GatewayError as error:
             await self._fail(send, error)
             return
         finally:
-            self.waker.leave(route.name)
+            self.waker.leave(call.route.name)
         if response.status_code != 200:  # the client went away meanwhile (499): nothing more to say
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
         await response(scope, receive, _after_start(send))
 
     async def _fail(self, send: Send, error: GatewayError) -> None:
-        self.info.error = error.log_detail or error.message
+        self.call.info.error = error.log_detail or error.message
         await send({"type": "http.response.body", "body": sse_error_event(error, self.kind), "more_body": False})
 
 

@@ -15,8 +15,8 @@ import pytest
 from gateway.core.context import RequestInfo
 from gateway.core.errors import StreamKind
 from gateway.core.limits import ConcurrencyLimiter
+from gateway.data.answer import _parsed_if
 from gateway.data.lease import Lease
-from gateway.data.proxy import _parsed_if
 from gateway.data.relay import _MAX_PENDING, SSEProxyResponse, _usage_of
 from gateway.data.stream_pool import StreamExchange
 
