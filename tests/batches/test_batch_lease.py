@@ -13,32 +13,20 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, select, text, update
+from sqlalchemy import select, text, update
 
 from gateway.batches.files import CHUNK, DatabaseFiles, jsonl_lines
 from gateway.batches.store import BatchStore, LineEnd
 from gateway.tenants.batch_schema import batch_file_chunks, batches
 from gateway.tenants.ledger_schema import LATEST, schema_version
-from tests.postgres import PostgresServer
-
-
-def _new_database(postgres: PostgresServer) -> str:
-    """A database of its own on the session's server (a test that reshapes tables must not touch the others')."""
-    name = "lease_" + secrets.token_hex(4)
-    admin = create_engine(postgres.url, isolation_level="AUTOCOMMIT")
-    try:
-        with admin.connect() as conn:
-            conn.execute(text(f"CREATE DATABASE {name}"))
-    finally:
-        admin.dispose()
-    return postgres.url.rsplit("/", 1)[0] + "/" + name
+from tests.batches.helpers import new_database
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
 def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'usage.sqlite3'}"
-    return _new_database(request.getfixturevalue("postgres"))
+    return new_database(request.getfixturevalue("postgres"))
 
 
 @pytest.fixture
