@@ -2,7 +2,9 @@
 (``gateway.replicas.shared``), in front of one FAKE engine that notes every answer it sends: a batch submitted through
 one is seen, with its input file, through the other; one replica runs it (the lease's holder); SIGKILLed halfway,
 the other takes it over once the lease runs out and completes it: every custom_id once in the output, downloaded
-through the survivor, and no line whose answer was recorded before the kill reaches the engine again."""
+through the survivor, and no line whose answer was recorded before the kill reaches the engine again. Stopped by
+SIGTERM instead, the holder finishes its lines in flight and releases the lease: the other takes the batch over
+without waiting for the lease to run out, and no line reaches the engine twice."""
 
 from __future__ import annotations
 
@@ -36,7 +38,9 @@ def _query(url: str, sql: str, **params: Any) -> list[Any]:
 
 
 @contextmanager
-def _replicas(tmp_path: Path, engine_url: str, database_url: str, names: tuple[str, ...]) -> Iterator[dict[str, ServerProcess]]:
+def _replicas(
+    tmp_path: Path, engine_url: str, database_url: str, names: tuple[str, ...], lease_s: float = LEASE_S
+) -> Iterator[dict[str, ServerProcess]]:
     """One ``sglang-gateway serve`` per name, started together, each ready; every one's process group stopped at the end."""
     servers: dict[str, ServerProcess] = {}
     try:
@@ -45,7 +49,7 @@ def _replicas(tmp_path: Path, engine_url: str, database_url: str, names: tuple[s
                 "keys": [{"name": "owner", "key": KEY}], "state_dir": str(tmp_path / f"state-{name}"),
                 "usage": {"database_url": database_url, "flush_interval_s": 0.05},
                 "batches": {"max_concurrency": CONCURRENCY, "poll_interval_s": 0.2},
-                "replicas": {"shared": True, "name": name, "lease_s": LEASE_S},
+                "replicas": {"shared": True, "name": name, "lease_s": lease_s},
             }  # fmt: skip
             config = tmp_path / f"deploy-{name}.yaml"
             config.write_text(yaml.safe_dump({"models": {"m": {"url": engine_url}}, "gateway": gateway}))
@@ -60,6 +64,10 @@ def _replicas(tmp_path: Path, engine_url: str, database_url: str, names: tuple[s
 
 def _client(server: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=30)
+
+
+def _holder(url: str, batch_id: str) -> str | None:
+    return _query(url, "SELECT leased_by FROM batches WHERE id = :b", b=batch_id)[0][0]
 
 
 def test_a_batch_is_shared_by_replicas_and_taken_over_from_a_killed_one(postgres: PostgresServer, tmp_path: Path) -> None:
@@ -80,10 +88,7 @@ def test_a_batch_is_shared_by_replicas_and_taken_over_from_a_killed_one(postgres
         assert b.files.content(source).content == jsonl(lines)
 
         # One replica holds the lease and runs the lines; it is killed halfway.
-        def holder() -> str | None:
-            return _query(url, "SELECT leased_by FROM batches WHERE id = :b", b=batch.id)[0][0]
-
-        running = servers["a"].wait_until(holder, 30, "a replica holding the batch's lease")
+        running = servers["a"].wait_until(lambda: _holder(url, batch.id), 30, "a replica holding the batch's lease")
         assert running in servers, running
         survivor_name = "b" if running == "a" else "a"
         killed, survivor = servers[running], servers[survivor_name]
@@ -109,3 +114,27 @@ def test_a_batch_is_shared_by_replicas_and_taken_over_from_a_killed_one(postgres
     # Files' bytes are in the database, not in either replica's state_dir.
     assert not [path for name in servers for path in (tmp_path / f"state-{name}").rglob("*.jsonl")]
     assert _query(url, "SELECT count(DISTINCT file_id) FROM batch_file_chunks")[0][0] == 2  # the input and the output
+
+
+def test_a_replica_stopped_by_sigterm_hands_its_batch_over_without_waiting_for_the_lease(postgres: PostgresServer, tmp_path: Path) -> None:
+    url = new_database(postgres)
+    answers = tmp_path / "answers.txt"
+    long_lease_s = 300.0  # far longer than the test may wait: the survivor can only take the batch if it was released
+    with (
+        running_fake_engine(tmp_path, env={"FAKE_ENGINE_TOKEN_S": "0.02", "FAKE_ENGINE_ANSWERS": str(answers)}) as engine_url,
+        _replicas(tmp_path, engine_url, url, ("a", "b"), lease_s=long_lease_s) as servers,
+    ):
+        a = _client(servers["a"])
+        batch = a.batches.create(input_file_id=upload(a, chat_lines(LINES, max_tokens=10)), endpoint="/v1/chat/completions",
+                                 completion_window="24h")  # fmt: skip
+        running = servers["a"].wait_until(lambda: _holder(url, batch.id), 30, "a replica holding the batch's lease")
+        stopped, survivor = servers[running], servers["b" if running == "a" else "a"]
+        client = _client(survivor)
+        survivor.wait_until(lambda: client.batches.retrieve(batch.id).request_counts.completed >= LINES // 4, 60, "a quarter of the lines")
+        assert stopped.stop(signal.SIGTERM, grace_s=60) == 0, stopped.log(3000)
+        assert _holder(url, batch.id) != running  # released on the way out
+        ended = wait_ended(client, batch.id, timeout_s=60)
+        assert ended.status == "completed" and ended.request_counts.completed == LINES, ended
+        assert [line["custom_id"] for line in results(client, ended.output_file_id)] == [f"line-{i}" for i in range(LINES)]
+    answered = collections.Counter(answers.read_text().splitlines())
+    assert answered == {f"line-{i}": 1 for i in range(LINES)}, {custom_id: n for custom_id, n in answered.items() if n != 1}
