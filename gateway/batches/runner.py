@@ -29,7 +29,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import aclosing
 from typing import Any, TypeVar
 
 import orjson
@@ -190,27 +191,31 @@ class BatchRunner:
         if not queued or whose is None:
             return
         mine: set[asyncio.Task[None]] = set()
-        stream = await self._db(self.files.open, batch.input_file_id)
+        async with aclosing(self._input(batch.input_file_id)) as lines:
+            async for index, raw in lines:
+                if index not in queued:
+                    continue
+                await self._slots.acquire()
+                if self._stopped(batch):
+                    self._slots.release()
+                    break
+                task = asyncio.create_task(self._line(batch, whose[0], index, raw))
+                for group in (mine, self._lines):
+                    group.add(task)
+                    task.add_done_callback(group.discard)
+        await asyncio.gather(*mine, return_exceptions=True)
+
+    async def _input(self, file_id: str) -> AsyncIterator[tuple[int, bytes]]:
+        """(index, line) of the input file, read :data:`READ_LINES` at a time in a thread (off the event loop: a file
+        in the database is read over the network)."""
+        stream = await self._db(self.files.open, file_id)
         try:
             lines = jsonl_lines(stream)
-            while group := await self._db(_take, lines, READ_LINES):  # the file read off the event loop (a database's, too)
+            while group := await self._db(_take, lines, READ_LINES):
                 for index, _, raw in group:
-                    if index not in queued:
-                        continue
-                    await self._slots.acquire()
-                    if self._stopped(batch):
-                        self._slots.release()
-                        break
-                    task = asyncio.create_task(self._line(batch, whose[0], index, raw))
-                    for tasks in (mine, self._lines):
-                        tasks.add(task)
-                        task.add_done_callback(tasks.discard)
-                else:
-                    continue
-                break
+                    yield index, raw
         finally:
             stream.close()
-        await asyncio.gather(*mine, return_exceptions=True)
 
     async def _line(self, batch: BatchObject, owner: str, index: int, raw: bytes) -> None:
         try:
