@@ -4,7 +4,8 @@ one is seen, with its input file, through the other; one replica runs it (the le
 the other takes it over once the lease runs out and completes it: every custom_id once in the output, downloaded
 through the survivor, and no line whose answer was recorded before the kill reaches the engine again. Stopped by
 SIGTERM instead, the holder finishes its lines in flight and releases the lease: the other takes the batch over
-without waiting for the lease to run out, and no line reaches the engine twice."""
+without waiting for the lease to run out, and no line reaches the engine twice. Cancelled through the replica that
+does not run it, the batch is ended by the one that does."""
 
 from __future__ import annotations
 
@@ -138,3 +139,23 @@ def test_a_replica_stopped_by_sigterm_hands_its_batch_over_without_waiting_for_t
         assert [line["custom_id"] for line in results(client, ended.output_file_id)] == [f"line-{i}" for i in range(LINES)]
     answered = collections.Counter(answers.read_text().splitlines())
     assert answered == {f"line-{i}": 1 for i in range(LINES)}, {custom_id: n for custom_id, n in answered.items() if n != 1}
+
+
+def test_a_batch_running_on_one_replica_is_cancelled_through_the_other(postgres: PostgresServer, tmp_path: Path) -> None:
+    url = new_database(postgres)
+    with (
+        running_fake_engine(tmp_path, env={"FAKE_ENGINE_TOKEN_S": "0.02"}) as engine_url,
+        _replicas(tmp_path, engine_url, url, ("a", "b")) as servers,
+    ):
+        a = _client(servers["a"])
+        batch = a.batches.create(input_file_id=upload(a, chat_lines(LINES, max_tokens=10)), endpoint="/v1/chat/completions",
+                                 completion_window="24h")  # fmt: skip
+        running = servers["a"].wait_until(lambda: _holder(url, batch.id), 30, "a replica holding the batch's lease")
+        other = _client(servers["b" if running == "a" else "a"])
+        other.batches.cancel(batch.id)
+        ended = wait_ended(other, batch.id, timeout_s=60)
+        assert ended.status == "cancelled" and ended.request_counts.completed < LINES, ended
+        out, errors = results(other, ended.output_file_id), results(other, ended.error_file_id)
+        assert sorted(line["custom_id"] for line in out + errors) == sorted(f"line-{i}" for i in range(LINES))  # each once
+        assert {line["error"]["code"] for line in errors} == {"batch_cancelled"} and len(out) == ended.request_counts.completed
+        assert f"batches: batch {batch.id} cancelled" in servers[running].log()  # ended by the lease's holder
