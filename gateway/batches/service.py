@@ -42,7 +42,7 @@ class Batches:
         self.settings = state.settings.batches
         self.url = url
         replicas = state.settings.replicas
-        self.holder = (replicas.name or f"{socket.gethostname()}-{os.getpid()}") if replicas.shared else LOCAL_HOLDER
+        self.holder = (replicas.name or f"{socket.gethostname()}:{os.getpid()}") if replicas.shared else LOCAL_HOLDER
         self.files: FileStorage = DatabaseFiles(self._engine) if replicas.shared or root is None else LocalFiles(root)
         self.store: BatchStore | None = None
         self.runner: BatchRunner | None = None
