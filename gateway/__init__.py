@@ -16,8 +16,10 @@ import none of each other). Every module is named under its folder (a test check
 ``batches/`` (OpenAI's Files and Batches API, run by the gateway at low priority; docs/batches.md)
   ``api``            the routes of the table's ``BATCH_ROUTES``; ``shapes`` the wire objects; ``validate`` every line
                      through a live request's guard before a batch exists
-  ``files``          the files' bytes (state_dir, one small interface); ``store`` files, batches, lines in the ledger's database
-  ``runner``         the queued lines, bounded and retried, resumed at start; ``results`` the output and error files
+  ``files``          the files' bytes (one small interface: state_dir, or the database for shared replicas); ``store``
+                     files, batches, lines in the ledger's database, and each batch's lease (one replica runs it)
+  ``runner``         the queued lines, bounded and retried, resumed at start, of the batches it holds the lease of;
+                     ``results`` the output and error files
   ``dispatch``       the one adapter into the data plane (a line is a request of its key at the batch class);
                      ``service`` the parts put together for the app
   ``cli``            ``sglang-gateway batch``: a JSONL file submitted to a running gateway and watched (the ``openai`` SDK)

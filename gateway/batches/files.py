@@ -1,27 +1,37 @@
-"""Where the bytes of batch files live: one small interface, a directory under ``state_dir`` behind it.
+"""Where the bytes of batch files live: one small interface, two implementations behind it.
 
-An object store is a later option: it would implement the same four calls. Files are written whole to a temporary
-name, flushed to disk and renamed, so a file that exists is complete (a SIGKILL mid-upload leaves only a temporary).
+- :class:`LocalFiles`, a directory under ``state_dir`` (a lone gateway): files are written whole to a temporary name,
+  flushed to disk and renamed, so a file that exists is complete (a SIGKILL mid-upload leaves only a temporary).
+- :class:`DatabaseFiles`, rows of ``batch_file_chunks`` in the batch database (replicas sharing one PostgreSQL,
+  ``gateway.replicas.shared``): a file uploaded through one replica is read by the one that runs its batch, and its
+  output downloaded through any. A file is written in one transaction, so it exists whole or not at all.
+
+An object store is a later option: it would implement the same three calls.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import BinaryIO, Protocol
+from typing import BinaryIO, Protocol, cast
+
+from sqlalchemy import Engine, delete, insert, select
+
+from gateway.tenants.batch_schema import batch_file_chunks as chunks
 
 CHUNK = 1024 * 1024
 
 
 class FileStorage(Protocol):
-    """The bytes of a file by id: written once, read (whole or line by line), deleted."""
+    """The bytes of a file by id: written once (a rewrite of the same id replaces it), read (whole or line by line),
+    deleted. ``open`` of a file that does not exist raises :class:`FileNotFoundError`."""
 
     def write(self, file_id: str, source: BinaryIO | bytes) -> int: ...
     def open(self, file_id: str) -> BinaryIO: ...
     def delete(self, file_id: str) -> None: ...
-    def path(self, file_id: str) -> Path: ...
 
 
 class LocalFiles:
@@ -62,9 +72,67 @@ class LocalFiles:
         self.path(file_id).unlink(missing_ok=True)
 
 
+class DatabaseFiles:
+    """Files as ``batch_file_chunks`` rows of at most :data:`CHUNK` bytes, in the database ``engine()`` returns (the
+    batch store's, open by the time a file is used: the API and the runner open it first)."""
+
+    def __init__(self, engine: Callable[[], Engine]) -> None:
+        self.engine = engine
+
+    def write(self, file_id: str, source: BinaryIO | bytes) -> int:
+        """Write ``source`` as ``file_id`` (replacing a file of that id) in one transaction; its size in bytes."""
+        size = 0
+        with self.engine().begin() as conn:
+            conn.execute(delete(chunks).where(chunks.c.file_id == file_id))
+            for seq, chunk in enumerate(_chunks(source)):
+                conn.execute(insert(chunks).values(file_id=file_id, seq=seq, data=bytes(chunk)))
+                size += len(chunk)
+            if size == 0:
+                conn.execute(insert(chunks).values(file_id=file_id, seq=0, data=b""))  # an empty file exists too
+        return size
+
+    def open(self, file_id: str) -> BinaryIO:
+        """A reader that fetches one chunk at a time (a file is never held whole in memory)."""
+        engine = self.engine()
+        with engine.begin() as conn:
+            if conn.execute(select(chunks.c.seq).where(chunks.c.file_id == file_id, chunks.c.seq == 0)).first() is None:
+                raise FileNotFoundError(f"no batch file {file_id} in the database")
+        return cast(BinaryIO, io.BufferedReader(_ChunkReader(engine, file_id), buffer_size=CHUNK))
+
+    def delete(self, file_id: str) -> None:
+        with self.engine().begin() as conn:
+            conn.execute(delete(chunks).where(chunks.c.file_id == file_id))
+
+
+class _ChunkReader(io.RawIOBase):
+    """The chunks of one file, in order, each read in a transaction of its own when the previous one is used up."""
+
+    def __init__(self, engine: Engine, file_id: str) -> None:
+        self._engine, self._file_id = engine, file_id
+        self._seq = 0
+        self._chunk = memoryview(b"")
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: bytearray | memoryview) -> int:  # type: ignore[override]
+        while not self._chunk:
+            query = select(chunks.c.data).where(chunks.c.file_id == self._file_id, chunks.c.seq == self._seq)
+            with self._engine.begin() as conn:
+                data = conn.execute(query).scalar()
+            if data is None:
+                return 0  # the end of the file
+            self._chunk, self._seq = memoryview(bytes(data)), self._seq + 1
+        count = min(len(buffer), len(self._chunk))
+        buffer[:count] = self._chunk[:count]
+        self._chunk = self._chunk[count:]
+        return count
+
+
 def _chunks(source: BinaryIO | bytes) -> Iterator[bytes]:
     if isinstance(source, bytes):
-        yield source
+        for start in range(0, len(source), CHUNK):
+            yield source[start : start + CHUNK]
         return
     while chunk := source.read(CHUNK):
         yield chunk

@@ -13,13 +13,24 @@ such events pause lines and never fail them; any other answer is the line's resu
 on, the lines in flight finish (their answers are kept in the output), the queued ones end as ``batch_cancelled``.
 ``expires_at``: lines not started by then end as ``batch_expired``. Shutdown: no line starts; those in flight get
 ``grace_s`` to finish, then are abandoned and stay queued for the next start.
+
+Several gateways may share the database (replicas; or a lone gateway and its own restart): a runner runs a batch only
+while it holds the batch's lease (:meth:`BatchStore.claim`, as ``holder`` for ``lease_s``), renewed every
+``lease_s / 3``, released when the batch ends or the runner stops. A batch whose holder died is taken over by the
+first runner to poll once its lease ran out; its lines recorded before are done, so only those the dead holder had in
+flight run again. A holder that cannot renew for ``lease_s`` (the database unreachable), or finds its lease taken,
+starts no more line of the batch and does not finish it (lines it has in flight still record their ends, once each).
+Per batch rather than per line: one row written per renewal, not one per line, and the runner's order of work (the
+input file read once, lines in order) stays; several batches spread over replicas, one batch runs on one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import aclosing
 from typing import Any, TypeVar
 
 import orjson
@@ -37,6 +48,7 @@ from gateway.core.metrics import Metrics
 T = TypeVar("T")
 PASSING = frozenset({429, 502, 503, 504})
 MAX_BACKOFF_S = 30.0
+READ_LINES = 64  # input lines read at a time, in a thread
 EXPIRED = {"code": "batch_expired", "message": "This request could not be executed before the completion window expired."}
 CANCELLED = {"code": "batch_cancelled", "message": "The batch was cancelled before this request started."}
 
@@ -46,13 +58,16 @@ class BatchRunner:
 
     def __init__(
         self, connect: Callable[[bool], Awaitable[BatchStore | None]], files: FileStorage, sender: LineSender, settings: BatchSettings,
-        metrics: Metrics,
+        metrics: Metrics, holder: str = "local", lease_s: float = 30.0,
     ) -> None:
         self.connect = connect  # the database, or None while none exists yet (``Batches.store_now``)
         self.files = files
         self.sender = sender
         self.settings = settings
         self.metrics = metrics
+        self.holder = holder
+        self.lease_s = lease_s
+        self._lost: set[str] = set()  # batches whose lease this runner held and lost
         self._slots = asyncio.Semaphore(settings.max_concurrency)
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
@@ -95,6 +110,7 @@ class BatchRunner:
                     self.store = store
                 unfinished = await self._db(store.unfinished) if store is not None else []
                 waiting = 0
+                self._cancelled &= {batch.id for batch in unfinished}  # those another replica ended
                 for batch in unfinished:
                     counts = batch.request_counts
                     waiting += counts.total - counts.completed - counts.failed
@@ -113,20 +129,61 @@ class BatchRunner:
 
     async def _run(self, batch: BatchObject) -> None:
         try:
-            if batch.status == "validating":
-                await self._db(self.store.move, batch.id, "in_progress", ("validating",))
-            if batch.status in ("validating", "in_progress"):
-                await self._run_lines(batch)
-            if not self._stop.is_set():
-                await self._finish(batch)
+            if not await self._db(self.store.claim, batch.id, self.holder, self.lease_s):
+                return  # another gateway runs it: looked at again at each poll, taken over once its lease runs out
+            renewing = asyncio.create_task(self._renew(batch.id), name=f"lease {batch.id}")
+            try:
+                await self._run_leased(await self._db(self.store.batch, batch.id, None) or batch)
+            finally:
+                renewing.cancel()
+                self._lost.discard(batch.id)
+                await self._release(batch.id)
         except Exception:  # noqa: BLE001 - logged; the batch is taken up again at the next poll
             logger.exception("batches: batch {} stopped on an error; it is taken up again", batch.id)
             await asyncio.sleep(self.settings.poll_interval_s)
         finally:
             self._batches.pop(batch.id, None)
 
+    async def _run_leased(self, batch: BatchObject) -> None:
+        if batch.status == "validating":
+            await self._db(self.store.move, batch.id, "in_progress", ("validating",))
+        if batch.status in ("validating", "in_progress"):
+            await self._run_lines(batch)
+        if not self._stop.is_set() and batch.id not in self._lost:
+            await self._finish(batch)
+
+    async def _renew(self, batch_id: str) -> None:
+        """Renew the lease every ``lease_s / 3``; lost when another holds it, or after ``lease_s`` without a renewal
+        (the database may have let it run out: another replica may run the batch by then)."""
+        renewed = time.monotonic()
+        while True:
+            await asyncio.sleep(self.lease_s / 3)
+            asked = time.monotonic()  # the lease runs until at least this + lease_s once this renewal is written
+            try:
+                if not await self._db(self.store.renew, batch_id, self.holder, self.lease_s):
+                    logger.warning("batches: the lease of batch {} was taken over; its lines here stop", batch_id)
+                    self._lost.add(batch_id)
+                    return
+                renewed = asked
+            except Exception as error:  # noqa: BLE001 - the database away a moment: try again until the lease is gone
+                if time.monotonic() - renewed >= self.lease_s:
+                    logger.warning("batches: the lease of batch {} could not be renewed for {:g} s ({}); its lines here stop", batch_id,
+                                   self.lease_s, type(error).__name__)  # fmt: skip
+                    self._lost.add(batch_id)
+                    return
+
+    async def _release(self, batch_id: str) -> None:
+        try:
+            await self._db(self.store.release, batch_id, self.holder)
+        except Exception as error:  # noqa: BLE001 - the lease then runs out by itself
+            logger.warning("batches: the lease of batch {} could not be released ({}); it runs out in {:g} s", batch_id,
+                           type(error).__name__, self.lease_s)  # fmt: skip
+
     def _stopped(self, batch: BatchObject) -> bool:
-        return self._stop.is_set() or batch.id in self._cancelled or (batch.expires_at is not None and time.time() >= batch.expires_at)
+        return (
+            self._stop.is_set() or batch.id in self._cancelled or batch.id in self._lost
+            or (batch.expires_at is not None and time.time() >= batch.expires_at)
+        )  # fmt: skip
 
     async def _run_lines(self, batch: BatchObject) -> None:
         queued = set(await self._db(self.store.queued, batch.id))
@@ -134,8 +191,8 @@ class BatchRunner:
         if not queued or whose is None:
             return
         mine: set[asyncio.Task[None]] = set()
-        with self.files.open(batch.input_file_id) as stream:
-            for index, _, raw in jsonl_lines(stream):
+        async with aclosing(self._input(batch.input_file_id)) as lines:
+            async for index, raw in lines:
                 if index not in queued:
                     continue
                 await self._slots.acquire()
@@ -147,6 +204,18 @@ class BatchRunner:
                     group.add(task)
                     task.add_done_callback(group.discard)
         await asyncio.gather(*mine, return_exceptions=True)
+
+    async def _input(self, file_id: str) -> AsyncIterator[tuple[int, bytes]]:
+        """(index, line) of the input file, read :data:`READ_LINES` at a time in a thread (off the event loop: a file
+        in the database is read over the network)."""
+        stream = await self._db(self.files.open, file_id)
+        try:
+            lines = jsonl_lines(stream)
+            while group := await self._db(_take, lines, READ_LINES):
+                for index, _, raw in group:
+                    yield index, raw
+        finally:
+            stream.close()
 
     async def _line(self, batch: BatchObject, owner: str, index: int, raw: bytes) -> None:
         try:
@@ -213,6 +282,10 @@ class BatchRunner:
             await self._db(self.store.add_file, file_id, whose[0], "batch_output", f"{batch.id}_{kind}.jsonl", size)
             ids.append(file_id)
         return ids[0], ids[1]
+
+
+def _take(lines: Iterator[T], count: int) -> list[T]:
+    return list(itertools.islice(lines, count))
 
 
 def _passing(answer: Answer) -> bool:

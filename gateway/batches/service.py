@@ -3,19 +3,27 @@ the runner with its adapter into the data plane. Opened and closed by the app's 
 
 The database is opened at its first need, not at start: a gateway that never uses the batch API creates no database
 file, and a database down at start fails no start (the API answers 503 ``batches_unavailable`` meanwhile, the runner
-tries again at each poll)."""
+tries again at each poll).
+
+Replicas sharing one PostgreSQL (``gateway.replicas.shared``) keep files' bytes in it (:class:`DatabaseFiles`) and run
+each batch under a lease named for the replica (``replicas.name``, else the host name and process id), of
+``replicas.lease_s``; a lone gateway keeps them under ``state_dir`` and holds its leases as ``local``, so a gateway
+restarted after a kill takes its batches up at once."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 from pathlib import Path
 
 from loguru import logger
+from sqlalchemy import Engine
 from sqlalchemy.engine import make_url
 from starlette.types import ASGIApp
 
 from gateway.batches.dispatch import LineSender
-from gateway.batches.files import FileStorage, LocalFiles
+from gateway.batches.files import DatabaseFiles, FileStorage, LocalFiles
 from gateway.batches.runner import BatchRunner
 from gateway.batches.store import BatchStore
 from gateway.config import GatewaySettings
@@ -25,14 +33,17 @@ from gateway.edge.auth import KeyHolder
 from gateway.tenants.ledger import database_url
 
 FILES_DIR = "batch_files"
+LOCAL_HOLDER = "local"  # a lone gateway's lease holder: the same name after a restart
 
 
 class Batches:
-    def __init__(self, state: GatewayState, url: str, root: Path) -> None:
+    def __init__(self, state: GatewayState, url: str, root: Path | None) -> None:
         self.state = state
         self.settings = state.settings.batches
         self.url = url
-        self.files: FileStorage = LocalFiles(root)
+        replicas = state.settings.replicas
+        self.holder = (replicas.name or f"{socket.gethostname()}:{os.getpid()}") if replicas.shared else LOCAL_HOLDER
+        self.files: FileStorage = DatabaseFiles(self._engine) if replicas.shared or root is None else LocalFiles(root)
         self.store: BatchStore | None = None
         self.runner: BatchRunner | None = None
         self._opening = asyncio.Lock()
@@ -46,7 +57,8 @@ class Batches:
             logger.warning("batches: the database cannot be opened ({}: {}); the batch API answers 503 until it can", type(error).__name__, error)
         if run is not None:
             sender = LineSender(run, app, keys, self.settings, self.state.settings.priority_classes)
-            self.runner = BatchRunner(self.store_now, self.files, sender, self.settings, metrics)
+            lease_s = self.state.settings.replicas.lease_s
+            self.runner = BatchRunner(self.store_now, self.files, sender, self.settings, metrics, holder=self.holder, lease_s=lease_s)
             self.runner.start()
 
     async def store_now(self, create: bool) -> BatchStore | None:
@@ -57,6 +69,12 @@ class Batches:
                 if self.store is None and (create or self._exists()):
                     self.store = await asyncio.to_thread(BatchStore, self.url)
         return self.store
+
+    def _engine(self) -> Engine:
+        """The database of :class:`DatabaseFiles` (opened by the API and the runner before they touch a file)."""
+        if self.store is None:
+            raise RuntimeError("the batch database is not open yet")
+        return self.store.engine
 
     def _exists(self) -> bool:
         url = make_url(self.url)
@@ -73,6 +91,7 @@ def batches_for(state: GatewayState) -> Batches | None:
     """The batch API of a gateway with ``state``'s settings; None when it is off or has nowhere to keep files."""
     settings: GatewaySettings = state.settings
     url = database_url(settings)
-    if not settings.batches.enabled or url is None or settings.state_dir is None:
+    shared = settings.replicas.shared  # files in the database: no state_dir needed
+    if not settings.batches.enabled or url is None or (settings.state_dir is None and not shared):
         return None
-    return Batches(state, url, Path(settings.state_dir) / FILES_DIR)
+    return Batches(state, url, Path(settings.state_dir) / FILES_DIR if settings.state_dir is not None else None)

@@ -3,6 +3,12 @@
 Synchronous SQLAlchemy, called in a thread (:func:`asyncio.to_thread`) by the API and the runner. Every line's end
 is one transaction that also counts it on its batch, and only a line still ``queued`` can end: a line is counted
 once whatever runs it, and a restarted gateway finds exactly the lines that never ended still queued.
+
+A batch is run by one gateway at a time, the holder of its lease (:meth:`BatchStore.claim`): taken in one ``UPDATE``
+whose ``WHERE`` admits only a batch unleased, leased by the same holder, or whose lease ran out (PostgreSQL re-reads
+a row another transaction just changed before it updates it, SQLite writes one transaction at a time, so of two
+claimers one wins), renewed while it runs, released at its end. Lease times are the database's clock, so replicas'
+clocks need not agree.
 """
 
 from __future__ import annotations
@@ -13,7 +19,22 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Engine, and_, delete, func, insert, or_, select, update
+from sqlalchemy import (
+    Connection,
+    Engine,
+    Float,
+    and_,
+    cast,
+    delete,
+    extract,
+    func,
+    insert,
+    literal,
+    or_,
+    select,
+    update,
+)
+from sqlalchemy.sql.elements import ColumnElement
 
 from gateway.batches.shapes import ACTIVE, BatchObject, FileObject, RequestCounts
 from gateway.tenants.batch_schema import batch_files, batch_lines, batches
@@ -135,6 +156,34 @@ class BatchStore:
         with self.engine.begin() as conn:
             return conn.execute(query.values(status=to, **stamp, **values)).rowcount == 1
 
+    # ---------------------------------------------------------------- leases
+    def claim(self, batch_id: str, holder: str, lease_s: float) -> bool:
+        """Take ``batch_id``'s lease for ``lease_s`` if the batch is unfinished and its lease is free, ``holder``'s
+        already, or ran out; True if taken (one claimer of several wins)."""
+        with self.engine.begin() as conn:
+            now = _now(conn)
+            free = or_(batches.c.leased_by.is_(None), batches.c.leased_by == holder, batches.c.lease_until.is_(None), batches.c.lease_until < now)
+            query = update(batches).where(batches.c.id == batch_id, batches.c.status.in_(ACTIVE), free)
+            return conn.execute(query.values(leased_by=holder, lease_until=now + literal(float(lease_s)))).rowcount == 1
+
+    def renew(self, batch_id: str, holder: str, lease_s: float) -> bool:
+        """Extend ``holder``'s lease by ``lease_s`` from now; False if another holds it (``holder``'s ran out and
+        was taken over: it must start no more line of the batch)."""
+        with self.engine.begin() as conn:
+            query = update(batches).where(batches.c.id == batch_id, batches.c.leased_by == holder)
+            return conn.execute(query.values(lease_until=_now(conn) + literal(float(lease_s)))).rowcount == 1
+
+    def release(self, batch_id: str, holder: str) -> None:
+        """Give up ``holder``'s lease (another gateway may take the batch up at once)."""
+        with self.engine.begin() as conn:
+            conn.execute(update(batches).where(batches.c.id == batch_id, batches.c.leased_by == holder).values(leased_by=None, lease_until=None))
+
+    def lease(self, batch_id: str) -> tuple[str | None, float | None]:
+        """(holder, seconds left on the database's clock; negative: ran out) of ``batch_id``'s lease."""
+        with self.engine.begin() as conn:
+            row = conn.execute(select(batches.c.leased_by, batches.c.lease_until - _now(conn)).where(batches.c.id == batch_id)).first()
+        return (row[0], float(row[1]) if row[1] is not None else None) if row is not None else (None, None)
+
     # ---------------------------------------------------------------- lines
     def queued(self, batch_id: str) -> list[int]:
         query = select(batch_lines.c.line).where(batch_lines.c.batch_id == batch_id, batch_lines.c.state == "queued")
@@ -180,6 +229,13 @@ class BatchStore:
         query = query.order_by(table.c.created_at.desc(), table.c.id.desc()).limit(limit + 1)
         with self.engine.begin() as conn:
             return list(conn.execute(query).mappings())
+
+
+def _now(conn: Connection) -> ColumnElement[float]:
+    """The database's clock in unix seconds, as an SQL expression (every replica reads the same clock)."""
+    if conn.dialect.name == "postgresql":
+        return cast(extract("epoch", func.clock_timestamp()), Float)
+    return (func.julianday("now") - 2440587.5) * 86400.0  # SQLite: one host's clock, to the millisecond
 
 
 def _counted_as(end: LineEnd) -> str | None:

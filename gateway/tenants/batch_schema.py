@@ -1,13 +1,15 @@
 """The batch API's tables, kept in the usage ledger's database (migrated with it: :mod:`gateway.tenants.ledger_schema`).
 
-Files' bytes live in the state directory (:mod:`gateway.batches.files`); these tables hold what must survive a
-SIGKILL with them: which files and batches exist and whose they are, and each line's state and answer, written as
-each line ends, so a restarted gateway resumes a batch at the lines still queued.
+Files' bytes live in the state directory (:mod:`gateway.batches.files`), or, for replicas sharing one database, in
+``batch_file_chunks`` (migration 3); these tables hold what must survive a SIGKILL with them: which files and batches
+exist and whose they are, and each line's state and answer, written as each line ends, so a restarted gateway resumes
+a batch at the lines still queued. A batch's lease (``leased_by``, ``lease_until``; migration 3) says which gateway
+runs it now: one at a time, another taking over once the lease runs out unrenewed.
 """
 
 from __future__ import annotations
 
-from sqlalchemy import BigInteger, Column, Index, Integer, MetaData, String, Table, Text
+from sqlalchemy import BigInteger, Column, Float, Index, Integer, LargeBinary, MetaData, String, Table, Text
 
 metadata = MetaData()
 
@@ -49,6 +51,8 @@ batches = Table(
     Column("total", Integer, nullable=False),
     Column("completed", Integer, nullable=False, default=0),
     Column("failed", Integer, nullable=False, default=0),
+    Column("leased_by", String(200)),  # the gateway running it now (replicas.name; "local" for a lone gateway); migration 3
+    Column("lease_until", Float),  # the database clock's unix seconds the lease runs out at, unless renewed; migration 3
     Index("batches_owner", "owner", "created_at"),
     Index("batches_status", "status"),
 )
@@ -68,4 +72,14 @@ batch_lines = Table(
     Index("batch_lines_state", "batch_id", "state"),
 )
 
-TABLES = (batch_files, batches, batch_lines)
+batch_file_chunks = Table(
+    "batch_file_chunks",
+    metadata,
+    Column("file_id", String(64), primary_key=True),
+    Column("seq", Integer, primary_key=True),  # 0, 1, ...: the file is its chunks in this order
+    Column("data", LargeBinary, nullable=False),  # bytea / BLOB, at most gateway.batches.files.CHUNK bytes
+)
+
+TABLES = (batch_files, batches, batch_lines)  # migration 2
+LEASE_COLUMNS = {"leased_by": "VARCHAR(200)", "lease_until": "DOUBLE PRECISION"}  # migration 3, on a table of migration 2
+

@@ -7,7 +7,8 @@ written by a newer gateway (a version this code does not know) is left alone: :c
 
 A plain list of migrations rather than Alembic: a few tables, applied at open by every writer, no separate tool or
 migration scripts to ship. The batch API's tables (:mod:`gateway.tenants.batch_schema`) live in the same database and
-come with migration 2, which also marks a row made by a batch line (``usage_rows.batch_id``).
+come with migration 2, which also marks a row made by a batch line (``usage_rows.batch_id``); migration 3 adds a
+batch's lease and the table of file chunks (replicas sharing one database keep files' bytes there).
 """
 
 from __future__ import annotations
@@ -98,9 +99,18 @@ def _v2_batches(conn: Connection) -> None:
         table.create(conn, checkfirst=True)
 
 
+def _v3_batch_leases(conn: Connection) -> None:
+    present = {column["name"] for column in inspect(conn).get_columns(batch_schema.batches.name)}
+    for name, kind in batch_schema.LEASE_COLUMNS.items():
+        if name not in present:  # a v2 table (one made by migration 2 of this code has them already)
+            conn.execute(text(f"ALTER TABLE {batch_schema.batches.name} ADD COLUMN {name} {kind}"))
+    batch_schema.batch_file_chunks.create(conn, checkfirst=True)
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "usage_rows: one row per request, indexed by time, key and model", _v1_usage_rows),
     Migration(2, "batches: files, batches and their lines; usage_rows.batch_id marks a batch line's row", _v2_batches),
+    Migration(3, "batch leases (batches.leased_by, lease_until): one gateway runs a batch; batch_file_chunks: files' bytes", _v3_batch_leases),
 )
 LATEST = MIGRATIONS[-1].version
 _PG_LOCK = 0x5553_4147_4531  # pg_advisory_xact_lock id of the ledger's migrations ("USAGE1")

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import io
 import json
+import secrets
 from typing import Any
 
 import openai
+from sqlalchemy import create_engine, text
 
+from tests.postgres import PostgresServer
 from tests.waiting import wait_until
 
 ENDED = ("completed", "failed", "expired", "cancelled")
@@ -43,3 +46,15 @@ def results(client: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
     if file_id is None:
         return []
     return [json.loads(line) for line in client.files.content(file_id).text.splitlines() if line.strip()]
+
+
+def new_database(postgres: PostgresServer) -> str:
+    """The URL of a new, empty database on ``postgres`` (a test that reshapes tables, or counts every row, has its own)."""
+    name = "batches_" + secrets.token_hex(4)
+    admin = create_engine(postgres.url, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            conn.execute(text(f"CREATE DATABASE {name}"))
+    finally:
+        admin.dispose()
+    return postgres.url.rsplit("/", 1)[0] + "/" + name
