@@ -19,7 +19,8 @@ import none of each other). Every module is named under its folder (a test check
   ``files``          the files' bytes (one small interface: state_dir, or the database for shared replicas); ``store``
                      files, batches, lines in the ledger's database, and each batch's lease (one replica runs it)
   ``runner``         the queued lines, bounded and retried, resumed at start, of the batches it holds the lease of;
-                     ``results`` the output and error files
+                     ``results`` the output and error files; ``yielding`` fewer lines of a model while it serves
+                     interactive requests
   ``dispatch``       the one adapter into the data plane (a line is a request of its key at the batch class);
                      ``service`` the parts put together for the app
   ``cli``            ``sglang-gateway batch``: a JSONL file submitted to a running gateway and watched (the ``openai`` SDK)

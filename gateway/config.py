@@ -250,6 +250,12 @@ class BatchSettings(_Strict):
     max_concurrency: int = Field(
         4, ge=1, description="Batch lines in flight at once, over every batch: the rest wait in the gateway, not on the engine."
     )
+    max_concurrency_beside_interactive: int = Field(
+        1, ge=1,
+        description="Batch lines of one model in flight at once while that model has other requests in flight or queued (or "
+        "had, in the last second): the batch yields the engine to interactive traffic, whose latency grows with every "
+        "request an engine runs beside it (on a GPU with room in its batch, raise it toward max_concurrency).",
+    )  # fmt: skip
     priority: int | str | None = Field(
         None,
         description="Priority class of batch lines (in the model's queue, and on engines that schedule by priority). "

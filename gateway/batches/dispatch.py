@@ -76,6 +76,15 @@ class LineSender:
         """The current tenant whose identity is ``owner`` (keys change on reload; a removed key finds none)."""
         return next((tenant for tenant in self.keys.policy.client.values() if tenant.owner == owner), None)
 
+    def load(self, model: str) -> int | None:
+        """Requests of ``model`` in flight or queued now, this process's and its workers' (batch lines included);
+        None: no such model (any more)."""
+        state = self.app.state.gateway
+        route = state.registry.resolve(model)
+        if route is None:
+            return None
+        return route.limiter.waiting + sum(state.in_flight(route.name, backend) for backend in route.replicas)
+
     def priority(self) -> int:
         """The batch class: ``batches.priority``, else one below every class configured (and below 0)."""
         if self.settings.priority is not None:

@@ -41,6 +41,7 @@ from gateway.batches.files import FileStorage, jsonl_lines
 from gateway.batches.results import result_files
 from gateway.batches.shapes import BatchObject
 from gateway.batches.store import BatchStore, LineEnd
+from gateway.batches.yielding import Yielding
 from gateway.config import BatchSettings
 from gateway.core.context import usage_counts
 from gateway.core.metrics import Metrics
@@ -69,6 +70,7 @@ class BatchRunner:
         self.lease_s = lease_s
         self._lost: set[str] = set()  # batches whose lease this runner held and lost
         self._slots = asyncio.Semaphore(settings.max_concurrency)
+        self._yielding = Yielding(sender.load, settings)  # fewer lines of a model while it serves interactive requests
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         self._cancelled: set[str] = set()
@@ -196,10 +198,13 @@ class BatchRunner:
                 if index not in queued:
                     continue
                 await self._slots.acquire()
+                model = _model_of(raw)
+                await self._yielding.enter(model, lambda: self._stopped(batch))
                 if self._stopped(batch):
+                    self._yielding.leave(model)
                     self._slots.release()
                     break
-                task = asyncio.create_task(self._line(batch, whose[0], index, raw))
+                task = asyncio.create_task(self._line(batch, whose[0], index, raw, model))
                 for group in (mine, self._lines):
                     group.add(task)
                     task.add_done_callback(group.discard)
@@ -217,33 +222,32 @@ class BatchRunner:
         finally:
             stream.close()
 
-    async def _line(self, batch: BatchObject, owner: str, index: int, raw: bytes) -> None:
+    async def _line(self, batch: BatchObject, owner: str, index: int, raw: bytes, model: str) -> None:
         try:
-            end, model = await self._answer(batch, owner, index, raw)
+            end = await self._answer(batch, owner, index, raw)
             if end is not None and await self._db(self.store.end_line, batch.id, index, end):
                 self.metrics.child(self.metrics.batch_lines, model, "done" if end.status_code == 200 else "failed").inc()
         finally:
+            self._yielding.leave(model)
             self._slots.release()
 
-    async def _answer(self, batch: BatchObject, owner: str, index: int, raw: bytes) -> tuple[LineEnd | None, str]:
-        """How the line ended, and its model (for the metrics); None: it did not (cancelled or expired while it waited
-        to be sent again: it ends so at the batch's finish). Cancelled (shutdown): it stays queued."""
-        model = "-"
+    async def _answer(self, batch: BatchObject, owner: str, index: int, raw: bytes) -> LineEnd | None:
+        """How the line ended; None: it did not (cancelled or expired while it waited to be sent again: it ends so at
+        the batch's finish). Cancelled (shutdown): it stays queued."""
         try:
             body = orjson.loads(raw)["body"]
-            model = str(body.get("model", "-"))
             payload = orjson.dumps(body)
             request_id = f"{batch.id}-{index}"
             backoff = self.settings.retry_backoff_s
             while _passing(answer := await self.sender.send(batch.endpoint, payload, owner, batch.id, request_id)):
                 if self._stopped(batch):
-                    return None, model
+                    return None
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF_S)
-            return _end(answer, request_id), model
+            return _end(answer, request_id)
         except Exception as error:  # noqa: BLE001 - the gateway's own failure: the line fails, not the batch
             logger.exception("batches: line {} of {} failed in the gateway", index, batch.id)
-            return LineEnd("failed", result={"code": "internal_error", "message": type(error).__name__}), model
+            return LineEnd("failed", result={"code": "internal_error", "message": type(error).__name__})
 
     async def _finish(self, batch: BatchObject) -> None:
         """End a batch whose lines stopped: completed, cancelled or expired, with its result files."""
@@ -282,6 +286,15 @@ class BatchRunner:
             await self._db(self.store.add_file, file_id, whose[0], "batch_output", f"{batch.id}_{kind}.jsonl", size)
             ids.append(file_id)
         return ids[0], ids[1]
+
+
+def _model_of(raw: bytes) -> str:
+    """The model a line names (its metrics label, and whose engine it yields to interactive requests); "-" if none."""
+    try:
+        body = orjson.loads(raw)["body"]
+        return str(body.get("model", "-"))
+    except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
+        return "-"
 
 
 def _take(lines: Iterator[T], count: int) -> list[T]:
