@@ -146,3 +146,15 @@ def test_budgets_restored_from_the_ledger_apply_to_keys_made_before_and_after() 
     assert early.day is not None and early.day.used == 310 and early.admit(JAN_1 + 60) is not None
     late = quotas.of("late", limits)
     assert late.day is not None and late.month is not None and (late.day.used, late.month.used) == (120, 900)
+
+
+def test_on_its_own_a_process_keeps_its_share_of_a_keys_concurrency() -> None:
+    """Replicas whose shared store is unreachable: the others' last counts give way to this process's share."""
+    quotas = Quotas(clock=lambda: JAN_1, share=0.5)
+    quota = quotas.of("t", KeyLimits(max_concurrent=5))
+    odd = quotas.of("u", KeyLimits(max_concurrent=1))
+    free = quotas.of("v", KeyLimits(requests_per_minute=10))
+    quota.others_in_flight = odd.others_in_flight = 5  # as of the last round
+    quotas.on_its_own()
+    assert (quota.others_in_flight, odd.others_in_flight, free.others_in_flight) == (3, 0, 0)  # 2 of 5 here, at least 1
+    assert [quota.admit(JAN_1) is None for _ in range(3)] == [True, True, False]
