@@ -1,0 +1,125 @@
+"""Per-key limits shared by replicas (``gateway.replicas.shared``), through the shared store.
+
+The worker processes' mechanism (:mod:`gateway.tenants.quotas`), with the store in place of the control process:
+each replica keeps the sums of every replica's use itself (``total``, share 1), and the requests it serves draw on
+its share (1/``expected``) of what they leave (``local``, the app's quotas). Every ``sync_interval_s`` one round:
+
+1. its own report (what its keys used since the last one, :meth:`Quotas.report`) goes into its sums, and into
+   ``gateway_quota_reports`` (a report the store did not take is sent again next round);
+2. the reports the other replicas wrote since the last round come back and go into the sums
+   (:meth:`Quotas.absorb`); the replicas not seen for :data:`GONE_ROUNDS` rounds have nothing in flight any more;
+3. the requests it serves get their share of the sums (:meth:`Quotas.apply`).
+
+No store round trip on the request path. Tolerance: between two rounds each replica admits at most its share of
+what a bucket held (so the replicas together admit no more than the limit, plus what refills); a burst on one
+replica may be refused early, until the next rounds hand it the rest. Budgets and concurrency are checked against
+the sums as of the last round: passed by at most what the other replicas admitted in one round (``sync_interval_s``
+plus the store's round trip), and, as on one process, by one request larger than what was left.
+
+The store unreachable: no sums come; each replica goes on with its share, 1/``expected`` of each bucket, of what a
+budget had left, and of each key's concurrency (:meth:`Quotas.on_its_own`), until the store answers again.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+from sqlalchemy import Connection, delete, func, insert, select
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+from gateway.config import KeyLimits
+from gateway.core.shared_store import SharedStore, StoreUnavailable, quota_reports, replicas
+from gateway.tenants.quotas import Quotas
+
+GONE_ROUNDS = 4  # a replica not seen for this many rounds (at least GONE_MIN_S) has nothing in flight any more
+GONE_MIN_S = 2.0
+LOOK_BACK_S = 5.0  # reports are read again this far behind the last read (commits may come out of id order)
+KEEP_REPORTS_S = 600.0  # older reports are deleted
+
+
+class SharedQuotas:
+    """The exchange of one replica: ``local`` (the app's quotas, 1/``expected`` each) and ``total`` (the sums)."""
+
+    def __init__(self, local: Quotas, store: SharedStore, limited: Callable[[], dict[str, KeyLimits]]) -> None:
+        self.local = local
+        self.total = Quotas(clock=local.clock)  # every replica's use, as far as this one knows
+        self.store = store
+        self.limited = limited  # the limited named keys in force (a reload changes them)
+        self._numbers: dict[str, int] = {store.replica: 0}  # replica -> its number in the sums' in-flight counts
+        self._pending: list[str] = []  # this replica's reports the store did not take yet (JSON)
+        self._absorbed: dict[int, dt.datetime] = {}  # the other replicas' report ids already counted -> their time
+        self._read_from: dt.datetime | None = None  # None: the first round reads only what comes after it
+        self._last_number = 0
+        self._alone = False  # the store failed: serving with the local share
+        self._pruned_at = 0.0
+
+    async def round(self) -> None:
+        """One exchange with the store (:class:`StoreUnavailable` when it fails: the local share stands)."""
+        limits = self.limited()
+        report = self.local.report()
+        if report is not None:
+            number, used = report
+            self._last_number = number
+            self.total.absorb(0, number, used, limits)
+            self._pending.append(orjson.dumps({name: list(counts) for name, counts in used.items()}).decode())
+        pending = list(self._pending)
+        try:
+            others, live = await self.store.run(lambda conn: self._exchange(conn, pending))
+        except StoreUnavailable:
+            if not self._alone:
+                self._alone = True
+                self.local.on_its_own()
+            raise
+        del self._pending[: len(pending)]
+        self._alone = False
+        gone = [name for name in self._numbers if name != self.store.replica and name not in live]
+        for name in gone:
+            self.total.forget_worker(self._numbers.pop(name))
+        self.store.live = sorted(live)
+        for replica, used in others:
+            self.total.absorb(self._number(replica), 0, {name: tuple(counts) for name, counts in used.items()}, limits)
+        self.local.apply(self.total.snapshot(limits), 0, self._last_number)
+
+    def _number(self, replica: str) -> int:
+        number = self._numbers.get(replica)
+        if number is None:
+            number = self._numbers[replica] = max(self._numbers.values()) + 1
+        return number
+
+    def _exchange(self, conn: Connection, pending: list[str]) -> tuple[list[tuple[str, dict[str, Any]]], set[str]]:
+        """In the store's transaction: write this replica's reports and heartbeat, read the others' new reports and
+        which replicas are alive."""
+        now = conn.execute(select(func.now())).scalar_one()
+        me = self.store.replica
+        if pending:
+            conn.execute(insert(quota_reports), [{"replica": me, "used": used} for used in pending])
+        upsert = pg_insert(replicas).values(name=me, seen_at=now)
+        conn.execute(upsert.on_conflict_do_update(index_elements=[replicas.c.name], set_={"seen_at": now}))
+        gone_s = max(GONE_MIN_S, GONE_ROUNDS * self.store.interval_s)
+        live = set(conn.execute(select(replicas.c.name).where(replicas.c.seen_at > now - dt.timedelta(seconds=gone_s))).scalars())
+        live.add(me)
+        others: list[tuple[str, dict[str, Any]]] = []
+        if self._read_from is None:  # the first round: what came before is in the ledger (budgets) or refilled
+            self._read_from = now
+        else:
+            since = self._read_from - dt.timedelta(seconds=LOOK_BACK_S)
+            rows = conn.execute(
+                select(quota_reports.c.id, quota_reports.c.replica, quota_reports.c.at, quota_reports.c.used)
+                .where(quota_reports.c.at > since, quota_reports.c.replica != me)
+                .order_by(quota_reports.c.id)
+            ).all()
+            for row in rows:
+                if row.id not in self._absorbed:
+                    self._absorbed[row.id] = row.at
+                    others.append((row.replica, orjson.loads(row.used)))
+            self._read_from = now
+            self._absorbed = {rid: at for rid, at in self._absorbed.items() if at > since}
+        if now.timestamp() - self._pruned_at > 60:  # now and then, whichever replica comes first
+            self._pruned_at = now.timestamp()
+            conn.execute(delete(quota_reports).where(quota_reports.c.at < now - dt.timedelta(seconds=KEEP_REPORTS_S)))
+            conn.execute(delete(replicas).where(replicas.c.seen_at < now - dt.timedelta(seconds=KEEP_REPORTS_S)))
+        return others, live
+
