@@ -8,21 +8,26 @@ in its index. The first owner of an id stays its owner (the store keeps the firs
 
 The store unreachable: creating a response still works (its publication waits, retried every round, at most
 :data:`MAX_PENDING`); an id this replica does not know answers 503 (never a 404 that may be wrong), and one it
-knows is served as usual.
+knows is served as usual. Records older than :data:`KEEP_DAYS` are deleted (every replica tries once an hour).
 """
 
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
+import math
+import time
 
 from loguru import logger
-from sqlalchemy import Connection, select
+from sqlalchemy import Connection, delete, func, select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from gateway.core.responses_index import StoredResponse
 from gateway.core.shared_store import SharedStore, StoreUnavailable, responses
 
 MAX_PENDING = 10_000  # publications waiting for the store; beyond, the oldest are given up (said once per outage)
+KEEP_DAYS = 30  # a record older than this is deleted (the response's engine has most likely forgotten it too)
+PRUNE_EVERY_S = 3600.0
 
 
 class SharedResponses:
@@ -33,6 +38,7 @@ class SharedResponses:
         self._pending: dict[str, StoredResponse] = {}  # not in the store yet
         self._dropped = False
         self._tasks: set[asyncio.Task[None]] = set()
+        self._pruned_at = -math.inf
 
     async def publish(self, response_id: str, stored: StoredResponse) -> None:
         """Put ``response_id`` in the store now; kept for the next round when the store does not answer."""
@@ -53,7 +59,11 @@ class SharedResponses:
         return await self.store.run(lambda conn: _select(conn, response_id))
 
     async def round(self) -> None:
-        """Publish what waits (a round of :meth:`SharedStore.rounds`)."""
+        """Publish what waits (a round of :meth:`SharedStore.rounds`); now and then, forget the records older than
+        :data:`KEEP_DAYS`."""
+        if time.monotonic() - self._pruned_at > PRUNE_EVERY_S:
+            await self.store.run(_prune)
+            self._pruned_at = time.monotonic()
         if not self._pending:
             return
         pending = dict(self._pending)
@@ -85,6 +95,10 @@ class SharedResponses:
 def _insert(conn: Connection, entries: dict[str, StoredResponse]) -> None:
     rows = [{"id": rid, "model": s.model, "backend": s.backend, "owner": s.owner} for rid, s in entries.items()]
     conn.execute(pg_insert(responses).on_conflict_do_nothing(index_elements=[responses.c.id]), rows)
+
+
+def _prune(conn: Connection) -> None:
+    conn.execute(delete(responses).where(responses.c.created_at < func.now() - dt.timedelta(days=KEEP_DAYS)))
 
 
 def _select(conn: Connection, response_id: str) -> StoredResponse | None:

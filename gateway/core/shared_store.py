@@ -59,7 +59,8 @@ quota_reports = Table(
     metadata,
     Column("id", BigInteger, primary_key=True, autoincrement=True),
     Column("replica", String(200), nullable=False),
-    Column("at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    # when the row was written (not its transaction's start: readers look back a few seconds for late commits)
+    Column("at", DateTime(timezone=True), nullable=False, server_default=func.clock_timestamp()),
     Column("used", Text, nullable=False),  # JSON: key -> [requests admitted, tokens charged, in flight now]
     Index("gateway_quota_reports_at", "at"),
 )

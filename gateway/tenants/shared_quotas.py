@@ -5,7 +5,7 @@ each replica keeps the sums of every replica's use itself (``total``, share 1), 
 its share (1/``expected``) of what they leave (``local``, the app's quotas). Every ``sync_interval_s`` one round:
 
 1. its own report (what its keys used since the last one, :meth:`Quotas.report`) goes into its sums, and into
-   ``gateway_quota_reports`` (a report the store did not take is sent again next round);
+   ``gateway_quota_reports`` (what the store did not take is added to the next round's report);
 2. the reports the other replicas wrote since the last round come back and go into the sums
    (:meth:`Quotas.absorb`); the replicas not seen for :data:`GONE_ROUNDS` rounds have nothing in flight any more;
 3. the requests it serves get their share of the sums (:meth:`Quotas.apply`).
@@ -49,7 +49,7 @@ class SharedQuotas:
         self.store = store
         self.limited = limited  # the limited named keys in force (a reload changes them)
         self._numbers: dict[str, int] = {store.replica: 0}  # replica -> its number in the sums' in-flight counts
-        self._pending: list[str] = []  # this replica's reports the store did not take yet (JSON)
+        self._pending: dict[str, list[int]] = {}  # what the store did not take yet: key -> [requests, tokens, in flight]
         self._absorbed: dict[int, dt.datetime] = {}  # the other replicas' report ids already counted -> their time
         self._read_from: dt.datetime | None = None  # None: the first round reads only what comes after it
         self._last_number = 0
@@ -64,8 +64,10 @@ class SharedQuotas:
             number, used = report
             self._last_number = number
             self.total.absorb(0, number, used, limits)
-            self._pending.append(orjson.dumps({name: list(counts) for name, counts in used.items()}).decode())
-        pending = list(self._pending)
+            for name, (requests, tokens, in_flight) in used.items():  # one report, however long the store was down
+                held = self._pending.setdefault(name, [0, 0, 0])
+                held[0], held[1], held[2] = held[0] + requests, held[1] + tokens, in_flight
+        pending = orjson.dumps(self._pending).decode() if self._pending else None
         try:
             others, live = await self.store.run(lambda conn: self._exchange(conn, pending))
         except StoreUnavailable:
@@ -73,7 +75,7 @@ class SharedQuotas:
                 self._alone = True
                 self.local.on_its_own()
             raise
-        del self._pending[: len(pending)]
+        self._pending.clear()  # written (only a round adds to it)
         self._alone = False
         gone = [name for name in self._numbers if name != self.store.replica and name not in live]
         for name in gone:
@@ -89,13 +91,13 @@ class SharedQuotas:
             number = self._numbers[replica] = max(self._numbers.values()) + 1
         return number
 
-    def _exchange(self, conn: Connection, pending: list[str]) -> tuple[list[tuple[str, dict[str, Any]]], set[str]]:
+    def _exchange(self, conn: Connection, pending: str | None) -> tuple[list[tuple[str, dict[str, Any]]], set[str]]:
         """In the store's transaction: write this replica's reports and heartbeat, read the others' new reports and
         which replicas are alive."""
         now = conn.execute(select(func.now())).scalar_one()
         me = self.store.replica
-        if pending:
-            conn.execute(insert(quota_reports), [{"replica": me, "used": used} for used in pending])
+        if pending is not None:
+            conn.execute(insert(quota_reports).values(replica=me, used=pending))
         upsert = pg_insert(replicas).values(name=me, seen_at=now)
         conn.execute(upsert.on_conflict_do_update(index_elements=[replicas.c.name], set_={"seen_at": now}))
         gone_s = max(GONE_MIN_S, GONE_ROUNDS * self.store.interval_s)
