@@ -36,6 +36,7 @@ from sqlalchemy import (
     func,
     text,
 )
+from sqlalchemy.exc import DBAPIError
 
 T = TypeVar("T")
 
@@ -112,7 +113,7 @@ class SharedStore:
         self._gauge = gauge
         self._said: bool | None = None  # the reachability the log last said (None: nothing said yet)
         self._engine: Engine = create_engine(
-            url, pool_size=2, max_overflow=4, pool_pre_ping=True, pool_recycle=1800,
+            url, pool_size=2, max_overflow=4, pool_recycle=1800,
             connect_args={"connect_timeout": CONNECT_TIMEOUT_S, "options": f"-c statement_timeout={STATEMENT_TIMEOUT_MS}"},
         )  # fmt: skip
         self._tables = False  # created (or found)
@@ -137,7 +138,13 @@ class SharedStore:
                 conn.execute(text("SELECT pg_advisory_xact_lock(:lock)"), {"lock": _LOCK})
                 metadata.create_all(conn, checkfirst=True)
             self._tables = True
-        with self._engine.begin() as conn:
+        try:
+            with self._engine.begin() as conn:
+                return work(conn)
+        except DBAPIError as error:
+            if not error.connection_invalidated:
+                raise
+        with self._engine.begin() as conn:  # a pooled connection the server had closed (a restart): once more, on a new one
             return work(conn)
 
     def _mark(self, reachable: bool, error: str | None) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -38,6 +39,14 @@ GONE_ROUNDS = 4  # a replica not seen for this many rounds (at least GONE_MIN_S)
 GONE_MIN_S = 2.0
 LOOK_BACK_S = 5.0  # reports are read again this far behind the last read (commits may come out of id order)
 KEEP_REPORTS_S = 600.0  # older reports are deleted
+
+
+@dataclass(frozen=True)
+class _Exchanged:
+    others: list[tuple[str, dict[str, Any]]]  # the other replicas' new reports: (replica, key -> counts)
+    live: set[str]  # the replicas seen lately, this one included
+    now: dt.datetime  # the store's time of the exchange
+    absorbed: dict[int, dt.datetime]  # the reports counted, as of this exchange (id -> when written)
 
 
 class SharedQuotas:
@@ -69,7 +78,7 @@ class SharedQuotas:
                 held[0], held[1], held[2] = held[0] + requests, held[1] + tokens, in_flight
         pending = orjson.dumps(self._pending).decode() if self._pending else None
         try:
-            others, live = await self.store.run(lambda conn: self._exchange(conn, pending))
+            exchanged = await self.store.run(lambda conn: self._exchange(conn, pending))
         except StoreUnavailable:
             if not self._alone:
                 self._alone = True
@@ -77,6 +86,10 @@ class SharedQuotas:
             raise
         self._pending.clear()  # written (only a round adds to it)
         self._alone = False
+        others, live = exchanged.others, exchanged.live
+        self._read_from, self._absorbed = exchanged.now, exchanged.absorbed
+        if exchanged.now.timestamp() - self._pruned_at > 60:
+            self._pruned_at = exchanged.now.timestamp()
         gone = [name for name in self._numbers if name != self.store.replica and name not in live]
         for name in gone:
             self.total.forget_worker(self._numbers.pop(name))
@@ -91,9 +104,9 @@ class SharedQuotas:
             number = self._numbers[replica] = max(self._numbers.values()) + 1
         return number
 
-    def _exchange(self, conn: Connection, pending: str | None) -> tuple[list[tuple[str, dict[str, Any]]], set[str]]:
-        """In the store's transaction: write this replica's reports and heartbeat, read the others' new reports and
-        which replicas are alive."""
+    def _exchange(self, conn: Connection, pending: str | None) -> _Exchanged:
+        """In the store's transaction: write this replica's report and heartbeat, read the others' new reports and
+        which replicas are alive. Changes nothing here (what it read is kept once the transaction committed)."""
         now = conn.execute(select(func.now())).scalar_one()
         me = self.store.replica
         if pending is not None:
@@ -104,24 +117,21 @@ class SharedQuotas:
         live = set(conn.execute(select(replicas.c.name).where(replicas.c.seen_at > now - dt.timedelta(seconds=gone_s))).scalars())
         live.add(me)
         others: list[tuple[str, dict[str, Any]]] = []
-        if self._read_from is None:  # the first round: what came before is in the ledger (budgets) or refilled
-            self._read_from = now
-        else:
+        absorbed = self._absorbed
+        if self._read_from is not None:  # the first round reads nothing: what came before is in the ledger or refilled
             since = self._read_from - dt.timedelta(seconds=LOOK_BACK_S)
             rows = conn.execute(
                 select(quota_reports.c.id, quota_reports.c.replica, quota_reports.c.at, quota_reports.c.used)
                 .where(quota_reports.c.at > since, quota_reports.c.replica != me)
                 .order_by(quota_reports.c.id)
             ).all()
+            absorbed = {rid: at for rid, at in absorbed.items() if at > since}
             for row in rows:
-                if row.id not in self._absorbed:
-                    self._absorbed[row.id] = row.at
+                if row.id not in absorbed:
+                    absorbed[row.id] = row.at
                     others.append((row.replica, orjson.loads(row.used)))
-            self._read_from = now
-            self._absorbed = {rid: at for rid, at in self._absorbed.items() if at > since}
         if now.timestamp() - self._pruned_at > 60:  # now and then, whichever replica comes first
-            self._pruned_at = now.timestamp()
             conn.execute(delete(quota_reports).where(quota_reports.c.at < now - dt.timedelta(seconds=KEEP_REPORTS_S)))
             conn.execute(delete(replicas).where(replicas.c.seen_at < now - dt.timedelta(seconds=KEEP_REPORTS_S)))
-        return others, live
+        return _Exchanged(others, live, now, absorbed)
 
