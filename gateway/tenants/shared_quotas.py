@@ -37,7 +37,7 @@ from gateway.tenants.quotas import Quotas
 
 GONE_ROUNDS = 4  # a replica not seen for this many rounds (at least GONE_MIN_S) has nothing in flight any more
 GONE_MIN_S = 2.0
-LOOK_BACK_S = 5.0  # reports are read again this far behind the last read (commits may come out of id order)
+LOOK_BACK_S = 5.0  # reports are read again this far behind the last read (stamped when written, seen once committed)
 KEEP_REPORTS_S = 600.0  # older reports are deleted
 
 
