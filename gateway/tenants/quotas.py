@@ -345,6 +345,11 @@ class Quotas:
                     budget.used, budget.base = total + tokens, total
             quota.others_in_flight = sum(count for index, count in view.in_flight if index != worker)
 
+    def counted(self, number: int) -> None:
+        """The sums hold this process's reports up to ``number`` (a replica counts its own at once, whether or not the
+        next :meth:`apply` comes soon): they are no longer kept to be subtracted from it."""
+        self._unabsorbed = [(seen, used) for seen, used in self._unabsorbed if seen > number]
+
     def on_its_own(self) -> None:
         """No sums will come for a while (replicas whose shared store is unreachable): besides its share of each bucket
         and of what each budget had left, each key's concurrency is held to this process's share of its limit (at least

@@ -73,6 +73,7 @@ class SharedQuotas:
             number, used = report
             self._last_number = number
             self.total.absorb(0, number, used, limits)
+            self.local.counted(number)  # in the sums now: a long outage keeps no list of reports
             for name, (requests, tokens, in_flight) in used.items():  # one report, however long the store was down
                 held = self._pending.setdefault(name, [0, 0, 0])
                 held[0], held[1], held[2] = held[0] + requests, held[1] + tokens, in_flight
