@@ -65,7 +65,8 @@ import none of each other). Every module is named under its folder (a test check
 ``tenants/`` (keys that mean tenants)
   ``keys``           client keys by SHA-256 -> tenants (name, models, limits, priority class)
   ``priority``       the classes a key's holder may pick per request (``x-gateway-priority``), and the refusals
-  ``quotas``         per-key buckets and budgets on an injected clock; summed over worker processes*
+  ``quotas``         per-key buckets and budgets on an injected clock; summed over worker processes*;
+                     ``shared_quotas`` summed over replicas too, exchanged through the shared store every round
   ``ledger``         the usage ledger: one row per request, buffered, written in batches off the event loop*;
                      ``ledger_schema`` its tables and versioned schema (SQLite or PostgreSQL); ``usage_query`` totals;
                      ``batch_schema`` the batch API's tables, in the same database
@@ -84,6 +85,9 @@ import none of each other). Every module is named under its folder (a test check
   ``events``         the last reloads, swaps and restarts, for people to read (status page, admin API)
   ``responses_index`` which engine stored which Responses API response, and which key owns it (in ``state_dir``)
   ``call``           one proxied request as its stages carry it, and the hook they note its trace in*;
+  ``shared_store``   the PostgreSQL store replicas share (``gateway.replicas.shared``): its tables, whether it answers,
+                     its rounds; what goes through it: ``shared_responses`` (stored responses, looked up on a local
+                     miss), ``shared_quarantine`` (refused shapes, pushed on change and pulled each round)
   ``context``        what is learnt about one request (for its log line, metrics and trace); ``tracing`` its
                      OpenTelemetry spans, built once it is over
 

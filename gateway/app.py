@@ -103,7 +103,8 @@ def create_app(
     _include_routes(app, link, invocations)
     _install_error_handlers(app)
     # per named key, across reloads (tests move its clock); a worker's holds its share, the control's the sums
-    quotas = app.state.quotas = link.quotas if link is not None else Quotas()
+    # replicas sharing a store: each holds its share of the sums of all (gateway.tenants.shared_quotas)
+    quotas = app.state.quotas = link.quotas if link is not None else Quotas(share=1 / settings.replicas.expected if settings.replicas.shared else 1.0)
     app.proxied, app.chain = proxied_endpoint, _middleware_chain(app, parts, quotas)
     # batch lines: the same chain less the client's connection (key check, CORS, body cap): gateway.batches.dispatch
     app.state.line_chain = line_chain(

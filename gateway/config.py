@@ -619,7 +619,7 @@ def gateway_settings(deployment: DeploymentConfig, **overrides: object) -> Gatew
             "start it with `sglang-gateway launch` and serve the engine from the machine with node_rank 0"
         )
     settings = _check_residency(settings, deployment, source)
-    _check_replicas(settings, deployment, source)
+    settings = _check_replicas(settings, deployment, source)
     for key in GATEWAY_PER_MODEL_SETTINGS:
         unknown = sorted(set(getattr(settings, key)) - set(deployment.models))
         if unknown:
@@ -651,10 +651,11 @@ def _check_residency(settings: GatewaySettings, deployment: DeploymentConfig, so
     return settings.model_copy(update={"workers": 1})
 
 
-def _check_replicas(settings: GatewaySettings, deployment: DeploymentConfig, source: str) -> None:
-    """Replicas share their state through PostgreSQL and launch no engines (each would start its own copy)."""
+def _check_replicas(settings: GatewaySettings, deployment: DeploymentConfig, source: str) -> GatewaySettings:
+    """Replicas share their state through PostgreSQL and launch no engines (each would start its own copy); each is
+    one process (``workers: auto`` becomes 1): scale out with more replicas."""
     if not settings.replicas.shared:
-        return
+        return settings
     url = settings.usage.database_url
     if url is None or not url.get_secret_value().startswith("postgresql+psycopg://"):
         raise ConfigError(
@@ -667,6 +668,11 @@ def _check_replicas(settings: GatewaySettings, deployment: DeploymentConfig, sou
             f"{source}: models.{launched[0]}: replicas sharing one state serve url: or router upstreams; a model they launch "
             "would be started once per replica (serve it from its own gateway or engine, and point the replicas at its URL)"
         )
+    if settings.workers != "auto" and int(settings.workers) > 1:
+        raise ConfigError(
+            f"{source}: gateway.workers: a replica sharing a store is one process (gateway.workers: 1); run more replicas instead"
+        )
+    return settings.model_copy(update={"workers": 1})
 
 
 def _check_named_keys(settings: GatewaySettings, deployment: DeploymentConfig, source: str, plain: tuple[bytes, ...], admin: tuple[bytes, ...]) -> None:

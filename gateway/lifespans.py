@@ -6,14 +6,15 @@ health probes, the usage ledger and the proxy: opened first, closed last), then:
 - :func:`serve_as_worker`: a worker process. It routes with the state its control process sends, hands it each ledger
   row, and creates batches that the control process runs. No engines of its own.
 - :func:`serve_as_owner`: the only process, or the control process of workers. Budgets from the ledger, the engines
-  booted and supervised, the worker processes started, the batches run; stopped in the reverse order.
+  booted and supervised, the worker processes started, the batches run; stopped in the reverse order. A replica
+  sharing a store (``gateway.replicas.shared``, one process) opens it first: :func:`shared_replica`.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 
 from fastapi import FastAPI
@@ -25,6 +26,9 @@ from gateway.control.worker_link import WorkerLink
 from gateway.control.workers import WorkerPlan, WorkerSupervisor
 from gateway.core.health import HealthProbes
 from gateway.core.responses_index import open_response_index
+from gateway.core.shared_quarantine import SharedQuarantine
+from gateway.core.shared_responses import SharedResponses
+from gateway.core.shared_store import SharedStore, replica_name
 from gateway.core.state import GatewayState
 from gateway.core.tracing import Tracing
 from gateway.data.proxy import Proxy
@@ -33,6 +37,7 @@ from gateway.data.upstream_session import upstream_session
 from gateway.edge.auth import KeyHolder
 from gateway.tenants.ledger import Ledger
 from gateway.tenants.quotas import restore_budgets_when_readable
+from gateway.tenants.shared_quotas import SharedQuotas
 
 
 @dataclass(frozen=True)
@@ -121,9 +126,12 @@ async def serve_as_owner(app: FastAPI, parts: AppParts) -> AsyncIterator[None]:
     settings, state = parts.settings, parts.state
     supervisor: WorkerSupervisor | None = None
     restoring: asyncio.Task[None] | None = None  # budgets restored once the ledger answers (down at start)
+    replica = AsyncExitStack()  # a replica sharing a store: the store's exchanges, closed last
     try:
         try:
             restoring = await restore_budgets_when_readable(app.state.quotas, parts.ledger)
+            if settings.replicas.shared:
+                await replica.enter_async_context(shared_replica(app, parts))
             await parts.controller.boot()
             await parts.controller.start()
             if parts.workers is not None:
@@ -146,3 +154,31 @@ async def serve_as_owner(app: FastAPI, parts: AppParts) -> AsyncIterator[None]:
         if supervisor is not None:
             await supervisor.stop(settings.shutdown_grace_s)  # the workers' requests end before the engines
         await parts.controller.close()  # stops every engine the gateway owns
+        await replica.aclose()
+
+
+@asynccontextmanager
+async def shared_replica(app: FastAPI, parts: AppParts) -> AsyncIterator[None]:
+    """A replica sharing a store: its per-key limits, stored responses and quarantine exchanged every
+    ``replicas.sync_interval_s`` (a store down at start fails nothing: it is said, and tried every round)."""
+    settings, state = parts.settings, parts.state
+    config = settings.replicas
+    assert settings.usage.database_url is not None  # gateway.config refuses a shared replica without one
+    store = SharedStore(settings.usage.database_url.get_secret_value(), replica_name(config.name), config.sync_interval_s,
+                        config.expected, state.metrics.shared_store_gauge())  # fmt: skip
+    quotas = SharedQuotas(app.state.quotas, store, lambda: parts.keys.policy.limited)
+    restoring = await restore_budgets_when_readable(quotas.total, parts.ledger)  # the sums start where the ledger is
+    responses = state.responses.remote = SharedResponses(store)
+    quarantine = SharedQuarantine(state.quarantine, store)
+    state.shared_store = store
+    rounds = asyncio.create_task(store.rounds([quotas.round, quarantine.round, responses.round]), name="shared store rounds")
+    try:
+        yield
+    finally:
+        store.stop_rounds()
+        await rounds
+        if restoring is not None:
+            restoring.cancel()
+        await quarantine.close()
+        await responses.close()
+        await store.close()

@@ -23,7 +23,8 @@ What it does, SGLang's way (what the gateway relies on, nothing more):
   SGLang's do (a path containing ``broken`` fails to load; each call is noted in ``FAKE_ENGINE_CALLS``,
   ``load <name>`` / ``unload <name>``);
 - with ``FAKE_ENGINE_ANSWERS`` set: each plain chat answer's last message content appended to that file as it is sent;
-- ``POST /v1/responses`` (not streamed) and ``GET /v1/responses/{id}``: responses stored in memory;
+- ``POST /v1/responses`` (not streamed), ``GET /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel`` (marks it
+  ``cancelled``): responses stored in memory;
 - a chat message whose content is :data:`CRASH`: it logs a traceback and exits 70 while the request is in
   flight, as an engine a request crashes does; one whose content is :data:`FREEZE`: it blocks its event loop
   (nothing answers, ``/health`` included, until it is killed), as an engine stuck on a request does;
@@ -286,6 +287,15 @@ def build_app(
             return JSONResponse({"error": {"message": "Response not found", "type": "invalid_request_error", "code": 404}}, 404)
         return JSONResponse(stored)
 
+    async def cancel_response(request: Request) -> Response:
+        if (no := refused(request)) is not None:
+            return no
+        stored = responses.get(request.path_params["rid"])
+        if stored is None:
+            return JSONResponse({"error": {"message": "Response not found", "type": "invalid_request_error", "code": 404}}, 404)
+        stored["status"] = "cancelled"
+        return JSONResponse(stored)
+
     return Starlette(
         routes=[
             Route("/health", health),
@@ -295,6 +305,7 @@ def build_app(
             Route("/v1/chat/completions", chat, methods=["POST"]),
             Route("/v1/responses", create_response, methods=["POST"]),
             Route("/v1/responses/{rid}", get_response),
+            Route("/v1/responses/{rid}/cancel", cancel_response, methods=["POST"]),
             Route("/load_lora_adapter", lora(True), methods=["POST"]),
             Route("/unload_lora_adapter", lora(False), methods=["POST"]),
             Route("/release_memory_occupation", memory(True), methods=["POST"]),

@@ -13,8 +13,6 @@ restarted after a kill takes its batches up at once."""
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
 from pathlib import Path
 
 from loguru import logger
@@ -28,6 +26,7 @@ from gateway.batches.runner import BatchRunner
 from gateway.batches.store import BatchStore
 from gateway.config import GatewaySettings
 from gateway.core.metrics import Metrics
+from gateway.core.shared_store import replica_name
 from gateway.core.state import GatewayState
 from gateway.edge.auth import KeyHolder
 from gateway.tenants.ledger import database_url
@@ -42,7 +41,7 @@ class Batches:
         self.settings = state.settings.batches
         self.url = url
         replicas = state.settings.replicas
-        self.holder = (replicas.name or f"{socket.gethostname()}:{os.getpid()}") if replicas.shared else LOCAL_HOLDER
+        self.holder = replica_name(replicas.name) if replicas.shared else LOCAL_HOLDER
         self.files: FileStorage = DatabaseFiles(self._engine) if replicas.shared or root is None else LocalFiles(root)
         self.store: BatchStore | None = None
         self.runner: BatchRunner | None = None

@@ -64,6 +64,16 @@ class Metrics:
         r.register(_ReplicasReady(registry))
         r.register(_Resident(registry))
         self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
+        self._shared_store_up: Gauge | None = None
+
+    def shared_store_gauge(self) -> Gauge:
+        """``gateway_shared_store_up``, registered by replicas sharing a store only (elsewhere it would say 0)."""
+        if self._shared_store_up is None:
+            self._shared_store_up = Gauge(
+                "gateway_shared_store_up", "1 while the store shared by the replicas answers; 0 while not (each key's limits in this replica's share).",
+                registry=self.registry, multiprocess_mode="livemax",
+            )  # fmt: skip
+        return self._shared_store_up
 
     def exposition(self) -> bytes:
         """The scrape: this process's series, or with worker processes the sum over all of them."""

@@ -12,6 +12,7 @@ request an hour later or on another replica are all refused, while requests made
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from dataclasses import field as dataclass_field
 from typing import Any
@@ -71,6 +72,7 @@ class Quarantine:
         self.max_entries = max_entries
         self._records: dict[tuple[str, str], Suspect] = {}
         self._blocked = 0  # records refusing anyone: asked on every request, so counted, not scanned
+        self.on_change: Callable[[], None] | None = None  # replicas sharing a store: publish at once (shared_quarantine)
 
     def __bool__(self) -> bool:
         return self._blocked > 0
@@ -102,6 +104,8 @@ class Quarantine:
         while len(self._records) > self.max_entries:  # forget the oldest suspects that are not refused first
             oldest = next((key for key, record in self._records.items() if not record.refusing), next(iter(self._records)))
             self._blocked -= self._records.pop(oldest).refusing
+        if newly and self.on_change is not None:
+            self.on_change()
         return list(dict.fromkeys(newly))
 
     def check(self, model: str, shape: str, key: str | None = None) -> None:
@@ -124,6 +128,8 @@ class Quarantine:
         for key in keys:
             del self._records[key]
         self._blocked -= refused
+        if keys and self.on_change is not None:
+            self.on_change()
         return refused
 
     def records(self) -> dict[tuple[str, str], Suspect]:
@@ -134,6 +140,31 @@ class Quarantine:
         """Replace every record with ``records`` (a worker, given the control process's quarantine)."""
         self._records = {key: record.copy() for key, record in records.items()}
         self._blocked = sum(record.refusing for record in self._records.values())
+
+    def refusing(self) -> dict[tuple[str, str], Suspect]:
+        """A copy of the records that refuse someone: what replicas sharing a store exchange."""
+        return {key: record.copy() for key, record in self._records.items() if record.refusing}
+
+    def merge(self, records: dict[tuple[str, str], Suspect], gone: Iterable[tuple[str, str]] = ()) -> None:
+        """Take what other replicas refuse (``records``, added to what is known here: the union of whom it is refused
+        for and of the evidence) and forget ``gone`` (cleared on another replica). Says nothing to ``on_change``."""
+        for key in gone:
+            record = self._records.pop(key, None)
+            if record is not None:
+                self._blocked -= record.refusing
+        for key, theirs in records.items():
+            record = self._records.get(key)
+            if record is None:
+                record = self._records[key] = Suspect(fields=theirs.fields, since=theirs.since)
+            was_refusing = record.refusing
+            record.strikes = max(record.strikes, theirs.strikes)
+            record.blocked = record.blocked or theirs.blocked
+            record.last_cause = max(record.last_cause, theirs.last_cause)  # either order gives the same record
+            record.since = min(record.since, theirs.since)
+            for who, strikes in theirs.keys.items():
+                record.keys[who] = max(record.keys.get(who, 0), strikes)
+            record.refused_for |= theirs.refused_for
+            self._blocked += record.refusing - was_refusing
 
     def report(self) -> list[dict[str, Any]]:
         """The refused shapes, for the admin API: whose evidence it is (key names or key hashes, never keys)."""

@@ -13,6 +13,9 @@ event loop never waits on a disk write: :meth:`ResponseIndex.record` puts the en
 (which answers at once) and hands it to one writer thread. A lookup that misses the map is one primary-key
 read of the local file (WAL readers never wait on the writer): microseconds. It happens on the stored-
 response calls and once per response created (the first record of an id wins), never on other requests. Without a state directory the index is memory only.
+
+Replicas sharing a store (``gateway.replicas.shared``) publish every new id there too and look it up there on a
+local miss (``remote``: :mod:`gateway.core.shared_responses`); :meth:`ResponseIndex.find_shared` is that lookup.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from loguru import logger
 
@@ -45,6 +49,18 @@ class StoredResponse:
     owner: str  # the identity of the client key that created it (``gateway.edge.auth.key_owner``)
 
 
+class RemoteIndex(Protocol):
+    """Where replicas sharing a store publish and look up stored responses (:mod:`gateway.core.shared_responses`)."""
+
+    async def publish(self, response_id: str, stored: StoredResponse) -> None: ...
+
+    def publish_soon(self, response_id: str, stored: StoredResponse) -> None: ...
+
+    async def find(self, response_id: str) -> StoredResponse | None:
+        """The store's record (None: no replica created it); raises when the store does not answer."""
+        ...
+
+
 class ResponseIndex:
     """``response id -> StoredResponse``, bounded to ``max_entries``; persisted under ``path`` when given."""
 
@@ -52,6 +68,7 @@ class ResponseIndex:
         self.max_entries = max_entries
         self.path = path
         self.shared = False  # worker processes read the file too (set by a worker's app)
+        self.remote: RemoteIndex | None = None  # replicas sharing a store (gateway.replicas.shared): set by the lifespan
         self._recent: OrderedDict[str, StoredResponse] = OrderedDict()
         self._recent_max = max_entries if path is None else min(max_entries, _RECENT)
         self._reader: sqlite3.Connection | None = None
@@ -68,26 +85,50 @@ class ResponseIndex:
 
     def record(self, response_id: str, model: str, backend: str, owner: str) -> None:
         """Remember who created ``response_id`` where. The first record of an id wins: an id is never
-        handed to another owner (engines choose ids at random, and clients cannot choose them)."""
+        handed to another owner (engines choose ids at random, and clients cannot choose them). Replicas sharing a
+        store publish it there too, in a task (a stream's id: the stream goes on meanwhile)."""
+        stored = self._remember(response_id, model, backend, owner)
+        if stored is not None and self.remote is not None:
+            self.remote.publish_soon(response_id, stored)
+
+    def _remember(self, response_id: str, model: str, backend: str, owner: str) -> StoredResponse | None:
+        """Keep a new id here (None: it was known already)."""
         if self._find(response_id) is not None:
-            return
+            return None
         stored = StoredResponse(model, backend, owner)
+        self._keep(response_id, stored)
+        if self._writer is not None:
+            self._queue.put((response_id, stored))
+        return stored
+
+    def _keep(self, response_id: str, stored: StoredResponse) -> None:
         self._recent[response_id] = stored
         while len(self._recent) > self._recent_max:
             self._recent.popitem(last=False)
-        if self._writer is not None:
-            self._queue.put((response_id, stored))
 
     async def publish(self, response_id: str, model: str, backend: str, owner: str) -> None:
-        """:meth:`record`, and with worker processes (``shared``) wait until it is in the file: the client that gets
-        the id next may ask any worker for it (a commit takes milliseconds, in the writer thread)."""
-        self.record(response_id, model, backend, owner)
+        """:meth:`record`, and wait until the others can read it: with worker processes (``shared``) until it is in
+        the file, with replicas sharing a store (``remote``) until the store has it (or could not take it: then
+        published later): the client that gets the id next may ask any worker or replica for it."""
+        stored = self._remember(response_id, model, backend, owner)
         if self.shared and self._writer is not None:
             await asyncio.to_thread(self.flush, 2.0)
+        if stored is not None and self.remote is not None:
+            await self.remote.publish(response_id, stored)
 
     def find(self, response_id: str, owner: str) -> StoredResponse | None:
         """The response ``owner`` created as ``response_id``; None when absent or another owner's (alike)."""
         stored = self._find(response_id)
+        return stored if stored is not None and stored.owner == owner else None
+
+    async def find_shared(self, response_id: str, owner: str) -> StoredResponse | None:
+        """:meth:`find`, then (replicas sharing a store) the store for an id this replica does not know: what
+        another replica created. Raises what the store raises when it does not answer (never a wrong None)."""
+        stored = self._find(response_id)
+        if stored is None and self.remote is not None:
+            stored = await self.remote.find(response_id)
+            if stored is not None:
+                self._keep(response_id, stored)  # asked again soon (a conversation goes on): answered here
         return stored if stored is not None and stored.owner == owner else None
 
     def _find(self, response_id: str) -> StoredResponse | None:

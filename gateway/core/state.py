@@ -21,6 +21,7 @@ from gateway.core.metrics import Metrics
 from gateway.core.poison import Quarantine
 from gateway.core.registry import ModelRoute, Registry
 from gateway.core.responses_index import ResponseIndex
+from gateway.core.shared_store import SharedStore
 
 
 class Peers(Protocol):
@@ -100,6 +101,7 @@ class GatewayState:
     peers: Peers | None = None  # set in the control process of worker processes: a drain counts their requests too
     ledger: UsageLedger | None = None  # the usage ledger (set by the app factory, started and closed by the lifespan)
     events: EventLog = field(default_factory=EventLog)  # the last reloads, swaps and restarts (status page, admin API)
+    shared_store: SharedStore | None = None  # replicas sharing a store (gateway.replicas.shared): set by the lifespan
 
     def in_flight(self, model: str | None, backend: Backend) -> int:
         """Requests on ``backend`` of ``model`` now: this process's and, with worker processes, theirs."""

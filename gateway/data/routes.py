@@ -28,6 +28,7 @@ from gateway.core.health import HealthProbes
 from gateway.core.metrics_scope import scoped_exposition
 from gateway.core.registry import ModelRoute
 from gateway.core.responses_index import StoredResponse
+from gateway.core.shared_store import StoreUnavailable
 from gateway.core.state import GatewayState
 from gateway.edge.auth import OPEN_OWNER, request_owner
 from gateway.tenants.keys import TENANT_SCOPE_KEY, Tenant
@@ -59,10 +60,11 @@ async def _proxied(request: Request, endpoint: ProxiedRoute) -> Response:
     raw = await request.body()
     body, route, grammar_size = guard_request(state, endpoint, raw, tenant, info)
     owner = request_owner(request.scope)
+    pinned = await _continued_response(state, body, route, owner) if endpoint.response_ids else None
     call = Call(
         route, endpoint, body, info, owner, info.key_name or (None if owner == OPEN_OWNER else owner), request.receive,
         balancing=state.settings.balancing_for(route.name),
-        pinned=_continued_response(state, body, route, owner) if endpoint.response_ids else None,
+        pinned=pinned,
         grammar_size=grammar_size,
         priority=priority,
     )  # fmt: skip
@@ -123,26 +125,33 @@ def _named_route(state: GatewayState, body: dict[str, Any], endpoint: ProxiedRou
     return route
 
 
-def _continued_response(state: GatewayState, body: dict[str, Any], route: ModelRoute, owner: str) -> Backend | None:
+async def _continued_response(state: GatewayState, body: dict[str, Any], route: ModelRoute, owner: str) -> Backend | None:
     """The backend holding ``previous_response_id``'s state: the request must go there."""
     previous = body.get("previous_response_id")
     if previous is None:
         return None
-    stored, backend = _stored(state, previous, owner, "previous_response_id")
+    stored, backend = await _stored(state, previous, owner, "previous_response_id")
     if stored.model != route.name:
         raise GatewayError(400, f"previous_response_id {previous!r} belongs to model {stored.model!r}", param="previous_response_id")
     return backend
 
 
-def _stored(state: GatewayState, response_id: str, owner: str, param: str | None = None) -> tuple[StoredResponse, Backend]:
+async def _stored(state: GatewayState, response_id: str, owner: str, param: str | None = None) -> tuple[StoredResponse, Backend]:
     """``owner``'s stored response ``response_id`` and the backend holding it.
 
     A malformed id gets the engine's own 400 (what SGLang answers it, word for word); an id nobody created
-    and one another key created get the same 404, so that ids of other keys are never confirmed.
+    and one another key created get the same 404, so that ids of other keys are never confirmed. Replicas sharing a
+    store look an unknown id up there: while it does not answer, 503 (the id may be another replica's).
     """
     if not response_id.startswith(RESPONSE_ID_PREFIX):
         raise GatewayError(400, f"Invalid 'response_id': '{response_id}'. Expected an ID that begins with 'resp'.", param="response_id")
-    stored = state.responses.find(response_id, owner)
+    try:
+        stored = await state.responses.find_shared(response_id, owner)
+    except StoreUnavailable:
+        raise GatewayError(
+            503, f"Response {response_id!r} is not known to this replica and the shared store is unreachable; retry shortly",
+            code="shared_store_unavailable", param=param, headers={"Retry-After": "1"},
+        ) from None
     if stored is None:
         raise GatewayError(404, f"No response found with id {response_id!r}", code="response_not_found", param=param)
     route = state.registry.route(stored.model)
@@ -201,7 +210,7 @@ async def cancel_response(response_id: str, request: Request) -> Response:
 
 async def _stored_response_call(request: Request, response_id: str, method: str, path: str) -> Response:
     state = _state(request)
-    stored, backend = _stored(state, response_id, request_owner(request.scope))
+    stored, backend = await _stored(state, response_id, request_owner(request.scope))
     info = request_info(request.scope)
     if info is not None:
         info.model = stored.model
@@ -258,15 +267,17 @@ async def health() -> Response:
 @api_routes.head("/ready", include_in_schema=False)
 async def ready(request: Request) -> Response:
     """200 only when every model has enough healthy replicas (``balancing.min_ready``, at most all of
-    them; one for most models); 503 naming the ones that do not."""
+    them; one for most models); 503 naming the ones that do not. Replicas sharing a store say whether it answers
+    (``shared_store``), without changing the status: a replica that cannot reach it still serves (docs/scaling.md)."""
     state = _state(request)
     routes = state.registry.routes()
     models = dict(await asyncio.gather(*(_model_readiness(state, route) for route in routes)))
+    extra = {"shared_store": state.shared_store.status()} if state.shared_store is not None else {}
     down = [f"{name} ({m['reason']})" for name, m in models.items() if not m["ready"]]
     if down:
         body = error_body("not ready: " + ", ".join(down), "service_unavailable", "not_ready")
-        return _json({**body, "status": "not_ready", "models": models}, 503)
-    return _json({"status": "ready", "models": models})
+        return _json({**body, "status": "not_ready", "models": models, **extra}, 503)
+    return _json({"status": "ready", "models": models, **extra})
 
 
 async def _model_readiness(state: GatewayState, route: ModelRoute) -> tuple[str, dict[str, Any]]:

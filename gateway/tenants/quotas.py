@@ -16,6 +16,9 @@ rounds a worker may use only its share (1/N) of what the bucket held, so the wor
 requests than the limit; a burst on one worker may be refused early, until the next round hands it the rest.
 Budgets and concurrency are checked against the sums as of the last round (they may be passed by what the
 other workers admitted since, ~150 ms).
+
+Replicas on several hosts (``gateway.replicas.shared``) use the same reports, exchanged through a shared store
+instead of a control process: :mod:`gateway.tenants.shared_quotas`.
 """
 
 from __future__ import annotations
@@ -341,6 +344,19 @@ class Quotas:
                     budget.roll(now)
                     budget.used, budget.base = total + tokens, total
             quota.others_in_flight = sum(count for index, count in view.in_flight if index != worker)
+
+    def counted(self, number: int) -> None:
+        """The sums hold this process's reports up to ``number`` (a replica counts its own at once, whether or not the
+        next :meth:`apply` comes soon): they are no longer kept to be subtracted from it."""
+        self._unabsorbed = [(seen, used) for seen, used in self._unabsorbed if seen > number]
+
+    def on_its_own(self) -> None:
+        """No sums will come for a while (replicas whose shared store is unreachable): besides its share of each bucket
+        and of what each budget had left, each key's concurrency is held to this process's share of its limit (at least
+        one request), instead of the other processes' counts as of the last round."""
+        for quota in self._by_name.values():
+            limit = quota.limits.max_concurrent
+            quota.others_in_flight = 0 if limit is None else limit - max(1, math.floor(limit * self.share))
 
     # ----------------------------------------------------------------- the control's side
     def absorb(self, worker: int, number: int, used: dict[str, tuple[int, int, int]], limits: dict[str, KeyLimits]) -> None:

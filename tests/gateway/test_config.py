@@ -91,10 +91,13 @@ def test_a_follower_machine_of_a_multi_machine_engine_is_not_served() -> None:
         ({}, None, "deploy.yaml: gateway.replicas.shared needs gateway.usage.database_url: a PostgreSQL URL that every replica reaches"),
         ({"database_url": "sqlite:///u.db"}, None, "deploy.yaml: gateway.replicas.shared needs gateway.usage.database_url"),
         ({"database_url": "postgresql://u@db/ledger"}, {"tiny": {"engine": {"model_path": "m"}}}, "deploy.yaml: models.tiny: replicas sharing one state serve url: or router upstreams"),
+        ({"database_url": "postgresql://u@db/ledger", "workers": 2}, None, "deploy.yaml: gateway.workers: a replica sharing a store is one process"),
     ],
 )
 def test_replicas_without_a_shared_store_are_refused(usage: dict, models: dict | None, message: str) -> None:
-    gateway = {"replicas": {"shared": True}, "usage": usage}
+    workers = {"workers": usage["workers"]} if "workers" in usage else {}
+    usage = {name: value for name, value in usage.items() if name != "workers"}
+    gateway = {"replicas": {"shared": True}, "usage": usage, **workers}
     deployment = parse_config({"models": models, "gateway": gateway}, "deploy.yaml") if models else _deployment(gateway)
     with pytest.raises(ConfigError) as caught:
         gateway_settings(deployment)
@@ -104,3 +107,4 @@ def test_replicas_without_a_shared_store_are_refused(usage: dict, models: dict |
 def test_replicas_with_a_postgresql_store_and_url_models_start() -> None:
     settings = gateway_settings(_deployment({"replicas": {"shared": True, "name": "pod-a"}, "usage": {"database_url": "postgresql://u@db/ledger"}}))
     assert settings.replicas.shared and settings.replicas.name == "pod-a" and settings.replicas.expected == 2
+    assert settings.workers == 1  # workers: auto (the default) is one process on a replica

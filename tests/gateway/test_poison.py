@@ -342,3 +342,28 @@ def test_a_shape_is_refused_for_everyone_on_two_keys_evidence() -> None:
     restored.restore(quarantine.records())  # what a worker process receives
     with pytest.raises(GatewayError):
         restored.check("m", shape, None)
+
+
+def test_records_of_other_replicas_merge_and_clears_are_said() -> None:
+    """Replicas sharing a store: another's refusals add up with this one's; a change here is said, a merge is not."""
+    mine, theirs = Quarantine(), Quarantine()
+    said = []
+    mine.on_change = lambda: said.append(1)
+    shape = request_shape("/v1/completions", {"prompt": [1, 2]})
+    mine.engine_failed("m", [(shape, "k1"), (request_shape("/p", {"a": 1}), "k1")], "first")  # one strike for k1
+    assert said == [] and not mine
+    theirs.engine_failed("m", [(shape, "k2")], "crashed there")  # the only suspect there: refused for k2
+    mine.merge(theirs.refusing())
+    assert said == [] and mine
+    mine.check("m", shape, "k1")  # k1 had one strike here: still passes
+    with pytest.raises(GatewayError):
+        mine.check("m", shape, "k2")
+    mine.engine_failed("m", [(shape, "k1")], "second")  # k1's second strike: refused for two keys, for everyone
+    assert said == [1] and mine.refusing()[("m", shape)].blocked
+    theirs.merge(mine.refusing())
+    with pytest.raises(GatewayError):
+        theirs.check("m", shape, "k3")
+    assert mine.refusing()[("m", shape)] == theirs.refusing()[("m", shape)]  # merged both ways: the same record
+    theirs.merge({}, gone=[("m", shape)])  # cleared on another replica
+    assert not theirs
+    assert mine.clear("m") == 1 and said == [1, 1]

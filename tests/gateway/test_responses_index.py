@@ -151,3 +151,47 @@ def test_url_backends_are_named_by_url_and_managed_ones_by_instance(tiny_engine_
     assert managed.identity != restarted.identity and "127.0.0.1" not in managed.identity
     route = ModelRoute("m", (one,))
     assert route.backend_named(same.identity) is one and route.backend_named(managed.identity) is None
+
+
+class _Remote:
+    """A shared store's side, in memory (gateway.core.shared_responses over PostgreSQL is tested with two replicas)."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, StoredResponse] = {}
+        self.soon: list[str] = []
+        self.down = False
+
+    async def publish(self, response_id: str, stored: StoredResponse) -> None:
+        self.rows.setdefault(response_id, stored)
+
+    def publish_soon(self, response_id: str, stored: StoredResponse) -> None:
+        self.soon.append(response_id)
+        self.rows.setdefault(response_id, stored)
+
+    async def find(self, response_id: str) -> StoredResponse | None:
+        if self.down:
+            raise ConnectionError("store down")
+        return self.rows.get(response_id)
+
+
+def test_replicas_publish_new_ids_and_look_up_the_store_on_a_local_miss() -> None:
+    remote = _Remote()
+    mine, theirs = ResponseIndex(), ResponseIndex()
+    mine.remote = theirs.remote = remote
+
+    async def scenario() -> None:
+        await mine.publish("resp_plain", "tiny", "url:http://e", A)  # a plain answer: in the store before its id leaves
+        mine.record("resp_stream", "tiny", "url:http://e", A)  # a stream's id: published in a task
+        mine.record("resp_stream", "tiny", "url:http://e", B)  # known already: not published again
+        assert remote.soon == ["resp_stream"] and set(remote.rows) == {"resp_plain", "resp_stream"}
+        found = await theirs.find_shared("resp_plain", A)
+        assert found is not None and found.backend == "url:http://e"
+        assert await theirs.find_shared("resp_stream", B) is None  # another key's: the same None as an unknown id
+        assert await theirs.find_shared("resp_nobody", A) is None
+        remote.down = True
+        assert await theirs.find_shared("resp_plain", A) is not None  # looked up once: known here now
+        assert await mine.find_shared("resp_stream", A) is not None  # its own: never asks the store
+        with pytest.raises(ConnectionError):  # unknown here and the store down: said, never a wrong None
+            await theirs.find_shared("resp_other", A)
+
+    asyncio.run(scenario())

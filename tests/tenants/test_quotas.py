@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from gateway.config import KeyLimits
 from gateway.edge.quota import duration
-from gateway.tenants.quotas import Bucket, KeyQuota, Quotas, next_period_start, period_start
+from gateway.tenants.quotas import Bucket, KeyQuota, Quotas, QuotaView, next_period_start, period_start
 
 JAN_1 = 1_767_225_600.0  # 2026-01-01T00:00:00Z
 
@@ -146,3 +146,31 @@ def test_budgets_restored_from_the_ledger_apply_to_keys_made_before_and_after() 
     assert early.day is not None and early.day.used == 310 and early.admit(JAN_1 + 60) is not None
     late = quotas.of("late", limits)
     assert late.day is not None and late.month is not None and (late.day.used, late.month.used) == (120, 900)
+
+
+def test_on_its_own_a_process_keeps_its_share_of_a_keys_concurrency() -> None:
+    """Replicas whose shared store is unreachable: the others' last counts give way to this process's share."""
+    quotas = Quotas(clock=lambda: JAN_1, share=0.5)
+    quota = quotas.of("t", KeyLimits(max_concurrent=5))
+    odd = quotas.of("u", KeyLimits(max_concurrent=1))
+    free = quotas.of("v", KeyLimits(requests_per_minute=10))
+    quota.others_in_flight = odd.others_in_flight = 5  # as of the last round
+    quotas.on_its_own()
+    assert (quota.others_in_flight, odd.others_in_flight, free.others_in_flight) == (3, 0, 0)  # 2 of 5 here, at least 1
+    assert [quota.admit(JAN_1) is None for _ in range(3)] == [True, True, False]
+
+
+def test_reports_the_sums_hold_are_not_subtracted_again() -> None:
+    """A replica puts its own report in its sums at once (counted): the next apply takes its share of sums that
+    already hold it, not less again (and a store down for long keeps no list of reports)."""
+    limits = KeyLimits(requests_per_minute=10)
+    for counted, level in ((True, 4.0), (False, 2.0)):
+        quotas = Quotas(clock=lambda: JAN_1, share=0.5)
+        quota = quotas.of("t", limits)
+        assert quota.admit(JAN_1) is None and quota.admit(JAN_1) is None
+        report = quotas.report()
+        assert report is not None
+        if counted:
+            quotas.counted(report[0])
+        quotas.apply({"t": (limits, QuotaView(8.0, None, JAN_1, 0, 0, ()))}, 0, 0)  # sums: 10 - the 2 admitted here
+        assert quota.requests is not None and quota.requests.level == level

@@ -1,0 +1,106 @@
+"""Stored Responses API objects shared by replicas (``gateway.replicas.shared``): which upstream stored which id, and
+which key owns it, in the shared store beside each replica's own index (:mod:`gateway.core.responses_index`).
+
+A response created through this replica is published when it is created: a plain answer once the store has it
+(before the client gets the id, so that any replica finds it next), a stream's as soon as its id is seen (while the
+stream goes on). A replica looks up the store only for an id its own index does not know; what it finds is kept
+in its index. The first owner of an id stays its owner (the store keeps the first row).
+
+The store unreachable: creating a response still works (its publication waits, retried every round, at most
+:data:`MAX_PENDING`); an id this replica does not know answers 503 (never a 404 that may be wrong), and one it
+knows is served as usual. Records older than :data:`KEEP_DAYS` are deleted (every replica tries once an hour).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import math
+import time
+
+from loguru import logger
+from sqlalchemy import Connection, delete, func, select
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+from gateway.core.responses_index import StoredResponse
+from gateway.core.shared_store import SharedStore, StoreUnavailable, responses
+
+MAX_PENDING = 10_000  # publications waiting for the store; beyond, the oldest are given up (said once per outage)
+KEEP_DAYS = 30  # a record older than this is deleted (the response's engine has most likely forgotten it too)
+PRUNE_EVERY_S = 3600.0
+
+
+class SharedResponses:
+    """The shared store's side of the responses index (``ResponseIndex.remote``)."""
+
+    def __init__(self, store: SharedStore) -> None:
+        self.store = store
+        self._pending: dict[str, StoredResponse] = {}  # not in the store yet
+        self._dropped = False
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._pruned_at = -math.inf
+
+    async def publish(self, response_id: str, stored: StoredResponse) -> None:
+        """Put ``response_id`` in the store now; kept for the next round when the store does not answer."""
+        try:
+            await self.store.run(lambda conn: _insert(conn, {response_id: stored}))
+        except StoreUnavailable:
+            self._keep(response_id, stored)
+
+    def publish_soon(self, response_id: str, stored: StoredResponse) -> None:
+        """:meth:`publish` in a task (a stream's id, seen in a callback of the relay)."""
+        task = asyncio.get_running_loop().create_task(self.publish(response_id, stored))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def find(self, response_id: str) -> StoredResponse | None:
+        """The store's record of ``response_id`` (None: no replica created it); :class:`StoreUnavailable` when the
+        store does not answer."""
+        return await self.store.run(lambda conn: _select(conn, response_id))
+
+    async def round(self) -> None:
+        """Publish what waits (a round of :meth:`SharedStore.rounds`); now and then, forget the records older than
+        :data:`KEEP_DAYS`."""
+        if time.monotonic() - self._pruned_at > PRUNE_EVERY_S:
+            await self.store.run(_prune)
+            self._pruned_at = time.monotonic()
+        if not self._pending:
+            return
+        pending = dict(self._pending)
+        await self.store.run(lambda conn: _insert(conn, pending))
+        for response_id in pending:
+            self._pending.pop(response_id, None)
+        self._dropped = False
+
+    def _keep(self, response_id: str, stored: StoredResponse) -> None:
+        self._pending[response_id] = stored
+        if len(self._pending) > MAX_PENDING:
+            del self._pending[next(iter(self._pending))]
+            if not self._dropped:
+                self._dropped = True
+                logger.error("shared store: more than {} stored responses wait to be published; the oldest are given up "
+                             "(other replicas will answer 404 for them)", MAX_PENDING)  # fmt: skip
+
+    async def close(self) -> None:
+        """Wait for the publications in flight, then try once to publish what waits."""
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        try:
+            await self.round()
+        except StoreUnavailable:
+            if self._pending:
+                logger.error("shared store: {} stored responses not published at shutdown", len(self._pending))
+
+
+def _insert(conn: Connection, entries: dict[str, StoredResponse]) -> None:
+    rows = [{"id": rid, "model": s.model, "backend": s.backend, "owner": s.owner} for rid, s in entries.items()]
+    conn.execute(pg_insert(responses).on_conflict_do_nothing(index_elements=[responses.c.id]), rows)
+
+
+def _prune(conn: Connection) -> None:
+    conn.execute(delete(responses).where(responses.c.created_at < func.now() - dt.timedelta(days=KEEP_DAYS)))
+
+
+def _select(conn: Connection, response_id: str) -> StoredResponse | None:
+    row = conn.execute(select(responses.c.model, responses.c.backend, responses.c.owner).where(responses.c.id == response_id)).first()
+    return StoredResponse(row.model, row.backend, row.owner) if row is not None else None
