@@ -48,13 +48,13 @@ def test_a_batch_keeps_one_line_beside_an_interactive_stream_and_takes_the_engin
 ) -> None:
     engine, gateway = engine_and_gateway
     client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="none", max_retries=0, timeout=60)
-    batch = client.batches.create(input_file_id=upload(client, chat_lines(120, max_tokens=30)), endpoint="/v1/chat/completions", completion_window="24h")
+    batch = client.batches.create(input_file_id=upload(client, chat_lines(200, max_tokens=30)), endpoint="/v1/chat/completions", completion_window="24h")
     wait_until(lambda: _running(engine) == FULL, lambda: f"the batch runs {FULL} lines (engine runs {_running(engine)})", 30, 0.02)
 
     streamed = threading.Event()
-    interactive = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 300, "stream": True}
+    interactive = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 500, "stream": True}
 
-    def chat() -> None:  # 300 tokens at 10 ms: the engine runs it ~3 s
+    def chat() -> None:  # 500 tokens at 10 ms: the engine runs it ~5 s
         with httpx.stream("POST", gateway.url + "/v1/chat/completions", json=interactive, timeout=60) as answer:
             for _ in answer.iter_lines():
                 streamed.set()
@@ -71,7 +71,7 @@ def test_a_batch_keeps_one_line_beside_an_interactive_stream_and_takes_the_engin
         talker.join(timeout=30)
     wait_until(lambda: _running(engine) == FULL, lambda: f"the batch takes the engine back (engine runs {_running(engine)})", 10, 0.02)
     done = wait_ended(client, batch.id)
-    assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 120, 0)
+    assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 200, 0)
 
 
 def test_the_rule_full_alone_beside_others_and_for_a_moment_after() -> None:
