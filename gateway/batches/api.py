@@ -12,7 +12,7 @@ import json
 import secrets
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 from fastapi import APIRouter, Request
@@ -101,11 +101,7 @@ async def list_files(request: Request) -> Response:
 
 
 async def _owned_file(request: Request, file_id: str) -> Any:
-    _, store = await _batches(request)
-    found = await _db(store.file, file_id, request_owner(request.scope))
-    if found is None:
-        raise GatewayError(404, f"No such File object: {file_id}", code="file_not_found", param="file_id")
-    return found
+    return await _owned(request, "file", file_id)
 
 
 async def get_file(file_id: str, request: Request) -> Response:
@@ -175,10 +171,15 @@ async def create_batch(request: Request) -> Response:
 
 
 async def _owned_batch(request: Request, batch_id: str) -> Any:
+    return await _owned(request, "batch", batch_id)
+
+
+async def _owned(request: Request, kind: Literal["file", "batch"], object_id: str) -> Any:
+    """The caller's file or batch ``object_id``; another key's answers the 404 of an absent id (never confirmed)."""
     _, store = await _batches(request)
-    found = await _db(store.batch, batch_id, request_owner(request.scope))
+    found = await _db(store.file if kind == "file" else store.batch, object_id, request_owner(request.scope))
     if found is None:
-        raise GatewayError(404, f"No such Batch object: {batch_id}", code="batch_not_found", param="batch_id")
+        raise GatewayError(404, f"No such {kind.title()} object: {object_id}", code=f"{kind}_not_found", param=f"{kind}_id")
     return found
 
 
@@ -205,14 +206,11 @@ async def cancel_batch(batch_id: str, request: Request) -> Response:
 
 
 async def admin_batches(request: Request) -> Response:
-    """Every key's batches (admin key), each with the key that owns it."""
+    """Every key's batches (admin key), each with the key that owns it and the gateway that runs it (``leased_by``:
+    a replica's name, ``local`` for a lone gateway; null between runs)."""
     _, store = await _batches(request)
-    items, more = await _db(store.batches, None, request.query_params.get("after"), _limit(request))
-    rows = []
-    for item in items:
-        whose = await _db(store.owner_of, item.id)
-        rows.append({**item.model_dump(), "key": whose[1] if whose else None})
-    return _json(page(rows, more))
+    items, more = await _db(store.every_batch, request.query_params.get("after"), _limit(request))
+    return _json(page([{**item.model_dump(), **whose} for item, whose in items], more))
 
 
 HANDLERS: dict[tuple[str, str], Callable[..., Any]] = {

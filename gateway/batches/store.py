@@ -129,6 +129,11 @@ class BatchStore:
         rows = self._page(query, batches, after, limit)
         return [_batch(row) for row in rows[:limit]], len(rows) > limit
 
+    def every_batch(self, after: str | None, limit: int) -> tuple[list[tuple[BatchObject, dict[str, Any]]], bool]:
+        """Every key's batches, each with who owns it and runs it (``key``, ``leased_by``): the admin's list, one query."""
+        rows = self._page(select(batches), batches, after, limit)
+        return [(_batch(row), {"key": row["key_name"], "leased_by": row["leased_by"]}) for row in rows[:limit]], len(rows) > limit
+
     def load(self, owner: str) -> tuple[int, int]:
         """(unfinished batches, lines still queued) of ``owner``: what the per-key limits count."""
         active = and_(batches.c.owner == owner, batches.c.status.in_(ACTIVE))

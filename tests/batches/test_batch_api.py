@@ -92,7 +92,7 @@ def test_a_batch_runs_every_line_once_as_its_key_at_the_batch_class(gateway: Gat
                                     sum(line["response"]["body"]["usage"]["completion_tokens"] for line in out))  # fmt: skip
     assert batch.id in [item.id for item in client.batches.list(limit=5).data]
     every = httpx.get(gateway.url + "/admin/batches", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=10).json()
-    assert any(item["id"] == batch.id and item["key"] == "alpha" for item in every["data"])
+    assert any(item["id"] == batch.id and item["key"] == "alpha" and item["leased_by"] is None for item in every["data"])  # ended: its lease released
     metrics = httpx.get(gateway.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=10).text
     assert 'gateway_batch_lines_total{model="m",result="done"}' in metrics
 
