@@ -100,6 +100,9 @@ class GatewayState:
     peers: Peers | None = None  # set in the control process of worker processes: a drain counts their requests too
     ledger: UsageLedger | None = None  # the usage ledger (set by the app factory, started and closed by the lifespan)
     events: EventLog = field(default_factory=EventLog)  # the last reloads, swaps and restarts (status page, admin API)
+    # SIGTERM with gateway.shutdown_delay_s: /ready answers 503 and responses close their connection, while every
+    # request is still served (gateway.server); a worker process hears it from its control process
+    draining: bool = False
 
     def in_flight(self, model: str | None, backend: Backend) -> int:
         """Requests on ``backend`` of ``model`` now: this process's and, with worker processes, theirs."""

@@ -260,6 +260,8 @@ async def ready(request: Request) -> Response:
     """200 only when every model has enough healthy replicas (``balancing.min_ready``, at most all of
     them; one for most models); 503 naming the ones that do not."""
     state = _state(request)
+    if state.draining:  # SIGTERM with gateway.shutdown_delay_s: still serving, but the load balancer should stop sending
+        return _json({**error_body("draining: this gateway is stopping", "service_unavailable", "draining"), "status": "draining"}, 503)
     routes = state.registry.routes()
     models = dict(await asyncio.gather(*(_model_readiness(state, route) for route in routes)))
     down = [f"{name} ({m['reason']})" for name, m in models.items() if not m["ready"]]
