@@ -115,6 +115,7 @@ class GatewayServer(uvicorn.Server):
         super().__init__(config)
         self.on_started = on_started
         self.drain_until: float | None = None  # monotonic time at which a SIGTERM's drain ends and the stop begins
+        self._drain_noted = False
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
@@ -135,13 +136,15 @@ class GatewayServer(uvicorn.Server):
             if self.drain_until is None and delay_s > 0 and not state.draining:
                 self._captured_signals.append(sig)  # re-raised once stopped, as uvicorn does with the ones it handles
                 self.drain_until = time.monotonic() + delay_s
-                state.draining = True
-                logger.info("gateway: draining: /ready answers 503 for {:g} s while requests are still served, then it stops "
-                            "accepting (gateway.shutdown_delay_s)", delay_s)  # fmt: skip
+                state.draining = True  # logged by on_tick: no logging inside a signal handler (its lock may be held)
                 return
         super().handle_exit(sig, frame)
 
     async def on_tick(self, counter: int) -> bool:
+        if self.drain_until is not None and not self._drain_noted:
+            self._drain_noted = True
+            logger.info("gateway: SIGTERM: draining for gateway.shutdown_delay_s ({:g} s): /ready answers 503 while requests "
+                        "are still served; then no new connections", self.config.app.state.gateway.settings.shutdown_delay_s)  # fmt: skip
         if self.drain_until is not None and not self.should_exit and time.monotonic() >= self.drain_until:
             logger.info("gateway: drained; no longer accepting connections")
             self.should_exit = True
