@@ -375,6 +375,15 @@ class GatewaySettings(_Strict):
     health_timeout_s: float = Field(5.0, gt=0, description="Timeout of each /health probe made by /ready.")
     cors_allow_origins: list[str] = Field(default_factory=list, description="CORS origins (empty: CORS off).")
     shutdown_grace_s: float = Field(30.0, ge=0, description="In-flight requests may finish this long on SIGTERM or Ctrl-C.")
+    shutdown_delay_s: float = Field(
+        0.0,
+        ge=0,
+        le=600,
+        description="On SIGTERM, first answer /ready with 503 (`draining`) while still serving every request for this long, so "
+        "that a load balancer stops sending new ones; then stop accepting and give in-flight requests shutdown_grace_s. "
+        "Behind a load balancer or Kubernetes: more than its readiness period (see [Operations](operations.md)); "
+        "0 (a process on its own): stop accepting at once. Ctrl-C never waits.",
+    )
     log_requests: bool = Field(True, description="One structured log line per request.")
     residency_groups: dict[str, ResidencyGroup] = Field(
         default_factory=dict,

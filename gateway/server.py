@@ -1,7 +1,10 @@
 """Owns uvicorn: build the app from a YAML file and serve it until SIGTERM / Ctrl-C.
 
-On SIGTERM or Ctrl-C uvicorn stops accepting connections, lets in-flight requests (streams included)
-finish for up to ``gateway.shutdown_grace_s``, then the app's lifespan stops the engines it started.
+On SIGTERM the gateway first drains for ``gateway.shutdown_delay_s`` (when above 0): ``/ready`` answers 503
+``draining`` and every response closes its connection, while every request is still served, so that a load balancer
+(or Kubernetes' endpoints) stops sending new ones before the port closes. Then, as at once on Ctrl-C, uvicorn stops
+accepting connections, lets in-flight requests (streams included) finish for up to ``gateway.shutdown_grace_s``,
+and the app's lifespan stops the engines it started. A second SIGTERM while draining ends the delay at once.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import signal
 import socket
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
@@ -49,7 +53,8 @@ def uvicorn_config(app: FastAPI, settings: GatewaySettings, *, log_level: str = 
         timeout_graceful_shutdown=settings.shutdown_grace_s,  # type: ignore[arg-type]
         timeout_keep_alive=max(1, round(settings.http.keepalive_timeout_s)),
         loop="auto",  # uvloop when installed
-        http=guarded_protocol(settings.http),  # httptools with header/connection limits and timeouts
+        # httptools with header/connection limits and timeouts; connections close after each response while draining
+        http=guarded_protocol(settings.http, getattr(app.state, "gateway", None)),
     )
 
 
@@ -102,11 +107,15 @@ def _note_signal(signum: int, frame: object) -> None:
 
 class GatewayServer(uvicorn.Server):
     """uvicorn's server, plus: a stop signal during engine start-up stops the engines at once; ``on_started`` is
-    called once it accepts connections."""
+    called once it accepts connections; SIGTERM once started drains for ``gateway.shutdown_delay_s`` first (the
+    app's state says ``draining``: ``/ready`` 503, connections closed after each response), then stops as uvicorn does.
+    """
 
     def __init__(self, config: uvicorn.Config, on_started: Callable[[], None] | None = None) -> None:
         super().__init__(config)
         self.on_started = on_started
+        self.drain_until: float | None = None  # monotonic time at which a SIGTERM's drain ends and the stop begins
+        self._drain_noted = False
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
@@ -116,10 +125,30 @@ class GatewayServer(uvicorn.Server):
                 self.on_started()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        controller = getattr(getattr(self.config.app, "state", None), "controller", None)
+        app_state = getattr(self.config.app, "state", None)
+        controller = getattr(app_state, "controller", None)
         if controller is not None and not self.started:
             controller.abort_start()
+        state = getattr(app_state, "gateway", None)
+        if sig == signal.SIGTERM and self.started and not self.should_exit and state is not None:
+            delay_s = state.settings.shutdown_delay_s
+            # A worker process told to drain by its control process (which got the SIGTERM) stops at its SIGTERM.
+            if self.drain_until is None and delay_s > 0 and not state.draining:
+                self._captured_signals.append(sig)  # re-raised once stopped, as uvicorn does with the ones it handles
+                self.drain_until = time.monotonic() + delay_s
+                state.draining = True  # logged by on_tick: no logging inside a signal handler (its lock may be held)
+                return
         super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.drain_until is not None and not self._drain_noted:
+            self._drain_noted = True
+            logger.info("gateway: SIGTERM: draining for gateway.shutdown_delay_s ({:g} s): /ready answers 503 while requests "
+                        "are still served; then no new connections", self.config.app.state.gateway.settings.shutdown_delay_s)  # fmt: skip
+        if self.drain_until is not None and not self.should_exit and time.monotonic() >= self.drain_until:
+            logger.info("gateway: drained; no longer accepting connections")
+            self.should_exit = True
+        return await super().on_tick(counter)
 
 
 def _log_listening(server: uvicorn.Server, app: FastAPI) -> None:

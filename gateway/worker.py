@@ -2,7 +2,9 @@
 
 It dies with the control process (parent-death signal), asks it for the routing state, binds the public port
 with a socket of its own (``SO_REUSEPORT``), tells the control it listens, and serves until SIGTERM (graceful:
-its requests finish for up to ``gateway.shutdown_grace_s``).
+its requests finish for up to ``gateway.shutdown_grace_s``). Told by the control process that it drains
+(``gateway.shutdown_delay_s``), its ``/ready`` answers 503 and the control's SIGTERM at the end stops it at once;
+a SIGTERM of its own (sent to the whole process group) drains first, as the only process does.
 """
 
 from __future__ import annotations

@@ -29,9 +29,9 @@ class ServerProcess:
     """One server subprocess in its own process group, logging to ``log_path``."""
 
     def __init__(
-        self, argv: Sequence[str], *, log_path: Path, env: dict[str, str] | None = None, cwd: Path = REPO
+        self, argv: Sequence[str], *, log_path: Path, env: dict[str, str] | None = None, cwd: Path = REPO, port: int | None = None
     ) -> None:
-        self.port = pick_free_port()
+        self.port = port or pick_free_port()  # ``port``: a given one (a server started again where it was)
         self.argv = [arg.replace("{port}", str(self.port)) for arg in argv]
         self.log_path = log_path
         self.url = f"http://127.0.0.1:{self.port}"

@@ -5,7 +5,8 @@ confirms its version; every :data:`REPORT_INTERVAL_S` it reports, when something
 flight per backend (backends it no longer routes to included, until their last request ends) and the
 request shapes whose upstream connection broke, what its named keys used (their limits hold across workers:
 :mod:`gateway.tenants.quotas`); asked in a sync round, the shapes of the requests it has
-upstream on one backend (the suspects when that engine froze). Should the channel break, the worker keeps serving with the
+upstream on one backend (the suspects when that engine froze); told that the control process drains, its state
+drains too (``/ready`` 503). Should the channel break, the worker keeps serving with the
 last state it has (the control process dying takes the workers down anyway: parent-death signal).
 """
 
@@ -98,6 +99,8 @@ class WorkerLink:
                 elif kind == "sync":
                     self.synced = number
                     self._report(force=True, upstream_on=routing)
+                elif kind == "drain" and self.state is not None:  # the control process got SIGTERM: /ready says so
+                    self.state.draining = True
                 elif kind == "quota":
                     views, absorbed = routing
                     self.quotas.apply(views, self.index, absorbed.get(self.index, 0))

@@ -9,6 +9,11 @@ workers forward ``/admin/*`` to), and sends every worker the routing state whene
 backend (a drain waits for them), and the request shapes whose upstream connection broke (the poison
 quarantine, then sent to every worker).
 
+Draining (SIGTERM with ``gateway.shutdown_delay_s``): the control process's state turns ``draining``; the workers
+are told at once (and any worker started meanwhile at its hello), so that their ``/ready`` answers 503 while they
+still serve; the control's SIGTERM at the end of the delay stops each of them at once (their requests finish
+within ``gateway.shutdown_grace_s``).
+
 Faults: a worker that exits is started again (with a backoff while it keeps failing); the workers die
 with the control process (parent-death signal), and the control's engines die with it too.
 """
@@ -90,6 +95,7 @@ class WorkerSupervisor:
         self._server: asyncio.Server | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._stopping = False
+        self._drain_sent = False  # the workers were told that the control process drains
 
     # ------------------------------------------------------------------ life cycle
     async def start(self, timeout_s: float = 120.0) -> None:
@@ -180,7 +186,12 @@ class WorkerSupervisor:
     # ------------------------------------------------------------------ the routing state, out
     def publish(self) -> bool:
         """Take the routing state now; when it differs from the last one sent, number it and send it to every
-        connected worker. Returns True when something new went out. The named keys' quotas likewise."""
+        connected worker. Returns True when something new went out. The named keys' quotas likewise, and that the
+        gateway drains (once)."""
+        if self.state.draining and not self._drain_sent:
+            self._drain_sent = True
+            for worker in self.workers:
+                self._send(worker, ("drain", 0, None))
         quotas = (self.quotas.snapshot(self.keys.policy.limited), dict(self.quotas.absorbed))
         if quotas != self._quotas_sent:
             self._quotas_sent = quotas
@@ -271,6 +282,8 @@ class WorkerSupervisor:
             self._send(worker, ("state", self.version, self._sent))
             if self._quotas_sent is not None:
                 self._send(worker, ("quota", 0, self._quotas_sent))
+            if self._drain_sent:
+                self._send(worker, ("drain", 0, None))
             while True:
                 message = await channel.receive(reader)
                 if message[0] == "listening":

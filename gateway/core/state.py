@@ -102,6 +102,9 @@ class GatewayState:
     ledger: UsageLedger | None = None  # the usage ledger (set by the app factory, started and closed by the lifespan)
     events: EventLog = field(default_factory=EventLog)  # the last reloads, swaps and restarts (status page, admin API)
     shared_store: SharedStore | None = None  # replicas sharing a store (gateway.replicas.shared): set by the lifespan
+    # SIGTERM with gateway.shutdown_delay_s: /ready answers 503 and responses close their connection, while every
+    # request is still served (gateway.server); a worker process hears it from its control process
+    draining: bool = False
 
     def in_flight(self, model: str | None, backend: Backend) -> int:
         """Requests on ``backend`` of ``model`` now: this process's and, with worker processes, theirs."""

@@ -270,6 +270,8 @@ async def ready(request: Request) -> Response:
     them; one for most models); 503 naming the ones that do not. Replicas sharing a store say whether it answers
     (``shared_store``), without changing the status: a replica that cannot reach it still serves (docs/scaling.md)."""
     state = _state(request)
+    if state.draining:  # SIGTERM with gateway.shutdown_delay_s: still serving, but the load balancer should stop sending
+        return _json({**error_body("draining: this gateway is stopping", "service_unavailable", "draining"), "status": "draining"}, 503)
     routes = state.registry.routes()
     models = dict(await asyncio.gather(*(_model_readiness(state, route) for route in routes)))
     extra = {"shared_store": state.shared_store.status()} if state.shared_store is not None else {}

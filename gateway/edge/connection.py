@@ -15,6 +15,9 @@ makes a subclass of uvicorn's ``HttpToolsProtocol`` that enforces :class:`HttpSe
 - a client that accepts no bytes for ``write_timeout_s`` while a response waits is disconnected (the
   app sees a disconnect: the stream stops, its upstream request and admission slot are released).
 
+While the gateway drains (SIGTERM with ``gateway.shutdown_delay_s``) every response closes its connection, so that a
+client holding a keep-alive connection opens its next one through the load balancer, to another replica.
+
 Every rejection is OpenAI-shaped JSON with ``Connection: close``. The body timeout lives in the app
 (:class:`gateway.edge.middleware.BodyLimitMiddleware`), which can still answer 408 there.
 """
@@ -32,6 +35,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from gateway.config import HttpSettings
 from gateway.core.endpoints import dialect_for_path
 from gateway.core.errors import Dialect, GatewayError
+from gateway.core.state import GatewayState
 
 HTTP_CYCLE = "gateway.http_cycle"
 """``scope["extensions"]`` key of uvicorn's request-response cycle: a stream relay writes its events to the
@@ -60,6 +64,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     """``HttpToolsProtocol`` plus the limits of ``limits`` (set on the subclass by :func:`guarded_protocol`)."""
 
     limits: HttpSettings = HttpSettings()
+    gateway: GatewayState | None = None  # whose ``draining`` makes every response close its connection
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -130,6 +135,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         cycle = getattr(self, "cycle", None)
         if cycle is not None and cycle.scope is self.scope:
             self.scope.setdefault("extensions", {})[HTTP_CYCLE] = cycle
+            if self.gateway is not None and self.gateway.draining:
+                cycle.keep_alive = False  # uvicorn answers with "connection: close" and closes after the response
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -201,6 +208,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._write_timer = None
 
 
-def guarded_protocol(limits: HttpSettings) -> type[GuardedHttpProtocol]:
-    """A protocol class for ``uvicorn.Config(http=...)`` enforcing ``limits``."""
-    return type("GatewayHttpProtocol", (GuardedHttpProtocol,), {"limits": limits})
+def guarded_protocol(limits: HttpSettings, gateway: GatewayState | None = None) -> type[GuardedHttpProtocol]:
+    """A protocol class for ``uvicorn.Config(http=...)`` enforcing ``limits``; connections close after each response
+    while ``gateway`` drains."""
+    return type("GatewayHttpProtocol", (GuardedHttpProtocol,), {"limits": limits, "gateway": gateway})

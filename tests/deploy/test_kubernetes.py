@@ -4,7 +4,11 @@ Every manifest parses; the router container's arguments go through sglang-router
 validation); the gateway's YAML (its ConfigMap) through ``sglang-gateway check``; the workers' engine section
 through this project's config and SGLang's own server-argument parser. And the pieces agree with each other: the
 router finds the worker pods by their labels and port, the gateway's model URL is the router's Service, the keys
-come from the Secret, the router may read pods (RBAC), the network policies select the right pods.
+come from the Secret, the router may read pods (RBAC), the network policies select the right pods. The gateway's
+replicas share a store (the PostgreSQL of ``postgres.yaml``, at the URL its Secret is documented with) and are
+replaced one at a time without failing a request: a rolling update that keeps every pod until its successor is
+ready, a readiness probe on ``/ready``, a drain (``shutdown_delay_s``) longer than that probe takes to notice it, a
+termination grace period that holds the drain and the in-flight requests, and a disruption budget.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
@@ -29,6 +34,7 @@ REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "deploy" / "kubernetes"
 PARSE_SGLANG_ARGV = REPO / "tests" / "launch" / "sglang_parse_argv.py"
 NAMESPACE = "llm"
+STORE_SECRET = "sglang-gateway-store"
 
 
 def _documents() -> dict[tuple[str, str], dict[str, Any]]:
@@ -98,6 +104,7 @@ def test_every_manifest_parses_and_kustomize_lists_them_all() -> None:
         "ServiceAccount",
         "Role",
         "RoleBinding",
+        "PodDisruptionBudget",
     }
 
 
@@ -140,9 +147,14 @@ def test_the_gateway_yaml_passes_check_and_points_at_the_router_service(tmp_path
         if "secretKeyRef" in env.get("valueFrom", {})
     }
     gateway = yaml.safe_load(config.read_text())["gateway"]
-    assert set(secrets) == {gateway["api_keys_env"], gateway["admin_keys_env"]}  # every key from the Secret
-    assert {ref["name"] for ref in secrets.values()} == {"sglang-gateway-keys"}
+    database_env = re.fullmatch(r"\$\{(\w+)\}", gateway["usage"]["database_url"])
+    assert database_env and gateway["replicas"]["shared"]  # the shared store's URL from the environment
+    keys = {gateway["api_keys_env"], gateway["admin_keys_env"]}
+    assert set(secrets) == keys | {database_env.group(1)}  # every key and the store's URL from a Secret
+    assert {secrets[name]["name"] for name in keys} == {"sglang-gateway-keys"}
+    assert secrets[database_env.group(1)] == {"name": STORE_SECRET, "key": "database-url"}
     env = {**os.environ, **{name: f"test-{ref['key']}" for name, ref in secrets.items()}}
+    env[database_env.group(1)] = _documented_store_url().replace("<pw>", "test-password")
     check = subprocess.run(
         [sys.executable, "-m", "gateway.cli", "check", str(config)],
         cwd=REPO,
@@ -158,6 +170,53 @@ def test_the_gateway_yaml_passes_check_and_points_at_the_router_service(tmp_path
     assert url == f"http://{service['metadata']['name']}:{http['port']}"
     probes = {container[probe]["httpGet"]["path"] for probe in ("readinessProbe", "livenessProbe")}
     assert probes == {"/ready", "/health"} and set(gateway["open_paths"]) >= probes
+
+
+def _documented_store_url() -> str:
+    """The database-url the recipe says to put in the store's Secret (kustomization.yaml's comment)."""
+    (url,) = re.findall(r"database-url=(\S+)", (RECIPE / "kustomization.yaml").read_text())
+    return url
+
+
+def _gateway_settings() -> dict[str, Any]:
+    return yaml.safe_load(DOCS[("ConfigMap", "sglang-gateway-config")]["data"]["gateway.yaml"])["gateway"]
+
+
+def test_the_gateway_replicas_are_replaced_one_at_a_time_and_drain_first() -> None:
+    deployment = DOCS[("Deployment", "sglang-gateway")]["spec"]
+    gateway, container = _gateway_settings(), _container("Deployment", "sglang-gateway")
+    assert deployment["replicas"] == gateway["replicas"]["expected"] >= 2
+    assert deployment["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
+    probe = container["readinessProbe"]
+    assert probe["httpGet"] == {"path": "/ready", "port": "http"}  # 503 while draining: the pod leaves the endpoints
+    # the drain outlasts the probe's verdict (period x failures), and the grace period holds drain and requests
+    noticed_s = probe.get("periodSeconds", 10) * probe.get("failureThreshold", 3)
+    assert gateway["shutdown_delay_s"] > noticed_s, (gateway["shutdown_delay_s"], noticed_s)
+    pod = deployment["template"]["spec"]
+    pre_stop_s = container.get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
+    assert pod["terminationGracePeriodSeconds"] > pre_stop_s + gateway["shutdown_delay_s"] + gateway["shutdown_grace_s"]
+    budget = DOCS[("PodDisruptionBudget", "sglang-gateway")]["spec"]
+    assert budget["minAvailable"] == 1 < deployment["replicas"]
+    assert budget["selector"]["matchLabels"].items() <= _pod_labels("Deployment", "sglang-gateway").items()
+
+
+def test_the_shared_store_is_the_postgres_the_secret_names() -> None:
+    url = urlsplit(_documented_store_url())
+    service = DOCS[("Service", "sglang-gateway-postgres")]
+    statefulset = DOCS[("StatefulSet", "sglang-gateway-postgres")]["spec"]
+    (port,) = service["spec"]["ports"]
+    assert (url.scheme, url.hostname, url.port) == ("postgresql", service["metadata"]["name"], port["port"])
+    assert service["spec"]["selector"].items() <= _pod_labels("StatefulSet", "sglang-gateway-postgres").items()
+    assert statefulset["serviceName"] == service["metadata"]["name"]
+    container = _container("StatefulSet", "sglang-gateway-postgres")
+    env = {item["name"]: item for item in container["env"]}
+    assert (url.username, url.path.lstrip("/")) == (env["POSTGRES_USER"]["value"], env["POSTGRES_DB"]["value"])
+    assert env["POSTGRES_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": STORE_SECRET, "key": "password"}
+    (container_port,) = container["ports"]
+    assert port["targetPort"] == container_port["name"] and container_port["containerPort"] == 5432
+    mounts = {mount["name"]: mount["mountPath"] for mount in container["volumeMounts"]}
+    (claim,) = statefulset["volumeClaimTemplates"]
+    assert env["PGDATA"]["value"].startswith(mounts[claim["metadata"]["name"]] + "/")  # on the volume, below its root
 
 
 def test_the_workers_engine_section_passes_sglangs_parser(tmp_path: Path) -> None:
@@ -198,6 +257,7 @@ def test_network_policies_admit_the_router_to_workers_and_the_gateway_to_the_rou
     for policy, target, source in (
         ("sglang-worker-from-router", ("StatefulSet", "sglang-worker"), ("Deployment", "sglang-router")),
         ("sglang-router-from-gateway", ("Deployment", "sglang-router"), ("Deployment", "sglang-gateway")),
+        ("sglang-gateway-postgres-from-gateway", ("StatefulSet", "sglang-gateway-postgres"), ("Deployment", "sglang-gateway")),
     ):
         spec = DOCS[("NetworkPolicy", policy)]["spec"]
         assert spec["podSelector"]["matchLabels"].items() <= _pod_labels(*target).items(), policy
