@@ -4,6 +4,8 @@ OpenAI API, seen in Anthropic's shapes; bad requests refused whole in Anthropic'
 
 from __future__ import annotations
 
+import contextlib
+import io
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +16,7 @@ import openai
 import pytest
 
 from tests.batches.helpers import chat_lines, upload
+from tests.docs.readme_blocks import marked_blocks
 from tests.fake_engine import REFUSE, running_fake_engine
 from tests.gateway_server import GatewayServer, serve
 from tests.waiting import wait_until
@@ -182,3 +185,14 @@ def test_cancel_starts_no_new_request_and_the_rest_read_canceled(gateway: Gatewa
     with pytest.raises(anthropic.ConflictError):
         client.messages.batches.cancel(batch.id)
     assert client.messages.batches.delete(batch.id).id == batch.id
+
+
+def test_the_documented_example_runs(gateway: GatewayServer) -> None:
+    """docs/batches.md's ``anthropic`` example, run as it is against this gateway: it prints each request's answer."""
+    (block,) = marked_blocks("message-batches")
+    code = block.code.replace('"http://127.0.0.1:8000"', repr(gateway.url)).replace('"sk-..."', repr(ALPHA))
+    assert code != block.code
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(code, str(block.page), "exec"), {})  # noqa: S102 - the documentation's own example
+    assert printed.getvalue().splitlines() == ["review-0 " + "tok " * 64, "review-1 " + "tok " * 64]
