@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 
+from gateway.core.endpoints import route_label
 from tests.batches.helpers import chat_lines, upload
 from tests.docs.readme_blocks import marked_blocks
 from tests.fake_engine import REFUSE, running_fake_engine
@@ -196,3 +197,10 @@ def test_the_documented_example_runs(gateway: GatewayServer) -> None:
     with contextlib.redirect_stdout(printed):
         exec(compile(code, str(block.page), "exec"), {})  # noqa: S102 - the documentation's own example
     assert printed.getvalue().splitlines() == ["review-0 " + "tok " * 64, "review-1 " + "tok " * 64]
+
+
+def test_metrics_fold_message_batch_ids() -> None:
+    assert route_label("/v1/messages/batches/msgbatch_1") == "/v1/messages/batches/{message_batch_id}"
+    assert route_label("/v1/messages/batches/msgbatch_1/results") == "/v1/messages/batches/{message_batch_id}/results"
+    assert route_label("/v1/messages/batches/msgbatch_1/cancel") == "/v1/messages/batches/{message_batch_id}/cancel"
+    assert route_label("/v1/messages/batches/msgbatch_1/anything/else") == "other"
