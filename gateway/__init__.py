@@ -13,9 +13,11 @@ import none of each other). Every module is named under its folder (a test check
 ``mlflow/``          a logged MLflow model: ``serve --model-uri`` (``model_uri``), ``POST /invocations``
                      (``invocations``, streaming included)
 
-``batches/`` (OpenAI's Files and Batches API, run by the gateway at low priority; docs/batches.md)
+``batches/`` (OpenAI's Files and Batches API, and Anthropic's Message Batches, run by the gateway at low priority; docs/batches.md)
   ``api``            the routes of the table's ``BATCH_ROUTES``; ``shapes`` the wire objects; ``validate`` every line
                      through a live request's guard before a batch exists
+  ``anthropic``      Anthropic's Message Batches (``/v1/messages/batches``): a create written as an input file of
+                     ``/v1/messages`` lines, the batch object, list and results as views of the same batch and lines
   ``files``          the files' bytes (one small interface: state_dir, or the database for shared replicas); ``store``
                      files, batches, lines in the ledger's database, and each batch's lease (one replica runs it)
   ``runner``         the queued lines, bounded and retried, resumed at start, of the batches it holds the lease of;

@@ -26,7 +26,7 @@ from gateway.control.swap import SwapExecutor
 from gateway.control.usage_routes import usage_routes
 from gateway.control.worker_link import WorkerLink, admin_forwarder
 from gateway.control.workers import WorkerPlan
-from gateway.core.endpoints import FILES, INVOCATIONS, PROXIED_BY_PATH, ProxiedRoute, dialect_for_path
+from gateway.core.endpoints import FILES, INVOCATIONS, MESSAGE_BATCHES, PROXIED_BY_PATH, ProxiedRoute, dialect_for_path
 from gateway.core.errors import GatewayError, error_response, shaped_for
 from gateway.core.metrics import Metrics
 from gateway.core.registry import Registry
@@ -145,7 +145,8 @@ def _middleware_chain(app: GatewayAPI, parts: AppParts, quotas: Quotas) -> Any:
             BodyLimitMiddleware,
             {
                 "max_bytes": settings.max_body_bytes, "timeout_s": settings.http.body_timeout_s, "deadline_s": settings.http.body_deadline_s,
-                "larger": {FILES: settings.batches.max_file_bytes + 1024 * 1024},  # the multipart framing of an upload
+                # the multipart framing of an upload; a Message Batch's requests come in its create's body
+                "larger": {FILES: settings.batches.max_file_bytes + 1024 * 1024, MESSAGE_BATCHES: settings.batches.max_file_bytes},
             },  # fmt: skip
         ),
         (QuotaMiddleware, {"quotas": quotas}),

@@ -243,8 +243,8 @@ class UsageSettings(_Strict):
 class BatchSettings(_Strict):
     """The batch API (``/v1/files``, ``/v1/batches``): jobs of many requests run in the engines' idle time."""
 
-    enabled: bool = Field(True, description="Serve /v1/files and /v1/batches and run the batches (needs a state_dir or usage.database_url).")
-    max_file_bytes: int = Field(100 * 1024 * 1024, ge=1024, description="Largest uploaded file (413 beyond; raises max_body_bytes for POST /v1/files).")
+    enabled: bool = Field(True, description="Serve /v1/files, /v1/batches and /v1/messages/batches and run the batches (needs a state_dir or usage.database_url).")
+    max_file_bytes: int = Field(100 * 1024 * 1024, ge=1024, description="Largest uploaded file, and body of a Message Batch create (413 beyond; raises max_body_bytes for POST /v1/files and /v1/messages/batches).")
     max_lines: int = Field(50_000, ge=1, description="Requests in one batch input file (400 beyond).")
     max_line_bytes: int = Field(1024 * 1024, ge=256, description="Bytes of one line of an input file (400 beyond).")
     max_concurrency: int = Field(

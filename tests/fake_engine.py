@@ -23,6 +23,10 @@ What it does, SGLang's way (what the gateway relies on, nothing more):
   SGLang's do (a path containing ``broken`` fails to load; each call is noted in ``FAKE_ENGINE_CALLS``,
   ``load <name>`` / ``unload <name>``);
 - with ``FAKE_ENGINE_ANSWERS`` set: each plain chat answer's last message content appended to that file as it is sent;
+- ``POST /v1/messages`` (Anthropic's Messages, not streamed): ``max_tokens`` pieces ``"tok "`` as one text block, after
+  ``FAKE_ENGINE_TOKEN_S`` each, with ``usage`` (``input_tokens`` 5, ``output_tokens``), ``fake_priority`` as for chat,
+  its last message's content noted in ``FAKE_ENGINE_ANSWERS``; a last message whose content is :data:`REFUSE`
+  answers 400 as SGLang refuses a request;
 - ``POST /v1/responses`` (not streamed), ``GET /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel`` (marks it
   ``cancelled``): responses stored in memory;
 - a chat message whose content is :data:`CRASH`: it logs a traceback and exits 70 while the request is in
@@ -60,6 +64,7 @@ from typing import Any
 TOKEN = "tok "
 CRASH = "FAKE_ENGINE_CRASH"  # a chat message with this content makes the fake die under the request (a poison request)
 FREEZE = "FAKE_ENGINE_FREEZE"  # ... makes it freeze under the request: its event loop blocked, /health unanswered
+REFUSE = "FAKE_ENGINE_REFUSE"  # a Messages request whose last message says this is refused (400)
 TOKEN_S = float(os.environ.get("FAKE_ENGINE_TOKEN_S", "0.01"))  # time per generated piece
 START_S = float(os.environ.get("FAKE_ENGINE_START_S", "0"))  # how long it takes to listen
 CALLS = os.environ.get("FAKE_ENGINE_CALLS")  # a file the memory calls and chat requests are appended to
@@ -226,6 +231,28 @@ def build_app(
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
+    async def messages(request: Request) -> Response:
+        if (no := refused(request)) is not None:
+            return no
+        body = await request.json()
+        last = (body.get("messages") or [{}])[-1].get("content")
+        if last == REFUSE:
+            return JSONResponse({"object": "error", "message": "refused (FAKE)", "type": "BadRequestError", "param": None, "code": 400}, 400)
+        tokens = int(body.get("max_tokens") or 16)
+        running[0] += 1
+        try:
+            await asyncio.sleep(TOKEN_S * tokens)
+        finally:
+            running[0] -= 1
+        if ANSWERS:
+            with open(ANSWERS, "a") as answers:
+                answers.write(str(last) + "\n")
+        return JSONResponse({
+            "id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": model,
+            "content": [{"type": "text", "text": TOKEN * tokens}], "stop_reason": "max_tokens", "stop_sequence": None,
+            "usage": {"input_tokens": 5, "output_tokens": tokens}, "fake_priority": body.get("priority"),
+        })  # fmt: skip
+
     def memory(release: bool) -> Any:
         async def call(request: Request) -> Response:
             if (no := refused(request)) is not None:
@@ -303,6 +330,7 @@ def build_app(
             Route("/v1/models", models),
             Route("/get_server_info", server_info),
             Route("/v1/chat/completions", chat, methods=["POST"]),
+            Route("/v1/messages", messages, methods=["POST"]),
             Route("/v1/responses", create_response, methods=["POST"]),
             Route("/v1/responses/{rid}", get_response),
             Route("/v1/responses/{rid}/cancel", cancel_response, methods=["POST"]),

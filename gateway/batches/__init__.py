@@ -1,6 +1,8 @@
-"""The batch API: OpenAI's Files and Batches on the engines the gateway supervises (docs/batches.md).
+"""The batch API: OpenAI's Files and Batches, and Anthropic's Message Batches, on the engines the gateway supervises
+(docs/batches.md).
 
 ``api``       the routes of :data:`gateway.core.endpoints.BATCH_ROUTES` (files, batches, cancel, /admin/batches)
+``anthropic`` Anthropic's Message Batches: the same batches, created from a JSON body and read in Anthropic's shapes
 ``shapes``    the wire objects (a file, a batch, an output line), pydantic
 ``files``     where files' bytes are kept (the state directory; one small interface)
 ``store``     files, batches and their lines in the usage ledger's database (SQLite or PostgreSQL)

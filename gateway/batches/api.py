@@ -1,5 +1,6 @@
 """The routes of :data:`gateway.core.endpoints.BATCH_ROUTES`: files and batches as the ``openai`` SDK calls them.
 
+Anthropic's Message Batches (:mod:`gateway.batches.anthropic`) are served by the same router, from the same table.
 Everything belongs to the key that created it (``request_owner``): another key's id answers the same 404 as an id
 that does not exist. Errors are the gateway's OpenAI-shaped ones (:class:`GatewayError`). The router is made from the
 route table (one handler per (method, path), checked both ways), so docs, metrics labels and OpenAPI agree.
@@ -20,10 +21,10 @@ from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 from starlette.responses import Response, StreamingResponse
 
+from gateway.batches.anthropic import MESSAGE_HANDLERS
 from gateway.batches.files import CHUNK
-from gateway.batches.service import Batches
-from gateway.batches.shapes import ACTIVE, TERMINAL, WINDOW_S, BatchCreate, page
-from gateway.batches.store import BatchStore
+from gateway.batches.service import opened as _batches
+from gateway.batches.shapes import ACTIVE, ENDPOINTS, TERMINAL, WINDOW_S, BatchCreate, page
 from gateway.batches.validate import checked_lines
 from gateway.core.endpoints import (
     ADMIN_BATCHES,
@@ -40,19 +41,6 @@ from gateway.edge.auth import request_owner
 from gateway.tenants.keys import TENANT_SCOPE_KEY, Tenant
 
 MAX_PAGE = 100
-
-
-async def _batches(request: Request) -> tuple[Batches, BatchStore]:
-    """The app's batch API and its database (opened at its first use: 503 while it cannot be)."""
-    batches: Batches | None = getattr(request.app.state, "batches", None)
-    if batches is None:
-        raise GatewayError(404, "the batch API is off here (gateway.batches.enabled, and a state_dir for the files)", code="batches_off")
-    try:
-        store = await batches.store_now(create=True)
-    except Exception as error:  # noqa: BLE001 - the database down: said, never a 500 with a trace
-        raise GatewayError(503, f"the batch database cannot be reached ({type(error).__name__}); try again later", code="batches_unavailable") from error
-    assert store is not None
-    return batches, store
 
 
 def _json(data: Any, status: int = 200) -> Response:
@@ -178,7 +166,7 @@ async def _owned(request: Request, kind: Literal["file", "batch"], object_id: st
     """The caller's file or batch ``object_id``; another key's answers the 404 of an absent id (never confirmed)."""
     _, store = await _batches(request)
     found = await _db(store.file if kind == "file" else store.batch, object_id, request_owner(request.scope))
-    if found is None:
+    if found is None or (kind == "batch" and found.endpoint not in ENDPOINTS):  # a Message Batch: Anthropic's API only
         raise GatewayError(404, f"No such {kind.title()} object: {object_id}", code=f"{kind}_not_found", param=f"{kind}_id")
     return found
 
@@ -189,7 +177,7 @@ async def get_batch(batch_id: str, request: Request) -> Response:
 
 async def list_batches(request: Request) -> Response:
     _, store = await _batches(request)
-    items, more = await _db(store.batches, request_owner(request.scope), request.query_params.get("after"), _limit(request))
+    items, more = await _db(store.batches, request_owner(request.scope), request.query_params.get("after"), _limit(request), ENDPOINTS)
     return _json(page([item.model_dump() for item in items], more))
 
 
@@ -224,6 +212,7 @@ HANDLERS: dict[tuple[str, str], Callable[..., Any]] = {
     ("GET", BATCH_BY_ID): get_batch,
     ("POST", BATCH_CANCEL): cancel_batch,
     ("GET", ADMIN_BATCHES): admin_batches,
+    **MESSAGE_HANDLERS,
 }
 
 

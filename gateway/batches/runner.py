@@ -44,6 +44,7 @@ from gateway.batches.store import BatchStore, LineEnd
 from gateway.batches.yielding import Yielding
 from gateway.config import BatchSettings
 from gateway.core.context import usage_counts
+from gateway.core.endpoints import MESSAGES
 from gateway.core.metrics import Metrics
 
 T = TypeVar("T")
@@ -271,6 +272,8 @@ class BatchRunner:
             logger.info("batches: batch {} {}", batch.id, final)
 
     async def _write_results(self, batch: BatchObject) -> tuple[str | None, str | None]:
+        if batch.endpoint == MESSAGES:
+            return None, None  # a Message Batch's results are read from its lines (gateway.batches.anthropic)
         lines = await self._db(self.store.ended_lines, batch.id)
         whose = await self._db(self.store.owner_of, batch.id)
         assert whose is not None

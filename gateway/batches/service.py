@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+from fastapi import Request
 from loguru import logger
 from sqlalchemy import Engine
 from sqlalchemy.engine import make_url
@@ -25,6 +26,7 @@ from gateway.batches.files import DatabaseFiles, FileStorage, LocalFiles
 from gateway.batches.runner import BatchRunner
 from gateway.batches.store import BatchStore
 from gateway.config import GatewaySettings
+from gateway.core.errors import GatewayError
 from gateway.core.metrics import Metrics
 from gateway.core.shared_store import replica_name
 from gateway.core.state import GatewayState
@@ -94,3 +96,17 @@ def batches_for(state: GatewayState) -> Batches | None:
     if not settings.batches.enabled or url is None or (settings.state_dir is None and not shared):
         return None
     return Batches(state, url, Path(settings.state_dir) / FILES_DIR if settings.state_dir is not None else None)
+
+
+async def opened(request: Request) -> tuple[Batches, BatchStore]:
+    """The app's batch API and its database, for a request of the batch API (the database opened at its first use:
+    503 while it cannot be; 404 ``batches_off`` where the API is off)."""
+    batches: Batches | None = getattr(request.app.state, "batches", None)
+    if batches is None:
+        raise GatewayError(404, "the batch API is off here (gateway.batches.enabled, and a state_dir for the files)", code="batches_off")
+    try:
+        store = await batches.store_now(create=True)
+    except Exception as error:  # noqa: BLE001 - the database down: said, never a 500 with a trace
+        raise GatewayError(503, f"the batch database cannot be reached ({type(error).__name__}); try again later", code="batches_unavailable") from error
+    assert store is not None
+    return batches, store

@@ -122,12 +122,24 @@ class BatchStore:
             row = conn.execute(select(batches.c.owner, batches.c.key_name).where(batches.c.id == batch_id)).first()
         return (row[0], row[1]) if row is not None else None
 
-    def batches(self, owner: str | None, after: str | None, limit: int) -> tuple[list[BatchObject], bool]:
+    def batches(
+        self, owner: str | None, after: str | None, limit: int, endpoints: Iterable[str] | None = None, before: str | None = None
+    ) -> tuple[list[BatchObject], bool]:
+        """``owner``'s batches (of ``endpoints`` only, if given), newest first: those after the id ``after``, or the
+        ``limit`` just before the id ``before``; and whether more lie beyond them."""
         query = select(batches)
         if owner is not None:
             query = query.where(batches.c.owner == owner)
-        rows = self._page(query, batches, after, limit)
-        return [_batch(row) for row in rows[:limit]], len(rows) > limit
+        if endpoints is not None:
+            query = query.where(batches.c.endpoint.in_(tuple(endpoints)))
+        rows = self._page(query, batches, after, limit, before)
+        return [_batch(row) for row in rows[:limit]] if before is None else [_batch(row) for row in rows[-limit:]], len(rows) > limit
+
+    def delete_batch(self, batch_id: str) -> None:
+        """A batch and its lines (its files are the caller's to delete)."""
+        with self.engine.begin() as conn:
+            conn.execute(delete(batch_lines).where(batch_lines.c.batch_id == batch_id))
+            conn.execute(delete(batches).where(batches.c.id == batch_id))
 
     def every_batch(self, after: str | None, limit: int) -> tuple[list[tuple[BatchObject, dict[str, Any]]], bool]:
         """Every key's batches, each with who owns it and runs it (``key``, ``leased_by``): the admin's list, one query."""
@@ -218,14 +230,24 @@ class BatchStore:
         with self.engine.begin() as conn:
             return conn.execute(update(batch_lines).where(where).values(state=state, result=json.dumps(error))).rowcount
 
-    def ended_lines(self, batch_id: str) -> list[dict[str, Any]]:
-        """Every line that ended, in input order, with its answer."""
-        query = select(batch_lines).where(batch_lines.c.batch_id == batch_id, batch_lines.c.state != "queued").order_by(batch_lines.c.line)
+    def ended_lines(self, batch_id: str, after_line: int = -1, limit: int | None = None) -> list[dict[str, Any]]:
+        """Every line that ended (or the first ``limit`` after the line ``after_line``), in input order, with its answer."""
+        where = and_(batch_lines.c.batch_id == batch_id, batch_lines.c.state != "queued", batch_lines.c.line > after_line)
+        query = select(batch_lines).where(where).order_by(batch_lines.c.line).limit(limit)
         with self.engine.begin() as conn:
             return [dict(row) for row in conn.execute(query).mappings()]
 
-    def _page(self, query: Any, table: Any, after: str | None, limit: int) -> list[Any]:
-        """Newest first, ``limit`` + 1 rows (the extra one says ``has_more``), starting after the id ``after``."""
+    def _page(self, query: Any, table: Any, after: str | None, limit: int, before: str | None = None) -> list[Any]:
+        """Newest first, ``limit`` + 1 rows (the extra one says ``has_more``), starting after the id ``after``; with
+        ``before``, the ``limit`` + 1 rows just newer than that id (the extra one, the first, saying more are newer)."""
+        if before is not None:
+            with self.engine.begin() as conn:
+                cursor = conn.execute(select(table.c.created_at).where(table.c.id == before)).scalar()
+            if cursor is not None:
+                query = query.where(or_(table.c.created_at > cursor, and_(table.c.created_at == cursor, table.c.id > before)))
+            query = query.order_by(table.c.created_at.asc(), table.c.id.asc()).limit(limit + 1)
+            with self.engine.begin() as conn:
+                return list(reversed(list(conn.execute(query).mappings())))
         if after is not None:
             with self.engine.begin() as conn:
                 cursor = conn.execute(select(table.c.created_at).where(table.c.id == after)).scalar()

@@ -108,6 +108,11 @@ BATCHES = "/v1/batches"
 BATCH_BY_ID = "/v1/batches/{batch_id}"
 BATCH_CANCEL = "/v1/batches/{batch_id}/cancel"
 ADMIN_BATCHES = "/admin/batches"
+# Anthropic's Message Batches, a dialect over the same batches (gateway.batches.anthropic)
+MESSAGE_BATCHES = "/v1/messages/batches"
+MESSAGE_BATCH_BY_ID = "/v1/messages/batches/{message_batch_id}"
+MESSAGE_BATCH_CANCEL = "/v1/messages/batches/{message_batch_id}/cancel"
+MESSAGE_BATCH_RESULTS = "/v1/messages/batches/{message_batch_id}/results"
 BATCH_ROUTES: tuple[tuple[str, str, str], ...] = (
     ("POST", FILES, "Upload a batch input file (multipart, purpose=batch, JSONL)"),
     ("GET", FILES, "The caller's files"),
@@ -119,6 +124,12 @@ BATCH_ROUTES: tuple[tuple[str, str, str], ...] = (
     ("GET", BATCH_BY_ID, "One batch, with its request counts"),
     ("POST", BATCH_CANCEL, "Cancel a batch: no new line starts"),
     ("GET", ADMIN_BATCHES, "Every key's batches (admin key)"),
+    ("POST", MESSAGE_BATCHES, "Create a Message Batch (Anthropic): its requests checked first"),
+    ("GET", MESSAGE_BATCHES, "The caller's Message Batches, newest first (before_id, after_id, limit)"),
+    ("GET", MESSAGE_BATCH_BY_ID, "One Message Batch, with its request counts"),
+    ("DELETE", MESSAGE_BATCH_BY_ID, "Delete an ended Message Batch and its results"),
+    ("POST", MESSAGE_BATCH_CANCEL, "Cancel a Message Batch: no new request starts"),
+    ("GET", MESSAGE_BATCH_RESULTS, "An ended Message Batch's results (JSONL, in request order)"),
 )
 
 # Served by the gateway itself: (method, path, summary), for docs/serving.md and the metrics labels.
@@ -170,6 +181,8 @@ def route_label(path: str) -> str:
         return "/v1/models/{model}"
     if path.startswith(("/v1/files/", "/v1/batches/")):  # ids folded
         return _batch_label(path)
+    if path.startswith(MESSAGE_BATCHES + "/"):
+        return _message_batch_label(path)
     if path.startswith(ADMIN_PREFIX):
         return "/admin"  # one label for the admin API (its paths carry model names)
     if path.startswith(UI_PREFIX):
@@ -186,6 +199,15 @@ def _batch_label(path: str) -> str:
         return FILE_BY_ID if parts[1] == "files" else BATCH_BY_ID
     if len(parts) == 4 and (parts[1], parts[3]) in (("files", "content"), ("batches", "cancel")):
         return FILE_CONTENT if parts[1] == "files" else BATCH_CANCEL
+    return "other"
+
+
+def _message_batch_label(path: str) -> str:
+    parts = path.strip("/").split("/")  # v1, messages, batches, id[, cancel|results]
+    if len(parts) == 4:
+        return MESSAGE_BATCH_BY_ID
+    if len(parts) == 5 and parts[4] in ("cancel", "results"):
+        return MESSAGE_BATCH_CANCEL if parts[4] == "cancel" else MESSAGE_BATCH_RESULTS
     return "other"
 
 

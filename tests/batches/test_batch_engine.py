@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -63,3 +64,29 @@ def test_json_schema_lines_against_the_real_engine(tiny_engine: Any, tmp_path: P
             return row["prompt_tokens"], row["completion_tokens"]
 
         wait_until(lambda: ledger() == (prompt, completion), lambda: f"the ledger holds {ledger()}, the output lines {(prompt, completion)}", 20, 0.05)
+
+
+def test_a_message_batch_against_the_real_engine(tiny_engine: Any, tmp_path: Path) -> None:
+    """Anthropic's Message Batches on the real engine's /v1/messages: every request succeeds with a Message, in request
+    order, and the key's ledger holds exactly the tokens their usage reports."""
+    gateway = {"keys": [{"name": "reviews", "key": KEY}], "admin_keys": [ADMIN], "state_dir": str(tmp_path), "usage": {"flush_interval_s": 0.05}}
+    with serve({"tiny": {"url": tiny_engine.url}}, gateway) as server:
+        client = anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0, timeout=60)
+        requests = [{"custom_id": f"m-{i}", "params": {"model": "tiny", "max_tokens": 8, "temperature": 0,
+                     "messages": [{"role": "user", "content": f"Review {i}: fine."}]}} for i in range(3)]  # fmt: skip
+        batch = client.messages.batches.create(requests=requests)  # type: ignore[arg-type]
+        wait_until(lambda: client.messages.batches.retrieve(batch.id).processing_status == "ended", "the message batch ended", 300)
+        assert client.messages.batches.retrieve(batch.id).request_counts.succeeded == 3
+        results = list(client.messages.batches.results(batch.id))
+        assert [line.custom_id for line in results] == ["m-0", "m-1", "m-2"]
+        messages = [line.result.message for line in results if line.result.type == "succeeded"]
+        assert len(messages) == 3 and all(message.type == "message" and message.content for message in messages), results
+        tokens = (sum(m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0) + (m.usage.cache_creation_input_tokens or 0) for m in messages),
+                  sum(m.usage.output_tokens for m in messages))  # fmt: skip
+
+        def ledger() -> tuple[int, int]:
+            usage = httpx.get(server.url + "/admin/usage", params={"key": "reviews"}, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30).json()
+            row = usage["rows"][0] if usage.get("rows") else {"prompt_tokens": 0, "completion_tokens": 0}
+            return row["prompt_tokens"], row["completion_tokens"]
+
+        wait_until(lambda: ledger() == tokens, lambda: f"the ledger holds {ledger()}, the results {tokens}", 20, 0.05)

@@ -1,0 +1,257 @@
+"""Anthropic's Message Batches API (``/v1/messages/batches``), a dialect over the same batches, store and runner.
+
+A create checks each request's ``params`` with the guard of a live Messages request (the first bad one answers 400
+naming its index and custom_id; nothing is created), writes the requests as an input file of lines for the
+``/v1/messages`` route and records a batch of that endpoint, id ``msgbatch_<hex>``, under the same per-key limits;
+the runner runs it as any batch (each request a ``/v1/messages`` request of its key, at the batch class). The Message
+Batch object, the list and the results are views of that batch and its lines: no result file is written, the results
+are read from the lines in request order. Errors are in Anthropic's dialect, as on every ``/v1/messages`` path.
+A Message Batch is Anthropic's API's only: the OpenAI batch routes answer 404 for it and do not list it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+from fastapi import Request
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.responses import Response, StreamingResponse
+
+from gateway.batches.service import opened
+from gateway.batches.shapes import ACTIVE, TERMINAL, WINDOW_S, BatchObject
+from gateway.config import BatchSettings
+from gateway.core.endpoints import (
+    MESSAGE_BATCH_BY_ID,
+    MESSAGE_BATCH_CANCEL,
+    MESSAGE_BATCH_RESULTS,
+    MESSAGE_BATCHES,
+    MESSAGES,
+    PROXIED_BY_PATH,
+)
+from gateway.core.errors import Dialect, GatewayError
+from gateway.core.state import GatewayState
+from gateway.data.routes import guard_request
+from gateway.edge.auth import request_owner
+from gateway.tenants.keys import TENANT_SCOPE_KEY, Tenant
+
+PREFIX = "msgbatch_"
+MAX_PAGE = 1000  # Anthropic's list limit
+RESULTS_PAGE = 500  # lines read from the database at a time while the results stream
+
+
+class MessageBatchRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    custom_id: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    params: dict[str, Any]
+
+
+class MessageBatchCreate(BaseModel):
+    """``POST /v1/messages/batches``'s body."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    requests: list[MessageBatchRequest] = Field(min_length=1)
+
+
+def _json(data: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(data), status_code=status, media_type="application/json")
+
+
+def _time(stamp: int | None) -> str | None:
+    """RFC 3339, UTC, of unix seconds."""
+    return datetime.fromtimestamp(stamp, UTC).isoformat().replace("+00:00", "Z") if stamp is not None else None
+
+
+def message_batch(batch: BatchObject) -> dict[str, Any]:
+    """The Message Batch object of ``batch``: its counts from the batch's (lines not answered by its end were
+    canceled or expired, as the batch ended), its times in RFC 3339."""
+    counts = batch.request_counts
+    left = counts.total - counts.completed - counts.failed  # lines not answered (yet)
+    ended = batch.status in TERMINAL
+    status = "ended" if ended else "canceling" if batch.status == "cancelling" else "in_progress"
+    canceled = left if batch.status == "cancelled" else 0
+    expired = left if batch.status == "expired" else 0
+    errored = counts.failed + (left if ended and not canceled and not expired else 0)  # every request counted once
+    return {
+        "id": batch.id, "type": "message_batch", "processing_status": status,
+        "request_counts": {"processing": 0 if ended else left, "succeeded": counts.completed, "errored": errored, "canceled": canceled, "expired": expired},
+        "created_at": _time(batch.created_at), "expires_at": _time(batch.expires_at),
+        "ended_at": _time(batch.completed_at or batch.cancelled_at or batch.expired_at or batch.failed_at),
+        "cancel_initiated_at": _time(batch.cancelling_at), "archived_at": None,
+        "results_url": MESSAGE_BATCH_RESULTS.format(message_batch_id=batch.id) if ended else None,  # relative: the client's base URL
+    }  # fmt: skip
+
+
+def result_line(line: dict[str, Any]) -> dict[str, Any]:
+    """One line of the results: the request's Message, its error (Anthropic's error object), or canceled / expired."""
+    result = json.loads(line["result"]) if line.get("result") else None
+    if line["state"] in ("cancelled", "expired"):
+        return {"custom_id": line["custom_id"], "result": {"type": "canceled" if line["state"] == "cancelled" else "expired"}}
+    if line["state"] == "done" and line["status_code"] == 200:
+        return {"custom_id": line["custom_id"], "result": {"type": "succeeded", "message": result}}
+    return {"custom_id": line["custom_id"], "result": {"type": "errored", "error": _error(line, result)}}
+
+
+def _error(line: dict[str, Any], result: Any) -> dict[str, Any]:
+    """The answer's error as Anthropic's error response (the gateway answers /v1/messages in that dialect already;
+    an answer in another shape, or none, is told in it)."""
+    if isinstance(result, dict) and result.get("type") == "error" and isinstance(result.get("error"), dict):
+        body = dict(result)
+    else:
+        inner = result.get("error") if isinstance(result, dict) and isinstance(result.get("error"), dict) else result
+        message = inner.get("message") if isinstance(inner, dict) else None
+        body = GatewayError(line["status_code"] or 500, str(message or f"the request failed ({line['state']})")).body(Dialect.ANTHROPIC)
+    body["request_id"] = line["request_id"]
+    return body
+
+
+def checked_requests(state: GatewayState, asked: MessageBatchCreate, tenant: Tenant | None, limits: BatchSettings) -> tuple[bytes, list[str]]:
+    """(the input file, the custom_ids) of ``asked`` once every request passed a live Messages request's guard; else
+    GatewayError(400) naming the first bad one by its index and custom_id."""
+    if len(asked.requests) > limits.max_lines:
+        raise GatewayError(400, f"{len(asked.requests)} requests, more than {limits.max_lines} (gateway.batches.max_lines)", code="too_many_lines")
+    route = PROXIED_BY_PATH[MESSAGES]
+    lines: list[bytes] = []
+    seen: set[str] = set()
+    for index, item in enumerate(asked.requests):
+        if item.custom_id in seen:
+            raise _bad(index, item.custom_id, "custom_id is not unique in the batch", "duplicate_custom_id")
+        if item.params.get("stream"):
+            raise _bad(index, item.custom_id, "a batch request cannot stream (stream: true)", "invalid_request")
+        line = orjson.dumps({"custom_id": item.custom_id, "method": "POST", "url": MESSAGES, "body": item.params})
+        if len(line) > limits.max_line_bytes:
+            raise _bad(index, item.custom_id, f"{len(line)} bytes, more than {limits.max_line_bytes} (gateway.batches.max_line_bytes)", "line_too_large")
+        try:
+            guard_request(state, route, orjson.dumps(item.params), tenant)
+        except GatewayError as error:
+            raise _bad(index, item.custom_id, error.message, error.code, error.param) from None
+        seen.add(item.custom_id)
+        lines.append(line)
+    return b"".join(line + b"\n" for line in lines), [item.custom_id for item in asked.requests]
+
+
+def _bad(index: int, custom_id: str, message: str, code: str, param: str | None = None) -> GatewayError:
+    field = f" [{param}]" if param else ""
+    return GatewayError(400, f"requests[{index}] (custom_id {custom_id!r}){field}: {message}", code=code, param=f"requests[{index}]")
+
+
+async def _owned(request: Request, message_batch_id: str) -> BatchObject:
+    """The caller's Message Batch; another key's, or an OpenAI batch, answers the 404 of an absent id."""
+    _, store = await opened(request)
+    found = await asyncio.to_thread(store.batch, message_batch_id, request_owner(request.scope))
+    if found is None or found.endpoint != MESSAGES:
+        raise GatewayError(404, f"No such Message Batch: {message_batch_id}", code="batch_not_found")
+    return found
+
+
+async def create_message_batch(request: Request) -> Response:
+    batches, store = await opened(request)
+    try:
+        asked = MessageBatchCreate.model_validate_json(await request.body())
+    except ValidationError as error:
+        problem = error.errors()[0]
+        where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in problem["loc"]).lstrip(".") or "body"
+        raise GatewayError(400, f"{where}: {problem['msg']}", param=where) from None
+    owner = request_owner(request.scope)
+    tenant: Tenant | None = request.scope.get(TENANT_SCOPE_KEY)
+    limits = batches.settings
+    active, queued = await asyncio.to_thread(store.load, owner)
+    if active >= limits.max_active_batches_per_key:
+        raise GatewayError(429, f"this key has {active} batches in progress (gateway.batches.max_active_batches_per_key)", code="batch_limit_exceeded")
+    data, custom_ids = await asyncio.to_thread(checked_requests, request.app.state.gateway, asked, tenant, limits)
+    if queued + len(custom_ids) > limits.max_queued_lines_per_key:
+        raise GatewayError(
+            429, f"this key has {queued} requests queued; {len(custom_ids)} more exceed gateway.batches.max_queued_lines_per_key "
+            f"({limits.max_queued_lines_per_key})", code="batch_limit_exceeded",
+        )  # fmt: skip
+    batch_id = PREFIX + secrets.token_hex(12)
+    file_id = f"file-{batch_id}-input"  # the requests as lines: storage only, no file of the Files API
+    await asyncio.to_thread(batches.files.write, file_id, data)
+    now = int(time.time())
+    row = {
+        "id": batch_id, "owner": owner, "key_name": tenant.name if tenant is not None else None, "endpoint": MESSAGES,
+        "input_file_id": file_id, "completion_window": "24h", "status": "validating", "created_at": now, "expires_at": now + WINDOW_S["24h"],
+    }  # fmt: skip
+    try:
+        created = await asyncio.to_thread(store.create_batch, row, custom_ids)
+    except BaseException:
+        await asyncio.to_thread(batches.files.delete, file_id)
+        raise
+    if batches.runner is not None:
+        batches.runner.wake()
+    return _json(message_batch(created))
+
+
+async def get_message_batch(message_batch_id: str, request: Request) -> Response:
+    return _json(message_batch(await _owned(request, message_batch_id)))
+
+
+async def list_message_batches(request: Request) -> Response:
+    _, store = await opened(request)
+    query = request.query_params
+    raw = query.get("limit", "20")
+    if not raw.isdigit() or not 1 <= int(raw) <= MAX_PAGE:
+        raise GatewayError(400, f"limit must be a number from 1 to {MAX_PAGE}", param="limit")
+    before, after = query.get("before_id"), query.get("after_id")
+    if before and after:
+        raise GatewayError(400, "give before_id or after_id, not both", param="before_id")
+    items, more = await asyncio.to_thread(store.batches, request_owner(request.scope), after, int(raw), (MESSAGES,), before)
+    data = [message_batch(item) for item in items]
+    return _json({"data": data, "has_more": more, "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None})
+
+
+async def cancel_message_batch(message_batch_id: str, request: Request) -> Response:
+    """No request starts from now on; those in flight finish and their results are kept; the others end canceled."""
+    batches, store = await opened(request)
+    batch = await _owned(request, message_batch_id)
+    if batch.status in TERMINAL:
+        raise GatewayError(409, f"message batch {message_batch_id} has ended already", code="batch_not_cancellable")
+    await asyncio.to_thread(store.move, message_batch_id, "cancelling", tuple(ACTIVE - {"cancelling", "finalizing"}))
+    if batches.runner is not None:
+        batches.runner.cancel(message_batch_id)
+    return _json(message_batch(await _owned(request, message_batch_id)))
+
+
+async def message_batch_results(message_batch_id: str, request: Request) -> Response:
+    """The results of an ended Message Batch, one JSON line per request, in request order, read a page at a time."""
+    _, store = await opened(request)
+    batch = await _owned(request, message_batch_id)
+    if batch.status not in TERMINAL:
+        raise GatewayError(409, f"message batch {message_batch_id} is still processing; its results come once it ended", code="batch_not_ended")
+
+    async def lines() -> AsyncIterator[bytes]:
+        after = -1
+        while page := await asyncio.to_thread(store.ended_lines, batch.id, after, RESULTS_PAGE):
+            yield b"".join(orjson.dumps(result_line(line)) + b"\n" for line in page)
+            after = page[-1]["line"]
+
+    return StreamingResponse(lines(), media_type="application/binary")
+
+
+async def delete_message_batch(message_batch_id: str, request: Request) -> Response:
+    """An ended Message Batch, its requests and results, gone (one still processing: cancel it first)."""
+    batches, store = await opened(request)
+    batch = await _owned(request, message_batch_id)
+    if batch.status not in TERMINAL:
+        raise GatewayError(409, f"message batch {message_batch_id} is still processing; cancel it first", code="batch_not_ended")
+    await asyncio.to_thread(store.delete_batch, batch.id)
+    await asyncio.to_thread(batches.files.delete, batch.input_file_id)
+    return _json({"id": batch.id, "type": "message_batch_deleted"})
+
+
+MESSAGE_HANDLERS: dict[tuple[str, str], Callable[..., Any]] = {
+    ("POST", MESSAGE_BATCHES): create_message_batch,
+    ("GET", MESSAGE_BATCHES): list_message_batches,
+    ("GET", MESSAGE_BATCH_BY_ID): get_message_batch,
+    ("DELETE", MESSAGE_BATCH_BY_ID): delete_message_batch,
+    ("POST", MESSAGE_BATCH_CANCEL): cancel_message_batch,
+    ("GET", MESSAGE_BATCH_RESULTS): message_batch_results,
+}
