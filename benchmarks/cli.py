@@ -12,7 +12,9 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -310,7 +312,7 @@ def compare_command(
             f"direct: {direct_url}   gateway: {gateway_url} (pid {gateway_child.pid}, {' '.join(gateway_child.argv)})"
         )
         urls = {"direct": direct_url, "gateway": gateway_url}
-        groups: dict[str, dict[str, int]] = {"direct": {}, "gateway": {"gateway": gateway_child.pid}}
+        groups: dict[str, dict[str, int | Callable[[], float]]] = {"direct": {}, "gateway": {"gateway": gateway_child.pid}}
         sink = None
         if tracing:  # its own config and log next to the plain gateway's
             sink = stack.enter_context(OTLPSink())
@@ -335,7 +337,9 @@ def compare_command(
                 processes.gateway(direct_url, out_dir / SHARED, env, tenant_rig.shared_settings(out_dir, store.url))
             )
             console.print(f"{SHARED}: {shared_url} (pid {shared_child.pid}; the keyed gateway sharing PostgreSQL pid {store_pid}, {store.root})")
-            urls[SHARED], groups[SHARED] = shared_url, {"gateway": shared_child.pid, **({"postgres": store_pid} if store_pid else {})}
+            urls[SHARED], groups[SHARED] = shared_url, {"gateway": shared_child.pid}
+            if store_pid is not None:  # its backends are sessions of their own: the postmaster and its children
+                groups[SHARED]["postgres"] = partial(processes.server_tree_cpu_s, store_pid)
         if tenants:  # the plain gateway's twin, settings and all
             twin = tenant_rig.twin_settings(out_dir)
             twin_url, twin_child = stack.enter_context(

@@ -42,7 +42,7 @@ def drive(
     between_levels: Callable[[int], None] | None = None,
     headers: dict[str, str] | None = None,
     target_headers: dict[str, dict[str, str]] | None = None,
-    cpu_groups: dict[str, dict[str, int]] | None = None,
+    cpu_groups: dict[str, dict[str, int | Callable[[], float]]] | None = None,
     quickack: bool = False,
     hooks: BatchHooks | None = None,
     references: dict[str, str] | None = None,
@@ -51,7 +51,8 @@ def drive(
 
     A target is a base URL, or several that its requests are spread over (round robin, see ``run_batch``).
     ``headers``: sent with every request; ``target_headers``: per target, sent instead (a key only one target needs).
-    ``cpu_groups``: per target, the process groups whose CPU time each of its batches is charged with.
+    ``cpu_groups``: per target, the process groups whose CPU time each of its batches is charged with (or, for a
+    server whose processes are not one group, a function giving its CPU seconds so far).
     ``quickack``: the client acknowledges every read at once (see ``benchmarks.loadgen.Connection``).
     ``hooks``: called before every batch (warm-up too) and after every measured one.
     ``references``: per target, another target it is also measured against (``vs_reference``; e.g. the keyed
@@ -100,11 +101,11 @@ def drive(
                         if hooks is not None:
                             hooks.before(name)  # before the CPU snapshot: a reload is not the batch's cost
                         groups = (cpu_groups or {}).get(name, {})
-                        before = {label: processes.group_cpu_s(pgid) for label, pgid in groups.items()}
+                        before = {label: _cpu_s(source) for label, source in groups.items()}
                         client_before = time.process_time()
                         batch = batch_of(name, level, per_round, task)
                         batch.cpu_s = {
-                            label: processes.group_cpu_s(pgid) - before[label] for label, pgid in groups.items()
+                            label: _cpu_s(source) - before[label] for label, source in groups.items()
                         }
                         batch.cpu_s["client"] = time.process_time() - client_before
                         if hooks is not None:
@@ -116,6 +117,11 @@ def drive(
     finally:
         loop.close()
     return out
+
+
+def _cpu_s(source: int | Callable[[], float]) -> float:
+    """CPU seconds so far of a process group (its id) or of what ``source()`` counts."""
+    return source() if callable(source) else processes.group_cpu_s(source)
 
 
 def _versus(direct: list[BatchResult], other: list[BatchResult]) -> dict[str, Any]:
