@@ -12,7 +12,9 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -23,10 +25,16 @@ from benchmarks import tenants as tenant_rig
 from benchmarks.apis import APIS, parse_apis
 from benchmarks.drive import drive, profile_gateway
 from benchmarks.loadgen import Workload
+from benchmarks.postgres import postgres_missing, running_postgres
 from benchmarks.processes import BASELINE, ROUTER_TARGET
 from benchmarks.report import console
-from benchmarks.stats import evaluate_targets, evaluate_tenant_targets, evaluate_tracing_targets
-from benchmarks.tenants import KEYED, TWIN
+from benchmarks.stats import (
+    evaluate_shared_targets,
+    evaluate_targets,
+    evaluate_tenant_targets,
+    evaluate_tracing_targets,
+)
+from benchmarks.tenants import KEYED, SHARED, TWIN
 from benchmarks.tracing import TRACED, OTLPSink, traced_settings
 
 app = typer.Typer(
@@ -105,6 +113,14 @@ def _out_dir(out: Path | None, name: str) -> Path:
     path = out or RESULTS / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}"
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def _read_store(url: str, into: dict[str, Any]) -> None:
+    """``into``: what the shared replica left in the store at ``url`` (an error in its place: the run's figures stay)."""
+    try:
+        into.update(tenant_rig.store_rows(url))
+    except Exception as error:
+        into["error"] = f"{type(error).__name__}: {error}"
 
 
 # ------------------------------------------------------------------------------------ commands
@@ -224,6 +240,15 @@ def compare_command(
             "and a twin of the plain gateway (an A/A control: the run's noise).",
         ),
     ] = False,
+    shared: Annotated[
+        bool,
+        typer.Option(
+            "--shared/--no-shared",
+            help="With --tenants: also run the keyed gateway as a replica sharing a store (gateway.replicas.shared, its "
+            "ledger and shared state in a PostgreSQL server this run starts), measured against the keyed gateway alone "
+            "in the same rounds; every gateway of the run is one process (workers: 1), as a shared replica is.",
+        ),
+    ] = False,
     tracing: Annotated[
         bool,
         typer.Option(
@@ -241,6 +266,10 @@ def compare_command(
     base_env = _baseline_env(env, baseline)
     if router and router_target:
         raise typer.BadParameter("--router puts the router in front of the upstream; --router-target measures it beside the gateway: pick one", param_hint="--router-target")
+    if shared and not tenants:
+        raise typer.BadParameter("--shared measures the keyed gateway of --tenants as a replica sharing a store: add --tenants", param_hint="--shared")
+    if shared and (why := postgres_missing()) is not None:
+        raise typer.BadParameter(f"no PostgreSQL server can run here: {why}", param_hint="--shared")
     levels_list = _levels(concurrency)
     workloads = [
         Workload(
@@ -257,6 +286,7 @@ def compare_command(
     upstream_label = f"stub-{stub_kind}" if upstream == "stub" else upstream
     measured: dict[str, dict[str, Any]] = {}
     profile_report = None
+    stored: dict[str, Any] = {}  # --shared: what the replica left in the store
     with ExitStack() as stack:
         if upstream == "stub":
             console.print(f"starting the fake upstream ({stub_kind})")
@@ -275,12 +305,14 @@ def compare_command(
             upstream_label = f"router({upstream_label})"
             console.print(f"sglang-router at {direct_url} (pid {router_proc.pid}) in front of the upstream")
         plain = tenant_rig.plain_settings(out_dir) if tenants else None
+        if shared:  # a shared replica is one process: so is every gateway it is compared with
+            plain = tenant_rig.one_process(plain or {})
         gateway_url, gateway_child = stack.enter_context(processes.gateway(direct_url, out_dir, env, plain))
         console.print(
             f"direct: {direct_url}   gateway: {gateway_url} (pid {gateway_child.pid}, {' '.join(gateway_child.argv)})"
         )
         urls = {"direct": direct_url, "gateway": gateway_url}
-        groups: dict[str, dict[str, int]] = {"direct": {}, "gateway": {"gateway": gateway_child.pid}}
+        groups: dict[str, dict[str, int | Callable[[], float]]] = {"direct": {}, "gateway": {"gateway": gateway_child.pid}}
         sink = None
         if tracing:  # its own config and log next to the plain gateway's
             sink = stack.enter_context(OTLPSink())
@@ -290,13 +322,28 @@ def compare_command(
             console.print(f"{TRACED}: {traced_url} (pid {traced_child.pid}; spans to {sink.url})")
             urls[TRACED], groups[TRACED] = traced_url, {"gateway": traced_child.pid}
         if tenants:  # its own config and log next to the plain gateway's
+            keyed = tenant_rig.keyed_settings(out_dir)
             keyed_url, keyed_child = stack.enter_context(
-                processes.gateway(direct_url, out_dir / KEYED, env, tenant_rig.keyed_settings(out_dir))
+                processes.gateway(direct_url, out_dir / KEYED, env, tenant_rig.one_process(keyed) if shared else keyed)
             )
             console.print(f"{KEYED}: {keyed_url} (pid {keyed_child.pid}; a named key, the ledger in {out_dir})")
             urls[KEYED], groups[KEYED] = keyed_url, {"gateway": keyed_child.pid}
+        if shared:  # right after the keyed gateway: its batches next to that gateway's in every round
+            console.print("starting PostgreSQL (the shared store)")
+            store = stack.enter_context(running_postgres())
+            store_pid = store.postmaster_pid()
+            stack.callback(_read_store, store.url, stored)  # once the replica stopped (it flushes its ledger), before the store does
+            shared_url, shared_child = stack.enter_context(
+                processes.gateway(direct_url, out_dir / SHARED, env, tenant_rig.shared_settings(out_dir, store.url))
+            )
+            console.print(f"{SHARED}: {shared_url} (pid {shared_child.pid}; the keyed gateway sharing PostgreSQL pid {store_pid}, {store.root})")
+            urls[SHARED], groups[SHARED] = shared_url, {"gateway": shared_child.pid}
+            if store_pid is not None:  # its backends are sessions of their own: the postmaster and its children
+                groups[SHARED]["postgres"] = partial(processes.server_tree_cpu_s, store_pid)
+        if tenants:  # the plain gateway's twin, settings and all
+            twin = tenant_rig.twin_settings(out_dir)
             twin_url, twin_child = stack.enter_context(
-                processes.gateway(direct_url, out_dir / TWIN, env, tenant_rig.twin_settings(out_dir))
+                processes.gateway(direct_url, out_dir / TWIN, env, tenant_rig.one_process(twin) if shared else twin)
             )
             console.print(f"{TWIN}: {twin_url} (pid {twin_child.pid}; the plain gateway's twin: the run's noise)")
             urls[TWIN], groups[TWIN] = twin_url, {"gateway": twin_child.pid}
@@ -323,9 +370,10 @@ def compare_command(
                 rounds=rounds,
                 warmup=warmup,
                 max_seconds=max_seconds,
-                target_headers={KEYED: tenant_rig.headers()} if tenants else None,
+                target_headers={KEYED: tenant_rig.headers(), SHARED: tenant_rig.headers()} if tenants else None,
                 cpu_groups=groups,
                 quickack=quickack,
+                references={SHARED: KEYED} if shared else None,
             )
             by_level = {int(k): v for k, v in levels.items()}
             measured[workload.api] = {
@@ -333,6 +381,7 @@ def compare_command(
                 "levels": levels,
                 "targets": evaluate_targets(upstream_label, by_level)
                 + (evaluate_tenant_targets(by_level) if tenants else [])
+                + (evaluate_shared_targets(by_level, workload.api) if shared else [])
                 + (evaluate_tracing_targets(by_level) if tracing else []),
             }
             (out_dir / "levels.json").write_text(
@@ -357,11 +406,13 @@ def compare_command(
                 profile_report = {"error": str(error)}
     summary = report.api_summary_rows(measured)
     targets = [
-        "direct", "gateway", *([TRACED] if tracing else []), *([KEYED, TWIN] if tenants else []), *([BASELINE] if baseline else []),
+        "direct", "gateway", *([TRACED] if tracing else []), *([KEYED] if tenants else []), *([SHARED] if shared else []),
+        *([TWIN] if tenants else []), *([BASELINE] if baseline else []),
         *([ROUTER_TARGET] if router_target else []),
     ]  # fmt: skip
     result = {
-        "title": f"gateway vs direct ({upstream_label})" + (", keys+ledger vs plain gateway" if tenants else ""),
+        "title": f"gateway vs direct ({upstream_label})" + (", keys+ledger vs plain gateway" if tenants else "")
+        + (", shared replica vs keys+ledger" if shared else ""),
         "kind": "compare",
         "upstream": upstream_label,
         "machine": info,
@@ -382,6 +433,8 @@ def compare_command(
         result["router_target"] = {"summary": report.router_summary_rows(measured, ROUTER_TARGET)}
     if tenants:  # read once the keyed gateway stopped (it writes its last rows on SIGTERM)
         result["tenants"] = {"summary": report.tenant_summary_rows(measured, KEYED), "ledger_rows": tenant_rig.ledger_rows(out_dir)}
+    if shared:
+        result["shared"] = {"summary": report.shared_summary_rows(measured, SHARED, KEYED), **stored}
     for name, entry in measured.items():
         report.print_levels(entry["levels"], targets, title=f"{name}: per level")
         report.print_targets(entry["targets"], title=f"{name}: targets")
@@ -396,6 +449,9 @@ def compare_command(
     if tenants:
         report.print_tenant_summary(result["tenants"]["summary"])
         console.print(f"usage ledger rows ({KEYED}, by key:status): {result['tenants']['ledger_rows']}")
+    if shared:
+        report.print_shared_summary(result["shared"]["summary"])
+        console.print(f"in the shared store ({SHARED}): {stored}")
     if profile_report and "error" not in profile_report:
         report.print_profile(profile_report)
     report.save(result, out_dir, plot)

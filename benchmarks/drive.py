@@ -42,17 +42,21 @@ def drive(
     between_levels: Callable[[int], None] | None = None,
     headers: dict[str, str] | None = None,
     target_headers: dict[str, dict[str, str]] | None = None,
-    cpu_groups: dict[str, dict[str, int]] | None = None,
+    cpu_groups: dict[str, dict[str, int | Callable[[], float]]] | None = None,
     quickack: bool = False,
     hooks: BatchHooks | None = None,
+    references: dict[str, str] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Run every level against every target; with several targets, batches alternate (ABBA order per round).
 
     A target is a base URL, or several that its requests are spread over (round robin, see ``run_batch``).
     ``headers``: sent with every request; ``target_headers``: per target, sent instead (a key only one target needs).
-    ``cpu_groups``: per target, the process groups whose CPU time each of its batches is charged with.
+    ``cpu_groups``: per target, the process groups whose CPU time each of its batches is charged with (or, for a
+    server whose processes are not one group, a function giving its CPU seconds so far).
     ``quickack``: the client acknowledges every read at once (see ``benchmarks.loadgen.Connection``).
     ``hooks``: called before every batch (warm-up too) and after every measured one.
+    ``references``: per target, another target it is also measured against (``vs_reference``; e.g. the keyed
+    gateway as a shared replica against the keyed gateway alone).
     """
     loop = new_event_loop()
     names = list(targets)
@@ -97,22 +101,27 @@ def drive(
                         if hooks is not None:
                             hooks.before(name)  # before the CPU snapshot: a reload is not the batch's cost
                         groups = (cpu_groups or {}).get(name, {})
-                        before = {label: processes.group_cpu_s(pgid) for label, pgid in groups.items()}
+                        before = {label: _cpu_s(source) for label, source in groups.items()}
                         client_before = time.process_time()
                         batch = batch_of(name, level, per_round, task)
                         batch.cpu_s = {
-                            label: processes.group_cpu_s(pgid) - before[label] for label, pgid in groups.items()
+                            label: _cpu_s(source) - before[label] for label, source in groups.items()
                         }
                         batch.cpu_s["client"] = time.process_time() - client_before
                         if hooks is not None:
                             hooks.after(name, batch)
                         batches[name].append(batch)
-                out[str(level)] = _level_entry(names, batches)
+                out[str(level)] = _level_entry(names, batches, references)
                 if between_levels is not None:
                     between_levels(level)
     finally:
         loop.close()
     return out
+
+
+def _cpu_s(source: int | Callable[[], float]) -> float:
+    """CPU seconds so far of a process group (its id) or of what ``source()`` counts."""
+    return source() if callable(source) else processes.group_cpu_s(source)
 
 
 def _versus(direct: list[BatchResult], other: list[BatchResult]) -> dict[str, Any]:
@@ -128,10 +137,13 @@ def _versus(direct: list[BatchResult], other: list[BatchResult]) -> dict[str, An
     return vs
 
 
-def _level_entry(names: list[str], batches: dict[str, list[BatchResult]]) -> dict[str, Any]:
+def _level_entry(
+    names: list[str], batches: dict[str, list[BatchResult]], references: dict[str, str] | None = None
+) -> dict[str, Any]:
     """Summaries per target, ratios of every other target against ``direct`` (``vs``: the gateway's, when the
-    targets are direct and gateway) and of every other gateway against the plain ``gateway`` (``vs_gateway``: what
-    its settings cost), and each round's req/s."""
+    targets are direct and gateway), of every other gateway against the plain ``gateway`` (``vs_gateway``: what
+    its settings cost) and of each target of ``references`` against its reference (``vs_reference``, and which
+    reference in ``references``), and each round's req/s."""
     entry: dict[str, Any] = {name: summarize(batches[name]) for name in names}
     if "direct" in entry and len(names) > 1:
         entry["vs_direct"] = {name: _versus(batches["direct"], batches[name]) for name in names if name != "direct"}
@@ -140,6 +152,10 @@ def _level_entry(names: list[str], batches: dict[str, list[BatchResult]]) -> dic
     others = [name for name in names if name not in ("direct", "gateway")]
     if "gateway" in entry and others:
         entry["vs_gateway"] = {name: _versus(batches["gateway"], batches[name]) for name in others}
+    paired = {name: reference for name, reference in (references or {}).items() if name in entry and reference in entry}
+    if paired:
+        entry["vs_reference"] = {name: _versus(batches[reference], batches[name]) for name, reference in paired.items()}
+        entry["references"] = paired
     entry["rounds"] = {
         name: [round(len([s for s in b.samples if s.ok]) / b.wall_s, 1) if b.wall_s else 0 for b in batches[name]]
         for name in names

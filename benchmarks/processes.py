@@ -19,7 +19,7 @@ import httpx
 import yaml
 
 from launch.ports import pick_free_port
-from launch.procgroup import group_pids, popen_group, stat_fields, stop_group
+from launch.procgroup import child_pids, group_pids, popen_group, stat_fields, stop_group
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -264,3 +264,18 @@ def group_cpu_split_s(pgid: int) -> tuple[float, float]:
             user += int(fields[11])
             system += int(fields[12])
     return user / _TICK, system / _TICK
+
+
+def server_tree_cpu_s(pid: int) -> float:
+    """User+system CPU seconds of a server that forks a process per connection, each in a session of its own
+    (PostgreSQL's postmaster: its group holds only itself): its own, its live children's, and what its ended
+    children used (which it reaped: cutime/cstime)."""
+    fields = stat_fields(pid)
+    if fields is None:
+        return 0.0
+    ticks = sum(int(fields[index]) for index in (11, 12, 13, 14))
+    for child in child_pids(pid):
+        child_fields = stat_fields(child)
+        if child_fields is not None:
+            ticks += int(child_fields[11]) + int(child_fields[12])
+    return ticks / _TICK

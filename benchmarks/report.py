@@ -114,6 +114,9 @@ def print_levels(levels: dict[str, dict[str, Any]], targets: list[str], title: s
         for name, vs in entry.get("vs_gateway", {}).items():
             if name in targets:
                 table.add_row(level, f"[bold]{name}/gw[/]", *_ratio_cells(vs), "")
+        for name, vs in entry.get("vs_reference", {}).items():
+            if name in targets:
+                table.add_row(level, f"[bold]{name}/{entry['references'][name]}[/]", *_ratio_cells(vs), "")
     out_console.print(table)
 
 
@@ -176,6 +179,37 @@ def tenant_summary_rows(apis: dict[str, dict[str, Any]], target: str) -> list[di
                 }
             )
     return rows
+
+
+def shared_summary_rows(apis: dict[str, dict[str, Any]], target: str, reference: str) -> list[dict[str, Any]]:
+    """Per API and level: ``target`` (the keyed gateway as a replica sharing a store) against ``reference`` (the same
+    gateway alone), with the CPU per request of each and of the store's server (PostgreSQL, charged to ``target``)."""
+    rows = []
+    for api, measured in apis.items():
+        for level, entry in measured["levels"].items():
+            vs = entry.get("vs_reference", {}).get(target)
+            if vs is None:
+                continue
+            cpu = entry[target].get("cpu_ms_per_req", {})
+            rows.append(
+                {
+                    **_compared(api, level, vs),
+                    "reference_cpu_ms_per_req": entry[reference].get("cpu_ms_per_req", {}).get("gateway"),
+                    "shared_cpu_ms_per_req": cpu.get("gateway"),
+                    "store_cpu_ms_per_req": cpu.get("postgres"),
+                    "errors": entry[target]["errors"],
+                }
+            )
+    return rows
+
+
+def print_shared_summary(rows: list[dict[str, Any]]) -> None:
+    measures = (
+        ("added p50 latency ms", "added_latency_p50_ms"), ("added p50 TTFT ms", "added_ttft_p50_ms"),
+        ("keys+ledger CPU ms/req", "reference_cpu_ms_per_req"), ("shared replica CPU ms/req", "shared_cpu_ms_per_req"),
+        ("PostgreSQL CPU ms/req", "store_cpu_ms_per_req"),
+    )  # fmt: skip
+    _print_per_api("shared replica / keys + ledger alone per API (the store on this host)", rows, measures, digits=3)
 
 
 def router_summary_rows(apis: dict[str, dict[str, Any]], target: str) -> list[dict[str, Any]]:

@@ -193,3 +193,28 @@ def evaluate_tracing_targets(levels: dict[int, dict[str, Any]], target: str = "g
         checks.append(_check("tracing c=1: added p50 latency", vs["latency_p50_ms"].get("added_ms"), TRACING_ADDED_P50_MS, at_most=True, unit="ms"))
         checks.append(_check("tracing c=1: added p50 TTFT", vs["ttft_p50_ms"].get("added_ms"), TRACING_ADDED_P50_MS, at_most=True, unit="ms"))
     return checks
+
+
+SHARED_ADDED_P50_MS = 0.3  # a replica sharing a store: at most this much p50 latency at c=1 over the same gateway alone (chat)
+
+
+def evaluate_shared_targets(levels: dict[int, dict[str, Any]], api: str, target: str = "gateway-shared") -> list[dict[str, Any]]:
+    """The bar set for a replica sharing a store: +0.3 ms p50 latency at c=1 for chat, against the same keyed gateway
+    alone in the same run (``vs_reference``). The other figures are shown beside it: TTFT, the other APIs (a Responses
+    API create publishes its id to the store; a plain answer waits for that insert) and req/s kept at c=64; the run's
+    noise is the twin's, in the tenants' checks."""
+    checks: list[dict[str, Any]] = []
+    for c, entry in sorted(levels.items()):
+        vs = entry.get("vs_reference", {}).get(target)
+        if vs is None:
+            continue
+        if c == 1:
+            for what, key in (("p50 latency", "latency_p50_ms"), ("p50 TTFT", "ttft_p50_ms")):
+                name, added = f"shared store c=1: added {what} ({api})", vs[key].get("added_ms")
+                if api == "chat" and key == "latency_p50_ms":
+                    checks.append(_check(name, added, SHARED_ADDED_P50_MS, at_most=True, unit="ms"))
+                else:
+                    checks.append(_noise(name, added, 0.0, "ms"))
+        if c == 64:
+            checks.append(_noise(f"shared store c=64: req/s kept (paired median, {api})", _kept(vs), 1.0, "x"))
+    return checks

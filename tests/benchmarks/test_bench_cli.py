@@ -18,10 +18,12 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+import yaml
 
 from benchmarks import fake_upstream, processes
 from benchmarks.apis import APIS
 from benchmarks.loadgen import StreamParser, Workload, new_event_loop, run_batch
+from benchmarks.postgres import postgres_missing
 from launch.process import EngineProcess
 
 REPO = Path(__file__).resolve().parents[2]
@@ -102,11 +104,11 @@ def test_compare_cli_end_to_end_for_every_api(tmp_path: Path) -> None:
     assert all((out / f"plot-{api}.png").stat().st_size > 0 for api in APIS)
 
 
-def _compare_on_stub(out: Path, option: str, levels: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
-    """``compare`` against the stub with ``option`` (a third target next to the plain gateway): 6 requests a level
-    in 2 rounds, 2 warm-ups; its output and its result.json."""
+def _compare_on_stub(out: Path, option: str, levels: str, *more: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    """``compare`` against the stub with ``option`` (a third target next to the plain gateway; ``more``: further
+    options): 6 requests a level in 2 rounds, 2 warm-ups; its output and its result.json."""
     proc = _bench(
-        "compare", "--upstream", "stub", option, "-c", levels, "-n", "6", "--rounds", "2", "--warmup", "2",
+        "compare", "--upstream", "stub", option, *more, "-c", levels, "-n", "6", "--rounds", "2", "--warmup", "2",
         "--output-tokens", "4", "--max-seconds", "30", "--no-plot", "--out", str(out),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -128,6 +130,38 @@ def test_compare_with_tenants_runs_a_keyed_gateway_with_the_ledger_next_to_the_p
     assert result["tenants"]["ledger_rows"]["bench:200"] == 2 * (2 + 6), result["tenants"]
     assert (out / "gateway-state").is_dir() and not (out / "gateway-state" / "usage.sqlite3").exists()  # the plain one: no ledger
     assert "gateway-keys/gw" in proc.stdout and "keys + ledger / plain gateway per API" in proc.stdout
+
+
+def test_compare_with_shared_runs_the_keyed_gateway_as_a_replica_sharing_a_postgres_store(tmp_path: Path) -> None:
+    """``--tenants --shared``: the keyed gateway once more as a replica sharing a store (a PostgreSQL server the run
+    starts and removes), measured against the keyed gateway alone; its ledger rows and the Responses it created are in
+    the store. Without --tenants it is refused before anything starts."""
+    why = postgres_missing()
+    if why is not None:
+        pytest.skip(f"PostgreSQL tests skipped: {why}")
+    out = tmp_path / "result"
+    proc, result = _compare_on_stub(out, "--tenants", "1", "--shared", "--api", "chat,responses")
+    assert result["targets_measured"] == ["direct", "gateway", "gateway-keys", "gateway-shared", "gateway-twin"]
+    for api in ("chat", "responses"):
+        entry = result["apis"][api]["levels"]["1"]
+        assert entry["gateway-shared"]["requests"] == 6 and entry["gateway-shared"]["errors"] == 0, entry["gateway-shared"]
+        assert entry["vs_reference"]["gateway-shared"]["latency_p50_ms"]["added_ms"] is not None
+        assert set(entry["gateway-shared"]["cpu_ms_per_req"]) >= {"gateway", "postgres", "upstream"}  # the store's CPU too
+        checks = {check["target"] for check in result["apis"][api]["targets"]}
+        assert f"shared store c=1: added p50 latency ({api})" in checks, checks
+    assert [(row["api"], row["c"]) for row in result["shared"]["summary"]] == [("chat", 1), ("responses", 1)]
+    # every request of the load (warm-ups too) was the named key's and is in the store's ledger; every Responses
+    # stream's id was published to the store
+    assert result["shared"]["ledger_rows"]["bench:200"] == 2 * (2 + 6), result["shared"]
+    assert result["shared"]["responses_published"] == 2 + 6, result["shared"]
+    config = yaml.safe_load((out / "gateway-shared" / "gateway.yaml").read_text())["gateway"]
+    assert config["replicas"]["shared"] is True and config["usage"]["database_url"].startswith("postgresql+psycopg://")
+    assert all(yaml.safe_load(path.read_text())["gateway"]["workers"] == 1 for path in out.rglob("gateway.yaml"))
+    assert "shared replica / keys + ledger alone per API" in proc.stdout
+    refused = _bench("compare", "--upstream", "stub", "--shared", "-n", "2", "--no-plot", "--out", str(tmp_path / "r2"))
+    said = " ".join(refused.stderr.replace("│", " ").split())
+    assert refused.returncode == 2 and "add --tenants" in said and "Traceback" not in said, said
+    assert "starting" not in refused.stdout  # refused before anything started
 
 
 def test_compare_with_tracing_runs_a_traced_gateway_whose_spans_all_reach_the_sink(tmp_path: Path) -> None:
