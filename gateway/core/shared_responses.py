@@ -3,7 +3,7 @@ which key owns it, in the shared store beside each replica's own index (:mod:`ga
 
 A response created through this replica is published when it is created: a plain answer once the store has it
 (before the client gets the id, so that any replica finds it next), a stream's as soon as its id is seen (while the
-stream goes on). A replica looks up the store only for an id its own index does not know; what it finds is kept
+stream goes on). One insert is in flight at a time, carrying every publication that came while the last one ran. A replica looks up the store only for an id its own index does not know; what it finds is kept
 in its index. The first owner of an id stays its owner (the store keeps the first row).
 
 The store unreachable: creating a response still works (its publication waits, retried every round, at most
@@ -17,6 +17,7 @@ import asyncio
 import datetime as dt
 import math
 import time
+from functools import partial
 
 from loguru import logger
 from sqlalchemy import Connection, delete, func, select
@@ -37,21 +38,40 @@ class SharedResponses:
         self.store = store
         self._pending: dict[str, StoredResponse] = {}  # not in the store yet
         self._dropped = False
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._next: dict[str, StoredResponse] = {}  # to go in the writer's next insert
+        self._waiting: list[asyncio.Future[None]] = []  # plain creates waiting for that insert
+        self._writer: asyncio.Task[None] | None = None
         self._pruned_at = -math.inf
 
     async def publish(self, response_id: str, stored: StoredResponse) -> None:
-        """Put ``response_id`` in the store now; kept for the next round when the store does not answer."""
-        try:
-            await self.store.run(lambda conn: _insert(conn, {response_id: stored}))
-        except StoreUnavailable:
-            self._keep(response_id, stored)
+        """Put ``response_id`` in the store, and return once it is there (or kept for the next round: the store did
+        not answer)."""
+        done = asyncio.get_running_loop().create_future()
+        self._waiting.append(done)
+        self.publish_soon(response_id, stored)
+        await done
 
     def publish_soon(self, response_id: str, stored: StoredResponse) -> None:
-        """:meth:`publish` in a task (a stream's id, seen in a callback of the relay)."""
-        task = asyncio.get_running_loop().create_task(self.publish(response_id, stored))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        """:meth:`publish` without waiting (a stream's id, seen in a callback of the relay)."""
+        self._next[response_id] = stored
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.get_running_loop().create_task(self._write(), name="shared responses")
+
+    async def _write(self) -> None:
+        """One insert at a time, of every publication that came meanwhile: under load, one transaction (and one of the
+        pool's connections) for many creates, instead of one each."""
+        while self._next:
+            entries, self._next = self._next, {}
+            waiting, self._waiting = self._waiting, []
+            try:
+                await self.store.run(partial(_insert, entries=entries))
+            except StoreUnavailable:
+                for response_id, stored in entries.items():
+                    self._keep(response_id, stored)
+            finally:
+                for done in waiting:
+                    if not done.done():
+                        done.set_result(None)
 
     async def find(self, response_id: str) -> StoredResponse | None:
         """The store's record of ``response_id`` (None: no replica created it); :class:`StoreUnavailable` when the
@@ -83,8 +103,8 @@ class SharedResponses:
 
     async def close(self) -> None:
         """Wait for the publications in flight, then try once to publish what waits."""
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._writer is not None:
+            await asyncio.gather(self._writer, return_exceptions=True)
         try:
             await self.round()
         except StoreUnavailable:
