@@ -23,6 +23,9 @@ from engine_guard.shapes import request_shape
 from gateway.app import create_app
 from gateway.config import gateway_settings
 from gateway.core.registry import build_registry
+from gateway.core.responses_index import StoredResponse
+from gateway.core.shared_responses import SharedResponses
+from gateway.core.shared_store import SharedStore
 from launch.config import parse_config
 from tests.fake_engine import running_fake_engine
 from tests.gateway_server import GatewayServer
@@ -237,3 +240,29 @@ def test_the_store_tables_hold_each_replica(replicas: tuple[GatewayServer, Gatew
         reports = conn.execute("SELECT count(*) FROM gateway_quota_reports").fetchone()[0]
     assert names == {"a", "b"} and reports > 0, (names, reports)
 
+
+
+def test_concurrent_creates_are_published_together_and_each_found(postgres: PostgresServer) -> None:
+    """Creates that come while an insert runs go into the next one: fewer transactions than creates, none lost."""
+
+    async def scenario() -> tuple[int, list[StoredResponse | None]]:
+        store = SharedStore(postgres.url.replace("postgresql://", "postgresql+psycopg://", 1), "t", 0.25, 1)
+        transactions = 0
+        run = store.run
+
+        async def counted(work: Any) -> Any:
+            nonlocal transactions
+            transactions += 1
+            return await run(work)
+
+        store.run = counted  # type: ignore[method-assign]
+        shared = SharedResponses(store)
+        ids = [f"resp_group{i}" for i in range(40)]
+        await asyncio.gather(*(shared.publish(rid, StoredResponse("m", "b", "k")) for rid in ids))
+        found = [await shared.find(rid) for rid in ids]
+        await store.close()
+        return transactions - len(ids), found  # the finds are one transaction each
+
+    inserts, found = asyncio.run(scenario())
+    assert all(stored == StoredResponse("m", "b", "k") for stored in found), found
+    assert 1 <= inserts < 40, inserts
