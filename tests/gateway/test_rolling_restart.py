@@ -37,6 +37,7 @@ from tests.fake_engine import TOKEN, running_fake_engine
 from tests.gateway_server import KEY, auth
 from tests.haproxy import HAProxy, haproxy_missing
 from tests.load import ThreadedLoad
+from tests.postgres import PostgresServer, postgres_missing
 from tests.servers import CLI, ServerProcess
 from tests.waiting import wait_until
 
@@ -121,6 +122,18 @@ def fake_url(tmp_path: Path) -> Iterator[str]:
         yield url
 
 
+@pytest.fixture(scope="module")
+def postgres() -> Iterator[PostgresServer]:
+    why = postgres_missing()
+    if why is not None:
+        pytest.skip(f"PostgreSQL tests skipped: {why}")
+    server = PostgresServer()
+    try:
+        yield server.init()
+    finally:
+        server.remove()
+
+
 def _config(tmp_path: Path, fake_url: str, **gateway: Any) -> Path:
     config = {
         "models": {"m": {"url": fake_url}},
@@ -163,8 +176,10 @@ def _rolling_restarts(tmp_path: Path, config: Path, rounds: list[str], until_los
 
 
 @needs_haproxy
-def test_a_rolling_restart_behind_a_load_balancer_fails_no_request(tmp_path: Path, fake_url: str) -> None:
-    config = _config(tmp_path, fake_url, shutdown_delay_s=DELAY_S)
+def test_a_rolling_restart_behind_a_load_balancer_fails_no_request(tmp_path: Path, fake_url: str, postgres: PostgresServer) -> None:
+    """The two replicas share their state (``gateway.replicas.shared``, one PostgreSQL), as the Kubernetes recipe runs them."""
+    shared = {"replicas": {"shared": True, "sync_interval_s": 0.1}, "usage": {"database_url": postgres.url}}
+    config = _config(tmp_path, fake_url, shutdown_delay_s=DELAY_S, **shared)
     load, notes = _rolling_restarts(tmp_path, config, ["a", "b"])
     failed = [o for o in load.outcomes if not o.complete]
     assert not failed, (len(failed), len(load.outcomes), failed[:5])
