@@ -20,7 +20,7 @@ import pytest
 from launch.config import DeploymentConfig, EngineConfig, load_config
 from launch.lifecycle import start_ready
 from launch.process import EngineProcess
-from tests.postgres import PostgresServer, postgres_missing
+from tests.postgres import PostgresServer, own_postgres
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_CONFIG = REPO / "configs" / "tiny-cpu.yaml"
@@ -118,11 +118,4 @@ def tiny_engine(
 def postgres() -> Iterator[PostgresServer]:
     """A real PostgreSQL server of the session's own (tests/postgres.py), started on first use; skipped, saying why,
     where none can run. Tests may stop and start it; each leaves it running."""
-    why = postgres_missing()
-    if why is not None:
-        pytest.skip(f"PostgreSQL tests skipped: {why}")
-    server = PostgresServer()
-    try:
-        yield server.init()
-    finally:
-        server.remove()
+    yield from own_postgres()

@@ -5,15 +5,42 @@ from __future__ import annotations
 import io
 import json
 import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import openai
 from sqlalchemy import create_engine, text
 
+from tests.fake_engine import running_fake_engine
+from tests.gateway_server import GatewayServer, serve
 from tests.postgres import PostgresServer
 from tests.waiting import wait_until
 
 ENDED = ("completed", "failed", "expired", "cancelled")
+ALPHA, BETA, ADMIN = "sk-alpha", "sk-beta", "sk-admin"
+
+
+@contextmanager
+def answering_fake(directory: Path) -> Iterator[tuple[str, Path]]:
+    """A FAKE engine that answers in milliseconds and notes each answered prompt: (its URL, the file of notes)."""
+    answers = directory / "answers.txt"
+    with running_fake_engine(directory, env={"FAKE_ENGINE_TOKEN_S": "0.002", "FAKE_ENGINE_ANSWERS": str(answers)}) as url:
+        yield url, answers
+
+
+@contextmanager
+def two_key_gateway(fake_url: str, state: Path, **batches: Any) -> Iterator[GatewayServer]:
+    """A gateway in front of ``fake_url`` (models ``m``, scheduling by priority, and ``other``), keys alpha and beta
+    (both limited to ``m``) and an admin key, its ledger flushed every 50 ms, the batch settings ``batches``."""
+    models = {"m": {"url": fake_url, "enable_priority_scheduling": True}, "other": {"url": fake_url}}
+    settings = {
+        "keys": [{"name": "alpha", "key": ALPHA, "models": ["m"]}, {"name": "beta", "key": BETA, "models": ["m"]}],
+        "admin_keys": [ADMIN], "state_dir": str(state), "usage": {"flush_interval_s": 0.05}, "batches": batches,
+    }  # fmt: skip
+    with serve(models, settings) as server:
+        yield server
 
 
 def chat_lines(count: int, model: str = "m", **body: Any) -> list[dict[str, Any]]:

@@ -18,36 +18,34 @@ import httpx
 import openai
 import pytest
 
-from tests.batches.helpers import chat_lines, jsonl, results, upload, wait_ended
+from tests.batches.helpers import (
+    ADMIN,
+    ALPHA,
+    BETA,
+    answering_fake,
+    chat_lines,
+    jsonl,
+    results,
+    two_key_gateway,
+    upload,
+    wait_ended,
+)
 from tests.browser import browser_missing, chromium_page, expect_text
-from tests.fake_engine import running_fake_engine
 from tests.gateway.helpers import closed_port_url
 from tests.gateway_server import GatewayServer, serve
 from tests.servers import CLI, REPO
 from tests.waiting import wait_until
 
-ALPHA, BETA, ADMIN = "sk-alpha", "sk-beta", "sk-admin"
-
 
 @pytest.fixture(scope="module")
 def fake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
-    directory = tmp_path_factory.mktemp("fake")
-    answers = directory / "answers.txt"
-    with running_fake_engine(directory, env={"FAKE_ENGINE_TOKEN_S": "0.002", "FAKE_ENGINE_ANSWERS": str(answers)}) as url:
-        yield url, answers
+    with answering_fake(tmp_path_factory.mktemp("fake")) as found:
+        yield found
 
 
 @pytest.fixture(scope="module")
 def gateway(fake: tuple[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayServer]:
-    state = tmp_path_factory.mktemp("state")
-    models = {"m": {"url": fake[0], "enable_priority_scheduling": True}, "other": {"url": fake[0]}}
-    settings = {
-        "keys": [{"name": "alpha", "key": ALPHA, "models": ["m"]}, {"name": "beta", "key": BETA, "models": ["m"]}],
-        "admin_keys": [ADMIN], "state_dir": str(state), "usage": {"flush_interval_s": 0.05},
-        "batches": {"max_file_bytes": 65536, "max_line_bytes": 2048, "max_queued_lines_per_key": 40, "max_concurrency": 2,
-                    "poll_interval_s": 0.2},
-    }  # fmt: skip
-    with serve(models, settings) as server:
+    with two_key_gateway(fake[0], tmp_path_factory.mktemp("state"), max_file_bytes=65536, max_line_bytes=2048, max_queued_lines_per_key=40, max_concurrency=2, poll_interval_s=0.2) as server:
         yield server
 
 

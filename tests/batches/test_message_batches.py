@@ -16,33 +16,22 @@ import openai
 import pytest
 
 from gateway.core.endpoints import route_label
-from tests.batches.helpers import chat_lines, upload
+from tests.batches.helpers import ADMIN, ALPHA, BETA, answering_fake, chat_lines, two_key_gateway, upload
 from tests.docs.readme_blocks import marked_blocks
-from tests.fake_engine import REFUSE, running_fake_engine
-from tests.gateway_server import GatewayServer, serve
+from tests.fake_engine import REFUSE
+from tests.gateway_server import GatewayServer
 from tests.waiting import wait_until
-
-ALPHA, BETA, ADMIN = "sk-alpha", "sk-beta", "sk-admin"
 
 
 @pytest.fixture(scope="module")
 def fake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
-    directory = tmp_path_factory.mktemp("fake")
-    answers = directory / "answers.txt"
-    with running_fake_engine(directory, env={"FAKE_ENGINE_TOKEN_S": "0.002", "FAKE_ENGINE_ANSWERS": str(answers)}) as url:
-        yield url, answers
+    with answering_fake(tmp_path_factory.mktemp("fake")) as found:
+        yield found
 
 
 @pytest.fixture(scope="module")
 def gateway(fake: tuple[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayServer]:
-    state = tmp_path_factory.mktemp("state")
-    models = {"m": {"url": fake[0], "enable_priority_scheduling": True}, "other": {"url": fake[0]}}
-    settings = {
-        "keys": [{"name": "alpha", "key": ALPHA, "models": ["m"]}, {"name": "beta", "key": BETA, "models": ["m"]}],
-        "admin_keys": [ADMIN], "state_dir": str(state), "usage": {"flush_interval_s": 0.05},
-        "batches": {"max_line_bytes": 2048, "max_queued_lines_per_key": 40, "max_concurrency": 2, "poll_interval_s": 0.2},
-    }  # fmt: skip
-    with serve(models, settings) as server:
+    with two_key_gateway(fake[0], tmp_path_factory.mktemp("state"), max_line_bytes=2048, max_queued_lines_per_key=40, max_concurrency=2, poll_interval_s=0.2) as server:
         yield server
 
 

@@ -37,7 +37,7 @@ from tests.fake_engine import TOKEN, running_fake_engine
 from tests.gateway_server import KEY, auth
 from tests.haproxy import HAProxy, haproxy_missing
 from tests.load import ThreadedLoad
-from tests.postgres import PostgresServer, postgres_missing
+from tests.postgres import PostgresServer, own_postgres
 from tests.servers import CLI, ServerProcess
 from tests.waiting import wait_until
 
@@ -124,14 +124,7 @@ def fake_url(tmp_path: Path) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def postgres() -> Iterator[PostgresServer]:
-    why = postgres_missing()
-    if why is not None:
-        pytest.skip(f"PostgreSQL tests skipped: {why}")
-    server = PostgresServer()
-    try:
-        yield server.init()
-    finally:
-        server.remove()
+    yield from own_postgres()
 
 
 def _config(tmp_path: Path, fake_url: str, **gateway: Any) -> Path:

@@ -29,7 +29,7 @@ from gateway.core.shared_store import SharedStore
 from launch.config import parse_config
 from tests.fake_engine import running_fake_engine
 from tests.gateway_server import GatewayServer
-from tests.postgres import PostgresServer, postgres_missing
+from tests.postgres import PostgresServer, own_postgres
 from tests.waiting import wait_until
 
 RPM_KEY, BUDGET_KEY, SHARE_KEY, OWNER_A, OWNER_B, ADMIN = "sk-rpm", "sk-budget", "sk-share", "sk-owner-a", "sk-owner-b", "sk-admin"
@@ -46,14 +46,7 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_toke
 
 @pytest.fixture(scope="module")
 def postgres() -> Iterator[PostgresServer]:
-    why = postgres_missing()
-    if why is not None:
-        pytest.skip(f"PostgreSQL tests skipped: {why}")
-    server = PostgresServer()
-    try:
-        yield server.init()
-    finally:
-        server.remove()
+    yield from own_postgres()
 
 
 @pytest.fixture(scope="module")
