@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.responses import Response, StreamingResponse
 
 from gateway.batches.service import opened
-from gateway.batches.shapes import ACTIVE, TERMINAL, WINDOW_S, BatchObject
+from gateway.batches.shapes import TERMINAL, WINDOW_S, BatchObject
 from gateway.config import BatchSettings
 from gateway.core.endpoints import (
     MESSAGE_BATCH_BY_ID,
@@ -162,16 +162,9 @@ async def create_message_batch(request: Request) -> Response:
         raise GatewayError(400, f"{where}: {problem['msg']}", param=where) from None
     owner = request_owner(request.scope)
     tenant: Tenant | None = request.scope.get(TENANT_SCOPE_KEY)
-    limits = batches.settings
-    active, queued = await asyncio.to_thread(store.load, owner)
-    if active >= limits.max_active_batches_per_key:
-        raise GatewayError(429, f"this key has {active} batches in progress (gateway.batches.max_active_batches_per_key)", code="batch_limit_exceeded")
-    data, custom_ids = await asyncio.to_thread(checked_requests, request.app.state.gateway, asked, tenant, limits)
-    if queued + len(custom_ids) > limits.max_queued_lines_per_key:
-        raise GatewayError(
-            429, f"this key has {queued} requests queued; {len(custom_ids)} more exceed gateway.batches.max_queued_lines_per_key "
-            f"({limits.max_queued_lines_per_key})", code="batch_limit_exceeded",
-        )  # fmt: skip
+    queued = await batches.key_load(store, owner)
+    data, custom_ids = await asyncio.to_thread(checked_requests, request.app.state.gateway, asked, tenant, batches.settings)
+    batches.refuse_over_queued(queued, len(custom_ids), "requests")
     batch_id = PREFIX + secrets.token_hex(12)
     file_id = f"file-{batch_id}-input"  # the requests as lines: storage only, no file of the Files API
     await asyncio.to_thread(batches.files.write, file_id, data)
@@ -181,12 +174,10 @@ async def create_message_batch(request: Request) -> Response:
         "input_file_id": file_id, "completion_window": "24h", "status": "validating", "created_at": now, "expires_at": now + WINDOW_S["24h"],
     }  # fmt: skip
     try:
-        created = await asyncio.to_thread(store.create_batch, row, custom_ids)
+        created = await batches.create(store, row, custom_ids)
     except BaseException:
         await asyncio.to_thread(batches.files.delete, file_id)
         raise
-    if batches.runner is not None:
-        batches.runner.wake()
     return _json(message_batch(created))
 
 
@@ -214,9 +205,7 @@ async def cancel_message_batch(message_batch_id: str, request: Request) -> Respo
     batch = await _owned(request, message_batch_id)
     if batch.status in TERMINAL:
         raise GatewayError(409, f"message batch {message_batch_id} has ended already", code="batch_not_cancellable")
-    await asyncio.to_thread(store.move, message_batch_id, "cancelling", tuple(ACTIVE - {"cancelling", "finalizing"}))
-    if batches.runner is not None:
-        batches.runner.cancel(message_batch_id)
+    await batches.cancel(store, message_batch_id)
     return _json(message_batch(await _owned(request, message_batch_id)))
 
 

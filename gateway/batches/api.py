@@ -24,7 +24,7 @@ from starlette.responses import Response, StreamingResponse
 from gateway.batches.anthropic import MESSAGE_HANDLERS
 from gateway.batches.files import CHUNK
 from gateway.batches.service import opened as _batches
-from gateway.batches.shapes import ACTIVE, ENDPOINTS, TERMINAL, WINDOW_S, BatchCreate, page
+from gateway.batches.shapes import ENDPOINTS, TERMINAL, WINDOW_S, BatchCreate, page
 from gateway.batches.validate import checked_lines
 from gateway.core.endpoints import (
     ADMIN_BATCHES,
@@ -134,17 +134,10 @@ async def create_batch(request: Request) -> Response:
     source = await _db(store.file, asked.input_file_id, owner)
     if source is None or source.purpose != "batch":
         raise GatewayError(404, f"No such File object: {asked.input_file_id}", code="file_not_found", param="input_file_id")
-    limits = batches.settings
-    active, queued = await _db(store.load, owner)
-    if active >= limits.max_active_batches_per_key:
-        raise GatewayError(429, f"this key has {active} batches in progress (gateway.batches.max_active_batches_per_key)", code="batch_limit_exceeded")
+    queued = await batches.key_load(store, owner)
     state = request.app.state.gateway
-    custom_ids = await _db(checked_lines, state, batches.files, asked.input_file_id, asked.endpoint, tenant, limits)
-    if queued + len(custom_ids) > limits.max_queued_lines_per_key:
-        raise GatewayError(
-            429, f"this key has {queued} lines queued; {len(custom_ids)} more exceed gateway.batches.max_queued_lines_per_key "
-            f"({limits.max_queued_lines_per_key})", code="batch_limit_exceeded",
-        )  # fmt: skip
+    custom_ids = await _db(checked_lines, state, batches.files, asked.input_file_id, asked.endpoint, tenant, batches.settings)
+    batches.refuse_over_queued(queued, len(custom_ids))
     now = int(time.time())
     row = {
         "id": "batch_" + secrets.token_hex(12), "owner": owner, "key_name": tenant.name if tenant is not None else None,
@@ -152,9 +145,7 @@ async def create_batch(request: Request) -> Response:
         "status": "validating", "created_at": now, "expires_at": now + WINDOW_S[asked.completion_window],
         "metadata": json.dumps(asked.metadata) if asked.metadata is not None else None,
     }  # fmt: skip
-    created = await _db(store.create_batch, row, custom_ids)
-    if batches.runner is not None:
-        batches.runner.wake()
+    created = await batches.create(store, row, custom_ids)
     return _json(created.model_dump())
 
 
@@ -187,9 +178,7 @@ async def cancel_batch(batch_id: str, request: Request) -> Response:
     batch = await _owned_batch(request, batch_id)
     if batch.status in TERMINAL:
         raise GatewayError(409, f"batch {batch_id} is {batch.status} already", code="batch_not_cancellable", param="batch_id")
-    await _db(store.move, batch_id, "cancelling", tuple(ACTIVE - {"cancelling", "finalizing"}))
-    if batches.runner is not None:
-        batches.runner.cancel(batch_id)
+    await batches.cancel(store, batch_id)
     return _json((await _owned_batch(request, batch_id)).model_dump())
 
 

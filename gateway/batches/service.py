@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 from fastapi import Request
 from loguru import logger
@@ -24,6 +25,7 @@ from starlette.types import ASGIApp
 from gateway.batches.dispatch import LineSender
 from gateway.batches.files import DatabaseFiles, FileStorage, LocalFiles
 from gateway.batches.runner import BatchRunner
+from gateway.batches.shapes import ACTIVE, BatchObject
 from gateway.batches.store import BatchStore
 from gateway.config import GatewaySettings
 from gateway.core.errors import GatewayError
@@ -70,6 +72,39 @@ class Batches:
                 if self.store is None and (create or self._exists()):
                     self.store = await asyncio.to_thread(BatchStore, self.url)
         return self.store
+
+    async def key_load(self, store: BatchStore, owner: str) -> int:
+        """Lines ``owner`` has queued; 429 when it has ``max_active_batches_per_key`` batches in progress already
+        (asked before a new batch's lines are checked, so that a busy key is refused before that work)."""
+        active, queued = await asyncio.to_thread(store.load, owner)
+        if active >= self.settings.max_active_batches_per_key:
+            raise GatewayError(
+                429, f"this key has {active} batches in progress (gateway.batches.max_active_batches_per_key)", code="batch_limit_exceeded"
+            )
+        return queued
+
+    def refuse_over_queued(self, queued: int, adding: int, noun: str = "lines") -> None:
+        """429 when ``adding`` more lines and the ``queued`` ones of a key exceed ``max_queued_lines_per_key``."""
+        limit = self.settings.max_queued_lines_per_key
+        if queued + adding > limit:
+            raise GatewayError(
+                429, f"this key has {queued} {noun} queued; {adding} more exceed gateway.batches.max_queued_lines_per_key ({limit})",
+                code="batch_limit_exceeded",
+            )  # fmt: skip
+
+    async def create(self, store: BatchStore, row: dict[str, Any], custom_ids: list[str]) -> BatchObject:
+        """Record a batch of ``custom_ids`` and wake the runner."""
+        created = await asyncio.to_thread(store.create_batch, row, custom_ids)
+        if self.runner is not None:
+            self.runner.wake()
+        return created
+
+    async def cancel(self, store: BatchStore, batch_id: str) -> None:
+        """No line of ``batch_id`` starts from now on: ``cancelling`` in the database, and told to the runner here (a
+        runner elsewhere sees it at its next poll); lines in flight finish."""
+        await asyncio.to_thread(store.move, batch_id, "cancelling", tuple(ACTIVE - {"cancelling", "finalizing"}))
+        if self.runner is not None:
+            self.runner.cancel(batch_id)
 
     def _engine(self) -> Engine:
         """The database of :class:`DatabaseFiles` (opened by the API and the runner before they touch a file)."""
