@@ -199,13 +199,13 @@ class BatchRunner:
                 if index not in queued:
                     continue
                 await self._slots.acquire()
-                model = _model_of(raw)
+                body, model = _read(raw)
                 await self._yielding.enter(model, lambda: self._stopped(batch))
                 if self._stopped(batch):
                     self._yielding.leave(model)
                     self._slots.release()
                     break
-                task = asyncio.create_task(self._line(batch, whose[0], index, raw, model))
+                task = asyncio.create_task(self._line(batch, whose[0], index, body, model))
                 for group in (mine, self._lines):
                     group.add(task)
                     task.add_done_callback(group.discard)
@@ -223,20 +223,21 @@ class BatchRunner:
         finally:
             stream.close()
 
-    async def _line(self, batch: BatchObject, owner: str, index: int, raw: bytes, model: str) -> None:
+    async def _line(self, batch: BatchObject, owner: str, index: int, body: Any, model: str) -> None:
         try:
-            end = await self._answer(batch, owner, index, raw)
+            end = await self._answer(batch, owner, index, body)
             if end is not None and await self._db(self.store.end_line, batch.id, index, end):
                 self.metrics.child(self.metrics.batch_lines, model, "done" if end.status_code == 200 else "failed").inc()
         finally:
             self._yielding.leave(model)
             self._slots.release()
 
-    async def _answer(self, batch: BatchObject, owner: str, index: int, raw: bytes) -> LineEnd | None:
+    async def _answer(self, batch: BatchObject, owner: str, index: int, body: Any) -> LineEnd | None:
         """How the line ended; None: it did not (cancelled or expired while it waited to be sent again: it ends so at
-        the batch's finish). Cancelled (shutdown): it stays queued."""
+        the batch's finish). Cancelled (shutdown): it stays queued. A line that could not be read fails."""
         try:
-            body = orjson.loads(raw)["body"]
+            if isinstance(body, Exception):
+                raise body
             payload = orjson.dumps(body)
             request_id = f"{batch.id}-{index}"
             backoff = self.settings.retry_backoff_s
@@ -291,13 +292,15 @@ class BatchRunner:
         return ids[0], ids[1]
 
 
-def _model_of(raw: bytes) -> str:
-    """The model a line names (its metrics label, and whose engine it yields to interactive requests); "-" if none."""
+def _read(raw: bytes) -> tuple[Any, str]:
+    """A line's body (read once: what it sends) and the model it names (its metrics label, and whose engine it yields
+    to interactive requests; "-" if none). A line that cannot be read (every line was checked at the batch's
+    creation) gives the error, which fails it when it runs."""
     try:
         body = orjson.loads(raw)["body"]
-        return str(body.get("model", "-"))
-    except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
-        return "-"
+    except Exception as error:  # noqa: BLE001 - any shape of unreadable line fails that line only
+        return error, "-"
+    return body, str(body.get("model", "-")) if isinstance(body, dict) else "-"
 
 
 def _take(lines: Iterator[T], count: int) -> list[T]:
