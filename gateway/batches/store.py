@@ -73,11 +73,7 @@ class BatchStore:
 
     def file(self, file_id: str, owner: str | None) -> FileObject | None:
         """``file_id`` if ``owner`` holds it (None: whoever does)."""
-        query = select(batch_files).where(batch_files.c.id == file_id)
-        if owner is not None:
-            query = query.where(batch_files.c.owner == owner)
-        with self.engine.begin() as conn:
-            row = conn.execute(query).mappings().first()
+        row = self._owned(batch_files, file_id, owner)
         return _file(row) if row is not None else None
 
     def files(self, owner: str, purpose: str | None, after: str | None, limit: int) -> tuple[list[FileObject], bool]:
@@ -109,11 +105,8 @@ class BatchStore:
         return _batch(row)
 
     def batch(self, batch_id: str, owner: str | None) -> BatchObject | None:
-        query = select(batches).where(batches.c.id == batch_id)
-        if owner is not None:
-            query = query.where(batches.c.owner == owner)
-        with self.engine.begin() as conn:
-            row = conn.execute(query).mappings().first()
+        """``batch_id`` if ``owner`` holds it (None: whoever does)."""
+        row = self._owned(batches, batch_id, owner)
         return _batch(row) if row is not None else None
 
     def owner_of(self, batch_id: str) -> tuple[str, str | None] | None:
@@ -236,6 +229,14 @@ class BatchStore:
         query = select(batch_lines).where(where).order_by(batch_lines.c.line).limit(limit)
         with self.engine.begin() as conn:
             return [dict(row) for row in conn.execute(query).mappings()]
+
+    def _owned(self, table: Any, object_id: str, owner: str | None) -> Any:
+        """The row ``object_id`` of ``table`` (files, batches) if ``owner`` holds it (None: whoever does)."""
+        query = select(table).where(table.c.id == object_id)
+        if owner is not None:
+            query = query.where(table.c.owner == owner)
+        with self.engine.begin() as conn:
+            return conn.execute(query).mappings().first()
 
     def _page(self, query: Any, table: Any, after: str | None, limit: int, before: str | None = None) -> list[Any]:
         """Newest first, ``limit`` + 1 rows (the extra one says ``has_more``), starting after the id ``after``; with
