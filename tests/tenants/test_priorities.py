@@ -26,6 +26,9 @@ from tests.waiting import wait_until
 
 BATCH, CHAT, PLAIN = "sk-batch-prio-0123456789", "sk-chat-prio-0123456789", "sk-plain-prio-0123456789"
 LIMITS = {"max_concurrent": 1, "max_queue": 40, "queue_timeout_s": 60}  # one request upstream, the others queued
+# each queued request holds the slot 10 steps (200 ms): the order is read from when each client saw its end, and two
+# ends one step apart were seen swapped on a loaded machine (a thread woken late)
+QUEUED_TOKENS = 10
 
 
 @pytest.fixture(scope="module")
@@ -61,9 +64,9 @@ def _served_order(server: GatewayServer, low: int, high: tuple[str, str | None],
     while limiter.in_flight < 1:
         time.sleep(0.005)
     for index in range(lows):
-        threads.append(_stream(server.url, BATCH, 3, done, f"low-{index}"))
+        threads.append(_stream(server.url, BATCH, QUEUED_TOKENS, done, f"low-{index}"))
         queued(index + 1)
-    threads.append(_stream(server.url, high[0], 3, done, "high", high[1]))
+    threads.append(_stream(server.url, high[0], QUEUED_TOKENS, done, "high", high[1]))
     queued(lows + 1)
     for thread in threads:
         thread.join(60)
