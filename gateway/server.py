@@ -34,6 +34,7 @@ from gateway.control.controller import StartAborted
 from gateway.control.workers import ADMIN_SOCKET, METRICS_DIR, WorkerPlan
 from gateway.core.endpoints import listening_note
 from gateway.edge.connection import guarded_protocol
+from gateway.edge.listener import ManyAcceptServer
 from launch.config import ConfigError, load_config
 from launch.ports import pick_free_port, port_is_free
 
@@ -105,9 +106,10 @@ def _note_signal(signum: int, frame: object) -> None:
     logger.info("gateway: stopped by {}", signal.Signals(signum).name)
 
 
-class GatewayServer(uvicorn.Server):
-    """uvicorn's server, plus: a stop signal during engine start-up stops the engines at once; ``on_started`` is
-    called once it accepts connections; SIGTERM once started drains for ``gateway.shutdown_delay_s`` first (the
+class GatewayServer(ManyAcceptServer):
+    """uvicorn's server, accepting every waiting connection per pass of the loop (:class:`ManyAcceptServer`), plus:
+    a stop signal during engine start-up stops the engines at once; ``on_started`` is called once it accepts
+    connections; SIGTERM once started drains for ``gateway.shutdown_delay_s`` first (the
     app's state says ``draining``: ``/ready`` 503, connections closed after each response), then stops as uvicorn does.
     """
 

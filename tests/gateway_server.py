@@ -14,6 +14,7 @@ from fastapi import FastAPI
 from gateway.app import create_app
 from gateway.config import GatewaySettings, gateway_settings
 from gateway.core.registry import build_registry
+from gateway.edge.listener import ManyAcceptServer
 from gateway.server import uvicorn_config
 from launch.config import parse_config
 from launch.ports import pick_free_port
@@ -28,13 +29,14 @@ def auth(key: str = KEY) -> dict[str, str]:
 
 
 class GatewayServer:
-    """A gateway app served by uvicorn on a free localhost port, in a thread."""
+    """A gateway app served by uvicorn on a free localhost port, in a thread, through the gateway's listener
+    (:class:`ManyAcceptServer`: the serve command's, without its signal handling and heap freeze)."""
 
     def __init__(self, app: FastAPI, settings: GatewaySettings) -> None:
         self.app = app
         self.port = pick_free_port()
         self.settings = settings.model_copy(update={"port": self.port, "host": "127.0.0.1"})
-        self.server = uvicorn.Server(uvicorn_config(app, self.settings, log_level="warning"))
+        self.server: uvicorn.Server = ManyAcceptServer(uvicorn_config(app, self.settings, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, name=f"gateway-{self.port}", daemon=True)
         self.url = f"http://127.0.0.1:{self.port}"
 
