@@ -53,6 +53,9 @@ class ManyAcceptListener:
     def is_serving(self) -> bool:
         return self._serving
 
+    def get_loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
     def _start(self) -> None:
         if not self._serving and not self._closed.is_set():
             self._loop.add_reader(self._sock.fileno(), self._accept_waiting)

@@ -98,7 +98,7 @@ def test_a_closed_listener_accepts_nothing_and_leaves_a_handed_socket_open() -> 
         owned.bind(("127.0.0.1", 0))
         owned.listen(16)
         listener = ManyAcceptListener(owned, _factory(made), owns_socket=False)
-        assert listener.is_serving() and listener.sockets == (owned,)
+        assert listener.is_serving() and listener.sockets == (owned,) and listener.get_loop() is asyncio.get_running_loop()
         listener.close()
         await asyncio.wait_for(listener.wait_closed(), 1)
         assert not listener.is_serving() and owned.fileno() != -1  # its owner (uvicorn's shutdown) closes it
