@@ -1,11 +1,11 @@
 """The listening socket: every connection waiting in the accept queue is taken in one pass of the loop.
 
-uvloop (libuv since 1.45) accepts one connection per pass of the event loop, so that processes sharing a socket
+uvloop (its libuv) accepts one connection per pass of the event loop, so that processes sharing a socket
 take turns. A gateway relaying a decode step's events to a thousand streams spends 10-20 ms per pass, so new
 connections are taken at 50-100 a second while hundreds wait in the listen queue, and a new stream's first token
 waits a second or more for its accept (measured: 300 waiting connections take 301 passes under uvloop). Here
 the socket's readiness callback accepts up to :data:`ACCEPTS_PER_PASS` at once and hands each to the loop as an
-accepted socket with uvicorn's protocol, so those connections wait one pass at most. Worker processes each
+accepted socket with uvicorn's protocol, so those connections wait a pass or two at most. Worker processes each
 listen on a socket of their own (``SO_REUSEPORT``): the kernel, not turn-taking, spreads connections among them.
 
 :class:`ManyAcceptServer` is uvicorn's server with these listeners in place of the ``asyncio.Server`` objects it
