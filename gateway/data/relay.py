@@ -57,21 +57,24 @@ _ENDINGS: dict[StreamKind, tuple[bytes, ...]] = {
 }
 
 
-# One scan per read, by stream framing, for the two things the relay looks for in every read:
-# - what makes an event worth parsing (a usage object, an engine error, a new Responses id); engines put
-#   ``"usage":null`` in every chunk, so only an object counts, and Responses events all carry ``"error":null``;
-# - what says the stream is finishing (the group ``finish``): its last events (usage, the end) follow at once, so
-#   a read carrying one is not followed by a coalescing rest (``stream_coalesce_ms``) and the end, and the engine's
-#   slot, come without the wait. One missed costs one window, nothing else.
-# Every alternative starts with a quote, so ``re`` looks for the quote and tries the rest only there: one pass over
-# a read for both (a separate search per finish marker cost as much again: ~2 µs per 1 KB read).
+# One scan per read, by stream framing, for what makes an event worth parsing (a usage object, an engine error, a
+# new Responses id); engines put ``"usage":null`` in every chunk, so only an object counts, and Responses events all
+# carry ``"error":null``. Every alternative starts with a quote, so ``re`` looks for the quote and tries the rest
+# only there: one pass over a read.
 _SCAN: dict[StreamKind, re.Pattern[bytes]] = {
-    StreamKind.DATA: re.compile(rb'"(?:usage": ?\{|error"|(?P<finish>finish_reason": ?"))'),
-    StreamKind.RESPONSES: re.compile(
-        rb'"(?:usage": ?\{|error": ?\{|type": ?"error"|response\.created"'
-        rb'|(?P<finish>type": ?"response\.(?:completed|[a-z_]+\.done)"))'  # output_text.done .. output_item.done, the end
-    ),
-    StreamKind.ANTHROPIC: re.compile(rb'"(?:usage": ?\{|type": ?"error"|(?P<finish>type": ?"message_(?:delta|stop)"))'),
+    StreamKind.DATA: re.compile(rb'"(?:usage": ?\{|error")'),
+    StreamKind.RESPONSES: re.compile(rb'"(?:usage": ?\{|error": ?\{|type": ?"error"|response\.created")'),
+    StreamKind.ANTHROPIC: re.compile(rb'"(?:usage": ?\{|type": ?"error")'),
+}
+
+# What says a stream is finishing: its last events (usage, the end) follow at once, so a read carrying one is not
+# followed by a coalescing rest (``stream_coalesce_ms``) and the end, and the engine's slot, come without the wait.
+# Searched only when a rest would follow the read (the process is behind): a separate pass then, and none while it
+# keeps up (in the scan above, it cost every read ~0.25 µs). One missed costs one rest, nothing else.
+_FINISH: dict[StreamKind, re.Pattern[bytes]] = {
+    StreamKind.DATA: re.compile(rb'finish_reason": ?"|data: \[DONE\]'),
+    StreamKind.RESPONSES: re.compile(rb'type": ?"response\.(?:completed|[a-z_]+\.done)"|data: \[DONE\]'),  # output_text.done .. the end
+    StreamKind.ANTHROPIC: re.compile(rb'type": ?"message_(?:delta|stop)"|data: \[DONE\]'),
 }
 
 
@@ -123,9 +126,9 @@ class SSEProxyResponse(Response):
         self.count_prompt = count_prompt  # ... and its prompt counted by the engine's tokenizer, where it can say
         self._uncounted = False  # the prompt is still to be counted, once the client has what it gets
         self._scan = _SCAN[kind]
+        self._finish = _FINISH[kind]
         self._endings = _ENDING_SCAN[kind]
         self._last = (b"", b"")  # the last two pieces written: where a complete stream's own ending is
-        self._finishing = False  # the read being relayed says the stream is finishing (set by the scan)
         self._pending = b""
         self._held = b""  # the stream's last events ([DONE]): they go out with our end, in one write
         self._writer: _TransportWriter | _MessageWriter | None = None
@@ -171,36 +174,37 @@ class SSEProxyResponse(Response):
             if self._uncounted:
                 await self._count_the_prompt()
 
-    def _on_data(self, chunk: bytes) -> bool:
-        """One upstream body piece, in the socket's callback: whole events go to the client at once. Returns whether
-        the piece says the stream is finishing (the pool then reads on without a rest)."""
+    def _on_data(self, chunk: bytes) -> None:
+        """One upstream body piece, in the socket's callback: whole events go to the client at once."""
         writer = self._writer
         try:
             info = self.info
             if info.ttft_s is None:
                 info.ttft_s = time.perf_counter() - info.started
                 self.lease.release_grammar()
-            self._finishing = False
             events = self._complete_events(chunk)
             if not events:
-                return False
+                return
             self.events += events.count(b"\n\n")
             if self._held:  # (cannot happen: nothing follows the end of a stream)
                 events, self._held = self._held + events, b""
             if events.endswith(_DONE):
                 self._held = events
-                return True
+                return
             writer.write(events)
             self._last = (self._last[1], events)
-            return self._finishing
         except Exception as error:  # a bug here must end this stream, not the upstream socket's callback
             logger.exception("relay: the stream of {} failed", self.model)
             writer.finish(_RelayFailed(error))
-            return True
+
+    def _says_finishing(self, read: bytes) -> bool:
+        """Whether an upstream read shows the stream finishing (a finish reason, the end): the pool then reads on
+        without a rest. Asked only when a rest would follow the read."""
+        return self._finish.search(read) is not None
 
     async def _pump(self, writer: _TransportWriter | _MessageWriter, send: Send) -> None:
         self._writer = writer
-        self.upstream.relay(self._on_data, writer.finish)
+        self.upstream.relay(self._on_data, writer.finish, self._says_finishing)
         error = await writer.wait()
         failure: GatewayError | None = None
         if isinstance(error, _RelayFailed):
@@ -299,8 +303,7 @@ class SSEProxyResponse(Response):
         return self._inspect(data[: cut + 2])
 
     def _inspect(self, events: bytes) -> bytes:
-        """Byte scans only; JSON is parsed just for the lines carrying a usage object, an error or a new response.
-        A finish marker is only noted (:attr:`_finishing`), and the scan goes on right after it."""
+        """Byte scans only; JSON is parsed just for the lines carrying a usage object, an error or a new response."""
         scan = self._scan
         found = scan.search(events)
         if found is None:
@@ -308,17 +311,11 @@ class SSEProxyResponse(Response):
         out = []
         start = 0
         while found is not None:
-            if found.lastgroup == "finish":
-                self._finishing = True
-                found = scan.search(events, found.end())
-                continue
             at = found.start()
             line_start = events.rfind(b"\n", 0, at) + 1
             line_end = events.find(b"\n", at)
             line_end = len(events) if line_end < 0 else line_end
             line = events[line_start:line_end]
-            if not self._finishing:  # a finish marker after the one found, on this line (skipped by the search below)
-                self._finishing = any(later.lastgroup == "finish" for later in scan.finditer(line, at - line_start + 1))
             out.append(events[start:line_start])
             kept = self._inspect_line(line) if line.startswith(b"data: {") else line
             if kept is None:  # an event the client did not ask for: the line and the blank line closing it go
@@ -328,8 +325,6 @@ class SSEProxyResponse(Response):
             out.append(kept)
             start = line_end
             found = scan.search(events, start)
-        if not out:  # finish markers only: nothing parsed, nothing rewritten
-            return events
         out.append(events[start:])
         return b"".join(out)
 

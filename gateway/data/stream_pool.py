@@ -102,7 +102,8 @@ class QuickAck:
             self._sock = None
 
 
-Sink = Callable[[bytes], bool]  # one read's body; returns whether it says the stream is finishing (no rest follows)
+Sink = Callable[[bytes], None]  # one read's body
+Finishing = Callable[[bytes], bool]  # whether a read says the stream is finishing (asked only when a rest would follow)
 EndSink = Callable[[BaseException | None], None]
 
 
@@ -117,6 +118,7 @@ class _Connection(asyncio.Protocol):
         self._ack: QuickAck | None = None
         self.exchange: StreamExchange | None = None
         self.sink: Sink | None = None  # the exchange's relay, called once per read with what the read brought
+        self.finishing: Finishing | None = None  # the relay's: does a read say the stream is finishing (no rest then)
         self._pieces: list[bytes] = []  # the body pieces (HTTP chunks) of the read being parsed
         self.parser: Any = None
         self.idle_since = 0.0
@@ -153,19 +155,20 @@ class _Connection(asyncio.Protocol):
         in the socket, as under load) costs one write to the client, not one per event. While the process falls
         behind (:meth:`StreamPool.rest_for`), the exchange then rests (reads nothing) for a while, so that what
         the engine sends meanwhile comes in one read; unless the read says the stream is finishing (its end, and
-        the engine's slot, then come without the wait)."""
+        the engine's slot, then come without the wait). That is asked only when a rest would follow: while the
+        process keeps up, a read costs no scan for it."""
         pieces = self._pieces
         if pieces:
             body = pieces[0] if len(pieces) == 1 else b"".join(pieces)
             pieces.clear()
             sink = self.sink
             if sink is not None:
-                finishing = sink(body)
+                sink(body)
                 exchange = self.exchange
-                pool = self.pool
-                if rest and not finishing and exchange is not None:
-                    seconds = pool.rest_for()
-                    if seconds:
+                if rest and exchange is not None:
+                    seconds = self.pool.rest_for()
+                    finishing = self.finishing
+                    if seconds and not (finishing is not None and finishing(body)):
                         exchange.rest(seconds)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -198,7 +201,7 @@ class _Connection(asyncio.Protocol):
     def send(self, exchange: StreamExchange, request: bytes) -> None:
         assert self.transport is not None
         self.exchange = exchange
-        self.sink = None
+        self.sink = self.finishing = None
         self._pieces.clear()
         self.parser = httptools.HttpResponseParser(self)
         self.transport.write(request)
@@ -303,9 +306,9 @@ class StreamExchange:
             raise self._error
         return b"".join(self._buffer)
 
-    def relay(self, on_data: Sink, on_end: EndSink) -> None:
+    def relay(self, on_data: Sink, on_end: EndSink, finishing: Finishing | None = None) -> None:
         """From now on each body piece goes to ``on_data`` as it is parsed; ``on_end(None | error)`` once at the end.
-        Pieces that came with the head are handed over first, together. ``on_data`` says whether a read shows the
+        Pieces that came with the head are handed over first, together. ``finishing`` says whether a read shows the
         stream finishing (a finish reason: its last events follow at once): such a read is not followed by a rest."""
         buffered, self._buffer = self._buffer, []
         if buffered:  # what came with the head (an engine that answered at once: often the whole stream), in one call
@@ -315,6 +318,7 @@ class StreamExchange:
             return
         self._end = on_end
         self.connection.sink = on_data
+        self.connection.finishing = finishing
 
     def pause_reading(self, why: str = "client") -> None:
         """Read nothing from the engine until :meth:`resume_reading` with the same ``why`` (and every other
@@ -359,7 +363,7 @@ class StreamExchange:
         self._stop_timer()
         self._stop_rest()
         self._end = None
-        self.connection.exchange = self.connection.sink = None
+        self.connection.exchange = self.connection.sink = self.connection.finishing = None
         self.connection.abort()
         self.connection.pool.release(self.connection, reuse=False)
 
@@ -373,7 +377,7 @@ class StreamExchange:
         self._released = True
         self._end = None
         self.resume_reading("client")  # (a client still reading the end: the next request must be read)
-        self.connection.exchange = self.connection.sink = None
+        self.connection.exchange = self.connection.sink = self.connection.finishing = None
         self.connection.pool.release(self.connection, reuse=True)
 
 

@@ -364,11 +364,11 @@ def test_what_says_a_stream_is_finishing_is_found_in_each_dialect(kind: StreamKi
     """A read carrying a stream's finish is not followed by a coalescing rest (its end comes at once): the relay
     says so for that read, and for no other; either way the read is relayed as it came."""
     relay, written = _writing_relay(kind)
-    for event in ordinary:
-        assert relay._on_data(event) is False
-    assert relay._on_data(ordinary[0] + finishing) is True
-    assert relay._on_data(ordinary[-1]) is False  # said of one read only
-    assert written == [*ordinary, ordinary[0] + finishing, ordinary[-1]]
+    reads = [*ordinary, ordinary[0] + finishing, ordinary[-1]]
+    for read in reads:
+        relay._on_data(read)
+    assert [relay._says_finishing(read) for read in reads] == [False] * len(ordinary) + [True, False]
+    assert written == reads
 
 
 @pytest.mark.parametrize("usage_first", [False, True])
@@ -377,14 +377,18 @@ def test_a_finish_and_a_usage_object_in_one_event_are_both_seen(usage_first: boo
     relay, written = _writing_relay(StreamKind.DATA)
     fields = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}], "usage": {"prompt_tokens": 3, "completion_tokens": 5}}
     event = _data(dict(reversed(fields.items())) if usage_first else fields)
-    assert relay._on_data(event) is True
+    relay._on_data(event)
+    assert relay._says_finishing(event)
     assert relay.info.prompt_tokens == 3 and relay.info.completion_tokens == 5 and written == [event]
 
 
-def test_the_stream_end_is_finishing() -> None:
-    relay, written = _writing_relay(StreamKind.DATA)
-    assert relay._on_data(CHUNK) is False
-    assert relay._on_data(DONE) is True and written == [CHUNK]  # [DONE] is held for the relay's own end
+@pytest.mark.parametrize("kind", list(StreamKind))
+def test_the_stream_end_is_finishing(kind: StreamKind) -> None:
+    relay, written = _writing_relay(kind)
+    relay._on_data(CHUNK)
+    relay._on_data(DONE)
+    assert not relay._says_finishing(CHUNK) and relay._says_finishing(DONE)
+    assert written == [CHUNK]  # [DONE] is held for the relay's own end
 
 
 @pytest.mark.parametrize("space", ["", " "])

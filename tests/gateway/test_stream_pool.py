@@ -301,12 +301,14 @@ def test_a_read_that_carries_a_streams_finish_is_not_followed_by_a_rest() -> Non
             loop = asyncio.get_running_loop()
             reads: list[tuple[bytes, bool]] = []
 
-            def sink(body: bytes) -> bool:  # is the connection read on, once the read's callback returned?
+            def sink(body: bytes) -> None:  # is the connection read on, once the read's callback returned?
                 loop.call_soon(lambda: reads.append((body, transport.is_reading())))
-                return says_finishing and b'"finish_reason":"' in body  # as the relay's scan says
+
+            def finishing(body: bytes) -> bool:  # as the relay's scan says
+                return says_finishing and b'"finish_reason":"' in body
 
             ended: asyncio.Future[BaseException | None] = loop.create_future()
-            exchange.relay(sink, _end_into(ended))
+            exchange.relay(sink, _end_into(ended), finishing)
             assert await asyncio.wait_for(ended, 10) is None
             exchange.release()
             await pool.close()
