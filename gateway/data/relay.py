@@ -130,7 +130,6 @@ class SSEProxyResponse(Response):
         self._endings = _ENDING_SCAN[kind]
         self._last = (b"", b"")  # the last two pieces written: where a complete stream's own ending is
         self._pending = b""
-        self._held = b""  # the stream's last events ([DONE]): they go out with our end, in one write
         self._writer: _TransportWriter | _MessageWriter | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:  # type: ignore[override]
@@ -186,12 +185,7 @@ class SSEProxyResponse(Response):
             if not events:
                 return
             self.events += events.count(b"\n\n")
-            if self._held:  # (cannot happen: nothing follows the end of a stream)
-                events, self._held = self._held + events, b""
-            if events.endswith(_DONE):
-                self._held = events
-                return
-            writer.write(events)
+            writer.write(events)  # [DONE] too: the client's stream ends when the engine's does, not at its body's close
             self._last = (self._last[1], events)
         except Exception as error:  # a bug here must end this stream, not the upstream socket's callback
             logger.exception("relay: the stream of {} failed", self.model)
@@ -216,7 +210,7 @@ class SSEProxyResponse(Response):
         # The engine is done with this request: give back its slot now, not once a slow client has read
         # the rest (a client that stops reading is cut off by the HTTP layer's write timeout).
         self.lease.close()
-        tail, self._held = self._held, b""
+        tail = b""
         if self._pending:
             tail += self._last_partial_event(self._pending)
             self._pending = b""

@@ -61,3 +61,39 @@ def test_the_head_of_a_stream_reaches_the_client_with_its_first_event() -> None:
                 assert more, rest
                 rest += more
         assert b"data: [DONE]" in rest
+
+
+def test_done_reaches_the_client_before_the_engine_closes_its_body() -> None:
+    """The client's stream ends at the engine's [DONE], not when the engine gets round to closing the body (a
+    decode loop may do that a step later): the engine here closes it only once the client has seen [DONE]."""
+    seen_done = threading.Event()
+
+    def answer(conn: socket.socket) -> None:
+        request = b""
+        while b"\r\n\r\n" not in request or not request.endswith(b"}"):
+            request += conn.recv(65536)
+        conn.sendall(HEAD + _chunk(EVENT) + _chunk(END))
+        seen_done.wait(30)
+        conn.sendall(b"0\r\n\r\n")
+
+    engine = fake_tcp_upstream(lambda conn: threading.Thread(target=answer, args=(conn,), daemon=True).start())
+    with engine as url, serve({"m": {"url": url}}) as gateway:
+        body = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}'
+        request = (
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        host, port = gateway.url.removeprefix("http://").rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=10) as client:
+            client.sendall(request)
+            received = b""
+            while b"data: [DONE]" not in received:
+                more = client.recv(65536)  # times out (10 s) if [DONE] waits for the body's close
+                assert more, received
+                received += more
+            assert not received.endswith(b"0\r\n\r\n")  # the body is still open: [DONE] came first
+            seen_done.set()
+            while not received.endswith(b"0\r\n\r\n"):
+                more = client.recv(65536)
+                assert more, received
+                received += more
