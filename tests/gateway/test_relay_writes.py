@@ -42,16 +42,22 @@ def _engine_that_waits_after_its_head(wait_s: float) -> AbstractContextManager[s
     return fake_tcp_upstream(lambda conn: threading.Thread(target=answer, args=(conn,), daemon=True).start())
 
 
+def _streamed_chat(url: str) -> socket.socket:
+    """A raw client connection to the gateway at ``url`` that has sent one streamed chat request."""
+    body = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}'
+    request = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    client = socket.create_connection((host, int(port)), timeout=10)
+    client.sendall(request)
+    return client
+
+
 def test_the_head_of_a_stream_reaches_the_client_with_its_first_event() -> None:
     with _engine_that_waits_after_its_head(0.3) as engine, serve({"m": {"url": engine}}) as gateway:
-        body = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}'
-        request = (
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
-        )
-        host, port = gateway.url.removeprefix("http://").rsplit(":", 1)
-        with socket.create_connection((host, int(port)), timeout=10) as client:
-            client.sendall(request)
+        with _streamed_chat(gateway.url) as client:
             first = client.recv(65536)  # whatever came first: the head alone, 0.3 s before the event, or both
             assert first.startswith(b"HTTP/1.1 200"), first
             assert EVENT in first, first  # the head waited for the event and went out with it
@@ -78,14 +84,7 @@ def test_done_reaches_the_client_before_the_engine_closes_its_body() -> None:
 
     engine = fake_tcp_upstream(lambda conn: threading.Thread(target=answer, args=(conn,), daemon=True).start())
     with engine as url, serve({"m": {"url": url}}) as gateway:
-        body = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}'
-        request = (
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
-        )
-        host, port = gateway.url.removeprefix("http://").rsplit(":", 1)
-        with socket.create_connection((host, int(port)), timeout=10) as client:
-            client.sendall(request)
+        with _streamed_chat(gateway.url) as client:
             received = b""
             while b"data: [DONE]" not in received:
                 more = client.recv(65536)  # times out (10 s) if [DONE] waits for the body's close
