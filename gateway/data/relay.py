@@ -128,7 +128,8 @@ class SSEProxyResponse(Response):
         self._scan = _SCAN[kind]
         self._finish = _FINISH[kind]
         self._endings = _ENDING_SCAN[kind]
-        self._last = (b"", b"")  # the last two pieces written: where a complete stream's own ending is
+        self._last = (b"", b"")  # the last two pieces written before [DONE]: where a stream's finish and ending are
+        self._done = b""  # the piece that ended with [DONE] (written as it came): kept apart, so _last still names the finish
         self._pending = b""
         self._writer: _TransportWriter | _MessageWriter | None = None
 
@@ -186,7 +187,10 @@ class SSEProxyResponse(Response):
                 return
             self.events += events.count(b"\n\n")
             writer.write(events)  # [DONE] too: the client's stream ends when the engine's does, not at its body's close
-            self._last = (self._last[1], events)
+            if events.endswith(_DONE):
+                self._done = events
+            else:
+                self._last = (self._last[1], events)
         except Exception as error:  # a bug here must end this stream, not the upstream socket's callback
             logger.exception("relay: the stream of {} failed", self.model)
             writer.finish(_RelayFailed(error))
@@ -215,7 +219,8 @@ class SSEProxyResponse(Response):
             tail += self._last_partial_event(self._pending)
             self._pending = b""
         # Scanned here, not per event: a stream's ending is its last event (a scan per event cost ~1-4 µs).
-        ended = self._endings.search(b"".join((*self._last, tail))) is not None
+        last = b"".join((*self._last, self._done, tail))
+        ended = self._endings.search(last) is not None
         if failure is None and not ended:
             failure = GatewayError(
                 502, f"the stream from the engine of {self.model} stopped before its end", code="upstream_stream_incomplete"
@@ -224,7 +229,7 @@ class SSEProxyResponse(Response):
         trace = self.info.trace
         if trace is not None and trace.attempts:
             trace.attempts[-1].ended = time.perf_counter()
-            trace.finish_reasons = finish_reasons(b"".join((*self._last, tail)))
+            trace.finish_reasons = finish_reasons(last)
         if failure is not None:
             self.info.error = failure.log_detail or failure.message
             self.info.error_code = failure.code
