@@ -6,7 +6,7 @@ from __future__ import annotations
 import socket
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 
 @contextmanager
@@ -39,6 +39,31 @@ def fake_tcp_upstream(accepted: Callable[[socket.socket], None]) -> Iterator[str
         for conn in held:
             conn.close()
         listener.close()
+
+
+SSE_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+def http_chunk(data: bytes) -> bytes:
+    """``data`` framed as one HTTP/1.1 chunk, as an engine writes each SSE event."""
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+def read_request(conn: socket.socket) -> bytes:
+    """Read one request (its head, then its Content-Length body) from ``conn``; returns the body."""
+    request = b""
+    while b"\r\n\r\n" not in request:
+        request += conn.recv(65536)
+    head, _, body = request.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += conn.recv(65536)
+    return body
+
+
+def fake_answering_upstream(answer: Callable[[socket.socket], None]) -> AbstractContextManager[str]:
+    """A FAKE engine that answers each connection with ``answer(conn)``, in a thread of its own (it may block)."""
+    return fake_tcp_upstream(lambda conn: threading.Thread(target=answer, args=(conn,), daemon=True).start())
 
 
 @contextmanager

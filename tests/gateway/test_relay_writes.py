@@ -12,34 +12,23 @@ import threading
 import time
 from contextlib import AbstractContextManager
 
-from tests.fake_upstreams import fake_tcp_upstream
+from tests.fake_upstreams import SSE_HEAD, fake_answering_upstream, http_chunk, read_request
 from tests.gateway_server import serve
 
 EVENT = b'data: {"choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":null}]}\n\n'
 END = b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n'
-HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
-
-
-def _chunk(data: bytes) -> bytes:
-    return b"%x\r\n%s\r\n" % (len(data), data)
 
 
 def _engine_that_waits_after_its_head(wait_s: float) -> AbstractContextManager[str]:
     """Answers each request with its head at once, then (``wait_s`` later) one event and the end."""
 
     def answer(conn: socket.socket) -> None:
-        request = b""
-        while b"\r\n\r\n" not in request:
-            request += conn.recv(65536)
-        head, _, body = request.partition(b"\r\n\r\n")
-        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
-        while len(body) < length:
-            body += conn.recv(65536)
-        conn.sendall(HEAD)
+        read_request(conn)
+        conn.sendall(SSE_HEAD)
         time.sleep(wait_s)
-        conn.sendall(_chunk(EVENT) + _chunk(END) + b"0\r\n\r\n")
+        conn.sendall(http_chunk(EVENT) + http_chunk(END) + b"0\r\n\r\n")
 
-    return fake_tcp_upstream(lambda conn: threading.Thread(target=answer, args=(conn,), daemon=True).start())
+    return fake_answering_upstream(answer)
 
 
 def _streamed_chat(url: str) -> socket.socket:
@@ -75,15 +64,12 @@ def test_done_reaches_the_client_before_the_engine_closes_its_body() -> None:
     seen_done = threading.Event()
 
     def answer(conn: socket.socket) -> None:
-        request = b""
-        while b"\r\n\r\n" not in request or not request.endswith(b"}"):
-            request += conn.recv(65536)
-        conn.sendall(HEAD + _chunk(EVENT) + _chunk(END))
+        read_request(conn)
+        conn.sendall(SSE_HEAD + http_chunk(EVENT) + http_chunk(END))
         seen_done.wait(30)
         conn.sendall(b"0\r\n\r\n")
 
-    engine = fake_tcp_upstream(lambda conn: threading.Thread(target=answer, args=(conn,), daemon=True).start())
-    with engine as url, serve({"m": {"url": url}}) as gateway:
+    with fake_answering_upstream(answer) as url, serve({"m": {"url": url}}) as gateway:
         with _streamed_chat(gateway.url) as client:
             received = b""
             while b"data: [DONE]" not in received:

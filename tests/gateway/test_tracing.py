@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import json
 import secrets
+import socket
+import time
 
 import httpx
 import openai
 
 from launch.process import EngineProcess
+from tests.fake_upstreams import SSE_HEAD, fake_answering_upstream, http_chunk, read_request
 from tests.gateway_server import KEY, auth, serve
 from tests.otlp import Span, otlp_grpc_receiver, otlp_receiver
 
@@ -141,33 +144,22 @@ def test_a_streams_finish_reason_is_traced_when_finish_usage_and_done_come_in_se
     """A FAKE engine (it can be made to pause between its last events; the real one sends them as it pleases)
     sends its finish event, its usage and [DONE] 50 ms apart: [DONE] goes out as it comes, and the trace still
     names the finish reason from the events before it."""
-    import socket
-    import threading
-    import time
-
-    from tests.fake_upstreams import fake_tcp_upstream
-
-    def chunk(data: bytes) -> bytes:
-        return b"%x\r\n%s\r\n" % (len(data), data)
 
     def answer(conn: socket.socket) -> None:
-        request = b""
-        while b"\r\n\r\n" not in request or not request.endswith(b"}"):
-            request += conn.recv(65536)
-        conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        read_request(conn)
+        conn.sendall(SSE_HEAD)
         for event in (
             b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":null}]}\n\n',
             b'data: {"id":"c","choices":[{"index":0,"delta":{},"finish_reason":"length"}]}\n\n',
             b'data: {"id":"c","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}}\n\n',
             b"data: [DONE]\n\n",
         ):
-            conn.sendall(chunk(event))
+            conn.sendall(http_chunk(event))
             time.sleep(0.05)
         conn.sendall(b"0\r\n\r\n")
 
-    engine = fake_tcp_upstream(lambda conn: threading.Thread(target=answer, args=(conn,), daemon=True).start())
     with otlp_receiver() as otlp:
-        with engine as url, serve({"m": {"url": url}}, _tracing(otlp.endpoint)) as gw:
+        with fake_answering_upstream(answer) as url, serve({"m": {"url": url}}, _tracing(otlp.endpoint)) as gw:
             body = {"model": "m", "messages": HELLO, "max_tokens": 1, "stream": True, "stream_options": {"include_usage": True}}
             with httpx.stream("POST", gw.url + "/v1/chat/completions", json=body, headers=auth(), timeout=30) as streamed:
                 assert b"data: [DONE]" in b"".join(streamed.iter_raw())
