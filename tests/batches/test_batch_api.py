@@ -22,7 +22,6 @@ from tests.batches.helpers import (
     ADMIN,
     ALPHA,
     BETA,
-    answering_fake,
     chat_lines,
     jsonl,
     results,
@@ -35,12 +34,6 @@ from tests.gateway.helpers import closed_port_url
 from tests.gateway_server import GatewayServer, serve
 from tests.servers import CLI, REPO
 from tests.waiting import wait_until
-
-
-@pytest.fixture(scope="module")
-def fake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
-    with answering_fake(tmp_path_factory.mktemp("fake")) as found:
-        yield found
 
 
 @pytest.fixture(scope="module")

@@ -16,17 +16,11 @@ import openai
 import pytest
 
 from gateway.core.endpoints import route_label
-from tests.batches.helpers import ADMIN, ALPHA, BETA, answering_fake, chat_lines, two_key_gateway, upload
+from tests.batches.helpers import ADMIN, ALPHA, BETA, chat_lines, two_key_gateway, upload
 from tests.docs.readme_blocks import marked_blocks
 from tests.fake_engine import REFUSE
 from tests.gateway_server import GatewayServer
 from tests.waiting import wait_until
-
-
-@pytest.fixture(scope="module")
-def fake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
-    with answering_fake(tmp_path_factory.mktemp("fake")) as found:
-        yield found
 
 
 @pytest.fixture(scope="module")
