@@ -174,3 +174,13 @@ EOF
   echo "$layer" > .venv/.layer
   layer_ok || { echo "bootstrap: .venv was built but does not find this checkout's code ($root/gateway)" >&2; exit 1; }
 fi
+
+# The native stream relay (gateway/data/_relay_loop.c) is compiled in place by the editable install above: compile it
+# again when its source is newer than the built module (a pull, a branch switch), or when it is missing and a C
+# compiler is here (an install without one relays in Python, and the gateway says so at startup).
+native_so=$(ls gateway/data/_relay_loop.*.so 2>/dev/null | head -1 || true)
+if { [ -n "$native_so" ] && [ gateway/data/_relay_loop.c -nt "$native_so" ]; } || { [ -z "$native_so" ] && command -v cc >/dev/null 2>&1; }; then
+  .venv/bin/python -c 'from setuptools import setup; setup()' -q build_ext --inplace --force >/dev/null 2>&1 || true
+  native_so=$(ls gateway/data/_relay_loop.*.so 2>/dev/null | head -1 || true)
+  [ -n "$native_so" ] || echo "bootstrap: the native stream relay (gateway/data/_relay_loop.c) did not build: streams will be relayed in Python" >&2
+fi
