@@ -51,6 +51,8 @@ import none of each other). Every module is named under its folder (a test check
   ``relay``          the SSE relay, event by event: usage, errors and Responses ids inspected, endings judged*
   ``stream_pool``    streams' own keep-alive upstream connections, relayed from the socket's callbacks*;
                      while the process falls behind, each stream rests after a read as its lag says (``loop_lag``)
+  ``native_streams`` a stream past its first events relayed by a native thread (``_relay_loop.c``: read, cut,
+                     scan, write in C), handing back to Python what must be read, a slow client and the end
   ``upstream_session`` plain requests' pooled aiohttp session; ``upstream_errors`` transport failures -> errors
   ``prompt_count``   a cut stream's prompt, counted by the engine's tokenizer; ``usage_request`` what a request may
                      cost, and the usage asked of every stream

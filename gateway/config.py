@@ -372,6 +372,14 @@ class GatewaySettings(_Strict):
         description="Streams this process must relay at once before any stream may rest (0: at any count; how far "
         "behind the process is decides, see stream_coalesce_ms) (restart to change).",
     )
+    relay_native: bool = Field(
+        True,
+        description="Relay each stream, once its first events went out, on a native thread (C, built when the package "
+        "is installed) that reads, scans and writes its events off the event loop, handing back to Python only what "
+        "must be read (usage, errors, Responses ids), a slow client and the end. false, or an install without the "
+        "extension (the gateway says so at startup): every event through the Python relay "
+        "(restart to change; see [Serving](serving.md#the-native-relay-relay_native)).",
+    )
     health_timeout_s: float = Field(5.0, gt=0, description="Timeout of each /health probe made by /ready.")
     cors_allow_origins: list[str] = Field(default_factory=list, description="CORS origins (empty: CORS off).")
     shutdown_grace_s: float = Field(30.0, ge=0, description="In-flight requests may finish this long on SIGTERM or Ctrl-C.")

@@ -18,6 +18,7 @@ from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontext
 from dataclasses import dataclass
 
 from fastapi import FastAPI
+from loguru import logger
 
 from gateway.batches.service import Batches
 from gateway.config import GatewaySettings
@@ -31,6 +32,7 @@ from gateway.core.shared_responses import SharedResponses
 from gateway.core.shared_store import SharedStore, replica_name
 from gateway.core.state import GatewayState
 from gateway.core.tracing import Tracing
+from gateway.data.native_streams import BUILT as NATIVE_BUILT
 from gateway.data.proxy import Proxy
 from gateway.data.stream_pool import StreamPool
 from gateway.data.upstream_session import upstream_session
@@ -84,7 +86,13 @@ async def data_plane(app: FastAPI, parts: AppParts) -> AsyncIterator[None]:
     streams = StreamPool(
         settings.upstream_connect_timeout_s, settings.upstream_read_timeout_s, settings.upstream_max_connections,
         coalesce_s=settings.stream_coalesce_ms / 1000, coalesce_min_streams=settings.stream_coalesce_min_streams,
+        native=settings.relay_native,
     )  # fmt: skip
+    if settings.relay_native and not NATIVE_BUILT:
+        logger.warning(
+            "gateway: relay_native is on but the native relay (gateway/data/_relay_loop.c) is not built in this install "
+            "(no C compiler when it was installed?): streams are relayed in Python, at more CPU per event"
+        )
     state.probes = HealthProbes(settings.health_timeout_s, settings.upstream_connect_timeout_s)
     try:
         await parts.ledger.start()  # one row per request, written off the hot path (a database down fails no request)

@@ -49,16 +49,21 @@ def http_chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
-def read_request(conn: socket.socket) -> bytes:
-    """Read one request (its head, then its Content-Length body) from ``conn``; returns the body."""
+def read_request(conn: socket.socket, head: bool = False) -> bytes:
+    """Read one request (its head, then its Content-Length body, if any) from ``conn``; returns the body (``head``:
+    its request line instead). A connection closed before a whole head raises ConnectionError."""
     request = b""
     while b"\r\n\r\n" not in request:
-        request += conn.recv(65536)
-    head, _, body = request.partition(b"\r\n\r\n")
-    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+        more = conn.recv(65536)
+        if not more:
+            raise ConnectionError("the connection closed before a request")
+        request += more
+    head_bytes, _, body = request.partition(b"\r\n\r\n")
+    lines = head_bytes.split(b"\r\n")
+    length = int(next((line.split(b":")[1] for line in lines if line.lower().startswith(b"content-length")), b"0"))
     while len(body) < length:
         body += conn.recv(65536)
-    return body
+    return lines[0] if head else body
 
 
 def fake_answering_upstream(answer: Callable[[socket.socket], None]) -> AbstractContextManager[str]:

@@ -24,6 +24,7 @@ from gateway.core.errors import GatewayError, StreamKind, sanitize_message, sse_
 from gateway.core.metrics import Metrics
 from gateway.core.tracing import finish_reasons
 from gateway.data.lease import Lease
+from gateway.data.native_streams import NativeTotals
 from gateway.data.prompt_count import PromptCounter
 from gateway.data.stream_pool import (
     StreamExchange,
@@ -76,6 +77,20 @@ _FINISH: dict[StreamKind, re.Pattern[bytes]] = {
     StreamKind.RESPONSES: re.compile(rb'type": ?"response\.(?:completed|[a-z_]+\.done)"|data: \[DONE\]'),  # output_text.done .. the end
     StreamKind.ANTHROPIC: re.compile(rb'type": ?"message_(?:delta|stop)"|data: \[DONE\]'),
 }
+
+
+# The same scan in the native relay (gateway.data.native_streams): the literal strings the patterns above match,
+# by stream kind (tests/gateway/test_native_relay.py holds the two to the same answers).
+_NEEDLES: dict[StreamKind, tuple[bytes, ...]] = {
+    StreamKind.DATA: (b'"usage":{', b'"usage": {', b'"error"'),
+    StreamKind.RESPONSES: (
+        b'"usage":{', b'"usage": {', b'"error":{', b'"error": {', b'"type":"error"', b'"type": "error"', b'"response.created"',
+    ),  # fmt: skip
+    StreamKind.ANTHROPIC: (b'"usage":{', b'"usage": {', b'"type":"error"', b'"type": "error"'),
+}
+_KIND_INDEX = {kind: index for index, kind in enumerate(StreamKind)}
+_NATIVE_NEEDLES = [list(_NEEDLES[kind]) for kind in StreamKind]
+_NATIVE_POLL_S = 0.005  # a parked native stream whose client still has bytes buffered looks again this often
 
 
 _SEQUENCE_NUMBER = re.compile(rb'"sequence_number": ?(\d+)')
@@ -132,6 +147,7 @@ class SSEProxyResponse(Response):
         self._done = b""  # the piece that ended with [DONE] (written as it came): kept apart, so _last still names the finish
         self._pending = b""
         self._writer: _TransportWriter | _MessageWriter | None = None
+        self._native_tries = False  # hand the stream to the native relay once its first events went out
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:  # type: ignore[override]
         # The response's task waits for the end; a watcher task cancels it if the client disconnects meanwhile.
@@ -163,6 +179,7 @@ class SSEProxyResponse(Response):
                 raise
             self.info.error = "client disconnected"
         finally:
+            self.upstream.leave_native()  # (a stream cut here: the events the native relay counted first)
             if gone:
                 self._charge_unreported()
             relaying = False
@@ -191,6 +208,8 @@ class SSEProxyResponse(Response):
                 self._done = events
             else:
                 self._last = (self._last[1], events)
+            if self._native_tries:
+                self._go_native()
         except Exception as error:  # a bug here must end this stream, not the upstream socket's callback
             logger.exception("relay: the stream of {} failed", self.model)
             writer.finish(_RelayFailed(error))
@@ -202,6 +221,10 @@ class SSEProxyResponse(Response):
 
     async def _pump(self, writer: _TransportWriter | _MessageWriter, send: Send) -> None:
         self._writer = writer
+        self._native_tries = (
+            isinstance(writer, _TransportWriter) and self.upstream.can_go_native
+            and writer.cycle.transport.get_extra_info("sslcontext") is None
+        )  # fmt: skip
         self.upstream.relay(self._on_data, writer.finish, self._says_finishing)
         error = await writer.wait()
         failure: GatewayError | None = None
@@ -236,6 +259,91 @@ class SSEProxyResponse(Response):
             self.metrics.child(self.metrics.stream_errors, self.model).inc()
             tail += sse_error_event(failure, self.kind, self._next_sequence_number())
         await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+    # ------------------------------------------------------------------ the native relay (gateway.data.native_streams)
+    def _go_native(self) -> None:
+        """After a write, in the upstream read's callback: hand the rest of the stream to the native relay, once the
+        client's transport holds nothing (the thread writes to its socket) and nothing pauses the stream."""
+        writer = self._writer
+        assert isinstance(writer, _TransportWriter)
+        cycle = writer.cycle
+        transport = cycle.transport
+        if writer.draining is not None or cycle.disconnected or isinstance(transport, _HeadWithFirstWrite):
+            return
+        if transport.is_closing() or transport.get_write_buffer_size():
+            return
+        sock = transport.get_extra_info("socket")
+        if sock is None:
+            self._native_tries = False
+            return
+        kind = _KIND_INDEX[self.kind]
+        if self.upstream.go_native(sock.fileno(), self._pending, _NATIVE_NEEDLES, kind, bool(cycle.chunked_encoding), self):
+            self._pending = b""
+            self._native_tries = False
+        elif not self.upstream.can_go_native:
+            self._native_tries = False
+
+    def native_inspect(self, events: bytes) -> None:
+        """Events the native relay found a usage object, an error or a Responses id in: parsed and written here."""
+        writer = self._writer
+        assert isinstance(writer, _TransportWriter)
+        try:
+            out = self._inspect(events)
+            self.events += out.count(b"\n\n")
+            if out:
+                writer.write(out)
+        except Exception as error:  # a bug here must end this stream, not the loop's report callback
+            logger.exception("relay: the stream of {} failed", self.model)
+            writer.finish(_RelayFailed(error))
+            return
+        self._resume_native()
+
+    def native_blocked(self, unsent: bytes) -> None:
+        """The client's socket took part of a native write: the rest goes through the transport (its flow control
+        and write timeout); the thread writes again once it has drained."""
+        writer = self._writer
+        assert isinstance(writer, _TransportWriter)
+        if not writer.cycle.disconnected:
+            writer.cycle.transport.write(unsent)
+        self._resume_native()
+
+    def native_gone(self, errno: int) -> None:
+        """The client's socket failed under a native write: the connection is closed (the disconnect ends the stream)."""
+        writer = self._writer
+        assert isinstance(writer, _TransportWriter)
+        writer.cycle.transport.abort()
+
+    def native_ended(self, outcome: str, detail: str, reusable: bool, totals: NativeTotals) -> None:
+        self.native_totals(totals)
+        self.upstream.native_ended(outcome, detail, reusable)
+
+    def native_totals(self, totals: NativeTotals) -> None:
+        self.events += totals.events
+        if totals.last:
+            self._last, self._done = (b"", totals.last), b""
+        self._pending = totals.pending
+
+    def _resume_native(self, since: float | None = None) -> None:
+        """Let the native relay write again once the client's transport holds nothing; a client that takes nothing
+        for the HTTP write timeout is disconnected, as it would be under a Python write."""
+        native = self.upstream.native
+        writer = self._writer
+        if native is None or not isinstance(writer, _TransportWriter):
+            return
+        cycle = writer.cycle
+        transport = cycle.transport
+        if cycle.disconnected or transport.is_closing():
+            return
+        if not transport.get_write_buffer_size():
+            native[0].resume(native[1])
+            return
+        loop = asyncio.get_running_loop()
+        since = loop.time() if since is None else since
+        limits = getattr(transport.get_protocol(), "limits", None)
+        if limits is not None and loop.time() - since > limits.write_timeout_s:
+            transport.abort()  # (the protocol's own timer covers a paused transport; this one, any bytes left)
+            return
+        loop.call_later(_NATIVE_POLL_S, self._resume_native, since)
 
     def _charge_unreported(self) -> None:
         """A stream that ended without the engine's usage (cut by the client, failed midway): its completion is

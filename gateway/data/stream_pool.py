@@ -33,6 +33,8 @@ from urllib.parse import urlsplit
 import httptools
 
 from gateway.data.loop_lag import PROBE_S, LagGauge, LoopLag
+from gateway.data.native_streams import BUILT as NATIVE_BUILT
+from gateway.data.native_streams import NativeOwner, NativeStreams
 
 KEEPALIVE_S = 4.0  # idle connections kept this long: under uvicorn's (SGLang's server) 5 s keep-alive
 _MAX_IDLE_PER_HOST = 1024
@@ -41,6 +43,7 @@ _REST_TICK_S = PROBE_S  # rests end on a grid of 5 ms ticks (each up to a tick l
 _LAG_FLOOR_S = 0.005  # below this mean loop lag the process keeps up: every event goes as it comes
 _REST_PER_LAG = 8.0  # a rest is this many times the mean lag (at the floor, 40 ms: two 20 ms decode steps)
 _AFTER_REST_S = 0.05  # a silence check that falls in a rest waits this long past its end (the read comes first)
+_MAX_RAW = 64 * 1024  # a response's bytes kept until its stream is handed to the native relay (beyond: stays in Python)
 
 
 class UpstreamUnreachable(ConnectionError):
@@ -121,6 +124,9 @@ class _Connection(asyncio.Protocol):
         self.finishing: Finishing | None = None  # the relay's: does a read say the stream is finishing (no rest then)
         self._pieces: list[bytes] = []  # the body pieces (HTTP chunks) of the read being parsed
         self.parser: Any = None
+        self.feeding = False  # inside the parser: no hand-over to the native relay now (its framing is mid-read)
+        self.raw: list[bytes] | None = None  # the response's bytes so far, while it may still go native
+        self._raw_size = 0
         self.idle_since = 0.0
         self.used = False  # has carried a request before (a broken reuse may be retried once)
         self.lost = False
@@ -137,17 +143,26 @@ class _Connection(asyncio.Protocol):
             self.abort()
             return
         exchange.last_read = time.monotonic()
+        raw = self.raw
+        if raw is not None:  # (one append per read, until the stream goes native: its first read or two)
+            raw.append(data)
+            self._raw_size += len(data)
+            if self._raw_size > _MAX_RAW:
+                self.raw = None
         if not exchange.received:
             exchange.received = True
             if self._ack is not None:  # once per response: see QuickAck
                 self._ack.rearm()
+        self.feeding = True
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as error:
+            self.feeding = False
             self._deliver(rest=False)  # the events before the malformed bytes, then the failure
             exchange.failed(UpstreamConnectionLost(f"malformed response from the engine: {error}"))
             self.abort()
             return
+        self.feeding = False
         self._deliver(rest=True)
 
     def _deliver(self, rest: bool) -> None:
@@ -165,7 +180,7 @@ class _Connection(asyncio.Protocol):
             if sink is not None:
                 sink(body)
                 exchange = self.exchange
-                if rest and exchange is not None:
+                if rest and exchange is not None and exchange.native is None:
                     seconds = self.pool.rest_for()
                     finishing = self.finishing
                     if seconds and not (finishing is not None and finishing(body)):
@@ -203,6 +218,7 @@ class _Connection(asyncio.Protocol):
         self.exchange = exchange
         self.sink = self.finishing = None
         self._pieces.clear()
+        self.raw, self._raw_size = ([] if self.pool.native_enabled else None), 0
         self.parser = httptools.HttpResponseParser(self)
         self.transport.write(request)
 
@@ -219,7 +235,8 @@ class StreamExchange:
 
     __slots__ = (
         "connection", "status", "keep_alive", "last_read", "received", "_head", "_buffer", "_end",
-        "_complete", "_error", "_done", "_timer", "_read_timeout_s", "_released", "_holds", "_rest_until",
+        "_complete", "_error", "_done", "_timer", "_read_timeout_s", "_released", "_holds", "_rest_until", "native",
+        "_native_owner",
     )  # fmt: skip
 
     def __init__(self, connection: _Connection, read_timeout_s: float) -> None:
@@ -240,6 +257,8 @@ class StreamExchange:
         self._released = False
         self._holds: set[str] = set()  # why reading is paused: "client" (its socket is full), "rest" (coalescing)
         self._rest_until: float | None = None  # resting until this loop time (its wake-up tick in the pool)
+        self.native: tuple[NativeStreams, int] | None = None  # relayed by the native thread: (its streams, this one)
+        self._native_owner: NativeOwner | None = None
 
     # -------------------------------------------------------------- what the connection reports
     def headers_done(self, status: int, keep_alive: bool) -> None:
@@ -261,6 +280,7 @@ class StreamExchange:
     def failed(self, error: BaseException) -> None:
         if self._complete or self._error is not None:
             return
+        self.leave_native()
         self._error = error
         self._stop_timer()
         self._stop_rest()
@@ -276,6 +296,10 @@ class StreamExchange:
             end(error)
 
     def _check_silence(self) -> None:
+        if self.native is not None:  # the native thread reads: its last read counts
+            at = self.native[0].last_read(self.native[1])
+            if at is not None and at > self.last_read:
+                self.last_read = at
         if self._rest_until is not None:  # not reading on purpose: look again once what came meanwhile has been read
             loop = asyncio.get_running_loop()
             self._timer = loop.call_later(self._rest_until - loop.time() + _AFTER_REST_S, self._check_silence)
@@ -359,6 +383,7 @@ class StreamExchange:
         """Cut the exchange: the connection is closed (the engine sees the client go and aborts the request)."""
         if self._released:
             return
+        self.leave_native()
         self._released = True
         self._stop_timer()
         self._stop_rest()
@@ -366,6 +391,71 @@ class StreamExchange:
         self.connection.exchange = self.connection.sink = self.connection.finishing = None
         self.connection.abort()
         self.connection.pool.release(self.connection, reuse=False)
+
+    # -------------------------------------------------------------- the native relay (gateway.data.native_streams)
+    @property
+    def can_go_native(self) -> bool:
+        """Whether the stream may still be handed to the native relay (its bytes so far are kept)."""
+        return self.native is None and self.connection.raw is not None and self.connection.pool.native_enabled
+
+    def go_native(
+        self, client_fd: int, pending: bytes, needles: list[list[bytes]], kind: int, chunked: bool, owner: NativeOwner
+    ) -> bool:
+        """Hand the rest of the body to the native relay, which writes its events to ``client_fd`` (a duplicate is
+        taken) after ``pending`` (the partial event the relay holds), and hands back to ``owner`` the events holding
+        one of ``needles[kind]``: True once it reads instead of the loop. Only
+        between reads of a chunked body that goes on, over plain TCP, while nothing pauses reading; False leaves
+        everything as it was (``can_go_native`` says whether a later try may succeed)."""
+        connection = self.connection
+        if (
+            connection.feeding or self._holds or self._complete or self._error is not None or self._released
+            or self.native is not None or connection.transport is None or connection.key[0] != "http"
+        ):  # fmt: skip
+            return False
+        raw, connection.raw = connection.raw, None
+        if raw is None:
+            return False
+        data = b"".join(raw)
+        head_end = data.find(b"\r\n\r\n")
+        sock = connection.transport.get_extra_info("socket")
+        if head_end < 0 or b"\r\ntransfer-encoding: chunked" not in data[:head_end].lower() or sock is None:
+            return False
+        native = connection.pool.native_streams(needles)
+        upstream_fd = os.dup(sock.fileno())
+        client_dup = os.dup(client_fd)
+        self.pause_reading("native")  # before the thread reads: one reader of the socket at a time
+        stream = native.attach(upstream_fd, client_dup, data[head_end + 4 :], pending, kind, chunked, owner)
+        if stream is None:
+            os.close(upstream_fd)
+            os.close(client_dup)
+            self.resume_reading("native")
+            return False
+        self.native = (native, stream)
+        self._native_owner = owner
+        return True
+
+    def leave_native(self) -> None:
+        """Take the stream back from the native relay (cut or failed here): its owner gets what was relayed."""
+        if self.native is None:
+            return
+        (native, stream), self.native = self.native, None
+        totals = native.detach(stream)
+        owner, self._native_owner = self._native_owner, None
+        if totals is not None and owner is not None:
+            owner.native_totals(totals)
+
+    def native_ended(self, outcome: str, detail: str, reusable: bool) -> None:
+        """The native relay read the body to its end ("end": the connection goes back to the loop, kept alive when
+        ``reusable``), or it broke ("lost", "malformed")."""
+        self.native = self._native_owner = None
+        if outcome == "end":
+            self.keep_alive = self.keep_alive and reusable
+            self.resume_reading("native")
+            self.complete()
+        elif outcome == "lost":
+            self.failed(UpstreamConnectionLost("the engine closed the connection" + (f": {detail}" if detail else "")))
+        else:
+            self.failed(UpstreamConnectionLost(f"malformed response from the engine: {detail}"))
 
     def release(self) -> None:
         """Done with it: a complete response gives its connection back to the pool; anything else closes it."""
@@ -392,6 +482,7 @@ class StreamPool:
         coalesce_s: float = 0.0,
         coalesce_min_streams: int = 0,
         lag: LagGauge | None = None,
+        native: bool = False,
     ) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.coalesce_s = coalesce_s  # gateway.stream_coalesce_ms: the longest rest after a read, while behind
@@ -410,6 +501,19 @@ class StreamPool:
         # read in one turn of the loop
         self._wakeups: dict[float, list[StreamExchange]] = {}
         self.lag: LagGauge = lag or LoopLag(lambda: self._busy > 0)  # probed while streams run
+        # gateway.relay_native, where the extension is built: streams go to a native relay thread once their head passed
+        self.native_enabled = native and NATIVE_BUILT
+        self._native: NativeStreams | None = None
+
+    def native_stats(self) -> dict[str, int] | None:
+        """The native relay thread's counts (live streams, events and reads it relayed); None until it started."""
+        return self._native.stats() if self._native is not None else None
+
+    def native_streams(self, needles: list[list[bytes]]) -> NativeStreams:
+        """The native relay thread of this pool (started at its first stream, with the relay's ``needles``)."""
+        if self._native is None:
+            self._native = NativeStreams(needles)
+        return self._native
 
     @property
     def busy(self) -> int:
@@ -498,6 +602,8 @@ class StreamPool:
 
     async def close(self) -> None:
         self._closed = True
+        if self._native is not None:
+            self._native.close()
         for connection in list(self._open):
             connection.abort()
         self._idle.clear()

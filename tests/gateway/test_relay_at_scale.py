@@ -74,10 +74,11 @@ def test_a_few_streams_through_the_default_settings_get_every_event_as_it_comes(
 
 
 def test_coalesced_streams_all_complete_with_their_events_arriving_together(paced_fake: ServerProcess) -> None:
-    """A process behind its work, ``stream_coalesce_ms: 60`` against 20 ms decode steps: every stream and event
+    """The Python relay (the native one needs no rests) in a process behind its work, ``stream_coalesce_ms: 60``
+    against 20 ms decode steps: every stream and event
     arrives, most events in the same read as others (without rests, the client reads each token's event on its
     own, one step apart)."""
-    with serve({"m": {"url": paced_fake.url}}, {"stream_coalesce_ms": 60}) as gateway:
+    with serve({"m": {"url": paced_fake.url}}, {"stream_coalesce_ms": 60, "relay_native": False}) as gateway:
         streams = gateway.state.proxy.streams
         streams.lag = Behind(0.02)
         assert streams.rest_for() == 0.06
@@ -87,10 +88,12 @@ def test_coalesced_streams_all_complete_with_their_events_arriving_together(pace
     assert result.summary()["gap_p50_ms"] >= 40, result.summary()  # ~one window apart, not one step
 
 
-def test_a_coalesced_stream_the_client_cuts_closes_its_engine_connection(paced_fake: ServerProcess) -> None:
-    """A process behind its work, so resting: a client gone mid-stream, during a rest or not, has its engine
-    connection closed (the engine aborts the request), not kept for reuse."""
-    with serve({"m": {"url": paced_fake.url}}) as gateway, httpx.Client(timeout=30) as http:
+@pytest.mark.parametrize("native", [False, True], ids=["python", "native"])
+def test_a_coalesced_stream_the_client_cuts_closes_its_engine_connection(paced_fake: ServerProcess, native: bool) -> None:
+    """A process behind its work, so resting (the Python relay; the native one rests not at all): a client gone
+    mid-stream, during a rest or not, has its engine connection closed (the engine aborts the request), not kept for
+    reuse."""
+    with serve({"m": {"url": paced_fake.url}}, {"relay_native": native}) as gateway, httpx.Client(timeout=30) as http:
         streams = gateway.state.proxy.streams
         streams.lag = Behind(0.02)
         with http.stream("POST", gateway.url + "/v1/chat/completions", json=chat_body("m", max_tokens=150, stream=True)) as response:

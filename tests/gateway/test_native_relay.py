@@ -1,0 +1,348 @@
+"""The native relay (gateway/data/_relay_loop.c, gateway.data.native_streams) against the Python relay it takes over
+from: the same bytes to the client for the same engine stream, and every relay guarantee kept on its own path.
+
+The engine here is a FAKE at the TCP level (a thread in the test): the real engine cannot be made to pause, break
+its framing, stall or flood a client on demand. The real engine's streams go through the native relay in every
+other real-engine test (it is the default).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import httpx
+import openai
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.core.errors import StreamKind
+from gateway.data import _relay_loop
+from gateway.data.relay import _NEEDLES, _SCAN
+from launch.process import EngineProcess
+from tests.admin_client import prometheus_value
+from tests.fake_upstreams import SSE_HEAD, fake_tcp_upstream, http_chunk, read_request
+from tests.gateway_server import GatewayServer, serve
+
+RELAYS = pytest.mark.parametrize("native", [False, True], ids=["python", "native"])
+
+ROLE = b'data: {"id":"c1","choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n'
+
+
+def _token(i: int) -> bytes:
+    return b'data: {"id":"c1","choices":[{"index":0,"delta":{"content":"t%d"},"finish_reason":null}]}\n\n' % i
+
+
+FINISH = b'data: {"id":"c1","choices":[{"index":0,"delta":{},"finish_reason":"stop"}],"usage":null}\n\n'
+USAGE = b'data: {"id":"c1","choices":[],"usage":{"prompt_tokens":7,"completion_tokens":21,"total_tokens":28}}\n\n'
+DONE = b"data: [DONE]\n\n"
+TOKENS = 20
+
+Script = list[tuple[float, bytes]]  # (seconds to wait, bytes to send) after the request is read
+
+
+def _chat_script() -> Script:
+    """Head and role event at once; the tokens after a pause (by then the stream has been handed over), one write
+    each; the finish, the usage and [DONE] in separate writes; the body's end."""
+    script: Script = [(0.0, SSE_HEAD + http_chunk(ROLE)), (0.1, b"")]
+    script += [(0.003, http_chunk(_token(i))) for i in range(TOKENS)]
+    return script + [(0.003, http_chunk(FINISH)), (0.003, http_chunk(USAGE)), (0.003, http_chunk(DONE)), (0.0, b"0\r\n\r\n")]
+
+
+@contextmanager
+def _scripted_engine(script: Callable[[int], Script], close_after: bool = False) -> Iterator[dict[str, int]]:
+    """A FAKE engine answering every chat request of every connection with ``script(n)`` (n: the request's number),
+    anything else (the gateway's probes) with a 404; ``close_after``: the connection is closed once the script is
+    sent. Yields its counts (connections and requests of chats, broken: chats whose sends failed because the gateway
+    had closed the connection) and its URL under "url"."""
+    counts: dict[str, int | str] = {"connections": 0, "requests": 0, "broken": 0}
+
+    def answer(conn: socket.socket) -> None:
+        chats = 0
+        try:
+            while True:
+                try:
+                    request_line = read_request(conn, head=True)
+                except (OSError, StopIteration, ValueError):
+                    return
+                if not request_line.startswith(b"POST /v1/chat/completions "):
+                    conn.sendall(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
+                    continue
+                chats += 1
+                counts["connections"] += chats == 1  # type: ignore[operator]
+                counts["requests"] += 1  # type: ignore[operator]
+                for wait_s, data in script(counts["requests"]):  # type: ignore[arg-type]
+                    time.sleep(wait_s)
+                    if data:
+                        conn.sendall(data)
+                if close_after:
+                    conn.close()
+                    return
+        except OSError:
+            counts["broken"] += 1  # type: ignore[operator]
+
+    with fake_tcp_upstream(lambda conn: threading.Thread(target=answer, args=(conn,), daemon=True).start()) as url:
+        counts["url"] = url
+        yield counts  # type: ignore[misc]
+
+
+def _stream(gateway: GatewayServer, body: dict[str, object], path: str = "/v1/chat/completions") -> bytes:
+    with httpx.Client(timeout=30) as http, http.stream("POST", gateway.url + path, json=body) as response:
+        assert response.status_code == 200
+        return response.read()
+
+
+def _chat(include_usage: bool | None = None) -> dict[str, object]:
+    body: dict[str, object] = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    if include_usage is not None:
+        body["stream_options"] = {"include_usage": include_usage}
+    return body
+
+
+def _completion_tokens(gateway: GatewayServer) -> float | None:
+    text = httpx.get(gateway.url + "/metrics", timeout=10).text
+    return prometheus_value(text, "gateway_tokens_total", {"model": "m", "kind": "completion"})
+
+
+def _relayed_natively(gateway: GatewayServer) -> int:
+    stats = gateway.state.proxy.streams.native_stats()
+    return stats["events"] if stats is not None else 0
+
+
+def _through(native: bool, script: Callable[[int], Script], body: dict[str, object], **gateway: object) -> tuple[bytes, float | None, int]:
+    """One stream of ``script`` through a gateway with the native relay on or off: what the client got, the
+    completion tokens the gateway counted, and the events the native thread relayed."""
+    with _scripted_engine(script) as engine, serve({"m": {"url": engine["url"]}}, {"relay_native": native, **gateway}) as served:
+        received = _stream(served, body)
+        return received, _completion_tokens(served), _relayed_natively(served)
+
+
+@pytest.mark.parametrize("include_usage", [True, None], ids=["usage-asked", "usage-not-asked"])
+def test_a_stream_reaches_the_client_alike_through_either_relay(include_usage: bool | None) -> None:
+    """Byte for byte the same stream, and the same tokens counted from the engine's usage; the native thread relayed
+    the tokens (in the Python relay's run it never started). Usage the client did not ask for (the gateway asks for
+    it) is not forwarded by either."""
+    python, python_tokens, python_native = _through(False, lambda _: _chat_script(), _chat(include_usage))
+    native, native_tokens, native_native = _through(True, lambda _: _chat_script(), _chat(include_usage))
+    assert native == python
+    assert native_tokens == python_tokens == 21
+    assert (b'"completion_tokens":21' in native) is bool(include_usage)
+    assert native.count(b"\n\n") == TOKENS + 3 + bool(include_usage)  # role, tokens, finish, [usage,] [DONE]
+    assert python_native == 0
+    assert native_native >= TOKENS  # the tokens went through the thread (the usage event through Python)
+
+
+def test_an_engine_error_mid_stream_is_sanitized_alike_through_either_relay() -> None:
+    """An error event from the engine after the stream was handed over goes back to Python, which rewrites it in
+    the route's framing with the engine's internals taken out, as it does for an error the Python relay reads."""
+    error = b'data: {"error":{"message":"CUDA out of memory at /opt/engine/secret.py line 7","code":500}}\n\n'
+
+    def script(_: int) -> Script:
+        return _chat_script()[:6] + [(0.003, http_chunk(error)), (0.003, http_chunk(DONE)), (0.0, b"0\r\n\r\n")]
+
+    python, _, _ = _through(False, script, _chat())
+    native, _, relayed = _through(True, script, _chat())
+    assert native == python
+    assert b"/opt/engine/secret.py" not in native and b'"error"' in native
+    assert relayed >= 3
+
+
+@RELAYS
+def test_a_stream_the_engine_cuts_ends_with_an_error_event(native: bool) -> None:
+    """The engine's connection closes mid-body (no last chunk): the client's stream ends on an event boundary
+    with the gateway's error event, and the events the engine sent before it."""
+
+    def script(_: int) -> Script:
+        return _chat_script()[:8]
+
+    with _scripted_engine(script, close_after=True) as engine, serve({"m": {"url": engine["url"]}}, {"relay_native": native}) as served:
+        received = _stream(served, _chat())
+        relayed = _relayed_natively(served)
+    events = [event for event in received.split(b"\n\n") if event]
+    assert events[: 1 + 6] == [event.rstrip(b"\n") for event in [ROLE, *(_token(i) for i in range(6))]]
+    error = orjson.loads(events[-1].removeprefix(b"data: "))
+    assert error["error"]["code"] == "engine_unavailable", error
+    assert (relayed >= 6) is native
+
+
+@RELAYS
+def test_broken_chunk_framing_ends_the_stream_with_an_error_event(native: bool) -> None:
+    def script(_: int) -> Script:
+        return _chat_script()[:5] + [(0.003, b"zz\r\nnot a chunk\r\n")]
+
+    with _scripted_engine(script) as engine, serve({"m": {"url": engine["url"]}}, {"relay_native": native}) as served:
+        received = _stream(served, _chat())
+    events = [event for event in received.split(b"\n\n") if event]
+    assert events[:4] == [event.rstrip(b"\n") for event in [ROLE, *(_token(i) for i in range(3))]]
+    assert orjson.loads(events[-1].removeprefix(b"data: "))["error"]["code"] == "engine_unavailable"
+
+
+@RELAYS
+def test_a_silent_engine_times_out_mid_stream(native: bool) -> None:
+    """The read timeout counts the native thread's reads: an engine silent past it ends the stream with 504's code."""
+
+    def script(_: int) -> Script:
+        return _chat_script()[:5] + [(3.0, b"")]
+
+    with _scripted_engine(script) as engine, serve(
+        {"m": {"url": engine["url"]}}, {"relay_native": native, "upstream_read_timeout_s": 1.0}
+    ) as served:
+        started = time.monotonic()
+        received = _stream(served, _chat())
+        took = time.monotonic() - started
+    events = [event for event in received.split(b"\n\n") if event]
+    assert len(events) == 1 + 3 + 1, events
+    assert orjson.loads(events[-1].removeprefix(b"data: "))["error"]["code"] == "upstream_timeout"
+    assert took < 2.9  # cut at the timeout, not when the engine spoke again
+
+
+@RELAYS
+def test_the_engine_connection_is_reused_after_a_stream(native: bool) -> None:
+    """A stream read to its end by the native thread gives its engine connection back to the loop, kept alive."""
+    with _scripted_engine(lambda _: _chat_script()) as engine, serve({"m": {"url": engine["url"]}}, {"relay_native": native}) as served:
+        first, second = _stream(served, _chat()), _stream(served, _chat())
+        relayed = _relayed_natively(served)
+    assert first == second and first.endswith(DONE)
+    assert (engine["connections"], engine["requests"]) == (1, 2)
+    assert (relayed >= 2 * TOKENS) is native
+
+
+@RELAYS
+def test_a_client_that_leaves_mid_stream_closes_the_engine_connection(native: bool) -> None:
+    """The client goes after a few events: the gateway closes the engine's connection (the engine aborts the
+    request), the native thread lets the stream go, and the pool holds nothing."""
+    endless: Script = [(0.0, SSE_HEAD + http_chunk(ROLE))] + [(0.01, http_chunk(_token(i))) for i in range(3000)]
+    with _scripted_engine(lambda _: endless) as engine, serve({"m": {"url": engine["url"]}}, {"relay_native": native}) as served:
+        with httpx.Client(timeout=30) as http, http.stream("POST", served.url + "/v1/chat/completions", json=_chat()) as response:
+            lines = response.iter_lines()
+            assert [next(lines) for _ in range(12)][-2] == _token(4).decode().rstrip("\n")
+        streams = served.state.proxy.streams
+        deadline = time.monotonic() + 10
+        while (engine["broken"] == 0 or streams.busy or streams._open) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        stats = streams.native_stats()
+    assert engine["broken"] == 1, "the engine kept sending to a gateway whose client had left"
+    assert streams.busy == 0 and not streams._open
+    assert (stats is not None and stats["streams"] == 0 and stats["events"] >= 5) is native
+
+
+@RELAYS
+def test_a_client_that_reads_slowly_gets_every_byte_in_order(native: bool) -> None:
+    """The engine sends far more than the client's socket holds while the client reads nothing: the native thread's
+    writes come back part-written, the rest goes through the transport (its flow control), and the stream goes on
+    once it drains. Every event arrives, in order."""
+    big = [b'data: {"choices":[{"index":0,"delta":{"content":"%s"},"finish_reason":null}]}\n\n' % (b"%05d" % i * 800) for i in range(2000)]  # 8 MB: past the 4 MB a loopback socket buffers
+    script: Script = [(0.0, SSE_HEAD + http_chunk(ROLE)), (0.1, b"")] + [(0.0, http_chunk(event)) for event in big]
+    script += [(0.0, http_chunk(FINISH) + http_chunk(DONE) + b"0\r\n\r\n")]
+    with _scripted_engine(lambda _: script) as engine, serve({"m": {"url": engine["url"]}}, {"relay_native": native}) as served:
+        body = orjson.dumps(_chat())
+        host, port = served.url.removeprefix("http://").rsplit(":", 1)
+        client = socket.socket()
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
+        client.settimeout(30)
+        client.connect((host, int(port)))
+        with client:
+            client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: g\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+            time.sleep(1.5)  # reads nothing meanwhile: the gateway's writes fill the socket
+            received = b""
+            while not received.endswith(b"0\r\n\r\n"):
+                more = client.recv(65536)
+                assert more, received[-200:]
+                received += more
+        stats = served.state.proxy.streams.native_stats()
+    head, _, chunked = received.partition(b"\r\n\r\n")
+    data = _relay_loop.feed_chunks([chunked])
+    assert data[1] == 1, "the client's body is not complete chunk framing"
+    assert data[0] == ROLE + b"".join(big) + FINISH + DONE
+    assert (stats is not None and stats["blocked"] > 0 and stats["events"] > 100) is native
+
+
+def test_without_the_extension_the_gateway_says_so_and_relays_in_python(monkeypatch: pytest.MonkeyPatch) -> None:
+    from loguru import logger
+
+    from gateway import lifespans
+    from gateway.data import stream_pool
+
+    monkeypatch.setattr(lifespans, "NATIVE_BUILT", False)
+    monkeypatch.setattr(stream_pool, "NATIVE_BUILT", False)
+    lines: list[str] = []
+    sink = logger.add(lambda message: lines.append(str(message)), level="WARNING")
+    try:
+        with _scripted_engine(lambda _: _chat_script()) as engine, serve({"m": {"url": engine["url"]}}) as served:
+            received = _stream(served, _chat())
+            assert served.state.proxy.streams.native_stats() is None
+    finally:
+        logger.remove(sink)
+    assert received.endswith(DONE) and received.count(b"\n\n") == TOKENS + 3
+    assert any("native relay" in line and "relayed in Python" in line for line in lines), lines
+
+
+def test_a_real_engine_stream_is_the_same_through_the_native_thread(tiny_engine: EngineProcess) -> None:
+    """The real engine, streamed through the OpenAI SDK with each relay: the same tokens, usage and finish, and in
+    the native relay's run its thread relayed the tokens."""
+    seen = {}
+    for native in (False, True):
+        with serve({"tiny": {"url": tiny_engine.url}}, {"relay_native": native}) as gateway:
+            client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+            chunks = list(
+                client.chat.completions.create(
+                    model="tiny", messages=[{"role": "user", "content": "Count."}], max_tokens=32, temperature=0,
+                    stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+                )
+            )  # fmt: skip
+            stats = gateway.state.proxy.streams.native_stats()
+        text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+        finish = [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices and chunk.choices[0].finish_reason]
+        assert chunks[-1].usage is not None
+        seen[native] = (text, finish, chunks[-1].usage.completion_tokens, stats)
+    assert seen[True][:3] == seen[False][:3] and seen[True][2] == 32 and seen[True][1] == ["length"]
+    assert seen[False][3] is None
+    assert seen[True][3] is not None and seen[True][3]["events"] > 0 and seen[True][3]["streams"] == 0
+
+
+# ---------------------------------------------------------------- the native pieces on their own
+
+
+@settings(max_examples=200, deadline=None)
+@given(body=st.binary(max_size=300), sizes=st.lists(st.integers(1, 40), min_size=1, max_size=20), cuts=st.lists(st.integers(0, 400), max_size=8))
+def test_chunked_framing_is_parsed_across_any_split(body: bytes, sizes: list[int], cuts: list[int]) -> None:
+    """Whatever chunk sizes the engine used and wherever reads split the bytes: the same data, and the end seen."""
+    framed, at = b"", 0
+    for size in sizes * (len(body) // max(1, sum(sizes)) + 1):
+        if at >= len(body):
+            break
+        framed += http_chunk(body[at : at + size])
+        at += size
+    framed += b"0\r\n\r\n"
+    points = sorted({0, *(cut for cut in cuts if cut < len(framed)), len(framed)})
+    pieces = [framed[a:b] for a, b in zip(points, points[1:], strict=False)]
+    assert _relay_loop.feed_chunks(pieces) == (body, 1)
+
+
+@pytest.mark.parametrize(
+    "framed", [b"zz\r\n", b"5\r\nhello!!", b"5\r\nhelloXY", b"\r\n", b"12345678123456789\r\n"], ids=["not-hex", "no-crlf", "bad-crlf", "no-size", "too-long"]
+)
+def test_broken_chunk_framing_is_told(framed: bytes) -> None:
+    assert _relay_loop.feed_chunks([framed])[1] == -1
+
+
+_EVENT_PARTS = st.sampled_from(
+    [b'"usage":', b'"usage": ', b"{", b"null", b'"error"', b'"error":', b'"error": ', b'"type":', b'"type": ', b'"error"',
+     b'"response.created"', b'"response.completed"', b"data: ", b",", b"}", b"x", b" ", b'"']
+)  # fmt: skip
+
+
+@settings(max_examples=400, deadline=None)
+@given(parts=st.lists(_EVENT_PARTS, max_size=12), kind=st.sampled_from(list(StreamKind)))
+def test_the_native_needles_find_what_the_python_scan_finds(parts: list[bytes], kind: StreamKind) -> None:
+    """Which events go back to Python is decided in C by the literal needles: they must match exactly what the
+    Python relay's scan does, or a usage object or an error would pass unread."""
+    text = b"".join(parts)
+    assert (_SCAN[kind].search(text) is not None) == any(needle in text for needle in _NEEDLES[kind]), text
+
