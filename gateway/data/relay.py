@@ -91,6 +91,10 @@ _NEEDLES: dict[StreamKind, tuple[bytes, ...]] = {
 _KIND_INDEX = {kind: index for index, kind in enumerate(StreamKind)}
 _NATIVE_NEEDLES = [list(_NEEDLES[kind]) for kind in StreamKind]
 _NATIVE_POLL_S = 0.005  # a parked native stream whose client still has bytes buffered looks again this often
+# A stream goes to the native relay at its first read this long after its first: one still coming in by then is a
+# long one (a decode loop's next step). An answer that comes whole at once (a short one, a cached one) ends in Python:
+# handing it over (two duplicated sockets, the thread woken per read, its end reported back) would cost it ~50 µs.
+_NATIVE_AFTER_S = 0.01
 
 
 _SEQUENCE_NUMBER = re.compile(rb'"sequence_number": ?(\d+)')
@@ -147,7 +151,8 @@ class SSEProxyResponse(Response):
         self._done = b""  # the piece that ended with [DONE] (written as it came): kept apart, so _last still names the finish
         self._pending = b""
         self._writer: _TransportWriter | _MessageWriter | None = None
-        self._native_tries = False  # hand the stream to the native relay once its first events went out
+        self._native_tries = False  # hand the stream to the native relay once it shows itself a long one
+        self._first_read_at = 0.0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:  # type: ignore[override]
         # The response's task waits for the end; a watcher task cancels it if the client disconnects meanwhile.
@@ -197,7 +202,8 @@ class SSEProxyResponse(Response):
         try:
             info = self.info
             if info.ttft_s is None:
-                info.ttft_s = time.perf_counter() - info.started
+                self._first_read_at = time.perf_counter()
+                info.ttft_s = self._first_read_at - info.started
                 self.lease.release_grammar()
             events = self._complete_events(chunk)
             if not events:
@@ -208,7 +214,7 @@ class SSEProxyResponse(Response):
                 self._done = events
             else:
                 self._last = (self._last[1], events)
-            if self._native_tries:
+            if self._native_tries and time.perf_counter() - self._first_read_at >= _NATIVE_AFTER_S:
                 self._go_native()
         except Exception as error:  # a bug here must end this stream, not the upstream socket's callback
             logger.exception("relay: the stream of {} failed", self.model)

@@ -167,7 +167,7 @@ def test_a_stream_the_engine_cuts_ends_with_an_error_event(native: bool) -> None
     assert events[: 1 + 6] == [event.rstrip(b"\n") for event in [ROLE, *(_token(i) for i in range(6))]]
     error = orjson.loads(events[-1].removeprefix(b"data: "))
     assert error["error"]["code"] == "engine_unavailable", error
-    assert (relayed >= 6) is native
+    assert (relayed >= 5) is native  # (the read that hands the stream over goes out from Python)
 
 
 @RELAYS
@@ -228,7 +228,7 @@ def test_a_client_that_leaves_mid_stream_closes_the_engine_connection(native: bo
         stats = streams.native_stats()
     assert engine["broken"] == 1, "the engine kept sending to a gateway whose client had left"
     assert streams.busy == 0 and not streams._open
-    assert (stats is not None and stats["streams"] == 0 and stats["events"] >= 5) is native
+    assert (stats is not None and stats["streams"] == 0 and stats["events"] >= 3) is native
 
 
 @RELAYS
