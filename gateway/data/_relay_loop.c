@@ -21,6 +21,7 @@
 
 #include <errno.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/epoll.h>
@@ -198,6 +199,7 @@ typedef struct {
     int stop;
     int running;
     int notified; /* the notify eventfd was written since the last take() */
+    int waiting;  /* the event loop waits for the mutex: the thread steps aside (see lock()) */
     pthread_t thread;
     pthread_mutex_t mu;
     stream_t **streams;
@@ -463,6 +465,9 @@ static void *run(void *arg) {
                 if (s != NULL && s->state == ST_ACTIVE) on_readable(e, s, id);
             }
             pthread_mutex_unlock(&e->mu);
+            /* The event loop waits for the mutex (attach, resume, detach, take): let it have it before the next
+             * stream. A mutex is not fair: re-locked at once, it would keep the loop waiting for a whole batch. */
+            while (__atomic_load_n(&e->waiting, __ATOMIC_ACQUIRE)) sched_yield();
         }
         if (stop) break;
     }
@@ -471,9 +476,11 @@ static void *run(void *arg) {
 
 /* ------------------------------------------------------------------ the Python type */
 
+static void lock(Engine *e);
+
 static void engine_shutdown(Engine *e) {
     if (e->running) {
-        pthread_mutex_lock(&e->mu);
+        lock(e);
         e->stop = 1;
         pthread_mutex_unlock(&e->mu);
         uint64_t one = 1;
@@ -592,11 +599,18 @@ static int take_slot(Engine *e, uint32_t *slot) {
     return 0;
 }
 
+/* The event loop's side of the mutex: the thread holds it for one stream's read and write at a time and steps
+ * aside while `waiting` is set, so this waits microseconds. The GIL is let go while it waits, and the mutex is
+ * never held while waiting for the GIL (the thread would wait on Python). */
 static void lock(Engine *e) {
     if (pthread_mutex_trylock(&e->mu) == 0) return;
-    Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(&e->mu);
-    Py_END_ALLOW_THREADS
+    __atomic_add_fetch(&e->waiting, 1, __ATOMIC_ACQ_REL);
+    while (pthread_mutex_trylock(&e->mu) != 0) {
+        Py_BEGIN_ALLOW_THREADS
+        sched_yield();
+        Py_END_ALLOW_THREADS
+    }
+    __atomic_sub_fetch(&e->waiting, 1, __ATOMIC_ACQ_REL);
 }
 
 static PyObject *Engine_attach(Engine *e, PyObject *args) {
