@@ -28,6 +28,8 @@
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -200,6 +202,7 @@ typedef struct {
     int running;
     int notified; /* the notify eventfd was written since the last take() */
     int waiting;  /* the event loop waits for the mutex: the thread steps aside (see lock()) */
+    int nice;     /* how much lower than the process's the thread's scheduling priority is */
     pthread_t thread;
     pthread_mutex_t mu;
     stream_t **streams;
@@ -446,6 +449,12 @@ static void on_readable(Engine *e, stream_t *s, uint64_t id) {
 
 static void *run(void *arg) {
     Engine *e = arg;
+    if (e->nice > 0) { /* this thread only (Linux: a thread's own nice value); lowering needs no privilege */
+        id_t tid = (id_t)syscall(SYS_gettid);
+        errno = 0;
+        int current = getpriority(PRIO_PROCESS, tid);
+        if (errno == 0) setpriority(PRIO_PROCESS, tid, current + e->nice);
+    }
     struct epoll_event events[512];
     for (;;) {
         int n = epoll_wait(e->ep, events, 512, -1);
@@ -528,9 +537,11 @@ static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kwargs
 }
 
 static int Engine_init(Engine *e, PyObject *args, PyObject *kwargs) {
-    static char *names[] = {"needles", NULL};
+    static char *names[] = {"needles", "nice", NULL};
     PyObject *kinds;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O", names, &kinds)) return -1;
+    int nice = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|i", names, &kinds, &nice)) return -1;
+    e->nice = nice;
     PyObject *seq = PySequence_Fast(kinds, "needles: a sequence (one per stream kind) of sequences of bytes");
     if (seq == NULL) return -1;
     Py_ssize_t nk = PySequence_Fast_GET_SIZE(seq);

@@ -8,6 +8,7 @@ other real-engine test (it is the default).
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -23,6 +24,7 @@ from hypothesis import strategies as st
 
 from gateway.core.errors import StreamKind
 from gateway.data import _relay_loop
+from gateway.data.native_streams import RELAY_THREAD_NICE
 from gateway.data.relay import _NEEDLES, _SCAN
 from launch.process import EngineProcess
 from tests.admin_client import prometheus_value
@@ -261,6 +263,25 @@ def test_a_client_that_reads_slowly_gets_every_byte_in_order(native: bool) -> No
     assert data[1] == 1, "the client's body is not complete chunk framing"
     assert data[0] == ROLE + b"".join(big) + FINISH + DONE
     assert (stats is not None and stats["blocked"] > 0 and stats["events"] > 100) is native
+
+
+def test_the_relay_thread_runs_below_the_event_loops_priority() -> None:
+    """Its nice value is the process's plus RELAY_THREAD_NICE: on saturated cores new streams go first."""
+
+    def nice_values() -> list[int]:
+        values = []
+        for task in os.listdir(f"/proc/{os.getpid()}/task"):
+            with open(f"/proc/{os.getpid()}/task/{task}/stat") as stat:
+                values.append(int(stat.read().rsplit(")", 1)[1].split()[16]))
+        return values
+
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    before = nice_values().count(own + RELAY_THREAD_NICE)
+    with _scripted_engine(lambda _: _chat_script()) as engine, serve({"m": {"url": engine["url"]}}) as served:
+        _stream(served, _chat())
+        assert _relayed_natively(served) > 0
+        assert nice_values().count(own + RELAY_THREAD_NICE) == before + 1
+    assert nice_values().count(own + RELAY_THREAD_NICE) == before  # the thread ended with its gateway
 
 
 def test_without_the_extension_the_gateway_says_so_and_relays_in_python(monkeypatch: pytest.MonkeyPatch) -> None:
