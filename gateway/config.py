@@ -360,7 +360,8 @@ class GatewaySettings(_Strict):
     )
     stream_coalesce_ms: float = Field(
         100.0, ge=0, le=1000,
-        description="The longest a stream's next read is put off while this process falls behind its work. As long as "
+        description="The longest a stream relayed in Python (relay_native off or not built, or a stream's first "
+        "events) has its next read put off while this process falls behind its work. As long as "
         "it keeps up (its event loop runs timers under 5 ms late on average), every event is relayed as it comes; "
         "beyond, each stream rests after a read for 8x that lag, up to this, so that what the engine sent meanwhile "
         "goes to the client in one read and one write (a read that carries a stream's finish is followed at once): "

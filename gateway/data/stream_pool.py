@@ -31,6 +31,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httptools
+from loguru import logger
 
 from gateway.data.loop_lag import PROBE_S, LagGauge, LoopLag
 from gateway.data.native_streams import BUILT as NATIVE_BUILT
@@ -124,7 +125,6 @@ class _Connection(asyncio.Protocol):
         self.finishing: Finishing | None = None  # the relay's: does a read say the stream is finishing (no rest then)
         self._pieces: list[bytes] = []  # the body pieces (HTTP chunks) of the read being parsed
         self.parser: Any = None
-        self.feeding = False  # inside the parser: no hand-over to the native relay now (its framing is mid-read)
         self.raw: list[bytes] | None = None  # the response's bytes so far, while it may still go native
         self._raw_size = 0
         self.idle_since = 0.0
@@ -153,16 +153,13 @@ class _Connection(asyncio.Protocol):
             exchange.received = True
             if self._ack is not None:  # once per response: see QuickAck
                 self._ack.rearm()
-        self.feeding = True
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as error:
-            self.feeding = False
             self._deliver(rest=False)  # the events before the malformed bytes, then the failure
             exchange.failed(UpstreamConnectionLost(f"malformed response from the engine: {error}"))
             self.abort()
             return
-        self.feeding = False
         self._deliver(rest=True)
 
     def _deliver(self, rest: bool) -> None:
@@ -403,12 +400,13 @@ class StreamExchange:
     ) -> bool:
         """Hand the rest of the body to the native relay, which writes its events to ``client_fd`` (a duplicate is
         taken) after ``pending`` (the partial event the relay holds), and hands back to ``owner`` the events holding
-        one of ``needles[kind]``: True once it reads instead of the loop. Only
-        between reads of a chunked body that goes on, over plain TCP, while nothing pauses reading; False leaves
-        everything as it was (``can_go_native`` says whether a later try may succeed)."""
+        one of ``needles[kind]``: True once it reads instead of the loop. Only for a chunked body that goes on, over
+        plain TCP, while nothing pauses reading; False leaves everything as it was (``can_go_native`` says whether a
+        later try may succeed). The thread replays the body so far through its own chunk parser: a body that ended or
+        broke in it (asked from inside the parser's last callbacks) is refused there."""
         connection = self.connection
         if (
-            connection.feeding or self._holds or self._complete or self._error is not None or self._released
+            self._holds or self._complete or self._error is not None or self._released
             or self.native is not None or connection.transport is None or connection.key[0] != "http"
         ):  # fmt: skip
             return False
@@ -421,8 +419,17 @@ class StreamExchange:
         if head_end < 0 or b"\r\ntransfer-encoding: chunked" not in data[:head_end].lower() or sock is None:
             return False
         native = connection.pool.native_streams(needles)
-        upstream_fd = os.dup(sock.fileno())
-        client_dup = os.dup(client_fd)
+        if native is None:
+            return False
+        try:
+            upstream_fd = os.dup(sock.fileno())
+        except OSError:  # out of descriptors: this stream stays in Python
+            return False
+        try:
+            client_dup = os.dup(client_fd)
+        except OSError:
+            os.close(upstream_fd)
+            return False
         self.pause_reading("native")  # before the thread reads: one reader of the socket at a time
         stream = native.attach(upstream_fd, client_dup, data[head_end + 4 :], pending, kind, chunked, owner)
         if stream is None:
@@ -509,10 +516,15 @@ class StreamPool:
         """The native relay thread's counts (live streams, events and reads it relayed); None until it started."""
         return self._native.stats() if self._native is not None else None
 
-    def native_streams(self, needles: list[list[bytes]]) -> NativeStreams:
-        """The native relay thread of this pool (started at its first stream, with the relay's ``needles``)."""
-        if self._native is None:
-            self._native = NativeStreams(needles)
+    def native_streams(self, needles: list[list[bytes]]) -> NativeStreams | None:
+        """The native relay thread of this pool (started at its first stream, with the relay's ``needles``); None
+        when it cannot start (said once: every stream is then relayed in Python)."""
+        if self._native is None and self.native_enabled:
+            try:
+                self._native = NativeStreams(needles)
+            except OSError as error:
+                self.native_enabled = False
+                logger.error("native relay: its thread did not start ({}): streams are relayed in Python", error)
         return self._native
 
     @property
