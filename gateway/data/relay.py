@@ -227,10 +227,7 @@ class SSEProxyResponse(Response):
 
     async def _pump(self, writer: _TransportWriter | _MessageWriter, send: Send) -> None:
         self._writer = writer
-        self._native_tries = (
-            isinstance(writer, _TransportWriter) and self.upstream.can_go_native
-            and writer.cycle.transport.get_extra_info("sslcontext") is None
-        )  # fmt: skip
+        self._native_tries = isinstance(writer, _TransportWriter) and self.upstream.can_go_native
         self.upstream.relay(self._on_data, writer.finish, self._says_finishing)
         error = await writer.wait()
         failure: GatewayError | None = None
@@ -279,7 +276,7 @@ class SSEProxyResponse(Response):
         if transport.is_closing() or transport.get_write_buffer_size():
             return
         sock = transport.get_extra_info("socket")
-        if sock is None:
+        if sock is None or transport.get_extra_info("sslcontext") is not None:  # (TLS: the thread writes plain bytes)
             self._native_tries = False
             return
         kind = _KIND_INDEX[self.kind]
