@@ -322,8 +322,8 @@ class SSEProxyResponse(Response):
 
     def native_totals(self, totals: NativeTotals) -> None:
         self.events += totals.events
-        if totals.last:  # (after the last piece written here: the thread may have relayed only the end, the finish before it)
-            self._last, self._done = (self._last[1] + self._done, totals.last), b""
+        if totals.last:  # (after the pieces written here: the thread may have relayed only the end, the finish before it)
+            self._last, self._done = (b"".join((*self._last, self._done)), totals.last), b""
         self._pending = totals.pending
 
     def _resume_native(self, since: float | None = None) -> None:

@@ -14,6 +14,7 @@ import time
 
 import httpx
 import openai
+import pytest
 
 from launch.process import EngineProcess
 from tests.fake_upstreams import SSE_HEAD, fake_answering_upstream, http_chunk, read_request
@@ -140,22 +141,27 @@ def test_spans_go_over_grpc_to_a_collectors_trace_service() -> None:
     assert server.attributes["error.type"] == "model_not_found" and server.attributes["gateway.key_name"] == "team-a"
 
 
-def test_a_streams_finish_reason_is_traced_when_finish_usage_and_done_come_in_separate_reads() -> None:
+@pytest.mark.parametrize(
+    "pauses", [(0.05, 0.05, 0.05, 0.05), (0.002, 0.03, 0.03, 0.0)], ids=["50ms-apart", "finish-and-usage-before-the-handover"]
+)
+def test_a_streams_finish_reason_is_traced_when_finish_usage_and_done_come_in_separate_reads(pauses: tuple[float, ...]) -> None:
     """A FAKE engine (it can be made to pause between its last events; the real one sends them as it pleases)
-    sends its finish event, its usage and [DONE] 50 ms apart: [DONE] goes out as it comes, and the trace still
-    names the finish reason from the events before it."""
+    sends its finish event, its usage and [DONE] in separate reads: [DONE] goes out as it comes, and the trace still
+    names the finish reason from the events before it. 50 ms apart, the stream goes to the native relay at its finish
+    (its first read 10 ms after the first); in the second timing the Python relay writes the finish and the usage, and
+    the native one only [DONE] and the end."""
 
     def answer(conn: socket.socket) -> None:
         read_request(conn)
         conn.sendall(SSE_HEAD)
-        for event in (
+        for event, pause in zip((
             b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":null}]}\n\n',
             b'data: {"id":"c","choices":[{"index":0,"delta":{},"finish_reason":"length"}]}\n\n',
             b'data: {"id":"c","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}}\n\n',
             b"data: [DONE]\n\n",
-        ):
+        ), pauses, strict=True):  # fmt: skip
             conn.sendall(http_chunk(event))
-            time.sleep(0.05)
+            time.sleep(pause)
         conn.sendall(b"0\r\n\r\n")
 
     with otlp_receiver() as otlp:
