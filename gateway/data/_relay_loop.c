@@ -279,10 +279,14 @@ static void free_stream(Engine *e, stream_t *s, uint64_t id) {
 }
 
 /* The stream's last events and its partial event, joined into a report's a and b. */
+/* The stream's last events (its last two blocks, then the one that ended with [DONE]), in order, appended to out. */
+static int append_last(buf_t *out, const stream_t *s) {
+    return buf_append(out, s->last[0].p, s->last[0].len) || buf_append(out, s->last[1].p, s->last[1].len) ||
+           buf_append(out, s->done.p, s->done.len);
+}
+
 static int fill_tail(report_t *r, stream_t *s) {
-    if (buf_append(&r->a, s->last[0].p, s->last[0].len) || buf_append(&r->a, s->last[1].p, s->last[1].len) ||
-        buf_append(&r->a, s->done.p, s->done.len) || buf_append(&r->b, s->pending.p, s->pending.len))
-        return -1;
+    if (append_last(&r->a, s) || buf_append(&r->b, s->pending.p, s->pending.len)) return -1;
     r->events = s->events;
     r->extra = s->extra;
     return 0;
@@ -736,9 +740,7 @@ static PyObject *Engine_detach(Engine *e, PyObject *arg) {
         result = Py_NewRef(Py_None);
     } else {
         buf_t last = {0};
-        buf_append(&last, s->last[0].p, s->last[0].len);
-        buf_append(&last, s->last[1].p, s->last[1].len);
-        buf_append(&last, s->done.p, s->done.len);
+        append_last(&last, s);
         result = Py_BuildValue("(Ky#y#)", (unsigned long long)s->events, last.p ? last.p : "", (Py_ssize_t)last.len,
                                s->pending.p ? s->pending.p : "", (Py_ssize_t)s->pending.len);
         buf_free(&last);

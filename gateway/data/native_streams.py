@@ -86,11 +86,13 @@ class NativeStreams:
     def resume(self, stream: int) -> None:
         self._engine.resume(stream)
 
-    def detach(self, stream: int) -> NativeTotals | None:
-        """Stop relaying a live stream (its owner cuts it): what was relayed; None if it had ended already."""
-        self._owners.pop(stream, None)
+    def detach(self, stream: int) -> None:
+        """Stop relaying a live stream (cut or failed in the loop): its owner is told what was relayed
+        (``native_totals``); nothing if it had ended already (its end was reported)."""
+        owner = self._owners.pop(stream, None)
         totals = self._engine.detach(stream)
-        return NativeTotals(*totals) if totals is not None else None
+        if totals is not None and owner is not None:
+            owner.native_totals(NativeTotals(*totals))
 
     def last_read(self, stream: int) -> float | None:
         return self._engine.last_read(stream)

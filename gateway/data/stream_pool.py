@@ -233,7 +233,6 @@ class StreamExchange:
     __slots__ = (
         "connection", "status", "keep_alive", "last_read", "received", "_head", "_buffer", "_end",
         "_complete", "_error", "_done", "_timer", "_read_timeout_s", "_released", "_holds", "_rest_until", "native",
-        "_native_owner",
     )  # fmt: skip
 
     def __init__(self, connection: _Connection, read_timeout_s: float) -> None:
@@ -255,7 +254,6 @@ class StreamExchange:
         self._holds: set[str] = set()  # why reading is paused: "client" (its socket is full), "rest" (coalescing)
         self._rest_until: float | None = None  # resting until this loop time (its wake-up tick in the pool)
         self.native: tuple[NativeStreams, int] | None = None  # relayed by the native thread: (its streams, this one)
-        self._native_owner: NativeOwner | None = None
 
     # -------------------------------------------------------------- what the connection reports
     def headers_done(self, status: int, keep_alive: bool) -> None:
@@ -438,7 +436,6 @@ class StreamExchange:
             self.resume_reading("native")
             return False
         self.native = (native, stream)
-        self._native_owner = owner
         return True
 
     def leave_native(self) -> None:
@@ -446,15 +443,12 @@ class StreamExchange:
         if self.native is None:
             return
         (native, stream), self.native = self.native, None
-        totals = native.detach(stream)
-        owner, self._native_owner = self._native_owner, None
-        if totals is not None and owner is not None:
-            owner.native_totals(totals)
+        native.detach(stream)
 
     def native_ended(self, outcome: str, detail: str, reusable: bool) -> None:
         """The native relay read the body to its end ("end": the connection goes back to the loop, kept alive when
         ``reusable``), or it broke ("lost", "malformed")."""
-        self.native = self._native_owner = None
+        self.native = None
         if outcome == "end":
             self.keep_alive = self.keep_alive and reusable
             self.resume_reading("native")
