@@ -225,14 +225,14 @@ class BatchRunner:
 
     async def _line(self, batch: BatchObject, owner: str, index: int, body: Any, model: str) -> None:
         try:
-            end = await self._answer(batch, owner, index, body)
+            end = await self._answer(batch, owner, index, body, model)
             if end is not None and await self._db(self.store.end_line, batch.id, index, end):
                 self.metrics.child(self.metrics.batch_lines, model, "done" if end.status_code == 200 else "failed").inc()
         finally:
             self._yielding.leave(model)
             self._slots.release()
 
-    async def _answer(self, batch: BatchObject, owner: str, index: int, body: Any) -> LineEnd | None:
+    async def _answer(self, batch: BatchObject, owner: str, index: int, body: Any, model: str) -> LineEnd | None:
         """How the line ended; None: it did not (cancelled or expired while it waited to be sent again: it ends so at
         the batch's finish). Cancelled (shutdown): it stays queued. A line that could not be read fails."""
         try:
@@ -241,7 +241,7 @@ class BatchRunner:
             payload = orjson.dumps(body)
             request_id = f"{batch.id}-{index}"
             backoff = self.settings.retry_backoff_s
-            while _passing(answer := await self.sender.send(batch.endpoint, payload, owner, batch.id, request_id)):
+            while _passing(answer := await self._send(batch, payload, owner, request_id, model)):
                 if self._stopped(batch):
                     return None
                 await asyncio.sleep(backoff)
@@ -250,6 +250,10 @@ class BatchRunner:
         except Exception as error:  # noqa: BLE001 - the gateway's own failure: the line fails, not the batch
             logger.exception("batches: line {} of {} failed in the gateway", index, batch.id)
             return LineEnd("failed", result={"code": "internal_error", "message": type(error).__name__})
+
+    async def _send(self, batch: BatchObject, payload: bytes, owner: str, request_id: str, model: str) -> Answer:
+        with self._yielding.sent(model):
+            return await self.sender.send(batch.endpoint, payload, owner, batch.id, request_id)
 
     async def _finish(self, batch: BatchObject) -> None:
         """End a batch whose lines stopped: completed, cancelled or expired, with its result files."""

@@ -14,7 +14,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from gateway.config import BatchSettings
 
@@ -29,14 +30,15 @@ class Yielding:
         self.load = load  # requests of a model in flight or queued now, batch lines included (None: no such model)
         self.settings = settings
         self.clock = clock
-        self.running: Counter[str] = Counter()
+        self.running: Counter[str] = Counter()  # lines started and not yet ended (sent, waiting to be resent, or recorded)
+        self.sending: Counter[str] = Counter()  # of those, the lines being sent now: the batch's share of ``load``
         self._seen: dict[str, float] = {}  # when each model last had requests other than batch lines
 
     def room(self, model: str) -> bool:
         """Whether one more line of ``model`` may start now."""
         now = self.clock()
         load = self.load(model)
-        if load is not None and load > self.running[model]:
+        if load is not None and load > self.sending[model]:
             self._seen[model] = now
         beside = now - self._seen.get(model, float("-inf")) < HOLD_S
         cap = min(self.settings.max_concurrency_beside_interactive, self.settings.max_concurrency) if beside else self.settings.max_concurrency
@@ -47,6 +49,19 @@ class Yielding:
         while not self.room(model) and not stopped():
             await asyncio.sleep(POLL_S)
         self.running[model] += 1
+
+    @contextmanager
+    def sent(self, model: str) -> Iterator[None]:
+        """Count a line of ``model`` in the load while it is being sent. A line that has its answer is no longer in
+        ``load`` but still ``running`` (its result is being written): compared with ``running``, the load would hide
+        an interactive request beside it, and the lines next in line would start at the full concurrency."""
+        self.sending[model] += 1
+        try:
+            yield
+        finally:
+            self.sending[model] -= 1
+            if self.sending[model] <= 0:
+                del self.sending[model]
 
     def leave(self, model: str) -> None:
         self.running[model] -= 1

@@ -80,7 +80,7 @@ def test_the_rule_full_alone_beside_others_and_for_a_moment_after() -> None:
 
     def lines(count: int, others: int) -> bool:
         """Whether one more line may start with ``count`` lines running and ``others`` requests beside them."""
-        yielding.running["m"] = count
+        yielding.running["m"] = yielding.sending["m"] = count
         load["m"] = count + others
         return yielding.room("m")
 
@@ -94,3 +94,22 @@ def test_the_rule_full_alone_beside_others_and_for_a_moment_after() -> None:
     yielding.leave("m")
     assert yielding.running["m"] == 2
     assert Yielding(lambda model: None, BatchSettings()).room("gone")  # a model no longer served holds nothing back
+
+
+def test_lines_that_have_their_answers_do_not_hide_an_interactive_request() -> None:
+    """Lines answered but still being recorded are running and no longer in the load: the interactive request beside
+    them is seen all the same (compared with the running lines, a load of 1 beside 4 of them looked like none)."""
+    load = {"m": 0}
+    yielding = Yielding(load.get, BatchSettings(max_concurrency=4, max_concurrency_beside_interactive=1))
+    yielding.running["m"] = 4
+    for _ in range(4):
+        with yielding.sent("m"):
+            load["m"] += 1
+        load["m"] -= 1  # its answer came: its lease is given back before its result is written
+    load["m"] = 1  # the interactive stream
+    for _ in range(3):
+        yielding.leave("m")  # three of the four are recorded
+    assert yielding.running["m"] == 1 and not yielding.sending["m"]
+    assert not yielding.room("m")  # one line beside the interactive stream, not four
+    yielding.leave("m")
+    assert yielding.room("m") and yielding.running["m"] == 0  # and one may start once it is recorded
