@@ -170,8 +170,8 @@ def test_the_logged_entrypoint_serves_like_a_custom_llm_container(container: dic
         reply = sdk.chat.completions.create(model="sglang-endpoint", messages=HELLO, max_tokens=8, temperature=0)
         assert reply.choices[0].message.role == "assistant" and reply.usage.completion_tokens > 0
         stream = sdk.chat.completions.create(
-            model="sglang-endpoint", messages=HELLO, max_tokens=8, stream=True, stream_options={"include_usage": True}
-        )
+            model="sglang-endpoint", messages=HELLO, max_tokens=8, temperature=0, stream=True, stream_options={"include_usage": True}
+        )  # greedy: sampling, the tiny random model may answer nothing but its end
         sdk_chunks = list(stream)
     assert sdk_chunks[-1].usage is not None and sdk_chunks[-1].usage.completion_tokens > 0
     assert "".join(c.choices[0].delta.content or "" for c in sdk_chunks if c.choices)
