@@ -20,6 +20,7 @@ import pytest
 from launch.config import DeploymentConfig, EngineConfig, load_config
 from launch.lifecycle import start_ready
 from launch.process import EngineProcess
+from tests.leaks import TREE_CACHES, untracked_in_tree
 from tests.postgres import PostgresServer, own_postgres
 
 REPO = Path(__file__).resolve().parent.parent
@@ -58,6 +59,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if hasattr(config, "workerinput"):  # a pytest-xdist worker (every worker sorts alike: the order is fixed)
         rank = {module: index for index, module in enumerate(SLOWEST_MODULES)}
         items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
+
+
+_TREE_BEFORE = pytest.StashKey[set[str] | None]()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if not hasattr(session.config, "workerinput"):  # the whole run's process (with pytest-xdist: the controller)
+        session.config.stash[_TREE_BEFORE] = untracked_in_tree(REPO)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """A run that left files in the working tree fails, naming them (an MLflow experiment without an artifact
+    location of its own writes its traces under ./mlruns: a run once left them there)."""
+    before = session.config.stash.get(_TREE_BEFORE, None)
+    after = untracked_in_tree(REPO) if before is not None else None
+    left = sorted(after - before - TREE_CACHES) if after is not None and before is not None else []
+    if left:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.ensure_newline()
+            reporter.write_sep("=", f"the tests left these in the working tree: {', '.join(left)}", red=True, bold=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,5 +1,5 @@
 """The one "leaves nothing behind" check of the tests: no process group left, no ``/dev/shm`` file left, no
-engine temporary directory left.
+engine temporary directory left; and, over a whole test session, no file left in the working tree.
 
 ``/dev/shm`` is checked whole: every file in it that no live process has mapped or open is a leak,
 unless it was already there, unused, before the check began. Other engines running on the machine
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -40,6 +41,17 @@ def engine_tmp_dirs(launchers: set[int]) -> set[Path]:
     """Engine temporary directories of engines that the processes ``launchers`` started."""
     base = Path(tempfile.gettempdir())
     return {path for pid in launchers for path in base.glob(f"{ENGINE_TMP_PREFIX}{pid}-*")}
+
+
+TREE_CACHES = frozenset({".pytest_cache/", ".hypothesis/"})
+"""What a test run may add to the working tree: pytest's and Hypothesis's own caches (both in ``.gitignore``)."""
+
+
+def untracked_in_tree(repo: Path) -> set[str] | None:
+    """The working tree's paths that git does not track, ignored ones included (a new directory as one entry);
+    None outside a git checkout (an unpacked sdist: nothing to compare)."""
+    found = subprocess.run(["git", "ls-files", "--others", "--directory"], cwd=repo, capture_output=True, text=True)
+    return set(found.stdout.splitlines()) if found.returncode == 0 else None
 
 
 class LeakCheck:

@@ -27,7 +27,8 @@ def _trace_count(experiment_id: str) -> int:
 
 @pytest.fixture
 def experiment(mlflow_store) -> str:
-    experiment_id = mlflow.create_experiment(f"tracing-{time.time_ns()}")
+    name = f"tracing-{time.time_ns()}"  # its traces' artifacts under the store's root: by default they go to ./mlruns
+    experiment_id = mlflow.create_experiment(name, artifact_location=str(mlflow_store / "artifacts" / name))
     mlflow.set_experiment(experiment_id=experiment_id)
     return experiment_id
 
