@@ -15,7 +15,14 @@ from typing import Any
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine_guard.grammar_checks import GrammarProblem, check_ebnf, check_json_schema, check_regex, check_stop_regex
+from engine_guard.grammar_checks import (
+    GrammarProblem,
+    check_ebnf,
+    check_json_schema,
+    check_regex,
+    check_stop_regex,
+    check_structural_tag,
+)
 from engine_guard.refusal import Refused
 
 
@@ -167,6 +174,8 @@ def _check_grammars(body: dict[str, Any], bounds: RequestBounds, setting: str) -
                     except orjson.JSONDecodeError as error:
                         raise GrammarProblem(f"not valid JSON: {error}") from None
                 check_json_schema(schema, max_depth=bounds.max_schema_depth, max_enum=bounds.max_enum_values)
+            elif kind == "structural_tag":
+                check_structural_tag(value)
         except GrammarProblem as problem:
             raise _refuse(field, str(problem), code="invalid_grammar") from None
     return compiled

@@ -14,12 +14,14 @@ Two engines run a request's patterns, with different failure modes:
   into an automaton, which does not backtrack; their cost is compile time and memory, bounded by size
   (:mod:`engine_guard.bounds`) and by the per-model grammar concurrency limit. Here the gateway refuses what
   would fail to compile (a regex or a JSON-schema ``pattern`` that does not parse, a ``$ref`` that does
-  not resolve or that refers to itself without consuming input, an EBNF that does not parse), so it is
-  the client's 400 rather than an engine failure.
+  not resolve or that refers to itself without consuming input, an EBNF that does not parse, a structural
+  tag the backend cannot build), so it is the client's 400 rather than an engine failure.
 """
 
 from __future__ import annotations
 
+import copy
+import json
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -205,3 +207,55 @@ def check_ebnf(grammar: str) -> None:
     except (RuntimeError, ValueError) as error:
         text = str(error)
         raise GrammarProblem("invalid EBNF: " + (text.split("error at ", 1)[-1] if "error at " in text else text)[:300]) from None
+
+
+def check_structural_tag(spec: dict[str, Any]) -> None:
+    """A structural tag (``response_format`` of type ``structural_tag``) that the grammar backend can build, built as
+    SGLang builds it: its legacy ``structures`` and ``triggers``, or a ``format``. The backend's own checks (an empty
+    trigger, a tag no trigger begins, an unknown format type) fail in the engine with a 500 otherwise. Where xgrammar
+    is not installed, or too old to build structural tags here, the engine reports it."""
+    try:
+        import xgrammar
+    except ImportError:  # a gateway installed without SGLang's stack
+        return
+    if not hasattr(xgrammar, "StructuralTag") or not hasattr(xgrammar.StructuralTag, "from_legacy_structural_tag"):
+        return
+    try:
+        if spec.get("structures") is not None:  # the legacy form (SGLang's is_legacy_structural_tag)
+            tags = [
+                xgrammar.StructuralTagItem(begin=item["begin"], schema=json.dumps(_or_empty(item.get("schema"))), end=item["end"])
+                for item in spec["structures"]
+            ]
+            tag = xgrammar.StructuralTag.from_legacy_structural_tag(tags, spec.get("triggers"))
+            tag.format.at_least_one = spec.get("at_least_one", False)
+            xgrammar.Grammar.from_structural_tag(tag)
+        else:
+            xgrammar.Grammar.from_structural_tag(json.dumps(_empty_schemas_filled(spec)))
+    except (RuntimeError, ValueError, TypeError, KeyError) as error:  # xgrammar's errors, pydantic's (a ValueError)
+        text = " ".join(str(error).split()).removeprefix("Invalid structural tag error: ")
+        raise GrammarProblem("invalid structural tag: " + text[:300]) from None
+
+
+def _or_empty(schema: Any) -> Any:
+    return {} if schema is None else schema
+
+
+def _empty_schemas_filled(spec: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``spec`` whose formats without a ``json_schema`` have an empty one, as the engine fills them in
+    (SGLang's ``_sanitize_structural_format``): what it accepts must pass here."""
+    spec = copy.deepcopy(spec)
+    pending = [spec.get("format")]
+    while pending:
+        node = pending.pop()
+        if not isinstance(node, dict):
+            continue
+        kind = node.get("type")
+        if kind in ("json_schema", "qwen_xml_parameter") and node.get("json_schema") is None:
+            node["json_schema"] = {}
+        if kind == "tag":
+            pending.append(node.get("content"))
+        elif kind in ("sequence", "or") and isinstance(node.get("elements"), list):
+            pending.extend(node["elements"])
+        elif kind in ("triggered_tags", "tags_with_separator") and isinstance(node.get("tags"), list):
+            pending.extend(node["tags"])
+    return spec

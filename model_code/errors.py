@@ -122,10 +122,13 @@ def from_openai_error(error: openai.OpenAIError) -> EngineRequestError:
         return EngineUnavailableError(f"engine is unreachable: {error}")
     if isinstance(error, openai.APIStatusError):
         return error_for_status(error.status_code, _message(error), error.body)
+    code = error.body.get("code") if isinstance(error, openai.APIError) and isinstance(error.body, dict) else None
+    if isinstance(code, int) and 400 <= code < 600:  # an error event in a stream that had begun: its status is in it
+        return error_for_status(code, _message(error), error.body)
     return EngineRequestError(f"engine call failed: {error}")
 
 
-def _message(error: openai.APIStatusError) -> str:
+def _message(error: openai.APIError) -> str:
     body = error.body
     if isinstance(body, dict):
         inner = body.get("error", body)

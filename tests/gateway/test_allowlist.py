@@ -123,6 +123,8 @@ def test_fan_out_and_grammar_bounds() -> None:
         (CHAT, {"messages": HELLO, "regex": "a" * 300}, "regex"),
         (CHAT, {"messages": HELLO, "stop_regex": "(x+x+)+y"}, "stop_regex"),
         (CHAT, {"messages": HELLO, "response_format": {"type": "json_schema", "json_schema": {"schema": {"$ref": "#"}}}}, "response_format"),
+        (CHAT, {"messages": HELLO, "response_format": {"type": "structural_tag", "structures": [], "triggers": [""]}}, "response_format"),
+        (CHAT, {"messages": HELLO, "response_format": {"type": "structural_tag", "format": {"type": "no_such_format"}}}, "response_format"),
     ]
     for path, body, field in cases:
         with pytest.raises(Refused) as refused:
@@ -130,6 +132,29 @@ def test_fan_out_and_grammar_bounds() -> None:
         assert refused.value.status == 400 and refused.value.param == field, (path, body, refused.value.message)
     check_bounds("/v1/completions", {"prompt": ["a"] * 4, "n": 2}, bounds)
     check_bounds("/v1/score", {"query": "q", "items": ["a"] * 3}, bounds)
+
+
+def test_structural_tags_the_engine_builds_pass_and_those_it_cannot_are_refused() -> None:
+    """Built as SGLang builds them (with the xgrammar the engine runs): the legacy form and a ``format``, a missing
+    schema filled in as the engine fills it; an empty trigger, or a tag that no trigger begins, refused with the
+    backend's own words."""
+    pytest.importorskip("xgrammar")
+    tag = {"begin": "<f>", "schema": {"type": "object"}, "end": "</f>"}
+    legacy = {"type": "structural_tag", "structures": [tag, {**tag, "begin": "<g>", "schema": None}], "triggers": ["<f", "<g"]}
+    content = {"type": "tag", "begin": "<f>", "content": {"type": "json_schema"}, "end": "</f>"}  # no json_schema: {}
+    formatted = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<f"], "tags": [content]}}
+    for accepted in (legacy, formatted):
+        before = orjson.dumps(accepted)
+        check_bounds(CHAT, {"messages": HELLO, "response_format": accepted}, RequestBounds())
+        assert orjson.dumps(accepted) == before  # checked on a copy: the body sent is the client's
+    for refused_format, words in (
+        ({**legacy, "triggers": [""]}, "triggers must be non-empty strings"),
+        ({**legacy, "triggers": ["<f"]}, "One tag does not match any trigger"),
+    ):
+        with pytest.raises(Refused) as refused:
+            check_bounds(CHAT, {"messages": HELLO, "response_format": refused_format}, RequestBounds())
+        assert refused.value.param == "response_format" and words in refused.value.message, refused.value.message
+        assert refused.value.message.startswith("response_format: invalid structural tag: "), refused.value.message
 
 
 def test_a_forced_tool_call_counts_its_schema_as_a_grammar() -> None:

@@ -140,6 +140,18 @@ def test_status_mapping(status, message, cls, http):
     assert error.get_http_status_code() == http  # what mlflow models serve answers
 
 
+def test_an_error_event_in_a_stream_is_typed_by_the_status_it_carries():
+    """SGLang refuses some requests only once their stream has begun (a grammar it cannot build): an error event
+    under HTTP 200, which the openai client raises as a bare APIError with the event as its body."""
+    request = httpx.Request("POST", "http://engine/v1/chat/completions")
+    event = {"message": "Failed to build the grammar", "type": "BadRequestError", "param": None, "code": 400}
+    refused = errors.from_openai_error(openai.APIError("Failed to build the grammar", request, body=event))
+    assert type(refused) is errors.BadRequestError and refused.engine_status == 400 and "build the grammar" in str(refused)
+    failed = errors.from_openai_error(openai.APIError("boom", request, body={"message": "boom", "code": 500}))
+    assert type(failed) is errors.EngineInternalError
+    assert type(errors.from_openai_error(openai.APIError("odd", request, body=None))) is errors.EngineRequestError
+
+
 def test_connection_errors():
     request = httpx.Request("POST", "http://engine/v1/chat/completions")
     assert isinstance(
