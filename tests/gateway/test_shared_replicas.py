@@ -33,6 +33,7 @@ from tests.postgres import PostgresServer, own_postgres
 from tests.waiting import wait_until
 
 RPM_KEY, BUDGET_KEY, SHARE_KEY, OWNER_A, OWNER_B, ADMIN = "sk-rpm", "sk-budget", "sk-share", "sk-owner-a", "sk-owner-b", "sk-admin"
+TABLES_KEY = "sk-tables"  # a limited key of the store-tables test alone (the limit tests count their own keys' requests)
 RPM = 60
 BUDGET = 300  # tokens per day
 SHARE_RPM = 20  # the key used only while the store is down: 1/2 of it
@@ -61,6 +62,7 @@ def replicas(postgres: PostgresServer, tmp_path_factory: pytest.TempPathFactory)
                     {"name": "rpm", "key": RPM_KEY, "limits": {"requests_per_minute": RPM}},
                     {"name": "budget", "key": BUDGET_KEY, "limits": {"tokens_per_day": BUDGET}},
                     {"name": "share", "key": SHARE_KEY, "limits": {"requests_per_minute": SHARE_RPM}},
+                    {"name": "tables", "key": TABLES_KEY, "limits": {"requests_per_minute": 1000}},
                     {"name": "owner-a", "key": OWNER_A},
                     {"name": "owner-b", "key": OWNER_B},
                 ],
@@ -228,10 +230,20 @@ def test_with_the_store_stopped_requests_still_pass_and_limits_fall_to_the_local
 def test_the_store_tables_hold_each_replica(replicas: tuple[GatewayServer, GatewayServer], postgres: PostgresServer) -> None:
     import psycopg
 
+    a, b = replicas
+    for replica in (a, b):
+        with _client(replica, TABLES_KEY) as client:
+            assert client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2}).status_code == 200
+
+    def reporters() -> set[str]:
+        """The replicas whose quota reports name the key (each writes one in its next round)."""
+        with psycopg.connect(f"host=127.0.0.1 port={postgres.port} user=postgres dbname=ledger") as conn:
+            return {row[0] for row in conn.execute("SELECT replica FROM gateway_quota_reports WHERE used LIKE '%\"tables\"%'")}
+
+    wait_until(lambda: reporters() == {"a", "b"}, lambda: f"both replicas report the key's use (reported by {reporters()})", 10, 0.1)
     with psycopg.connect(f"host=127.0.0.1 port={postgres.port} user=postgres dbname=ledger") as conn:
         names = {row[0] for row in conn.execute("SELECT name FROM gateway_replicas")}
-        reports = conn.execute("SELECT count(*) FROM gateway_quota_reports").fetchone()[0]
-    assert names == {"a", "b"} and reports > 0, (names, reports)
+    assert names == {"a", "b"}, names
 
 
 
