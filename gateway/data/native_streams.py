@@ -87,10 +87,13 @@ class NativeStreams:
         self._engine.resume(stream)
 
     def detach(self, stream: int) -> None:
-        """Stop relaying a live stream (cut or failed in the loop): its owner is told what was relayed
-        (``native_totals``); nothing if it had ended already (its end was reported)."""
-        owner = self._owners.pop(stream, None)
+        """Stop relaying a stream (cut or failed in the loop): its owner is told what was relayed (``native_totals``).
+        One that had ended in the thread, its end reported but not yet read here (a client that leaves at once when it
+        has the end: the loop notices before it reads the report), gets that report now: its end and its last events."""
         totals = self._engine.detach(stream)
+        if totals is None and stream in self._owners:
+            self._on_reports()
+        owner = self._owners.pop(stream, None)
         if totals is not None and owner is not None:
             owner.native_totals(NativeTotals(*totals))
 

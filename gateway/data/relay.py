@@ -182,7 +182,12 @@ class SSEProxyResponse(Response):
         except asyncio.CancelledError:
             if not gone or task.uncancel() > 0:
                 raise
-            self.info.error = "client disconnected"
+            self.upstream.leave_native()  # (what the native relay relayed: the stream's end, when it had come)
+            last = self._last_events()
+            if self._endings.search(last) is None:
+                self.info.error = "client disconnected"
+            else:  # it left once it had the stream's end (before the body's own end came): a complete stream
+                self._end_trace(last)
         finally:
             self.upstream.leave_native()  # (a stream cut here: the events the native relay counted first)
             if gone:
@@ -245,23 +250,30 @@ class SSEProxyResponse(Response):
             tail += self._last_partial_event(self._pending)
             self._pending = b""
         # Scanned here, not per event: a stream's ending is its last event (a scan per event cost ~1-4 µs).
-        last = b"".join((*self._last, self._done, tail))
+        last = self._last_events() + tail
         ended = self._endings.search(last) is not None
         if failure is None and not ended:
             failure = GatewayError(
                 502, f"the stream from the engine of {self.model} stopped before its end", code="upstream_stream_incomplete"
             )
         self._charge_unreported()
-        trace = self.info.trace
-        if trace is not None and trace.attempts:
-            trace.attempts[-1].ended = time.perf_counter()
-            trace.finish_reasons = finish_reasons(last)
+        self._end_trace(last)
         if failure is not None:
             self.info.error = failure.log_detail or failure.message
             self.info.error_code = failure.code
             self.metrics.child(self.metrics.stream_errors, self.model).inc()
             tail += sse_error_event(failure, self.kind, self._next_sequence_number())
         await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+    def _last_events(self) -> bytes:
+        """The last pieces written (where a stream's finish, usage and ending are)."""
+        return b"".join((*self._last, self._done))
+
+    def _end_trace(self, last: bytes) -> None:
+        trace = self.info.trace
+        if trace is not None and trace.attempts:
+            trace.attempts[-1].ended = time.perf_counter()
+            trace.finish_reasons = finish_reasons(last)
 
     # ------------------------------------------------------------------ the native relay (gateway.data.native_streams)
     def _go_native(self) -> None:

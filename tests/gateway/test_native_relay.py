@@ -8,6 +8,7 @@ other real-engine test (it is the default).
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import threading
@@ -21,15 +22,17 @@ import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from loguru import logger
 
 from gateway.core.errors import StreamKind
 from gateway.data import _relay_loop
-from gateway.data.native_streams import RELAY_THREAD_NICE
-from gateway.data.relay import _NEEDLES, _SCAN
+from gateway.data.native_streams import RELAY_THREAD_NICE, NativeStreams, NativeTotals
+from gateway.data.relay import _KIND_INDEX, _NATIVE_NEEDLES, _NEEDLES, _SCAN
 from launch.process import EngineProcess
 from tests.admin_client import prometheus_value
 from tests.fake_upstreams import SSE_HEAD, fake_tcp_upstream, http_chunk, read_request
 from tests.gateway_server import GatewayServer, serve
+from tests.waiting import wait_until
 
 RELAYS = pytest.mark.parametrize("native", [False, True], ids=["python", "native"])
 
@@ -234,6 +237,37 @@ def test_a_client_that_leaves_mid_stream_closes_the_engine_connection(native: bo
 
 
 @RELAYS
+def test_a_client_that_leaves_once_it_has_the_end_had_a_complete_stream(native: bool) -> None:
+    """The client closes its connection as soon as it has [DONE] (SDKs do), before the engine's body has ended: the
+    request is complete, logged without an error and with its tokens (it had been logged "client disconnected",
+    and its trace had lost its finish reason)."""
+    script = _chat_script()
+    script[-1] = (0.5, b"0\r\n\r\n")  # the body's end comes well after [DONE]
+    request = orjson.dumps(_chat(include_usage=True))
+    lines: list[str] = []
+    sink = logger.add(lambda message: lines.append(str(message)), level="INFO")
+    try:
+        with _scripted_engine(lambda _: script) as engine, serve({"m": {"url": engine["url"]}}, {"relay_native": native}) as served:
+            with socket.create_connection(("127.0.0.1", served.port), timeout=10) as sock:
+                sock.sendall(
+                    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                    % (len(request), request)
+                )
+                received = b""
+                while DONE not in received:
+                    data = sock.recv(65536)
+                    assert data, received
+                    received += data
+            wait_until(lambda: any("stream=True" in line for line in lines), "the stream's request log line", 10, 0.02)
+            relayed = _relayed_natively(served)
+    finally:
+        logger.remove(sink)
+    [line] = [line for line in lines if "stream=True" in line]
+    assert "status=200" in line and "tokens_out=21" in line and "error=" not in line, line
+    assert (relayed > 0) is native
+
+
+@RELAYS
 def test_a_client_that_reads_slowly_gets_every_byte_in_order(native: bool) -> None:
     """The engine sends far more than the client's socket holds while the client reads nothing: the native thread's
     writes come back part-written, the rest goes through the transport (its flow control), and the stream goes on
@@ -329,6 +363,59 @@ def test_a_real_engine_stream_is_the_same_through_the_native_thread(tiny_engine:
 
 
 # ---------------------------------------------------------------- the native pieces on their own
+
+
+class _Owner:
+    """A stream's owner that notes what the thread tells it."""
+
+    def __init__(self) -> None:
+        self.told: list[tuple[str, bytes]] = []
+
+    def native_inspect(self, events: bytes) -> None:
+        self.told.append(("inspect", events))
+
+    def native_blocked(self, unsent: bytes) -> None:
+        self.told.append(("blocked", unsent))
+
+    def native_gone(self, errno: int) -> None:
+        self.told.append(("gone", b""))
+
+    def native_ended(self, outcome: str, detail: str, reusable: bool, totals: NativeTotals) -> None:
+        self.told.append((outcome, totals.last))
+
+    def native_totals(self, totals: NativeTotals) -> None:
+        self.told.append(("totals", totals.last))
+
+
+def test_a_stream_taken_back_after_its_end_was_reported_gets_that_end() -> None:
+    """The thread relays a stream to its end and reports it; the loop takes the stream back before it reads that
+    report (its client left once it had [DONE]): the owner gets the end and its last events all the same."""
+
+    async def relay() -> list[tuple[str, bytes]]:
+        streams = NativeStreams(_NATIVE_NEEDLES)
+        engine_end, gateway_up = socket.socketpair()
+        gateway_client, client_end = socket.socketpair()
+        owner = _Owner()
+        try:
+            fds = os.dup(gateway_up.fileno()), os.dup(gateway_client.fileno())
+            stream = streams.attach(*fds, b"", b"", _KIND_INDEX[StreamKind.DATA], True, owner)
+            assert stream is not None
+            engine_end.sendall(http_chunk(_token(1)) + http_chunk(FINISH) + http_chunk(DONE) + b"0\r\n\r\n")
+            client_end.settimeout(10)
+            received = b""
+            while DONE not in received:  # (chunk-framed; the loop does not run meanwhile: the end's report waits)
+                received += client_end.recv(4096)
+            wait_until(lambda: streams.stats()["streams"] == 0, "the thread ended the stream", 10, 0.01)
+            streams.detach(stream)
+            return owner.told
+        finally:
+            streams.close()
+            for sock in (engine_end, gateway_up, gateway_client, client_end):
+                sock.close()
+
+    told = asyncio.run(relay())
+    assert [outcome for outcome, _ in told] == ["end"], told
+    assert FINISH in told[0][1] and told[0][1].endswith(DONE), told
 
 
 @settings(max_examples=200, deadline=None)
