@@ -352,7 +352,10 @@ def test_a_real_engine_stream_is_the_same_through_the_native_thread(tiny_engine:
                     stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
                 )
             )  # fmt: skip
-            stats = gateway.state.proxy.streams.native_stats()
+            streams = gateway.state.proxy.streams
+            # the SDK closes its connection at [DONE]: the thread lets the stream go once the gateway sees either
+            wait_until(lambda streams=streams: (streams.native_stats() or {}).get("streams", 0) == 0, "the native relay let the stream go", 10, 0.01)
+            stats = streams.native_stats()
         text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
         finish = [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices and chunk.choices[0].finish_reason]
         assert chunks[-1].usage is not None
