@@ -26,6 +26,7 @@ ALPHA, BETA, ADMIN = "sk-alpha", "sk-beta", "sk-admin"
 def answering_fake(directory: Path) -> Iterator[tuple[str, Path]]:
     """A FAKE engine that answers in milliseconds and notes each answered prompt: (its URL, the file of notes)."""
     answers = directory / "answers.txt"
+    answers.touch()  # (empty until its first answer: a test run first in its module reads it all the same)
     with running_fake_engine(directory, env={"FAKE_ENGINE_TOKEN_S": "0.002", "FAKE_ENGINE_ANSWERS": str(answers)}) as url:
         yield url, answers
 
