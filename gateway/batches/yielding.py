@@ -59,11 +59,14 @@ class Yielding:
         try:
             yield
         finally:
-            self.sending[model] -= 1
-            if self.sending[model] <= 0:
-                del self.sending[model]
+            _count_down(self.sending, model)
 
     def leave(self, model: str) -> None:
-        self.running[model] -= 1
-        if self.running[model] <= 0:
-            del self.running[model]
+        _count_down(self.running, model)
+
+
+def _count_down(counts: Counter[str], model: str) -> None:
+    """One less of ``model``; none left: no entry (the counters hold only models with lines)."""
+    counts[model] -= 1
+    if counts[model] <= 0:
+        del counts[model]

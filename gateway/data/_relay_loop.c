@@ -278,13 +278,13 @@ static void free_stream(Engine *e, stream_t *s, uint64_t id) {
     e->free_slots[e->nfree++] = (uint32_t)(id & 0xffffffffu);
 }
 
-/* The stream's last events and its partial event, joined into a report's a and b. */
 /* The stream's last events (its last two blocks, then the one that ended with [DONE]), in order, appended to out. */
 static int append_last(buf_t *out, const stream_t *s) {
     return buf_append(out, s->last[0].p, s->last[0].len) || buf_append(out, s->last[1].p, s->last[1].len) ||
            buf_append(out, s->done.p, s->done.len);
 }
 
+/* The stream's last events and its partial event, joined into a report's a and b. */
 static int fill_tail(report_t *r, stream_t *s) {
     if (append_last(&r->a, s) || buf_append(&r->b, s->pending.p, s->pending.len)) return -1;
     r->events = s->events;
