@@ -273,7 +273,10 @@ def test_a_client_that_reads_slowly_gets_every_byte_in_order(native: bool) -> No
     writes come back part-written, the rest goes through the transport (its flow control), and the stream goes on
     once it drains. Every event arrives, in order."""
     big = [b'data: {"choices":[{"index":0,"delta":{"content":"%s"},"finish_reason":null}]}\n\n' % (b"%05d" % i * 800) for i in range(2000)]  # 8 MB: past the 4 MB a loopback socket buffers
-    script: Script = [(0.0, SSE_HEAD + http_chunk(ROLE)), (0.1, b"")] + [(0.0, http_chunk(event)) for event in big]
+    # a few small events first, apart: the stream is handed over at one of them (a first read of megabytes would leave
+    # the client's transport holding bytes at every read, and the stream in Python, on a loaded machine)
+    small = [(0.02, http_chunk(_token(i))) for i in range(5)]
+    script: Script = [(0.0, SSE_HEAD + http_chunk(ROLE)), (0.1, b""), *small] + [(0.0, http_chunk(event)) for event in big]
     script += [(0.0, http_chunk(FINISH) + http_chunk(DONE) + b"0\r\n\r\n")]
     with _scripted_engine(lambda _: script) as engine, serve({"m": {"url": engine["url"]}}, {"relay_native": native}) as served:
         body = orjson.dumps(_chat())
@@ -295,7 +298,7 @@ def test_a_client_that_reads_slowly_gets_every_byte_in_order(native: bool) -> No
     head, _, chunked = received.partition(b"\r\n\r\n")
     data = _relay_loop.feed_chunks([chunked])
     assert data[1] == 1, "the client's body is not complete chunk framing"
-    assert data[0] == ROLE + b"".join(big) + FINISH + DONE
+    assert data[0] == ROLE + b"".join(_token(i) for i in range(5)) + b"".join(big) + FINISH + DONE
     assert (stats is not None and stats["blocked"] > 0 and stats["events"] > 100) is native
 
 
