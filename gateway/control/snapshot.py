@@ -37,6 +37,8 @@ class BackendView:
     sends_at_once: bool
     schedules_by_priority: bool = False
     sglang_version: str | None = None
+    tool_call_parser: str | None = None
+    knows_tool_parser: bool = False
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,7 @@ class RemoteBackend(Backend):
         self.view = view
         self.failure, self.retry_after_s = view.unavailable, view.retry_after_s
         self.sglang_version = view.sglang_version
+        self.tool_call_parser, self.knows_tool_parser = view.tool_call_parser, view.knows_tool_parser
         if view.context_length is not None:
             self.context_length = view.context_length
         self._headers = dict(view.headers)
@@ -113,7 +116,8 @@ def backend_view(backend: Backend) -> BackendView:
         context_length=backend.context_length, unavailable=backend.unavailable_reason(),
         retry_after_s=backend.retry_after_s, managed=backend.managed, is_router=backend.is_router,
         sends_at_once=backend.sends_at_once, schedules_by_priority=backend.schedules_by_priority,
-        sglang_version=backend.engine_version.sglang,
+        sglang_version=backend.engine_version.sglang, tool_call_parser=backend.tool_call_parser,
+        knows_tool_parser=backend.knows_tool_parser,
     )  # fmt: skip
 
 

@@ -46,6 +46,10 @@ class Backend:
         # The SGLang version it runs, when known (a launched engine's installed one; an external engine's as its
         # /get_server_info says): which request fields it takes (launch.sglang_versions). Unknown: the newest's.
         self.sglang_version: str | None = None
+        # Its engine's --tool-call-parser (None: it runs none, so tool calls would come back as text), when known: a
+        # launched engine's config, an external engine's /get_server_info. Unknown (a router, not SGLang): not checked.
+        self.tool_call_parser: str | None = None
+        self.knows_tool_parser = False
         # Shapes of requests whose upstream connection broke (the engine died under them, most
         # likely): the watchdog turns them into suspects when it finds the engine dead.
         self.lost: collections.deque[tuple[str, str | None]] = collections.deque(maxlen=64)  # (shape, key)
@@ -132,6 +136,7 @@ class EngineBackend(Backend):
     def __init__(self, served_name: str, engine: EngineProcess, *, replica: int = 0) -> None:
         super().__init__(served_name, replica=replica)
         self.engine = engine
+        self.tool_call_parser, self.knows_tool_parser = engine.config.tool_call_parser, True
 
     @property
     def engine_version(self) -> EngineVersion:

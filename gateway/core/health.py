@@ -36,13 +36,17 @@ class HealthProbes:
         return response.status_code == 200
 
     async def learn_version(self, backend: Backend) -> None:
-        """Ask an SGLang server its version (``/get_server_info``), for the fields its version takes; a server that
-        does not say (not SGLang, or a router) keeps the newest's."""
+        """Ask an SGLang server its version and tool-call parser (``/get_server_info``), for the fields its version takes
+        and whether it returns tool calls; a server that does not say (not SGLang, or a router) keeps the newest's."""
         try:
             response = await self.client.get(backend.url + "/get_server_info", headers=backend.upstream_headers())
-            version = response.json().get("version") if response.status_code == 200 else None
+            info = response.json() if response.status_code == 200 else {}
+            version = info.get("version")
         except (httpx.HTTPError, ValueError, AttributeError):
             return
+        if isinstance(version, str) and version and "tool_call_parser" in info:  # SGLang's server args, said
+            parser = info["tool_call_parser"]
+            backend.tool_call_parser, backend.knows_tool_parser = parser if isinstance(parser, str) and parser else None, True
         if isinstance(version, str) and version:
             backend.sglang_version = version
             if version not in VERSIONS:

@@ -21,9 +21,9 @@ README_BASE = "http://127.0.0.1:8000"
 
 
 @pytest.fixture(scope="module")
-def open_gateway(tiny_engine: EngineProcess) -> Iterator[GatewayServer]:
-    """A gateway with no keys (as in the README) in front of the session's engine, named as in tiny-cpu.yaml."""
-    with serve({"tiny": {"url": tiny_engine.url, "aliases": ["default"]}}) as server:
+def open_gateway(smollm2_engine: EngineProcess) -> Iterator[GatewayServer]:
+    """A gateway with no keys (as in the README) in front of the embedded default's engine, named as in smollm2-cpu.yaml."""
+    with serve({"smollm2": {"url": smollm2_engine.url, "aliases": ["default"]}}) as server:
         yield server
 
 
@@ -39,8 +39,10 @@ def test_readme_curl_example(open_gateway: GatewayServer) -> None:
     assert argv[0] == "curl"
     result = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=True)
     body = json.loads(result.stdout)
-    assert body["object"] == "chat.completion" and body["model"] == "tiny"
-    assert body["choices"][0]["message"]["role"] == "assistant"
+    assert body["object"] == "chat.completion" and body["model"] == "smollm2"
+    message = body["choices"][0]["message"]
+    assert message["role"] == "assistant" and message["content"] == "The capital of France is Paris.", message  # as the README quotes it
+    assert body["choices"][0]["finish_reason"] == "stop" and body["usage"]["completion_tokens"] == 8, body
 
 
 # Run before the README's code (which is left as it is): records what each chat completion the example makes
@@ -75,12 +77,12 @@ def test_readme_python_sdk_example(open_gateway: GatewayServer) -> None:
     stdout, stderr = result.stdout.decode("utf-8"), result.stderr.decode("utf-8", "replace")
     assert result.returncode == 0, stderr[-2000:]
     plain, streamed = json.loads(stderr.strip().splitlines()[-1])
-    assert plain["model"] == "tiny" and 0 < plain["completion_tokens"] <= 16, plain
+    assert plain["model"] == "smollm2" and 0 < plain["completion_tokens"] <= 16, plain
     chunks = streamed["chunks"]
     text = "".join(c["choices"][0]["delta"]["content"] or "" for c in chunks if c["choices"])
     assert stdout == f"{plain['content']}\n{text}", (stdout, plain, text)  # as print() writes them
     assert stdout.strip(), "the example printed nothing"  # (either answer may be one end-of-text token)
-    assert {c["model"] for c in chunks} == {"tiny"}
+    assert {c["model"] for c in chunks} == {"smollm2"}
     finished = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
     assert finished in (["stop"], ["length"]), finished
     usage = chunks[-1]["usage"]  # stream_options.include_usage: the last chunk has the usage and no choices

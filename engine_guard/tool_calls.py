@@ -1,0 +1,115 @@
+"""Tool calls as the client asked for them: refused where the engine cannot return them, held where they are forced.
+
+SGLang 0.5.23 turns a model's tool-call text into ``tool_calls`` (``function_call`` items, ``tool_use`` blocks) only
+when the engine runs a ``--tool-call-parser``. Without one, a forced call still comes back, as JSON text in the
+answer's content, with a 200 and no word of why: an agent loop never sees a call. A request that offers tools
+(and does not turn them off) to such an engine is refused here, naming the setting.
+
+With a parser, the engine forces a call (``required``, a named function; Anthropic's ``any`` and ``tool``) by a
+structural tag that lists *every* offered tool and leaves the arguments free unless the tool is ``strict``: a named
+function can come back as another, and arguments as a bare number. :func:`hold_forced_calls` rewrites such a
+request before it is sent: only the named tool is offered, and each forced tool is marked strict, so that the
+engine's grammar holds the name and the parameters' JSON schema (the guard has checked that schema compiles:
+:func:`engine_guard.bounds.grammar_inputs`). A tool the client marked ``strict`` is held by the engine as it is.
+
+One table says, per route, where the tools, their schemas and the choice live (:data:`TOOL_DIALECTS`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from engine_guard.refusal import Refused
+
+
+@dataclass(frozen=True)
+class ToolDialect:
+    """Where one route's request keeps its tools: ``function_key`` is the key of each tool's function (None: the
+    tool itself), ``schema_key`` its parameters' schema; the choice values that turn tools off and force a call."""
+
+    function_key: str | None
+    schema_key: str
+    none_choices: tuple[str, ...]  # tool_choice (or its "type") that turns tools off
+    forced_choices: tuple[str, ...]  # tool_choice (or its "type") that forces some call
+    named_type: str  # the "type" of a tool_choice that names one function
+
+    def choice(self, body: dict[str, Any]) -> tuple[str, str | None]:
+        """(kind, named function): kind is "none", "auto", "forced" or "named"."""
+        choice = body.get("tool_choice")
+        kind = choice.get("type") if isinstance(choice, dict) else choice
+        if kind is None:
+            return "auto", None
+        if kind in self.none_choices:
+            return "none", None
+        if kind in self.forced_choices:
+            return "forced", None
+        if kind == self.named_type and isinstance(choice, dict):
+            function = choice.get("function") if isinstance(choice.get("function"), dict) else choice
+            name = function.get("name")
+            return ("named", name) if isinstance(name, str) else ("auto", None)
+        return "auto", None
+
+    def functions(self, body: dict[str, Any]) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+        """(tool, its function) for each function tool of ``body`` (built-in tools of other types left out)."""
+        tools = body.get("tools")
+        for tool in tools if isinstance(tools, list) else ():
+            if not isinstance(tool, dict):
+                continue
+            if self.function_key is None:
+                if tool.get("type") in (None, "function", "custom") and isinstance(tool.get("name"), str):
+                    yield tool, tool
+            elif isinstance(tool.get(self.function_key), dict):
+                yield tool, tool[self.function_key]
+
+
+TOOL_DIALECTS: dict[str, ToolDialect] = {
+    "/v1/chat/completions": ToolDialect("function", "parameters", ("none",), ("required",), "function"),
+    "/v1/responses": ToolDialect(None, "parameters", ("none",), ("required",), "function"),
+    "/v1/messages": ToolDialect(None, "input_schema", ("none",), ("any",), "tool"),
+}
+"""Every route that takes tools, and how its requests spell them."""
+
+TOOL_PARSER_SETTING = "tool_call_parser"
+
+
+def offers_tools(path: str, body: dict[str, Any]) -> bool:
+    """Whether ``body`` offers the model function tools it may call (tools given, and not turned off)."""
+    dialect = TOOL_DIALECTS.get(path)
+    if dialect is None or dialect.choice(body)[0] == "none":
+        return False
+    return any(True for _ in dialect.functions(body))
+
+
+def check_tool_parser(path: str, body: dict[str, Any], model: str, parser: str | None) -> None:
+    """Refuse tools for a model whose engine runs no tool-call parser (``parser`` None): its calls would come back
+    as text. Call only where the engine's parser is known."""
+    if parser is None and offers_tools(path, body):
+        raise Refused(
+            f"tools: model {model!r} cannot return tool calls: its engine runs no tool-call parser (set "
+            f"engine.{TOOL_PARSER_SETTING} for it in the deployment file, e.g. qwen25, llama3, hermes), so a call would "
+            "come back as plain text; send tool_choice \"none\" or no tools",
+            code="tools_unsupported", param="tools",
+        )
+
+
+def hold_forced_calls(path: str, body: dict[str, Any]) -> None:
+    """Rewrite ``body`` in place so that a forced call is held by the engine's grammar: a named function alone
+    among the tools offered, and every forced tool strict (its parameters' schema enforced). Other requests are
+    left as they are."""
+    dialect = TOOL_DIALECTS.get(path)
+    if dialect is None:
+        return
+    kind, name = dialect.choice(body)
+    if kind not in ("forced", "named"):
+        return
+    pairs = list(dialect.functions(body))
+    if kind == "named":
+        named = [(tool, function) for tool, function in pairs if function.get("name") == name]
+        if not named:
+            return  # the engine refuses a choice naming no offered tool, in its own words
+        body["tools"] = [tool for tool, _ in named]
+        pairs = named
+    for _, function in pairs:
+        function["strict"] = True

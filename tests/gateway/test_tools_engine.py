@@ -1,0 +1,219 @@
+"""Tool calls on the real default model (SmolLM2-135M-Instruct on the CPU engine), through the gateway, as the SDKs
+parse them: every route that takes tools x every tool_choice x streamed or not, the refusal for an engine without a
+tool-call parser, and the tool result's round trip.
+
+The matrix (3 routes x 4 choices x 2 = 24 cases) asserts the exact objects the ``openai`` and ``anthropic`` SDKs
+build: chat ``tool_calls`` (ids, names, JSON arguments; streamed deltas joined by index), Responses ``function_call``
+items (streamed: ``output_item.added`` / ``function_call_arguments.done``), Messages ``tool_use`` blocks (streamed:
+``input_json_delta``). A forced call (``required``, a named function, Anthropic ``any``/``tool``) must name an
+offered tool (the named one when named) with arguments that validate against its schema: the engine holds them by
+grammar because the gateway marks forced tools strict and offers a named tool alone (engine_guard.tool_calls). A
+135M model never calls a tool of its own will (``auto``): there the answer is text, with no call smuggled into it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import anthropic
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from launch.process import EngineProcess
+from tests.gateway_server import GatewayServer, serve
+
+pytestmark = pytest.mark.real_model
+
+WEATHER = {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                   "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}, "required": ["city"]},
+}  # fmt: skip
+TIME = {
+    "name": "get_time", "description": "Get the local time in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}  # fmt: skip
+SCHEMAS = {tool["name"]: tool["parameters"] for tool in (WEATHER, TIME)}
+QUESTION = "What's the weather like in Paris today?"
+CHOICES = ("auto", "required", "named", "none")
+
+
+@pytest.fixture(scope="module")
+def gateway(smollm2_engine: EngineProcess) -> Iterator[GatewayServer]:
+    with serve({"smollm2": {"url": smollm2_engine.url, "aliases": ["default"]}}) as server:
+        assert httpx.get(server.url + "/ready", timeout=60).status_code == 200  # its first probe learns the engine's parser
+        yield server
+
+
+@pytest.fixture(scope="module")
+def openai_client(gateway: GatewayServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def anthropic_client(gateway: GatewayServer) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=gateway.url, api_key="unused", max_retries=0, timeout=300)
+
+
+def _tokens(choice: str) -> int:
+    return 64 if choice in ("required", "named") else 24  # a forced call takes ~25-50 tokens; text is cut short
+
+
+def chat_calls(client: openai.OpenAI, choice: str, stream: bool) -> tuple[str, list[dict[str, Any]]]:
+    """(text, calls) of a chat completion: calls as {id, name, arguments} from the SDK's own objects."""
+    tool_choice: Any = {"type": "function", "function": {"name": "get_time"}} if choice == "named" else choice
+    kwargs = dict(model="default", messages=[{"role": "user", "content": QUESTION}], temperature=0, max_tokens=_tokens(choice),
+                  tools=[{"type": "function", "function": tool} for tool in (WEATHER, TIME)], tool_choice=tool_choice)
+    if not stream:
+        message = client.chat.completions.create(**kwargs).choices[0].message
+        calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments} for c in message.tool_calls or []]
+        return message.content or "", calls
+    text, by_index = "", {}
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        text += delta.content or ""
+        for part in delta.tool_calls or []:
+            call = by_index.setdefault(part.index, {"id": None, "name": "", "arguments": ""})
+            if part.id:
+                assert call["id"] is None, "a call's id comes once, in its first delta"
+                call["id"] = part.id
+            if part.function is not None:
+                call["name"] += part.function.name or ""
+                call["arguments"] += part.function.arguments or ""
+    return text, [by_index[index] for index in sorted(by_index)]
+
+
+def responses_calls(client: openai.OpenAI, choice: str, stream: bool) -> tuple[str, list[dict[str, Any]]]:
+    tool_choice: Any = {"type": "function", "name": "get_time"} if choice == "named" else choice
+    kwargs = dict(model="default", input=QUESTION, temperature=0, max_output_tokens=_tokens(choice), store=False,
+                  tools=[{"type": "function", **tool} for tool in (WEATHER, TIME)], tool_choice=tool_choice)
+    if not stream:
+        response = client.responses.create(**kwargs)
+    else:
+        added, done, response = [], [], None
+        for event in client.responses.create(**kwargs, stream=True):
+            if event.type == "response.output_item.added" and event.item.type == "function_call":
+                added.append(event.item.call_id)
+            elif event.type == "response.function_call_arguments.done":
+                done.append(event.arguments)
+            elif event.type == "response.completed" or event.type == "response.incomplete":
+                response = event.response
+        assert response is not None
+        final = [item for item in response.output if item.type == "function_call"]
+        assert added == [item.call_id for item in final] and done == [item.arguments for item in final]
+    calls = [{"id": item.call_id, "name": item.name, "arguments": item.arguments} for item in response.output if item.type == "function_call"]
+    return response.output_text, calls
+
+
+def messages_calls(client: anthropic.Anthropic, choice: str, stream: bool) -> tuple[str, list[dict[str, Any]]]:
+    tool_choice = {"named": {"type": "tool", "name": "get_time"}, "required": {"type": "any"}}.get(choice, {"type": choice})
+    kwargs = dict(model="default", messages=[{"role": "user", "content": QUESTION}], extra_body={"temperature": 0}, max_tokens=_tokens(choice),
+                  tools=[{"name": t["name"], "description": t["description"], "input_schema": t["parameters"]} for t in (WEATHER, TIME)],
+                  tool_choice=tool_choice)
+    if stream:
+        with client.messages.stream(**kwargs) as events:
+            message = events.get_final_message()
+    else:
+        message = client.messages.create(**kwargs)
+    text = "".join(block.text for block in message.content if block.type == "text")
+    calls = [{"id": b.id, "name": b.name, "arguments": json.dumps(b.input)} for b in message.content if b.type == "tool_use"]
+    if calls:  # after a forced call the engine lets the model go on writing (dropped): it may end at max_tokens
+        assert message.stop_reason in ("tool_use", "max_tokens"), message.stop_reason
+    return text, calls
+
+
+ROUTES = {"chat": chat_calls, "responses": responses_calls, "messages": messages_calls}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+@pytest.mark.parametrize("choice", CHOICES)
+@pytest.mark.parametrize("route", sorted(ROUTES))
+def test_tool_choice_gives_the_calls_the_sdk_parses(
+    route: str, choice: str, stream: bool, openai_client: openai.OpenAI, anthropic_client: anthropic.Anthropic
+) -> None:
+    client = anthropic_client if route == "messages" else openai_client
+    text, calls = ROUTES[route](client, choice, stream)
+    if choice in ("auto", "none"):
+        assert calls == [] and text.strip(), (text, calls)
+        assert "<tool_call>" not in text  # a call is never left as text: the engine's parser takes it out
+        return
+    assert calls, f"a forced call came back as no call (text {text!r})"
+    ids = [call["id"] for call in calls]
+    assert all(ids) and len(set(ids)) == len(ids), ids
+    for call in calls:
+        assert call["name"] == "get_time" if choice == "named" else call["name"] in SCHEMAS, call
+        jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+
+
+def test_tools_for_an_engine_without_a_tool_parser_are_refused_naming_the_setting(tiny_engine: EngineProcess) -> None:
+    """An engine with no --tool-call-parser would answer a forced call as text: 400 in each route's dialect."""
+    from launch.config import load_config
+    from tests.conftest import TINY_CONFIG
+
+    assert load_config(TINY_CONFIG).engine("tiny").tool_call_parser, "the tiny engine runs a parser: this test starts none"
+    bare = {"parameters": TIME["parameters"], "name": TIME["name"]}
+    with serve({"plain": {"url": tiny_engine.url}}) as server:
+        state = server.state
+        (backend,) = state.registry.route("plain").replicas
+        backend.tool_call_parser, backend.knows_tool_parser = None, True  # as /get_server_info says of such an engine
+        cases = {
+            "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": bare}], "tool_choice": "required"},
+            "/v1/responses": {"input": "hi", "tools": [{"type": "function", **bare}]},
+            "/v1/messages": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "tools": [{"name": "get_time", "input_schema": TIME["parameters"]}]},
+        }
+        for path, body in cases.items():
+            answer = httpx.post(server.url + path, json={"model": "plain", **body}, timeout=60)
+            assert answer.status_code == 400, (path, answer.text)
+            error = answer.json()["error"]
+            assert "tool_call_parser" in error["message"] and "'plain'" in error["message"], error
+            if path == "/v1/messages":
+                assert answer.json()["type"] == "error" and error["type"] == "invalid_request_error"
+            else:
+                assert error["code"] == "tools_unsupported" and error["param"] == "tools"
+        off = dict(cases["/v1/chat/completions"], tool_choice="none", max_tokens=4)
+        assert httpx.post(server.url + "/v1/chat/completions", json={"model": "plain", **off}, timeout=60).status_code == 200
+
+
+def test_an_engine_tells_the_gateway_its_tool_parser(gateway: GatewayServer) -> None:
+    """A url model's parser comes from the engine's /get_server_info: the check is made from what the engine says."""
+    (backend,) = gateway.state.registry.route("smollm2").replicas
+    assert backend.knows_tool_parser and backend.tool_call_parser in ("qwen25", "qwen")  # SGLang says qwen25 as qwen
+
+
+def test_a_tool_result_reaches_the_model_in_each_dialect(openai_client: openai.OpenAI, anthropic_client: anthropic.Anthropic) -> None:
+    """Call -> tool result -> answer: the result the client sends back is what the model answers from."""
+    tools = [{"type": "function", "function": WEATHER}]
+    first = openai_client.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": QUESTION}], tools=tools, tool_choice="required",
+        temperature=0, max_tokens=64,
+    ).choices[0].message
+    (call,) = first.tool_calls
+    result = "Heavy snow, minus 12 degrees."
+    turn = [{"role": "user", "content": QUESTION}, first.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": result}]
+    answer = openai_client.chat.completions.create(model="default", messages=turn, tools=tools, temperature=0, max_tokens=40)
+    assert "snow" in (answer.choices[0].message.content or "").lower(), answer.choices[0].message
+
+    responses = openai_client.responses.create(
+        model="default", temperature=0, max_output_tokens=40, store=False, tools=[{"type": "function", **WEATHER}],
+        input=[{"role": "user", "content": QUESTION},
+               {"type": "function_call", "call_id": call.id, "name": call.function.name, "arguments": call.function.arguments},
+               {"type": "function_call_output", "call_id": call.id, "output": result}],
+    )
+    assert "snow" in responses.output_text.lower(), responses.output
+
+    message = anthropic_client.messages.create(
+        model="default", extra_body={"temperature": 0}, max_tokens=40,
+        tools=[{"name": WEATHER["name"], "description": WEATHER["description"], "input_schema": WEATHER["parameters"]}],
+        messages=[{"role": "user", "content": QUESTION},
+                  {"role": "assistant", "content": [{"type": "tool_use", "id": call.id, "name": call.function.name,
+                                                     "input": json.loads(call.function.arguments)}]},
+                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": result}]}],
+    )
+    assert "snow" in "".join(block.text for block in message.content if block.type == "text").lower(), message.content
