@@ -133,12 +133,16 @@ def grammar_inputs(body: dict[str, Any]) -> Iterator[tuple[str, str, Any]]:
         elif kind == "structural_tag":
             yield field, "structural_tag", spec
     tools = body.get("tools")
-    if isinstance(tools, list) and body.get("tool_choice") not in (None, "auto", "none"):
-        for tool in tools:  # a forced tool call is constrained by the tools' parameter schemas
-            function = tool.get("function") if isinstance(tool.get("function"), dict) else tool
-            schema = function.get("parameters", function.get("input_schema"))
-            if isinstance(schema, dict):
-                yield "tools", "json_schema", schema
+    forced = body.get("tool_choice") not in (None, "auto", "none")
+    for tool in tools if isinstance(tools, list) else ():
+        # A forced call is held to every tool's parameter schema (engine_guard.tool_calls marks them strict), a strict
+        # tool's always: the engine compiles each into its grammar.
+        function = tool.get("function") if isinstance(tool, dict) and isinstance(tool.get("function"), dict) else tool
+        if not isinstance(function, dict) or not (forced or function.get("strict") is True):
+            continue
+        schema = function.get("parameters", function.get("input_schema"))
+        if isinstance(schema, dict):
+            yield "tools", "json_schema", schema
 
 
 def grammar_bytes(body: dict[str, Any]) -> int:

@@ -111,7 +111,7 @@ def check_json_schema(schema: Any, *, max_depth: int, max_enum: int) -> None:
         return
     if not isinstance(schema, dict):
         raise GrammarProblem("a JSON schema must be an object")
-    for node, depth in _schema_nodes(schema):
+    for node, depth in schema_nodes(schema):
         if depth > max_depth:
             raise GrammarProblem(f"nested deeper than {max_depth} levels")
         enum = node.get("enum")
@@ -150,7 +150,8 @@ def _children(node: dict[str, Any]) -> Iterator[tuple[str, Any]]:
             yield key, node[key]
 
 
-def _schema_nodes(schema: dict[str, Any]) -> Iterator[tuple[dict[str, Any], int]]:
+def schema_nodes(schema: dict[str, Any]) -> Iterator[tuple[dict[str, Any], int]]:
+    """Every (sub)schema of ``schema`` with its depth (1: the root), through the keywords that hold subschemas."""
     stack = [(schema, 1)]
     while stack:
         node, depth = stack.pop()

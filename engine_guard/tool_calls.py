@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from engine_guard.grammar_checks import schema_nodes
 from engine_guard.refusal import Refused
 
 
@@ -73,6 +74,20 @@ TOOL_DIALECTS: dict[str, ToolDialect] = {
 
 TOOL_PARSER_SETTING = "tool_call_parser"
 
+ENFORCED_KEYWORDS = frozenset({
+    "type", "properties", "required", "additionalProperties", "items", "prefixItems", "enum", "const", "anyOf",
+    "$ref", "$defs", "definitions", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minLength",
+    "maxLength", "pattern", "minItems", "maxItems",
+})  # fmt: skip
+"""The JSON-schema keywords the engine's grammar (xgrammar) holds a value to: a strict tool's schema may use only
+these (and annotations). Others are compiled loosely or not at all (``multipleOf`` is ignored, ``oneOf`` read as
+``anyOf``, ``not``/``if``/``uniqueItems`` unknown), so the arguments could break them."""
+ANNOTATIONS = frozenset({
+    "title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated", "readOnly", "writeOnly",
+    "strict", "format",
+})  # fmt: skip
+"""Keywords that describe and do not constrain (``format`` is an annotation by the JSON Schema spec)."""
+
 
 def offers_tools(path: str, body: dict[str, Any]) -> bool:
     """Whether ``body`` offers the model function tools it may call (tools given, and not turned off)."""
@@ -92,6 +107,30 @@ def check_tool_parser(path: str, body: dict[str, Any], model: str, parser: str |
             "come back as plain text; send tool_choice \"none\" or no tools",
             code="tools_unsupported", param="tools",
         )
+
+
+def check_strict_schemas(path: str, body: dict[str, Any]) -> None:
+    """Refuse a strict tool whose parameters' schema uses a keyword the engine's grammar does not hold (naming it):
+    strict promises arguments that validate, and only :data:`ENFORCED_KEYWORDS` are kept by constrained decoding."""
+    dialect = TOOL_DIALECTS.get(path)
+    if dialect is None:
+        return
+    for index, (_, function) in enumerate(dialect.functions(body)):
+        schema = function.get(dialect.schema_key)
+        if function.get("strict") is not True or not isinstance(schema, dict):
+            continue
+        for node, _ in schema_nodes(schema):
+            unknown = sorted(set(node) - ENFORCED_KEYWORDS - ANNOTATIONS)
+            if not unknown and "pattern" in node:  # xgrammar drops a string's length bounds beside a pattern
+                unknown = [key for key in ("minLength", "maxLength") if key in node]
+            if unknown:
+                field = f"tools[{index}]" + (f".{dialect.function_key}" if dialect.function_key else "") + f".{dialect.schema_key}"
+                raise Refused(
+                    f"{field}: keyword {unknown[0]!r}{' beside pattern' if 'pattern' in node and unknown[0] in ('minLength', 'maxLength') else ''} "
+                    f"is not enforced by the engine's grammar, so a strict tool's arguments could break it (strict tools may "
+                    f"use {', '.join(sorted(ENFORCED_KEYWORDS))}, and a pattern without length bounds); drop it or strict",
+                    code="invalid_grammar", param="tools",
+                )
 
 
 def hold_forced_calls(path: str, body: dict[str, Any]) -> None:
