@@ -17,6 +17,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 
@@ -24,9 +25,12 @@ from launch.config import EngineConfig
 from launch.procgroup import child_pids, cmdline
 from launch.sglang_versions import installed_sglang
 from tests.fake_engine import fake_engine_python
+from tests.gateway_server import KEY, auth
 from tests.leaks import leaves_nothing
-from tests.servers import CLI, REPO, ServerProcess
+from tests.servers import CLI, REPO, ServerProcess, server_process
 from tests.waiting import wait_until
+
+ADMIN = "start-faults-admin-key"
 
 
 def model_dir(tmp_path: Path, tiny_model_dir: Path, name: str, config: dict[str, Any] | None = None, *, drop: tuple[str, ...] = ()) -> Path:
@@ -204,3 +208,37 @@ def test_serve_an_engine_killed_while_it_starts_exits_1_naming_the_signal(tmp_pa
     assert lines and lines[0].startswith(
         "engine 'smol' exited with code -9 while starting: killed by SIGKILL (the kernel's out-of-memory killer, or another process)"
     ), server.log(3000)
+
+
+# ------------------------------------------------------------------ a reload to a model that cannot start (FAKE engines)
+
+
+def test_a_sighup_reload_to_a_model_that_cannot_start_keeps_the_old_engine_and_shows_why(tmp_path: Path) -> None:
+    """``serve``, then the YAML points the model at a directory whose config.json is broken, then SIGHUP: the old
+    engine serves on, and the admin API (what the status page shows: the model's last error, the reload's report
+    with the engine's log tail, the events list) and the log say why. FAKE engines: the reload is the gateway's."""
+    python = fake_engine_python(tmp_path)
+    good, broken = tmp_path / "good-model", tmp_path / "broken-model"
+    for model, text in ((good, "{}"), (broken, "{not json")):
+        model.mkdir()
+        (model / "config.json").write_text(text)
+    keys = {"api_keys": [KEY], "admin_keys": [ADMIN]}
+    config = deployment(tmp_path, good, gateway=keys, python=str(python))
+    with server_process([*CLI, "serve", str(config), "--port", "{port}"], log_path=tmp_path / "serve.log", ready_path="/ready", timeout_s=120) as server:
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            before = http.get("/admin/models", headers=auth(ADMIN)).json()["models"][0]
+            deployment(tmp_path, broken, gateway=keys, python=str(python))  # the same file, rewritten
+            os.kill(server.pid, signal.SIGHUP)
+            server.wait_log(r"reload \(SIGHUP\): model smol: .*it keeps its previous backend", 120)
+            admin = http.get("/admin/models", headers=auth(ADMIN)).json()
+            model = admin["models"][0]
+            assert (model["state"], model["engine"]["pid"]) == ("ready", before["engine"]["pid"]), model
+            cause = "engine 'smol' exited with code 1 while starting: JSONDecodeError: Expecting property name enclosed in double quotes"
+            assert cause in model["last_error"], model["last_error"]
+            reported = admin["last_reload"]["models"]["smol"]
+            assert reported["ok"] is False and cause in reported["error"] and reported["log_tail"][-1].startswith("JSONDecodeError"), reported
+            swap = admin["events"][0]
+            assert (swap["kind"], swap["model"], swap["ok"]) == ("swap", "smol", False) and cause in swap["detail"], swap
+            answer = http.post("/v1/chat/completions", headers=auth(KEY), json={"model": "smol", "messages": [{"role": "user", "content": "hi"}]})
+            assert answer.status_code == 200, answer.text  # the old engine serves on
+        assert server.proc.poll() is None
