@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -242,3 +243,18 @@ def test_a_sighup_reload_to_a_model_that_cannot_start_keeps_the_old_engine_and_s
             answer = http.post("/v1/chat/completions", headers=auth(KEY), json={"model": "smol", "messages": [{"role": "user", "content": "hi"}]})
             assert answer.status_code == 200, answer.text  # the old engine serves on
         assert server.proc.poll() is None
+
+
+# ------------------------------------------------------------------ the catalogue
+
+
+def test_every_row_of_the_catalogue_in_operations_md_names_tests_that_exist() -> None:
+    text = (REPO / "docs" / "operations.md").read_text()
+    section = text.split("## When a start or a reload fails", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith(("| Mistake", "|---"))]
+    assert len(rows) >= 17, rows
+    for row in rows:
+        cited = re.findall(r"`(tests/[\w/]+\.py)::(\w+)`", row.rsplit(" | ", 1)[1])
+        assert cited, f"a row without a test: {row[:80]}"
+        for path, name in cited:
+            assert re.search(rf"^(?:async )?def {name}\(", (REPO / path).read_text(), re.MULTILINE), f"{path}::{name} (cited in docs/operations.md) does not exist"
