@@ -292,7 +292,12 @@ def check_shm(engine: EngineConfig, shm_bytes: int | None = None) -> tuple[Engin
 def visible_gpus() -> list[GpuFacts]:
     """Compute capability and memory of each GPU this process may use (``CUDA_VISIBLE_DEVICES`` narrows them)."""
     listing = _nvidia_smi("--query-gpu=index,compute_cap,memory.total", "--format=csv,noheader,nounits") or ""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return parse_gpu_facts(listing, os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def parse_gpu_facts(listing: str, visible: str | None) -> list[GpuFacts]:
+    """``nvidia-smi --query-gpu=index,compute_cap,memory.total --format=csv,noheader,nounits`` output, narrowed to
+    the indexes of ``visible`` (``CUDA_VISIBLE_DEVICES``; None: all); unreadable lines are left out."""
     chosen = [d.strip() for d in visible.split(",") if d.strip()] if visible is not None else None
     found = []
     for line in listing.splitlines():

@@ -17,6 +17,7 @@ from launch.preflight import (
     find_cuda_home,
     installed_stack,
     parse_driver_cuda,
+    parse_gpu_facts,
     preflight,
     require,
 )
@@ -335,3 +336,10 @@ def test_an_unknown_extra_flag_fails_naming_the_closest(tiny_model_dir: Path) ->
     assert f"error: extra_args: --max-runing-requests: SGLang {version} has no such flag (did you mean --max-running-requests?)" in messages(result)
     for fine in (["--max-running-requests", "3"], ["--max-running-requests=3"], ["--max-running", "3"]):  # abbreviations: SGLang's parser takes them
         assert preflight(engine.model_copy(update={"extra_args": fine})).ok, fine
+
+
+def test_gpu_facts_are_read_from_nvidia_smi_and_narrowed_to_the_visible_ones() -> None:
+    listing = "0, 9.0, 81559\n1, 7.0, 16384\n2, [N/A], 1000\n"
+    assert parse_gpu_facts(listing, None) == [GpuFacts((9, 0), 81559), GpuFacts((7, 0), 16384)]
+    assert parse_gpu_facts(listing, "1") == [GpuFacts((7, 0), 16384)]
+    assert parse_gpu_facts("", None) == []
