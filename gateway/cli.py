@@ -91,7 +91,7 @@ def check(
             result = preflight(engine)
             for finding in [*findings, *result.findings] if index == 0 else []:
                 style = {"error": "bold red", "warning": "yellow", "info": "dim"}[finding.level]
-                err.print(f"[{style}]{finding.level}:[/] model {name}: {finding.message}", highlight=False)
+                err.print(f"[{style}]{finding.level}:[/] model {name}: {finding.message}", highlight=False, soft_wrap=True)
             failed = failed or not result.ok or any(f.level == "error" for f in findings)
             launched = effective_engine(result.engine)
             argv = build_argv(launched, port=launched.port or 0, served_model_name=name)

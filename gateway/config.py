@@ -237,7 +237,23 @@ class UsageSettings(_Strict):
             url = "postgresql+psycopg://" + url.split("://", 1)[1]
         if not url.startswith(("sqlite:///", "postgresql+psycopg://")) or url in ("sqlite:///", "postgresql+psycopg://"):
             raise ValueError("database_url must be sqlite:///<path> or postgresql+psycopg://<user>@<host>/<database>")
+        _parses(url)
         return SecretStr(url)
+
+
+def _parses(url: str) -> None:
+    """Refuse a database URL SQLAlchemy cannot read (a port that is no number...) now, not at the first query.
+
+    The reasons are fixed words: SQLAlchemy's own messages quote the URL, password included."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        make_url(url)
+    except ValueError:  # int() of the port
+        raise ValueError("the port after the host must be a number (host:5432)") from None
+    except ArgumentError:
+        raise ValueError("not a URL (driver://user:password@host:port/database)") from None
 
 
 class BatchSettings(_Strict):

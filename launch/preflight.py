@@ -22,8 +22,10 @@ from loguru import logger
 
 from launch.config import ConfigError, DeploymentConfig, EngineConfig, ModelEntry
 from launch.gpu_profiles import driver_verdict, installed_profile, known_profiles
+from launch.model_checks import GpuFacts, check_dtype, check_extra_flags, check_max_total_tokens, check_tokenizer
 from launch.ports import port_is_free
 from launch.replicas import replica_gpu_slices, visible_gpu_ids
+from launch.sglang_versions import VERSIONS, facts, installed_sglang
 
 _HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -287,6 +289,45 @@ def check_shm(engine: EngineConfig, shm_bytes: int | None = None) -> tuple[Engin
     ]
 
 
+def visible_gpus() -> list[GpuFacts]:
+    """Compute capability and memory of each GPU this process may use (``CUDA_VISIBLE_DEVICES`` narrows them)."""
+    listing = _nvidia_smi("--query-gpu=index,compute_cap,memory.total", "--format=csv,noheader,nounits") or ""
+    return parse_gpu_facts(listing, os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def parse_gpu_facts(listing: str, visible: str | None) -> list[GpuFacts]:
+    """``nvidia-smi --query-gpu=index,compute_cap,memory.total --format=csv,noheader,nounits`` output, narrowed to
+    the indexes of ``visible`` (``CUDA_VISIBLE_DEVICES``; None: all); unreadable lines are left out."""
+    chosen = [d.strip() for d in visible.split(",") if d.strip()] if visible is not None else None
+    found = []
+    for line in listing.splitlines():
+        parts = [part.strip() for part in line.split(",")]
+        if len(parts) != 3 or (chosen is not None and parts[0] not in chosen):
+            continue
+        try:
+            major, minor = (int(x) for x in parts[1].split(".")[:2])
+            found.append(GpuFacts((major, minor), int(float(parts[2]))))
+        except ValueError:
+            continue
+    return found
+
+
+def check_engine_facts(engine: EngineConfig, gpus: list[GpuFacts] | None, python_ok: bool) -> list[Finding]:
+    """What the engine would fail on (or quietly shrink) at start: its tokenizer, dtype, KV-cache size and
+    extra flags (:mod:`launch.model_checks`)."""
+    findings = [Finding("error", message) for message in check_tokenizer(engine)]
+    if engine.device == "cuda" and gpus is None:
+        gpus = visible_gpus()
+    findings += [Finding("error", message) for message in check_dtype(engine, gpus)]
+    findings += [Finding("warning", message) for message in check_max_total_tokens(engine, gpus)]
+    if engine.extra_args and python_ok:
+        sglang = installed_sglang(engine.python_executable)
+        if sglang in VERSIONS:
+            flags = facts(sglang)["flags"]
+            findings += [Finding("error", message) for message in check_extra_flags(engine, flags if isinstance(flags, list) else None, sglang)]
+    return findings
+
+
 def check_python(engine: EngineConfig) -> list[Finding]:
     python = engine.python_executable
     if not (Path(python).is_file() or shutil.which(python)):
@@ -301,11 +342,12 @@ def preflight(
     cuda_home: str | None = None,
     driver_cuda: tuple[int, int] | None = None,
     shm_bytes: int | None = None,
+    gpus: list[GpuFacts] | None = None,
 ) -> PreflightResult:
     """Run every check; the returned engine is the one to launch.
 
-    ``gpu_count``, ``cuda_home``, ``driver_cuda`` and ``shm_bytes`` replace what would be detected (tests,
-    or a caller that knows).
+    ``gpu_count``, ``cuda_home``, ``driver_cuda``, ``shm_bytes`` and ``gpus`` replace what would be detected
+    (tests, or a caller that knows).
     """
     adjusted, cuda_findings = check_cuda_home(engine, cuda_home) if engine.device == "cuda" else (engine, [])
     adjusted, shm_findings = check_shm(adjusted, shm_bytes)
@@ -316,7 +358,8 @@ def preflight(
         stack_findings = check_gpu_stack(engine, driver, installed_stack(engine.python_executable))
     findings = [
         *python_findings,
-        *check_model_path(engine),
+        *(model_findings := check_model_path(engine)),
+        *(check_engine_facts(engine, gpus, not python_findings) if not any(f.level == "error" for f in model_findings) else []),
         *check_port(engine),
         *check_gpus(engine, gpu_count),
         *cuda_findings,

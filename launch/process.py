@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import re
 import secrets
+import signal
 import subprocess
 import tempfile
 import threading
@@ -83,6 +84,41 @@ def crash_cause(lines: list[str]) -> str | None:
         if match:
             return match.group(1)[:300]
     return "an exception (see the engine log)"
+
+
+# argparse's last word on a bad command line: "sglang serve: error: argument --x: invalid int value: 'y'".
+_USAGE_ERROR = re.compile(r"^[\w.\- ]+: error: (.+)$")
+
+
+def start_failure_cause(lines: list[str]) -> str | None:
+    """Why an engine exited while starting, from its log ``lines``: a crash (:func:`crash_cause`), else the
+    exception line of the last traceback (SGLang's main process failing on the model's config, say), else
+    its argument parser's error. None when the log says none of these (killed from outside)."""
+    crashed = crash_cause(lines)
+    if crashed is not None:
+        return crashed
+    for index in range(len(lines) - 1, -1, -1):
+        if "Traceback (most recent call last)" in lines[index]:
+            for line in lines[index + 1 :]:
+                if line[:1] not in ("", " ", "\t") and (match := _EXCEPTION_LINE.match(line.rstrip())):
+                    return match.group(1)[:300]
+            break
+    for line in reversed(lines):
+        if match := _USAGE_ERROR.match(line.strip()):
+            return f"SGLang refused its command line: {match.group(1)[:300]}"
+    return None
+
+
+def killed_by(returncode: int | None) -> str | None:
+    """``killed by SIGKILL (...)`` for an engine a signal ended (a negative exit code), else None."""
+    if returncode is None or returncode >= 0:
+        return None
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    hint = " (the kernel's out-of-memory killer, or another process)" if name == "SIGKILL" else ""
+    return f"killed by {name}{hint}"
 
 
 def port_was_taken(lines: list[str]) -> bool:
@@ -284,11 +320,14 @@ class EngineProcess:
             while True:
                 if self._proc.poll() is not None:
                     self._join_reader()
+                    tail = self.log_tail(LOG_TAIL_LINES)
+                    cause = start_failure_cause(tail) or killed_by(self._proc.returncode)
                     raise EngineExited(
-                        f"engine {self.name!r} exited with code {self._proc.returncode} while starting",
+                        f"engine {self.name!r} exited with code {self._proc.returncode} while starting"
+                        + (f": {cause}" if cause else ""),
                         name=self.name,
                         returncode=self._proc.returncode,
-                        log_tail=self.log_tail(LOG_TAIL_LINES),
+                        log_tail=tail,
                         log_file=self.log_file,
                     )
                 if self.health(client) and not self._answered_by_another():

@@ -49,7 +49,8 @@ class DeploymentApplier:
         self, new: DeploymentConfig, settings: GatewaySettings, plan: ReloadPlan, *, fail_fast: bool = False
     ) -> dict[str, SwapResult]:
         """Make ``new`` the deployment in force; the result of every model whose backend was started or swapped.
-        ``fail_fast`` (a boot): the first failed start makes the others give up."""
+        ``fail_fast`` (a boot): the first failed start makes the others give up, and its result comes first
+        (the others then failed only because they gave up)."""
         self.state.settings = settings
         removed = self._apply_routes(new, settings)
         work = [
@@ -62,13 +63,16 @@ class DeploymentApplier:
             for name, route in removed
             for backend in (*route.replicas, *([route.front] if route.front is not None else []))
         ]
+        first: list[SwapResult] = []
         if fail_fast:
             for finished in asyncio.as_completed(work):
                 outcome = await finished
                 if isinstance(outcome, SwapResult) and not outcome.ok:
-                    self.executor.fleet.abort_starts()
+                    first.append(outcome)
+                    self.executor.fleet.give_up_starts()
+                    break
         outcomes = await asyncio.gather(*work)
-        results = {result.model: result for result in outcomes if isinstance(result, SwapResult)}
+        results = {result.model: result for result in [*first, *outcomes] if isinstance(result, SwapResult)}
         self.deployment = _effective(new, plan, results)
         return results
 

@@ -64,17 +64,26 @@ class Fleet:
         self._routers: set[RouterProcess] = set()  # SGLang routers started in front of replicas
         self._closing = False
         self._abort = threading.Event()  # set from a signal handler, or by a failed boot: starts give up
+        self._stop_requested = False  # set from a signal handler only: the user asked to stop
 
     @property
     def aborted(self) -> bool:
-        return self._abort.is_set()
+        """A stop was requested (SIGTERM / Ctrl-C) while engines started: not a failure of theirs."""
+        return self._stop_requested
 
     @property
     def stopping(self) -> bool:
-        return self._closing or self.aborted
+        return self._closing or self._abort.is_set()
 
     def abort_starts(self) -> None:
-        """Make every engine start in progress stop its engine and fail (thread-safe; signal handlers too)."""
+        """Make every engine start in progress stop its engine and fail, because a stop was requested
+        (thread-safe; signal handlers too)."""
+        self._stop_requested = True
+        self._abort.set()
+
+    def give_up_starts(self) -> None:
+        """Make every engine start in progress stop its engine and fail, because another one failed (a boot
+        fails fast): that failure, not a stop request, is what the boot reports."""
         self._abort.set()
 
     def owns(self, engine: EngineProcess | None) -> bool:

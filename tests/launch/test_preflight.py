@@ -10,15 +10,18 @@ import pytest
 
 from launch.config import EngineConfig
 from launch.gpu_profiles import DEFAULT_PROFILE, installed_profile
+from launch.model_checks import GpuFacts
 from launch.preflight import (
     PreflightError,
     check_gpu_stack,
     find_cuda_home,
     installed_stack,
     parse_driver_cuda,
+    parse_gpu_facts,
     preflight,
     require,
 )
+from launch.sglang_versions import installed_sglang
 
 
 def local_model(tmp_path: Path) -> Path:
@@ -275,3 +278,68 @@ def test_dev_shm_is_fine_for_one_gpu_or_when_large(tmp_path: Path, tp_size: int,
     engine = EngineConfig(model_path=str(local_model(tmp_path)), tp_size=tp_size)
     result = preflight(engine, gpu_count=2, cuda_home="/opt/cuda", shm_bytes=shm_mib * MIB)
     assert "/dev/shm" not in messages(result) and "NCCL_SHM_DISABLE" not in result.engine.env
+
+
+# --------------------------------------------------------------- what the engine would fail on (launch.model_checks)
+
+
+def weights_only_model(tmp_path: Path, tiny_model_dir: Path) -> Path:
+    """The tiny model's config and weights without its tokenizer files (a partly copied model)."""
+    model = tmp_path / "weights-only"
+    model.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (model / name).symlink_to(tiny_model_dir / name)
+    return model
+
+
+def test_a_model_with_weights_but_no_tokenizer_fails(tmp_path: Path, tiny_model_dir: Path) -> None:
+    model = weights_only_model(tmp_path, tiny_model_dir)
+    result = preflight(EngineConfig(model_path=str(model), device="cpu"))
+    assert not result.ok and f"model_path {model}: no tokenizer in this directory" in messages(result) and "set tokenizer_path" in messages(result)
+    assert preflight(EngineConfig(model_path=str(model), tokenizer_path=str(tiny_model_dir), device="cpu")).ok
+    assert preflight(EngineConfig(model_path=str(model), device="cpu", extra_args=["--skip-tokenizer-init"])).ok
+    empty = tmp_path / "empty-tokenizer"
+    empty.mkdir()
+    result = preflight(EngineConfig(model_path=str(tiny_model_dir), tokenizer_path=str(empty), device="cpu"))
+    assert f"error: tokenizer_path {empty}: no tokenizer in this directory" in messages(result)
+
+
+def test_max_total_tokens_beyond_memory_warns_with_the_numbers(tiny_model_dir: Path) -> None:
+    result = preflight(EngineConfig(model_path=str(tiny_model_dir), device="cpu", dtype="float32", max_total_tokens=10**9))
+    assert result.ok  # SGLang starts with the tokens that fit: a warning, with what it will hold
+    text = messages(result)
+    # the tiny model: 2 full-attention layers x 2 KV heads x 32 dims x 4 bytes x (keys, values)
+    assert "warning: max_total_tokens 1000000000: its KV cache takes about 954 GiB (1024 bytes a token), more than the" in text, text
+    assert "GiB of RAM" in text and "lower it" in text
+    assert not preflight(EngineConfig(model_path=str(tiny_model_dir), device="cpu", dtype="float32", max_total_tokens=4096)).findings
+    gpu = GpuFacts((9, 0), 80 * 1024)  # on cuda: the memory of its tp_size GPUs
+    fits = EngineConfig(model_path=str(tiny_model_dir), dtype="float16", max_total_tokens=80 * 2**30 // 512 - 1)
+    assert not [f for f in preflight(fits, gpu_count=1, cuda_home="/x", driver_cuda=(13, 0), gpus=[gpu]).findings if f.level == "warning"]
+    beyond = fits.model_copy(update={"max_total_tokens": 80 * 2**30 // 512 + 1})
+    text = messages(preflight(beyond, gpu_count=1, cuda_home="/x", driver_cuda=(13, 0), gpus=[gpu]))
+    assert "warning: max_total_tokens" in text and "memory of 1 GPU(s)" in text, text
+
+
+def test_bfloat16_on_a_gpu_older_than_ampere_fails(tiny_model_dir: Path) -> None:
+    engine = EngineConfig(model_path=str(tiny_model_dir), dtype="bfloat16")
+    volta = preflight(engine, gpu_count=1, cuda_home="/x", driver_cuda=(13, 0), gpus=[GpuFacts((7, 0), 16384)])
+    assert not volta.ok
+    assert "error: dtype bfloat16: this GPU's compute capability is 7.0, and bfloat16 needs 8.0 (Ampere) or newer: use dtype: float16" in messages(volta)
+    assert preflight(engine, gpu_count=1, cuda_home="/x", driver_cuda=(13, 0), gpus=[GpuFacts((8, 0), 40960)]).ok
+
+
+def test_an_unknown_extra_flag_fails_naming_the_closest(tiny_model_dir: Path) -> None:
+    engine = EngineConfig(model_path=str(tiny_model_dir), device="cpu", extra_args=["--max-runing-requests", "3"])
+    result = preflight(engine)
+    assert not result.ok
+    version = installed_sglang(engine.python_executable)
+    assert f"error: extra_args: --max-runing-requests: SGLang {version} has no such flag (did you mean --max-running-requests?)" in messages(result)
+    for fine in (["--max-running-requests", "3"], ["--max-running-requests=3"], ["--max-running", "3"]):  # abbreviations: SGLang's parser takes them
+        assert preflight(engine.model_copy(update={"extra_args": fine})).ok, fine
+
+
+def test_gpu_facts_are_read_from_nvidia_smi_and_narrowed_to_the_visible_ones() -> None:
+    listing = "0, 9.0, 81559\n1, 7.0, 16384\n2, [N/A], 1000\n"
+    assert parse_gpu_facts(listing, None) == [GpuFacts((9, 0), 81559), GpuFacts((7, 0), 16384)]
+    assert parse_gpu_facts(listing, "1") == [GpuFacts((7, 0), 16384)]
+    assert parse_gpu_facts("", None) == []

@@ -22,7 +22,14 @@ import pytest
 
 from launch import shm
 from launch.config import EngineConfig
-from launch.process import EngineExited, EngineProcess, EngineStartTimeout, new_engine_key
+from launch.process import (
+    EngineExited,
+    EngineProcess,
+    EngineStartTimeout,
+    killed_by,
+    new_engine_key,
+    start_failure_cause,
+)
 from launch.procgroup import group_pids
 from launch.shm import SHM_DIR, orphaned_shm_files, remove_orphaned_shm
 from tests.fake_engine import fake_engine_python
@@ -108,6 +115,8 @@ def test_engine_dying_at_startup_reports_exit_code_and_log_quickly(tiny_model_di
     assert error.returncode not in (None, 0)
     assert f"exited with code {error.returncode}" in str(error)
     assert error.log_tail and "last lines of the engine log" in str(error)
+    # the first line says why, in SGLang's words (an unsupported architecture: its scheduler's exception)
+    assert "while starting: ValueError: Cannot find model module. 'NoSuchModelForCausalLM'" in str(error).splitlines()[0], str(error)[:500]
 
 
 FAKE_ENGINE_IGNORING_SIGTERM = """#!/bin/sh
@@ -182,3 +191,17 @@ def test_orphan_sweep_leaves_other_users_files(engine_style_files: list[Path]) -
     theirs = engine_style_files[0]
     os.chown(theirs, 54321, 54321)
     assert theirs not in remove_orphaned_shm() and theirs.exists()
+
+
+def test_the_cause_of_a_failed_start_is_read_from_the_log() -> None:
+    """The first line of a failed start's error says why, in SGLang's (or the kernel's) words."""
+    main_process = ["UserWarning: x", "Traceback (most recent call last):", '  File "a.py", line 1, in <module>', "    raise ValueError(",
+                    "ValueError: Unrecognized model in /m. Should have a `model_type` key in its config.json."]  # fmt: skip
+    assert start_failure_cause(main_process) == "ValueError: Unrecognized model in /m. Should have a `model_type` key in its config.json."
+    parser = ["usage: sglang serve [-h] ...", "                    [--config CONFIG]", "sglang serve: error: argument --max-running-requests: invalid int value: 'lots'"]
+    assert start_failure_cause(parser) == "SGLang refused its command line: argument --max-running-requests: invalid int value: 'lots'"
+    crashed = ["[x] Scheduler hit an exception: Traceback (most recent call last):", "  File s", "IndexError: boom", "Traceback (most recent call last):", "FileNotFoundError: later"]
+    assert start_failure_cause(crashed) == "IndexError: boom"  # the crash, not what failed on the way down
+    assert start_failure_cause(["loading", "Load weight begin"]) is None
+    assert killed_by(-9) == "killed by SIGKILL (the kernel's out-of-memory killer, or another process)"
+    assert killed_by(-15) == "killed by SIGTERM" and killed_by(1) is None and killed_by(None) is None
