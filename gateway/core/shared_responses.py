@@ -102,10 +102,13 @@ class SharedResponses:
                              "(other replicas will answer 404 for them)", MAX_PENDING)  # fmt: skip
 
     async def close(self) -> None:
-        """Wait for the publications in flight, then try once to publish what waits."""
+        """Wait for the publications in flight (each bounded by the store's deadline), then try once to publish what
+        waits, unless the store is known down (a shutdown does not wait on it twice)."""
         if self._writer is not None:
             await asyncio.gather(self._writer, return_exceptions=True)
         try:
+            if not self.store.reachable:
+                raise StoreUnavailable(self.store.error or "unreachable")
             await self.round()
         except StoreUnavailable:
             if self._pending:
