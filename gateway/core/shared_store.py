@@ -175,6 +175,12 @@ class SharedStore:
             )  # fmt: skip
         self._said = reachable
 
+    @property
+    def down(self) -> bool:
+        """The last call failed (not merely: none answered yet). What may answer without the store does, until a
+        round's call answers again."""
+        return not self.reachable and self._said is not None
+
     def status(self) -> dict[str, Any]:
         """What ``/ready`` says of the store."""
         status: dict[str, Any] = {"reachable": self.reachable, "replica": self.replica, "since": round(self.since, 3)}

@@ -89,6 +89,9 @@ def test_a_frozen_store_never_stalls_the_replica_and_sigterm_ends_it(replica: Se
     timings: dict[str, float] = {}
     with frozen(postgres):
         froze = time.monotonic()
+        # at once: the store is not known down yet, the lookup's call is cut at the deadline
+        first, timings["lookup at the freeze"] = _timed(lambda: plain.get("/v1/responses/resp_elsewhere_first"))
+        assert first.status_code == 503 and first.json()["error"]["code"] == "shared_store_unavailable", first.text
         # /ready says the store is down (the next round's call is cut at the deadline)
         status = wait_until(lambda: _down(_store(url)), "/ready to say the store is down", HANG_S)
         timings["/ready down after"] = time.monotonic() - froze
@@ -96,10 +99,11 @@ def test_a_frozen_store_never_stalls_the_replica_and_sigterm_ends_it(replica: Se
         assert status["limits"] == "local share: 1/2 of each key's limits", status
         metrics = httpx.get(url + "/metrics", headers={"authorization": f"Bearer {ADMIN}"}, timeout=HANG_S).text
         assert "gateway_shared_store_up 0.0" in metrics
-        # a response another replica may have stored: a prompt 503, never a wait for the thaw
-        unknown, timings["lookup of an unknown response"] = _timed(lambda: plain.get("/v1/responses/resp_elsewhere"))
+        # known down: a response another replica may have stored is a 503 without waiting on the store
+        unknown, timings["lookup, the store known down"] = _timed(lambda: plain.get("/v1/responses/resp_elsewhere"))
         assert unknown.status_code == 503 and unknown.json()["error"]["code"] == "shared_store_unavailable", unknown.text
-        # a create: answered (its publication waits for the store), the response known here served as usual
+        # a create: answered without waiting on the store (its publication waits for the rounds), the response known
+        # here served as usual
         created, timings["stored-Responses create"] = _timed(
             lambda: plain.post("/v1/responses", json={"model": "m", "input": "Hello.", "max_output_tokens": 4})
         )
