@@ -109,6 +109,9 @@ def test_a_frozen_store_never_stalls_the_replica_and_sigterm_ends_it(replica: Se
         )
         assert created.status_code == 200, created.text
         assert plain.get(f"/v1/responses/{known.json()['id']}").status_code == 200
+        # the ledger's reads are bounded too: /admin/usage says the database cannot be read now
+        usage, timings["/admin/usage"] = _timed(lambda: httpx.get(url + "/admin/usage", headers={"authorization": f"Bearer {ADMIN}"}, timeout=HANG_S))
+        assert usage.status_code == 503 and usage.json()["error"]["code"] == "usage_unavailable", usage.text
         # requests that need no shared state are served; a limited key gets its local share of its limit
         chat, timings["chat"] = _timed(lambda: plain.post("/v1/chat/completions", json=CHAT))
         assert chat.status_code == 200, chat.text
