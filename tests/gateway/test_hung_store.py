@@ -12,6 +12,7 @@ bound the test holds is the freeze itself, which lasts until the test has seen e
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
@@ -19,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import psycopg
 import pytest
 import yaml
 
@@ -35,7 +37,7 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_toke
 HANG_S = 20  # a client's wait that only a hang reaches (the deadline is DEADLINE_S)
 
 
-@pytest.fixture()
+@pytest.fixture(scope="module")
 def postgres() -> Iterator[PostgresServer]:
     yield from own_postgres()
 
@@ -130,3 +132,61 @@ def test_a_frozen_store_never_stalls_the_replica_and_sigterm_ends_it(replica: Se
     log = replica.log()
     assert "shared store: unreachable (DeadlineExceeded: no answer from the database in 1 s)" in log, log[-3000:]
     assert "Traceback" not in log, log[-5000:]
+
+
+def test_a_frozen_ledger_fails_its_writes_at_the_deadline_and_loses_no_row_once_thawed(postgres: PostgresServer) -> None:
+    """The ledger's writer against the frozen server: each flush fails at the deadline (its connection cut, the rows
+    kept), nothing hangs; after the thaw the pool holds no stuck connection and every row is written once."""
+    from gateway.config import UsageSettings
+    from gateway.tenants.ledger import Ledger, UsageRow
+
+    def row(rid: str) -> UsageRow:
+        return UsageRow(time.time(), "k", "m", "/v1/chat/completions", 1, 2, None, 200, 1.0, None, rid, None, False, None)
+
+    async def scenario() -> tuple[list[tuple[bool, int, float]], bool, int]:
+        ledger = Ledger(UsageSettings(database_timeout_s=DEADLINE_S), postgres.url)
+        try:
+            ledger.record(row("frozen-before"))
+            assert await ledger.flush()  # the schema made, a connection pooled
+            tries = []
+            with frozen(postgres):
+                for index in range(3):
+                    ledger.record(row(f"frozen-{index}"))
+                    started = time.monotonic()
+                    tries.append((await ledger.flush(), ledger.buffered, time.monotonic() - started))
+            return tries, await ledger.flush(), ledger.failed_writes
+        finally:
+            await ledger.close()
+
+    tries, after, failed = asyncio.run(scenario())
+    print({"flushes while frozen (ok, buffered, seconds)": [(ok, buffered, round(s, 2)) for ok, buffered, s in tries]})
+    assert [(ok, buffered) for ok, buffered, _ in tries] == [(False, 1), (False, 2), (False, 3)]
+    assert after is True and failed == 3
+    ids = ["frozen-before", "frozen-0", "frozen-1", "frozen-2"]
+    with psycopg.connect(f"host=127.0.0.1 port={postgres.port} user=postgres dbname=ledger") as conn:
+        written = [rid for (rid,) in conn.execute("SELECT request_id FROM usage_rows WHERE request_id LIKE 'frozen-%' ORDER BY id")]
+    assert sorted(written) == sorted(ids), written  # each once
+
+
+def test_the_store_said_down_by_its_deadline_answers_again_after_the_thaw(postgres: PostgresServer) -> None:
+    """The shared store's call cut at the deadline marks it down; after the thaw the next call answers on a fresh
+    connection (the cut one was discarded, none waits in the pool on the old socket)."""
+    from sqlalchemy import text
+
+    from gateway.core.shared_store import SharedStore, StoreUnavailable
+
+    async def scenario() -> tuple[str, bool, int]:
+        store = SharedStore(postgres.url, "t", 0.25, 2, deadline_s=DEADLINE_S)
+        try:
+            assert await store.run(lambda conn: conn.execute(text("SELECT 1")).scalar()) == 1
+            with frozen(postgres):
+                with pytest.raises(StoreUnavailable) as failed:
+                    await store.run(lambda conn: conn.execute(text("SELECT 1")).scalar())
+                down = store.down
+            answer = await store.run(lambda conn: conn.execute(text("SELECT 2")).scalar())
+            return str(failed.value), down and store.reachable, answer
+        finally:
+            await store.close()
+
+    reason, went_down_and_back, answer = asyncio.run(scenario())
+    assert reason == f"DeadlineExceeded: no answer from the database in {DEADLINE_S:g} s" and went_down_and_back and answer == 2
