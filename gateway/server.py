@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -171,6 +172,9 @@ def _exit_without_blocked_threads() -> None:
     logger.error("gateway: stopped, but threads still wait (a database or upstream that does not answer?): {}; exiting "
                  "without them", ", ".join(blocked[:8]))  # fmt: skip
     logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
     os._exit(0)
 
 
