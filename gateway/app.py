@@ -116,7 +116,7 @@ def create_app(
 def _parts(state: GatewayState, *, workers: WorkerPlan | None, link: WorkerLink | None, log_dir: str | Path | None, **control: Any) -> AppParts:
     """The app's parts, built once: keys, ledger, tracing, the controller (``control``: its deployment options), batches."""
     settings = state.settings
-    state.ledger = ledger = open_ledger(settings, state.metrics.usage_rows_dropped)
+    state.ledger = ledger = open_ledger(settings, state.metrics.usage_rows_dropped, state.metrics.usage_rows_refused)
     keys = KeyHolder(key_policy(tenants_of(settings), settings.resolved_admin_keys(), settings.open_paths, settings.resolved_metrics_keys()))
     # Spans in the process that records the request: a worker, or the only process (the control process of
     # workers only forwards). Exported from the SDK's own thread; the lifespan flushes them at shutdown.

@@ -226,6 +226,11 @@ class UsageSettings(_Strict):
     max_buffer_rows: int = Field(
         100_000, ge=1, description="Rows kept in memory while the database is unreachable; beyond, the oldest are dropped (counted)."
     )
+    database_timeout_s: float = Field(
+        5.0, gt=0, le=300,
+        description="The longest one call of the usage database (and of the replicas' shared store) may take, counted by "
+        "the gateway: a server that does not answer in time, down or hung, counts as unreachable.",
+    )  # fmt: skip
 
     @field_validator("database_url")
     @classmethod

@@ -173,7 +173,7 @@ async def shared_replica(app: FastAPI, parts: AppParts) -> AsyncIterator[None]:
     config = settings.replicas
     assert settings.usage.database_url is not None  # gateway.config refuses a shared replica without one
     store = SharedStore(settings.usage.database_url.get_secret_value(), replica_name(config.name), config.sync_interval_s,
-                        config.expected, state.metrics.shared_store_gauge())  # fmt: skip
+                        config.expected, state.metrics.shared_store_gauge(), settings.usage.database_timeout_s)  # fmt: skip
     quotas = SharedQuotas(app.state.quotas, store, lambda: parts.keys.policy.limited)
     restoring = await restore_budgets_when_readable(quotas.total, parts.ledger)  # the sums start where the ledger is
     responses = state.responses.remote = SharedResponses(store)

@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -116,6 +117,7 @@ class GatewayServer(ManyAcceptServer):
     def __init__(self, config: uvicorn.Config, on_started: Callable[[], None] | None = None) -> None:
         super().__init__(config)
         self.on_started = on_started
+        self.exit_watch: threading.Timer | None = None  # the process's own server (serve_app): see shutdown
         self.drain_until: float | None = None  # monotonic time at which a SIGTERM's drain ends and the stop begins
         self._drain_noted = False
 
@@ -125,6 +127,14 @@ class GatewayServer(ManyAcceptServer):
             gc_freeze.settle()  # start-up's objects out of the collector's passes (gateway.gc_freeze)
             if self.on_started is not None:
                 self.on_started()
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's, then, in the process's own server, :data:`EXIT_WAIT_S` for the process to end: the loop's end
+        waits for every thread of its default executor, and one blocked on a server that never answers (a database
+        call no deadline of the gateway's covers) would hold the exit forever."""
+        await super().shutdown(sockets)
+        if self.exit_watch is not None:
+            self.exit_watch.start()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         app_state = getattr(self.config.app, "state", None)
@@ -151,6 +161,21 @@ class GatewayServer(ManyAcceptServer):
             logger.info("gateway: drained; no longer accepting connections")
             self.should_exit = True
         return await super().on_tick(counter)
+
+
+EXIT_WAIT_S = 2.0  # after the app's shutdown, how long the process may take to end before it ends without its threads
+
+
+def _exit_without_blocked_threads() -> None:
+    """The app has shut down (its rows written or given up) but a thread still holds the process: end it, exit 0."""
+    blocked = [thread.name for thread in threading.enumerate() if thread not in (threading.current_thread(), threading.main_thread()) and not thread.daemon]
+    logger.error("gateway: stopped, but threads still wait (a database or upstream that does not answer?): {}; exiting "
+                 "without them", ", ".join(blocked[:8]))  # fmt: skip
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(0)
 
 
 def _log_listening(server: uvicorn.Server, app: FastAPI) -> None:
@@ -234,6 +259,8 @@ def serve_app(
         check_port_free(settings, source)
     settings = with_open_file_budget(settings)
     server = GatewayServer(uvicorn_config(app, settings, log_level="debug" if verbose else "info", uds=uds))
+    server.exit_watch = threading.Timer(EXIT_WAIT_S, _exit_without_blocked_threads)
+    server.exit_watch.daemon = True
     if uds is None:  # the control process of workers has no port: its supervisor says where they listen
         server.on_started = lambda: _log_listening(server, app)
     hide = _HideStartupTraceback(app)
@@ -253,6 +280,7 @@ def serve_app(
         if app.state.startup_error is None:
             raise
     finally:
+        server.exit_watch.cancel()
         logging.getLogger("uvicorn.error").removeFilter(hide)
         for sig, handler in previous.items():
             signal.signal(sig, handler)

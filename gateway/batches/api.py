@@ -156,7 +156,8 @@ async def _owned_batch(request: Request, batch_id: str) -> Any:
 async def _owned(request: Request, kind: Literal["file", "batch"], object_id: str) -> Any:
     """The caller's file or batch ``object_id``; another key's answers the 404 of an absent id (never confirmed)."""
     _, store = await _batches(request)
-    found = await _db(store.file if kind == "file" else store.batch, object_id, request_owner(request.scope))
+    # an id with a NUL names nothing the gateway made, and PostgreSQL's text cannot even be asked for it
+    found = None if "\0" in object_id else await _db(store.file if kind == "file" else store.batch, object_id, request_owner(request.scope))
     if found is None or (kind == "batch" and found.endpoint not in ENDPOINTS):  # a Message Batch: Anthropic's API only
         raise GatewayError(404, f"No such {kind.title()} object: {object_id}", code=f"{kind}_not_found", param=f"{kind}_id")
     return found

@@ -51,6 +51,7 @@ class Metrics:
         self.key_requests = Counter("gateway_key_requests", "Requests by client key, model and status class (2xx, 4xx...).", ["key", "model", "status_class"], registry=r)
         self.key_tokens = Counter("gateway_key_tokens", "Tokens reported by the engines' usage, by client key.", ["key", "model", "kind"], registry=r)
         self.usage_rows_dropped = Counter("gateway_usage_rows_dropped", "Usage ledger rows dropped: the database was unreachable and the buffer full.", registry=r)
+        self.usage_rows_refused = Counter("gateway_usage_rows_refused", "Usage ledger rows the database refused, set aside so the rows behind them are written.", registry=r)
         self.wakes = Counter("gateway_model_wakes", "Asleep models woken for a waiting request (residency), by model and how: started / resumed.", ["model", "how"], registry=r)
         self.wake_seconds = Histogram(
             "gateway_model_wake_seconds", "From a request finding its model asleep to its engine ready (a cold start, or a memory resume).", ["model"],

@@ -8,7 +8,8 @@ in its index. The first owner of an id stays its owner (the store keeps the firs
 
 The store unreachable: creating a response still works (its publication waits, retried every round, at most
 :data:`MAX_PENDING`); an id this replica does not know answers 503 (never a 404 that may be wrong), and one it
-knows is served as usual. Records older than :data:`KEEP_DAYS` are deleted (every replica tries once an hour).
+knows is served as usual. Once a call failed (a refused connection, or no answer within the store's deadline),
+neither waits on the store: the rounds try it, and the first answer makes creates and lookups use it again. Records older than :data:`KEEP_DAYS` are deleted (every replica tries once an hour).
 """
 
 from __future__ import annotations
@@ -45,7 +46,10 @@ class SharedResponses:
 
     async def publish(self, response_id: str, stored: StoredResponse) -> None:
         """Put ``response_id`` in the store, and return once it is there (or kept for the next round: the store did
-        not answer)."""
+        not answer, or is known down: then it waits for the rounds, and a create does not wait a deadline each)."""
+        if self.store.down:
+            self._keep(response_id, stored)
+            return
         done = asyncio.get_running_loop().create_future()
         self._waiting.append(done)
         self.publish_soon(response_id, stored)
@@ -75,7 +79,9 @@ class SharedResponses:
 
     async def find(self, response_id: str) -> StoredResponse | None:
         """The store's record of ``response_id`` (None: no replica created it); :class:`StoreUnavailable` when the
-        store does not answer."""
+        store does not answer, or is known down (the rounds find when it answers again)."""
+        if self.store.down:
+            raise StoreUnavailable(self.store.error or "unreachable")
         return await self.store.run(lambda conn: _select(conn, response_id))
 
     async def round(self) -> None:
@@ -102,10 +108,13 @@ class SharedResponses:
                              "(other replicas will answer 404 for them)", MAX_PENDING)  # fmt: skip
 
     async def close(self) -> None:
-        """Wait for the publications in flight, then try once to publish what waits."""
+        """Wait for the publications in flight (each bounded by the store's deadline), then try once to publish what
+        waits, unless the store is known down (a shutdown does not wait on it twice)."""
         if self._writer is not None:
             await asyncio.gather(self._writer, return_exceptions=True)
         try:
+            if self.store.down:
+                raise StoreUnavailable(self.store.error or "unreachable")
             await self.round()
         except StoreUnavailable:
             if self._pending:

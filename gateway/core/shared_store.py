@@ -1,8 +1,9 @@
 """The store replicas share (``gateway.replicas.shared``): the usage ledger's PostgreSQL database, its own tables.
 
 One job: reach the database off the event loop and say whether it answers. :meth:`SharedStore.run` runs one
-transaction in a thread (the event loop never waits on it); every call that fails marks the store unreachable and
-raises :class:`StoreUnavailable`, every call that succeeds marks it reachable again. A change is said once, in one log
+transaction in a thread (the event loop never waits on it), bounded by ``usage.database_timeout_s`` on the gateway's
+side (:mod:`gateway.core.bounded_calls`: a frozen server fails the call at that deadline, as a refused connection
+does); every call that fails marks the store unreachable and raises :class:`StoreUnavailable`, every call that succeeds marks it reachable again. A change is said once, in one log
 line per transition, in the gauge ``gateway_shared_store_up`` (0/1) and in ``/ready``'s ``shared_store`` field
 (:meth:`SharedStore.status`). Nothing on the request path calls it except a stored response that this replica does not
 know (:mod:`gateway.core.shared_responses`); :meth:`SharedStore.rounds` runs the exchanges every ``sync_interval_s``.
@@ -14,6 +15,7 @@ ledger's, and versioned apart from them: they hold what the replicas exchange no
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import socket
 import time
@@ -38,10 +40,12 @@ from sqlalchemy import (
 )
 from sqlalchemy.exc import DBAPIError
 
+from gateway.core.bounded_calls import BoundedCalls
+
 T = TypeVar("T")
 
-CONNECT_TIMEOUT_S = 2  # a stopped or unreachable server fails a round in about this long
-STATEMENT_TIMEOUT_MS = 5000
+DEADLINE_S = 5.0  # the longest one call waits (usage.database_timeout_s): then the store counts as unreachable
+POOL_SIZE, MAX_OVERFLOW = 2, 4
 _LOCK = 0x5347_5348  # the advisory lock under which the tables are created ("SGSH")
 
 metadata = MetaData()
@@ -102,7 +106,9 @@ def replica_name(configured: str | None) -> str:
 class SharedStore:
     """The shared store's connection, its reachability, and the rounds run against it."""
 
-    def __init__(self, url: str, replica: str, interval_s: float, expected: int, gauge: Any = None) -> None:
+    def __init__(
+        self, url: str, replica: str, interval_s: float, expected: int, gauge: Any = None, deadline_s: float = DEADLINE_S
+    ) -> None:
         self.replica = replica
         self.interval_s = interval_s
         self.expected = expected
@@ -112,19 +118,24 @@ class SharedStore:
         self.live: list[str] = [replica]  # the replicas seen in the last rounds (the quota exchange sets it)
         self._gauge = gauge
         self._said: bool | None = None  # the reachability the log last said (None: nothing said yet)
+        self.deadline_s = deadline_s
+        # the server's own timeouts too (a live but slow server ends the statement itself); libpq's connect_timeout is
+        # whole seconds, at least 2: the call's deadline comes first where it is shorter
         self._engine: Engine = create_engine(
-            url, pool_size=2, max_overflow=4, pool_recycle=1800,
-            connect_args={"connect_timeout": CONNECT_TIMEOUT_S, "options": f"-c statement_timeout={STATEMENT_TIMEOUT_MS}"},
+            url, pool_size=POOL_SIZE, max_overflow=MAX_OVERFLOW, pool_recycle=1800, pool_timeout=deadline_s,
+            connect_args={"connect_timeout": max(2, math.ceil(deadline_s)), "options": f"-c statement_timeout={math.ceil(deadline_s * 1000)}"},
         )  # fmt: skip
+        self._calls = BoundedCalls(self._engine, deadline_s, name="shared-store", workers=POOL_SIZE + MAX_OVERFLOW)
         self._tables = False  # created (or found)
         self._stopping = asyncio.Event()
         if gauge is not None:
             gauge.set(0)
 
     async def run(self, work: Callable[[Connection], T]) -> T:
-        """``work`` in one transaction, in a thread; :class:`StoreUnavailable` when the store fails it."""
+        """``work`` in one transaction, in a thread; :class:`StoreUnavailable` when the store fails it or does not
+        answer within the deadline."""
         try:
-            result = await asyncio.to_thread(self._transaction, work)
+            result = await self._calls.run(self._transaction, work)
         except Exception as error:  # noqa: BLE001 - any failure of the database or its driver: the store is down
             reason = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
             self._mark(False, reason)
@@ -164,6 +175,12 @@ class SharedStore:
             )  # fmt: skip
         self._said = reachable
 
+    @property
+    def down(self) -> bool:
+        """The last call failed (not merely: none answered yet). What may answer without the store does, until a
+        round's call answers again."""
+        return not self.reachable and self._said is not None
+
     def status(self) -> dict[str, Any]:
         """What ``/ready`` says of the store."""
         status: dict[str, Any] = {"reachable": self.reachable, "replica": self.replica, "since": round(self.since, 3)}
@@ -196,6 +213,10 @@ class SharedStore:
         self._stopping.set()
 
     async def close(self) -> None:
-        """Release the connections (after the last call)."""
+        """Release the connections (after the last call), within the deadline whatever the server does."""
         self._stopping.set()
-        await asyncio.to_thread(self._engine.dispose)
+        try:
+            await self._calls.run(self._engine.dispose)
+        except Exception:  # noqa: BLE001,S110 - the connections are given up with the process
+            pass
+        self._calls.close()

@@ -5,7 +5,12 @@ task writes the buffer in batches (every ``usage.flush_interval_s``, or as soon 
 with SQLAlchemy in a thread, so the event loop never waits on the database. A database that is down never fails
 a request: rows stay buffered (at most ``usage.max_buffer_rows``; beyond, the oldest are dropped, counted in
 ``gateway_usage_rows_dropped_total`` and logged once per incident) and the writes are retried with backoff.
-:meth:`Ledger.close` (the app's shutdown, SIGTERM included) writes what is buffered.
+Every call of the database is bounded by ``usage.database_timeout_s`` on the gateway's side
+(:mod:`gateway.core.bounded_calls`): a hung server fails a write as a down one does. A row the database refuses
+(what no retry would change) is set aside, counted in ``gateway_usage_rows_refused_total`` and logged once, so that
+it never holds back the rows behind it; text from clients (the request path above all) is made storable first
+(NUL, which PostgreSQL's text refuses, and lone surrogates become U+FFFD). :meth:`Ledger.close` (the app's
+shutdown, SIGTERM included) writes what is buffered, in at most :data:`CLOSE_TIMEOUT_S`.
 
 The database: ``usage.sqlite3`` under ``gateway.state_dir`` (WAL: every worker process writes its own rows to
 the same file), or PostgreSQL at ``usage.database_url``. Schema: :mod:`gateway.tenants.ledger_schema`.
@@ -26,8 +31,10 @@ from typing import Any
 
 from loguru import logger
 from sqlalchemy import Engine, insert
+from sqlalchemy.exc import DataError, DBAPIError, IntegrityError
 
 from gateway.config import GatewaySettings, UsageSettings
+from gateway.core.bounded_calls import BoundedCalls
 from gateway.tenants.ledger_schema import (
     ERROR_CHARS,
     ROUTE_CHARS,
@@ -41,7 +48,8 @@ from gateway.tenants.usage_query import UsageQuery, UsageReader
 
 BACKOFF_INITIAL_S = 0.5
 BACKOFF_MAX_S = 30.0
-CLOSE_TIMEOUT_S = 15.0  # how long the shutdown keeps trying to write what is buffered
+CLOSE_TIMEOUT_S = 15.0  # how long the shutdown keeps trying to write what is buffered (its writes included)
+MIGRATE_TIMEOUT_S = 120.0  # a schema migration's own deadline (one call of the database may be longer than a write)
 
 
 @dataclass(slots=True)
@@ -76,22 +84,30 @@ def database_url(settings: GatewaySettings) -> str | None:
 
 
 class Ledger:
-    """The buffer and its writer. ``dropped``: a Prometheus counter (child) counting the rows given up."""
+    """The buffer and its writer. ``dropped`` / ``refused``: Prometheus counters of the rows given up (buffer full) and
+    set aside (refused by the database)."""
 
-    def __init__(self, settings: UsageSettings, url: str | None, dropped: Any = None) -> None:
+    def __init__(self, settings: UsageSettings, url: str | None, dropped: Any = None, refused: Any = None) -> None:
         self.url = url
         self.enabled = settings.enabled and url is not None
         self.max_rows = settings.max_buffer_rows
         self.batch_rows = settings.batch_rows
         self.flush_interval_s = settings.flush_interval_s
+        self.timeout_s = settings.database_timeout_s
         self.dropped = 0  # rows given up since the start
+        self.refused = 0  # rows the database refused, set aside since the start
+        self.failed_writes = 0  # writes that failed (the database down or hung), since the start
         self._dropped_metric = dropped
+        self._refused_metric = refused
         self._rows: deque[UsageRow] = deque()
         self._wake = asyncio.Event()
         self._stopping = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._engine: Engine | None = None
-        self._reader = UsageReader(url) if url is not None else None  # GET /admin/usage reads the database, as the CLI does
+        self._calls: BoundedCalls | None = None  # the writer's database calls, each bounded by timeout_s
+        # GET /admin/usage and the budgets at start read the database, as the CLI does, bounded too
+        self._reader = UsageReader(url, self.timeout_s) if url is not None else None
+        self._reads: BoundedCalls | None = None
         self._ready = False  # the schema is up to date
         self._lock = asyncio.Lock()  # one flush at a time (the writer's, or a caller's)
         self._failing: str | None = None  # why the last write failed (an incident), None while writes succeed
@@ -156,35 +172,53 @@ class Ledger:
         """The totals ``query`` asks for, from the database (None: this gateway keeps no ledger)."""
         if self._reader is None:
             return None
-        return await asyncio.to_thread(self._reader.read, query)
+        return await self._read(query)
+
+    async def _read(self, query: UsageQuery) -> list[dict[str, Any]]:
+        assert self._reader is not None
+        if self._reads is None:
+            engine = await asyncio.to_thread(self._reader.engine)
+            if self._reads is None:
+                self._reads = BoundedCalls(engine, self.timeout_s, name="usage-reader", workers=2)
+        return await self._reads.run(self._reader.read, query)
 
     async def spent_since(self, since: datetime) -> dict[str, int]:
         """Tokens (prompt + completion) each named key spent since ``since``, from the database: what a restarted
         gateway's budgets start from. Empty when the ledger is off or holds nothing yet."""
         if not self.enabled or self._reader is None:
             return {}
-        rows = await asyncio.to_thread(self._reader.read, UsageQuery(since=since, group_by=("key",)))
+        rows = await self._read(UsageQuery(since=since, group_by=("key",)))
         return {row["key"]: row["prompt_tokens"] + row["completion_tokens"] for row in rows if row["key"] is not None}
 
     async def close(self) -> None:
-        """Stop the writer and write what is buffered (retrying up to :data:`CLOSE_TIMEOUT_S`); release the database."""
+        """Stop the writer and write what is buffered (retrying); release the database. All in at most
+        :data:`CLOSE_TIMEOUT_S`, whatever the database does (a write in flight at the end is cut)."""
+        deadline = time.monotonic() + CLOSE_TIMEOUT_S
+        try:
+            await asyncio.wait_for(self._closing(deadline), CLOSE_TIMEOUT_S)
+        except TimeoutError:
+            pass
+        if self._rows:
+            logger.error("usage ledger: {} rows not written at shutdown: {}", len(self._rows), self._failing)
+        engine, self._engine = self._engine, None
+        for calls in (self._calls, self._reads):
+            if calls is not None:
+                calls.close()
+        if engine is not None:  # closing a connection sends one message and does not wait for the server
+            await asyncio.to_thread(engine.dispose)
+        if self._reader is not None:
+            await asyncio.to_thread(self._reader.close)
+
+    async def _closing(self, deadline: float) -> None:
         if self._task is not None:
             self._stopping.set()
             await self._task
             self._task = None
         if self.enabled and self._rows:
-            deadline = time.monotonic() + CLOSE_TIMEOUT_S
             delay = BACKOFF_INITIAL_S
             while not await self._write_all() and time.monotonic() + delay < deadline:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, BACKOFF_MAX_S)
-            if self._rows:
-                logger.error("usage ledger: {} rows not written at shutdown: {}", len(self._rows), self._failing)
-        engine, self._engine = self._engine, None
-        if engine is not None:
-            await asyncio.to_thread(engine.dispose)
-        if self._reader is not None:
-            await asyncio.to_thread(self._reader.close)
 
     async def _run(self) -> None:
         delay = BACKOFF_INITIAL_S
@@ -216,14 +250,9 @@ class Ledger:
         new_drops = self._note_drops()
         try:
             if not self._ready:
-                await asyncio.to_thread(self._open)
+                await self._open()
             while self._rows:
-                batch = [self._rows.popleft() for _ in range(min(len(self._rows), self.batch_rows))]
-                try:
-                    await asyncio.to_thread(self._write, batch)
-                except BaseException:
-                    self._put_back(batch)
-                    raise
+                await self._write_batch([self._rows.popleft() for _ in range(min(len(self._rows), self.batch_rows))])
         except Exception as error:  # any failure of the database: the rows wait, the gateway serves on
             self._note_failure(error)
             return False
@@ -234,14 +263,53 @@ class Ledger:
             self._drops_logged = False
         return True
 
-    def _open(self) -> None:
+    async def _open(self) -> None:
         if self._engine is None:
             assert self.url is not None
-            self._engine = open_engine(self.url, write=True)
-        migrate(self._engine)
+            self._engine = await asyncio.to_thread(open_engine, self.url, write=True, timeout_s=self.timeout_s)
+            self._calls = BoundedCalls(self._engine, self.timeout_s, name="usage-writer", workers=2)
+        assert self._calls is not None
+        await self._calls.run(migrate, self._engine, deadline_s=max(self.timeout_s, MIGRATE_TIMEOUT_S))
         self._ready = True
 
+    async def _write_batch(self, batch: list[UsageRow]) -> None:
+        """Write ``batch``; a part the database refuses is halved until the refused rows are alone, and those are set
+        aside (:meth:`_set_aside`). Any other failure puts back what is not written yet, and raises."""
+        assert self._calls is not None
+        parts = [batch]  # the next part to write last
+        while parts:
+            part = parts.pop()
+            try:
+                await self._calls.run(self._write, part)
+            except BaseException as error:
+                if not _refused(error):
+                    self._put_back([row for rest in (part, *reversed(parts)) for row in rest])
+                    raise
+                if len(part) == 1:
+                    self._set_aside(part[0], error)
+                else:
+                    parts += [part[len(part) // 2 :], part[: len(part) // 2]]
+
+    def _set_aside(self, row: UsageRow, error: BaseException) -> None:
+        self.refused += 1
+        if self._refused_metric is not None:
+            self._refused_metric.inc()
+        if self.refused == 1:  # once: a client that can make such rows must not fill the log
+            logger.error(
+                "usage ledger: {} refused the row of request {} ({}): set aside, the rows behind it are written; further "
+                "refused rows are counted in gateway_usage_rows_refused_total, not logged", safe_url(self.url or ""),
+                ascii(row.request_id)[:140], _reason(error),
+            )  # fmt: skip
+
     def _write(self, batch: list[UsageRow]) -> None:
+        try:
+            self._insert(batch)
+        except DBAPIError as error:
+            if not error.connection_invalidated:
+                raise
+            self._insert(batch)  # a pooled connection the server had closed (a restart): once more, on a new one
+
+    def _insert(self, batch: list[UsageRow]) -> None:
         assert self._engine is not None
         with self._engine.begin() as conn:
             if conn.dialect.name == "sqlite":
@@ -262,6 +330,7 @@ class Ledger:
         self._rows.extendleft(reversed(batch[lost:]))
 
     def _note_failure(self, error: Exception) -> None:
+        self.failed_writes += 1
         reason = _reason(error)
         if self._failing is None:  # once per incident
             self._dropped_at_incident = self.dropped
@@ -305,10 +374,26 @@ def _sqlite_insert(rows: int) -> str:
 def _sqlite_values(row: UsageRow) -> tuple[Any, ...]:
     """``row`` as SQLite stores it, in :data:`_COLUMNS` order (the same values :func:`_values` gives SQLAlchemy)."""
     return (
-        _sqlite_time(row.at), row.key, row.model, row.route[:ROUTE_CHARS],
+        _sqlite_time(row.at), _text(row.key), _text(row.model), _text(row.route[:ROUTE_CHARS]),
         row.prompt_tokens, row.completion_tokens, row.cached_tokens, row.status, row.latency_ms, row.ttft_ms,
-        row.request_id, row.replica, row.stream, row.error[:ERROR_CHARS] if row.error else None, row.batch_id,
+        _text(row.request_id), row.replica, row.stream, _text(row.error[:ERROR_CHARS]) if row.error else None, _text(row.batch_id),
     )  # fmt: skip
+
+
+def _text(value: str | None) -> str | None:
+    """``value`` as every database stores it: NUL (which PostgreSQL's text refuses) and lone surrogates (which UTF-8
+    cannot encode) become U+FFFD. Clients choose the request path: ``GET /%00`` must not make a row no database takes."""
+    if value is None or (value.isascii() and "\0" not in value):
+        return value
+    return value.replace("\0", "\ufffd").encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+
+
+def _refused(error: BaseException) -> bool:
+    """Whether ``error`` is the database (or its driver) refusing the rows themselves, which no retry changes (a value
+    out of range, text it cannot store), rather than failing the connection."""
+    if isinstance(error, DBAPIError):
+        return isinstance(error, DataError | IntegrityError) and not error.connection_invalidated
+    return isinstance(error, ValueError | TypeError | OverflowError) and not isinstance(error, TimeoutError)
 
 
 def _sqlite_time(at: float) -> str:
@@ -330,20 +415,20 @@ def _second_text(second: int) -> str:
 def _values(row: UsageRow) -> dict[str, Any]:
     return {
         "at": datetime.fromtimestamp(row.at, UTC),
-        "key_name": row.key,
-        "model": row.model,
-        "route": row.route[:ROUTE_CHARS],
+        "key_name": _text(row.key),
+        "model": _text(row.model),
+        "route": _text(row.route[:ROUTE_CHARS]),
         "prompt_tokens": row.prompt_tokens,
         "completion_tokens": row.completion_tokens,
         "cached_tokens": row.cached_tokens,
         "status": row.status,
         "latency_ms": row.latency_ms,
         "ttft_ms": row.ttft_ms,
-        "request_id": row.request_id,
+        "request_id": _text(row.request_id),
         "replica": row.replica,
         "stream": row.stream,
-        "error": row.error[:ERROR_CHARS] if row.error else None,
-        "batch_id": row.batch_id,
+        "error": _text(row.error[:ERROR_CHARS]) if row.error else None,
+        "batch_id": _text(row.batch_id),
     }
 
 
@@ -354,6 +439,6 @@ def _reason(error: BaseException) -> str:
     return f"{type(cause).__name__}: {text[0][:300]}" if text else type(cause).__name__
 
 
-def open_ledger(settings: GatewaySettings, dropped: Any = None) -> Ledger:
+def open_ledger(settings: GatewaySettings, dropped: Any = None, refused: Any = None) -> Ledger:
     """The ledger of a gateway with these settings (not started: the lifespan starts it)."""
-    return Ledger(settings.usage, database_url(settings), dropped)
+    return Ledger(settings.usage, database_url(settings), dropped, refused)

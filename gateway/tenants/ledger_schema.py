@@ -13,6 +13,7 @@ batch's lease and the table of file chunks (replicas sharing one database keep f
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,14 +117,23 @@ LATEST = MIGRATIONS[-1].version
 _PG_LOCK = 0x5553_4147_4531  # pg_advisory_xact_lock id of the ledger's migrations ("USAGE1")
 
 
-def open_engine(url: str, *, write: bool) -> Engine:
+def open_engine(url: str, *, write: bool, timeout_s: float | None = None) -> Engine:
     """An engine for ``url``. SQLite: WAL (readers never wait for writers), a busy timeout (the workers' writers
     take turns), and with ``write`` every transaction ``BEGIN IMMEDIATE`` (no deadlock upgrading a read lock);
     a reader opens the file read-only and never creates it. PostgreSQL: a short connect timeout, so a down
-    server fails a flush in seconds (the rows stay buffered) rather than hanging it."""
+    server fails a flush in seconds (the rows stay buffered) rather than hanging it.
+
+    ``timeout_s``: for calls bounded by :mod:`gateway.core.bounded_calls` (its deadline): the server's statement
+    timeout and the pool's wait too, and no ping at checkout (a ping on a frozen server would block where the deadline
+    cannot cut it; a connection the server closed fails its call, which the caller tries once more)."""
     parsed = make_url(url)
     if parsed.get_backend_name() != "sqlite":
-        return create_engine(url, pool_size=2, max_overflow=2, pool_pre_ping=True, pool_recycle=1800, connect_args={"connect_timeout": 5})
+        if timeout_s is None:
+            return create_engine(url, pool_size=2, max_overflow=2, pool_pre_ping=True, pool_recycle=1800, connect_args={"connect_timeout": 5})
+        return create_engine(
+            url, pool_size=2, max_overflow=2, pool_recycle=1800, pool_timeout=timeout_s,
+            connect_args={"connect_timeout": max(2, math.ceil(timeout_s)), "options": f"-c statement_timeout={math.ceil(timeout_s * 1000)}"},
+        )  # fmt: skip
     path = Path(parsed.database or "")
     if write:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -153,6 +163,7 @@ def migrate(engine: Engine) -> int:
     """Bring the schema to :data:`LATEST` (each missing migration once, in order, under a lock); the version."""
     with engine.begin() as conn:
         if conn.dialect.name == "postgresql":
+            conn.execute(text("SET LOCAL statement_timeout = 0"))  # a migration may take longer than one call's timeout
             conn.execute(text("SELECT pg_advisory_xact_lock(:lock)"), {"lock": _PG_LOCK})
         schema_version.create(conn, checkfirst=True)
         current = conn.execute(select(schema_version.c.version)).scalar()

@@ -12,6 +12,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import Connection, Engine, Integer, case, cast, func, literal_column, or_, select
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.sql import ColumnElement
 
 from gateway.tenants.ledger_schema import open_engine, read_version, sqlite_file, usage_rows
@@ -127,17 +128,28 @@ def run_query(conn: Connection, query: UsageQuery) -> list[dict[str, Any]]:
 class UsageReader:
     """Reads one usage database (its own connections, read-only for SQLite); blocking: call it off the event loop."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, timeout_s: float | None = None) -> None:
         self.url = url
+        self.timeout_s = timeout_s  # its calls bounded by a deadline (gateway.core.bounded_calls): see open_engine
         self._engine: Engine | None = None
+
+    def engine(self) -> Engine:
+        """Its engine (opened at the first call)."""
+        if self._engine is None:
+            self._engine = open_engine(self.url, write=False, timeout_s=self.timeout_s)
+        return self._engine
 
     def read(self, query: UsageQuery) -> list[dict[str, Any]]:
         file = sqlite_file(self.url)
         if file is not None and not file.exists():  # no gateway wrote here yet
             return run_query_empty(query)
-        if self._engine is None:
-            self._engine = open_engine(self.url, write=False)
-        with self._engine.connect() as conn:
+        try:
+            with self.engine().connect() as conn:
+                return run_query(conn, query)
+        except DBAPIError as error:
+            if not error.connection_invalidated:
+                raise
+        with self.engine().connect() as conn:  # a pooled connection the server had closed (a restart): once more
             return run_query(conn, query)
 
     def close(self) -> None:

@@ -28,6 +28,8 @@ import psutil
 import pytest
 import uvicorn
 import yaml
+from loguru import logger
+from prometheus_client import CollectorRegistry, Counter
 from sqlalchemy import create_engine, select
 
 from gateway.config import UsageSettings, gateway_settings
@@ -375,8 +377,10 @@ def test_postgres_stopped_mid_run_loses_no_request(usage_upstream: str, postgres
                 started = time.monotonic()
                 assert _post(server.url, rid, _chat(stream=index % 2 == 0)).status_code == 200
                 assert time.monotonic() - started < 2, "a request waited on the database"
-            time.sleep(0.3)  # the writer fails at least once
-            assert server.state.ledger.buffered == len(down)
+            ledger = server.state.ledger
+            failed = ledger.failed_writes
+            # a write that failed after every row was recorded: the rows are back in the buffer (between two tries)
+            wait_until(lambda: ledger.failed_writes > failed and ledger.buffered == len(down), lambda: f"buffered {ledger.buffered}", 30, every_s=0.01)
         finally:
             postgres.start()
         rows = _rows(postgres.url, first + down, timeout_s=40)
@@ -387,6 +391,69 @@ def test_postgres_stopped_mid_run_loses_no_request(usage_upstream: str, postgres
         finally:
             totals.close()
         assert grouped[-1]["day"] == time.strftime("%Y-%m-%d", time.gmtime()) and grouped[-1]["requests"] >= 10
+
+
+def test_postgres_takes_the_row_of_a_path_with_nul_and_every_row_after_it(usage_upstream: str, postgres: PostgresServer, tmp_path: Path) -> None:
+    """``GET /%00``, unauthenticated (401): PostgreSQL's text cannot hold a NUL; its row is stored with U+FFFD in its
+    place, and the rows after it are written (before, the writer retried that batch forever and wrote nothing more)."""
+    gateway = _gateway(tmp_path / "state", database_url=postgres.url)
+    with serve(_models(usage_upstream), gateway) as server:
+        nul = httpx.get(server.url + "/%00", headers={"X-Request-Id": "pg-nul"}, timeout=30)
+        assert nul.status_code == 401, nul.text
+        after = [f"pg-after-nul-{i}" for i in range(3)]
+        for rid in after:
+            assert _post(server.url, rid, _chat()).status_code == 200
+        rows = _rows(postgres.url, ["pg-nul", *after])
+        assert rows["pg-nul"]["status"] == 401 and rows["pg-nul"]["route"] == "/\ufffd", rows["pg-nul"]
+        metrics = httpx.get(server.url + "/metrics", headers=auth(ADMIN), timeout=30).text
+        assert prometheus_value(metrics, "gateway_usage_rows_refused_total") == 0  # stored, not set aside
+
+
+@pytest.mark.parametrize("database", ["sqlite", "postgresql"])
+def test_a_row_the_database_refuses_is_set_aside_and_the_rows_behind_it_are_written(
+    database: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """A row no retry can write (a token count past the column's range, refused by SQLite's driver and by
+    PostgreSQL) is set aside, counted and logged once; the rows of its batch and after it are written."""
+    url = f"sqlite:///{tmp_path / 'usage.sqlite3'}" if database == "sqlite" else request.getfixturevalue("postgres").url
+    rows = [_row(f"{database}-aside-{index}") for index in range(10)]
+    for bad in (rows[2], rows[7]):
+        bad.prompt_tokens = 2**70
+    lines: list[str] = []
+    sink = logger.add(lambda message: lines.append(str(message)), level="WARNING", format="{message}")
+    registry = CollectorRegistry()
+    refused = Counter("refused", "rows set aside", registry=registry)
+
+    async def run() -> tuple[bool, bool]:
+        ledger = Ledger(UsageSettings(batch_rows=5), url, refused=refused)
+        try:
+            for row in rows:
+                ledger.record(row)
+            first = await ledger.flush()
+            late = _row(f"{database}-aside-late")
+            late.completion_tokens = 2**70
+            ledger.record(late)
+            ledger.record(_row(f"{database}-aside-last"))
+            return first, await ledger.flush()
+        finally:
+            await ledger.close()
+
+    try:
+        assert asyncio.run(run()) == (True, True)
+    finally:
+        logger.remove(sink)
+    written = [row.request_id for index, row in enumerate(rows) if index not in (2, 7)] + [f"{database}-aside-last"]
+    assert sorted(_rows(url, written)) == sorted(written)
+    engine = create_engine(url)
+    try:
+        with engine.connect() as conn:
+            query = select(usage_rows.c.request_id).where(usage_rows.c.request_id.like(f"{database}-aside-%")).order_by(usage_rows.c.id)
+            assert conn.execute(query).scalars().all() == written
+    finally:
+        engine.dispose()
+    assert registry.get_sample_value("refused_total") == 3
+    said = [line for line in lines if "refused the row" in line]
+    assert len(said) == 1 and f"'{database}-aside-2'" in said[0], lines
 
 
 def test_postgres_schema_is_versioned_and_a_newer_one_is_refused(postgres: PostgresServer) -> None:
