@@ -16,7 +16,7 @@ no compilation, no vocabulary). A construct it does not know leaves the grammar 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from typing import Any
 
 _TOKEN = re.compile(
     r"""(?P<space>\s+)
@@ -26,183 +26,156 @@ _TOKEN = re.compile(
   | (?P<look>\(=)
   | (?P<name>[A-Za-z_][A-Za-z0-9_.\-]*)
   | (?P<define>::=)
-  | (?P<punct>[()|,=])
+  | (?P<punct>[()|])
   | (?P<other>.)""",
-    re.X,
+    re.X | re.S,
 )
+# An expression is a tuple: ("t",) begins with a character, ("e",) the empty string, ("s",) a class repeated (empty, or
+# begins with a character), ("l",) a lookahead (consumes nothing), ("r", name), ("a", [[expression...]...]) choices of
+# sequences, ("p", low, high, expression) a repeat (high -1: unbounded).
+_TERMINAL, _EMPTY, _STAR, _LOOK = ("t",), ("e",), ("s",), ("l",)
+Expression = tuple[Any, ...]
 
 
 class _Unknown(ValueError):
     """The normalised grammar holds something this reading does not know."""
 
 
-@dataclass(frozen=True)
-class _Token:
-    kind: str
-    text: str
-    low: int = 0
-    high: int = 0
-
-
-@dataclass
-class _Node:
-    """One expression: ``kind`` is terminal, empty, star (a class repeated, may be empty), ref, seq, alt, repeat, look."""
-
-    kind: str
-    children: list[_Node]
-    name: str = ""
-    low: int = 0
-    high: int = 0
-
-
-def _tokens(text: str) -> list[_Token]:
-    tokens = []
+def _rules(text: str) -> dict[str, Expression]:
+    """Each rule's body, read in one pass: a stack of open groups, each a list of alternatives (lists of expressions).
+    The contents of lookaheads and of ``TagDispatch(...)`` are skipped."""
+    rules: dict[str, Expression] = {}
+    name: str | None = None
+    stack: list[list[list[Expression]]] = [[[]]]
+    skipping, opens_skip = 0, False
     for match in _TOKEN.finditer(text):
         kind = match.lastgroup
         if kind == "space":
             continue
-        if kind == "other":
-            raise _Unknown(text[match.start() : match.start() + 20])
-        if kind in ("star", "low", "high"):  # the last group of a class or a repeat: the whole token is its parent's
-            kind = "cls" if kind == "star" else "repeat"
-        value = match.group(kind)
-        if kind == "string":
-            tokens.append(_Token("empty" if value == '""' else "terminal", value))
-        elif kind == "cls":
-            tokens.append(_Token("star" if match.group("star") else "terminal", value))
-        elif kind == "repeat":
-            tokens.append(_Token("repeat", value, int(match.group("low")), int(match.group("high"))))
+        token = match.group()
+        if opens_skip:  # TagDispatch's own "(" comes next
+            if token != "(":
+                raise _Unknown(token)
+            skipping, opens_skip = 1, False
+            continue
+        if skipping:
+            skipping += 1 if token == "(" or kind == "look" else -1 if token == ")" else 0
+            continue
+        sequence = stack[-1][-1]
+        if kind in ("string", "cls", "star"):
+            sequence.append(_EMPTY if token == '""' else _STAR if token.endswith("*") else _TERMINAL)
+        elif kind == "name":
+            if token == "TagDispatch":  # dispatches on non-empty tags, free text meanwhile: it begins with a character
+                sequence.append(_TERMINAL)
+                opens_skip = True
+            else:
+                sequence.append(("r", token))
+        elif kind == "define":  # the name just read was the next rule's: the rule before it ends
+            if len(stack) != 1 or not sequence or sequence[-1][0] != "r":
+                raise _Unknown("::=")
+            new_name = sequence.pop()[1]
+            if name is not None:
+                rules[name] = _choices(stack.pop())
+            elif stack[0] != [[]]:
+                raise _Unknown("text before the first rule")
+            name, stack = new_name, [[[]]]
+        elif kind == "look":
+            sequence.append(_LOOK)
+            skipping = 1
+        elif token == "(":
+            stack.append([[]])
+        elif token == ")":
+            if len(stack) == 1:
+                raise _Unknown(")")
+            group = _choices(stack.pop())
+            stack[-1][-1].append(group)
+        elif token == "|":
+            stack[-1].append([])
+        elif kind in ("repeat", "low", "high"):
+            if not sequence:
+                raise _Unknown(token)
+            sequence.append(("p", int(match.group("low")), int(match.group("high")), sequence.pop()))
         else:
-            tokens.append(_Token(kind, value))
-    return tokens
-
-
-class _Parser:
-    """Recursive descent over one rule's body: alt := seq ('|' seq)*; seq := item+; item := atom repeat?."""
-
-    def __init__(self, tokens: list[_Token]) -> None:
-        self.tokens, self.at = tokens, 0
-
-    def peek(self) -> _Token | None:
-        return self.tokens[self.at] if self.at < len(self.tokens) else None
-
-    def take(self, text: str | None = None) -> _Token:
-        token = self.peek()
-        if token is None or (text is not None and token.text != text):
-            raise _Unknown(f"expected {text!r}")
-        self.at += 1
-        return token
-
-    def alt(self) -> _Node:
-        options = [self.seq()]
-        while (token := self.peek()) is not None and token.text == "|":
-            self.take()
-            options.append(self.seq())
-        return options[0] if len(options) == 1 else _Node("alt", options)
-
-    def seq(self) -> _Node:
-        items = []
-        while (token := self.peek()) is not None and token.text not in ("|", ")"):
-            items.append(self.item())
-        if not items:
-            raise _Unknown("an empty sequence")
-        return items[0] if len(items) == 1 else _Node("seq", items)
-
-    def item(self) -> _Node:
-        node = self.atom()
-        while (token := self.peek()) is not None and token.kind == "repeat":
-            self.take()
-            node = _Node("repeat", [node], low=token.low, high=token.high)
-        return node
-
-    def atom(self) -> _Node:
-        token = self.take()
-        if token.kind in ("terminal", "empty", "star"):
-            return _Node(token.kind, [])
-        if token.kind == "name":
-            if token.text == "TagDispatch":  # dispatches on non-empty tags, free text meanwhile: it begins with a character
-                self.take("(")
-                self._skip_group()
-                return _Node("terminal", [])
-            return _Node("ref", [], name=token.text)
-        if token.kind == "look":  # a lookahead consumes nothing
-            self._skip_group()
-            return _Node("look", [])
-        if token.text == "(":
-            node = self.alt()
-            self.take(")")
-            return node
-        raise _Unknown(token.text)
-
-    def _skip_group(self) -> None:
-        """Skip to the parenthesis that closes the one just taken (strings are whole tokens: theirs do not count)."""
-        depth = 1
-        while depth:
-            token = self.take()
-            depth += 1 if token.text == "(" or token.kind == "look" else -1 if token.text == ")" else 0
-
-
-def _rules(text: str) -> dict[str, _Node]:
-    tokens = _tokens(text)
-    starts = [i for i in range(len(tokens) - 1) if tokens[i].kind == "name" and tokens[i + 1].kind == "define"]
-    if not starts or starts[0] != 0:
-        raise _Unknown("no rule")
-    rules = {}
-    for begin, end in zip(starts, [*starts[1:], len(tokens)], strict=True):
-        parser = _Parser(tokens[begin + 2 : end])
-        rules[tokens[begin].text] = parser.alt()
-        if parser.peek() is not None:
-            raise _Unknown(parser.tokens[parser.at].text)
+            raise _Unknown(token)
+    if name is None or len(stack) != 1 or skipping or opens_skip:
+        raise _Unknown("an unfinished grammar")
+    rules[name] = _choices(stack.pop())
     return rules
 
 
-def _analyse(rules: dict[str, _Node]) -> tuple[set[str], set[str]]:
-    """(rules that can be empty, rules that can begin with a character): least fixed points."""
+def _choices(alternatives: list[list[Expression]]) -> Expression:
+    if any(not sequence for sequence in alternatives):
+        raise _Unknown("an empty alternative")
+    return ("a", alternatives)
+
+
+def _can_be_empty(expression: Expression, nullable: set[str]) -> bool:
+    kind = expression[0]
+    if kind in ("e", "s", "l"):
+        return True
+    if kind == "t":
+        return False
+    if kind == "r":
+        return expression[1] in nullable
+    if kind == "a":
+        return any(all(_can_be_empty(item, nullable) for item in sequence) for sequence in expression[1])
+    return expression[1] == 0 or _can_be_empty(expression[3], nullable)  # a repeat
+
+
+def _can_begin(expression: Expression, nullable: set[str], begins: set[str]) -> bool:
+    kind = expression[0]
+    if kind in ("t", "s"):
+        return True
+    if kind in ("e", "l"):
+        return False
+    if kind == "r":
+        return expression[1] in begins
+    if kind == "a":
+        for sequence in expression[1]:
+            for item in sequence:
+                if _can_begin(item, nullable, begins):
+                    return True
+                if not _can_be_empty(item, nullable):
+                    break
+        return False
+    return expression[2] != 0 and _can_begin(expression[3], nullable, begins)  # a repeat
+
+
+def _refs(expression: Expression) -> set[str]:
+    """The rules an expression refers to."""
+    names: set[str] = set()
+    pending = [expression]
+    while pending:
+        expression = pending.pop()
+        kind = expression[0]
+        if kind == "r":
+            names.add(expression[1])
+        elif kind == "a":
+            pending.extend(item for sequence in expression[1] for item in sequence)
+        elif kind == "p":
+            pending.append(expression[3])
+    return names
+
+
+def _analyse(rules: dict[str, Expression], refs: dict[str, set[str]]) -> tuple[set[str], set[str]]:
+    """(rules that can be empty, rules that can begin with a character): least fixed points, a rule tested again only
+    when a rule it refers to joined the set."""
+    referrers: dict[str, set[str]] = {name: set() for name in rules}
+    for name, names in refs.items():
+        for ref in names:
+            referrers[ref].add(name)
     nullable: set[str] = set()
     begins: set[str] = set()
-
-    def can_be_empty(node: _Node) -> bool:
-        if node.kind in ("empty", "star", "look"):
-            return True
-        if node.kind == "terminal":
-            return False
-        if node.kind == "ref":
-            return node.name in nullable
-        if node.kind == "seq":
-            return all(can_be_empty(child) for child in node.children)
-        if node.kind == "alt":
-            return any(can_be_empty(child) for child in node.children)
-        return node.low == 0 or can_be_empty(node.children[0])  # repeat
-
-    def can_begin(node: _Node) -> bool:
-        if node.kind in ("terminal", "star"):
-            return True
-        if node.kind in ("empty", "look"):
-            return False
-        if node.kind == "ref":
-            return node.name in begins
-        if node.kind == "seq":
-            for child in node.children:
-                if can_begin(child):
-                    return True
-                if not can_be_empty(child):
-                    return False
-            return False
-        if node.kind == "alt":
-            return any(can_begin(child) for child in node.children)
-        return node.high != 0 and can_begin(node.children[0])  # repeat (high -1: unbounded)
-
-    referrers: dict[str, set[str]] = {name: set() for name in rules}
-    for name, body in rules.items():
-        for ref in _refs(body):
-            referrers.setdefault(ref, set()).add(name)
-    for found, test in ((nullable, can_be_empty), (begins, can_begin)):
-        pending = list(rules)  # a rule is tested again only when a rule it refers to joined the set
+    for found in (nullable, begins):
+        pending = list(rules)
         while pending:
             name = pending.pop()
-            if name not in found and test(rules[name]):
+            if name in found:
+                continue
+            body = rules[name]
+            if _can_be_empty(body, nullable) if found is nullable else _can_begin(body, nullable, begins):
                 found.add(name)
-                pending.extend(referrers.get(name, ()))
+                pending.extend(referrers[name])
     return nullable, begins
 
 
@@ -212,29 +185,17 @@ def dead_rule(normalized: str, root: str = "root") -> str | None:
     every rule can match, or when unsure."""
     try:
         rules = _rules(normalized)
-        if root not in rules or any(not _refs(body) <= rules.keys() for body in rules.values()):
+        refs = {name: _refs(body) for name, body in rules.items()}
+        if root not in rules or any(not names <= rules.keys() for names in refs.values()):
             return None
-        nullable, begins = _analyse(rules)
+        nullable, begins = _analyse(rules, refs)
     except (_Unknown, RecursionError):
         return None
     seen, pending = {root}, [root]
-    while pending:  # breadth first from root: the rule named is the one nearest to it
-        name = pending.pop(0)
+    for name in pending:  # breadth first from root: the rule named is the one nearest to it
         if name not in nullable and name not in begins:
             return name
-        for ref in sorted(_refs(rules[name]) - seen):
+        for ref in sorted(refs[name] - seen):
             seen.add(ref)
             pending.append(ref)
     return None
-
-
-def _refs(node: _Node) -> set[str]:
-    """The rules an expression refers to."""
-    names: set[str] = set()
-    pending = [node]
-    while pending:
-        node = pending.pop()
-        if node.kind == "ref":
-            names.add(node.name)
-        pending.extend(node.children)
-    return names
