@@ -7,6 +7,7 @@ wrapper's ``predict`` calls (``model_code``). It imports neither (pyproject's ``
   ``schemas``         each route's request schema (the allowlist, types, static bounds); ``parse_body``/``check_body``
   ``bounds``          configurable bounds of one request (fan-out, grammar sizes): ``RequestBounds``, ``check_bounds``
   ``grammar_checks``  grammar inputs the engine would crash or freeze on (unbounded ``stop_regex``, bad schemas)
+  ``empty_inputs``    inputs that become a forward pass over no token (an empty score item with no query...)
   ``token_ids``       token ids outside the model's vocabulary (they crash SGLang 0.5.23's scheduler)
   ``shapes``          a request's shape: how a request that took an engine down is recognised when it comes again
   ``refusal``         ``Refused``, the one error every check raises (each caller answers it in its own terms)

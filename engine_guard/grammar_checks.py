@@ -14,17 +14,20 @@ Two engines run a request's patterns, with different failure modes:
   into an automaton, which does not backtrack; their cost is compile time and memory, bounded by size
   (:mod:`engine_guard.bounds`) and by the per-model grammar concurrency limit. Here the gateway refuses what
   would fail to compile (a regex or a JSON-schema ``pattern`` that does not parse, a ``$ref`` that does
-  not resolve or that refers to itself without consuming input, an EBNF that does not parse, a structural
-  tag the backend cannot build), so it is the client's 400 rather than an engine failure.
+  not resolve or that refers to itself without consuming input, an EBNF that does not parse or has a rule that
+  matches no text, a structural tag the backend cannot build), so it is the client's 400 rather than an engine failure.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import re
 from collections.abc import Iterator
 from typing import Any
+
+from engine_guard.grammar_start import dead_rule
 
 try:  # re's parser (stable since 3.11 as re._parser; sre_parse before)
     from re import _constants as _sre  # type: ignore[attr-defined]
@@ -198,16 +201,32 @@ def _check_ref(root: dict[str, Any], start: dict[str, Any], ref: Any) -> None:
 
 
 def check_ebnf(grammar: str) -> None:
-    """An EBNF grammar that parses (with the grammar backend's own parser, where it is installed)."""
+    """An EBNF grammar that parses (with the grammar backend's own parser, where it is installed) and whose every rule
+    matches some text (:mod:`engine_guard.grammar_start`: ``root ::= root`` fails in the engine with a 500)."""
+    problem = _ebnf_problem(grammar)
+    if problem is not None:
+        raise GrammarProblem(problem)
+
+
+@functools.lru_cache(maxsize=64)
+def _ebnf_problem(grammar: str) -> str | None:
+    """Why ``grammar`` cannot go to the engine, or None (remembered: a batch's lines often share one grammar)."""
     try:
         import xgrammar
     except ImportError:  # a gateway installed without SGLang's stack: the engine reports it
-        return
+        return None
     try:
-        xgrammar.Grammar.from_ebnf(grammar)
+        parsed = xgrammar.Grammar.from_ebnf(grammar)
     except (RuntimeError, ValueError) as error:
         text = str(error)
-        raise GrammarProblem("invalid EBNF: " + (text.split("error at ", 1)[-1] if "error at " in text else text)[:300]) from None
+        return "invalid EBNF: " + (text.split("error at ", 1)[-1] if "error at " in text else text)[:300]
+    dead = dead_rule(str(parsed))
+    if dead is not None:
+        return (
+            f"the grammar accepts no token where rule {dead!r} is expected: it matches no text (it refers only to itself "
+            "before any text), and the engine fails when it reaches it"
+        )
+    return None
 
 
 def check_structural_tag(spec: dict[str, Any]) -> None:

@@ -32,6 +32,7 @@ from pydantic import (
     model_validator,
 )
 
+from engine_guard.empty_inputs import check_inputs
 from engine_guard.fields import DROPPED, REFUSED, extensions_for
 from engine_guard.refusal import Refused
 
@@ -376,6 +377,7 @@ def check_body(data: dict[str, Any], schema: type[Loose], path: str) -> dict[str
             raise _first_problem(error, name) from None
     if isinstance(data.get("custom_logit_processor"), str) and (problem := _pickle_problem(data["custom_logit_processor"])):
         raise Refused(f"custom_logit_processor: {problem}", param="custom_logit_processor")
+    check_inputs(path, data)
     return data
 
 

@@ -10,8 +10,9 @@ import orjson
 import pytest
 
 from engine_guard.bounds import RequestBounds, check_bounds, grammar_bytes
+from engine_guard.empty_inputs import check_inputs
 from engine_guard.fields import DROPPED, EXTENSIONS, REFUSED, extension_table, extensions_for
-from engine_guard.grammar_checks import GrammarProblem, check_json_schema, check_stop_regex
+from engine_guard.grammar_checks import GrammarProblem, check_ebnf, check_json_schema, check_stop_regex
 from engine_guard.refusal import Refused
 from engine_guard.schemas import check_extensions, parse_body
 from gateway.core.endpoints import PROXIED_BY_PATH
@@ -110,6 +111,86 @@ def test_json_schema_refs_and_patterns() -> None:
     ):
         with pytest.raises(GrammarProblem):
             check_json_schema(bad, max_depth=32, max_enum=10)
+
+
+EMPTY_SCORE = {"label_token_ids": [1]}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [  # each crashed SGLang 0.5.23's scheduler on the real tiny engine (a forward pass over no token)
+        ("/v1/score", {**EMPTY_SCORE, "items": [""]}, "items"),
+        ("/v1/score", {**EMPTY_SCORE, "query": None, "items": ["a", ""]}, "items"),
+        ("/v1/score", {**EMPTY_SCORE, "items": [""], "item_first": True}, "items"),
+        ("/v1/score", {**EMPTY_SCORE, "query": [], "items": [[]]}, "query"),  # the schema: empty token lists
+        ("/v1/completions", {"prompt": ["", "x"]}, "prompt"),
+        ("/v1/embeddings", {"input": [[1], []]}, "input"),
+        ("/v1/classify", {"input": ["a", ""]}, "input"),
+    ],
+)
+def test_inputs_that_become_a_forward_pass_over_no_token_are_refused(path: str, body: dict[str, Any], field: str) -> None:
+    with pytest.raises(Refused) as refused:
+        _parse(path, {"model": "m", **body})
+    assert refused.value.status == 400 and refused.value.param == field, refused.value.message
+    assert refused.value.message.startswith(field), refused.value.message
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [  # each answered by the real tiny engine (200, or its own 400), which lives on
+        ("/v1/score", {**EMPTY_SCORE, "query": "a", "items": [""]}),  # the prompt is "a"
+        ("/v1/score", {**EMPTY_SCORE, "items": ""}),  # no item: SGLang scores nothing
+        ("/v1/score", {**EMPTY_SCORE, "items": [[1], [2]]}),  # no query, token ids: each item is a prompt
+        ("/v1/score", {**EMPTY_SCORE, "query": None, "items": "a"}),
+        ("/v1/tokenize", {"prompt": ""}),  # no forward pass
+        (CHAT, {"messages": [{"role": "user", "content": ""}]}),  # the chat template's role markers are tokens
+        ("/v1/messages", {"messages": [{"role": "user", "content": ""}], "max_tokens": 2}),
+        ("/v1/responses", {"input": [{"role": "user", "content": []}]}),
+    ],
+)
+def test_inputs_the_engine_runs_are_not_refused_as_empty(path: str, body: dict[str, Any]) -> None:
+    _parse(path, {"model": "m", **body})
+    check_inputs(path, {"model": "m", **body})
+
+
+def test_the_empty_input_rule_holds_without_the_schemas_types() -> None:
+    """:func:`check_inputs` is the rule itself: a body its schema would have let through is still refused."""
+    for path, body, field in (
+        ("/v1/completions", {"prompt": [[1], []]}, "prompt"),
+        ("/v1/embeddings", {"input": ""}, "input"),
+        ("/v1/score", {"query": [], "items": [[]]}, "items"),
+        (CHAT, {"messages": HELLO, "input_ids": []}, "input_ids"),
+    ):
+        with pytest.raises(Refused) as refused:
+            check_inputs(path, body)
+        assert refused.value.param == field and refused.value.code == "empty_input", (path, refused.value.message)
+
+
+@pytest.mark.parametrize(
+    ("grammar", "rule"),
+    [
+        ("root ::= root", "root"),  # 500 "Grammar accept_token failed" at the first token (issue 58)
+        ('root ::= a\na ::= a "y"', "root"),
+        ('root ::= "x" a\na ::= a', "a"),  # 500 after the first token
+        ('root ::= root "a" | root "b"', "root"),
+        ("root ::= x{2,}\nx ::= x", "root"),
+    ],
+)
+def test_ebnf_rules_that_match_no_text_are_refused(grammar: str, rule: str) -> None:
+    pytest.importorskip("xgrammar")
+    with pytest.raises(GrammarProblem, match=f"rule '{rule}'"):
+        check_ebnf(grammar)
+
+
+@pytest.mark.parametrize(
+    "grammar",
+    ['root ::= ""', 'root ::= "x" root', 'root ::= ("" | root)', 'root ::= [a-z]* root', 'root ::= "(" root ")" | "o"',
+     'root ::= a (= "b")\na ::= "a"', 'root ::= TagDispatch(("<a>", b), ("<c>", b))\nb ::= "x"', 'root ::= "a"* [b-c]+ ("x" root)? "q"{2,5}'],
+)  # fmt: skip
+def test_ebnf_grammars_the_engine_serves_pass(grammar: str) -> None:
+    """Each is served by the real engine (``root ::= "x" root`` until max_tokens)."""
+    pytest.importorskip("xgrammar")
+    check_ebnf(grammar)
 
 
 def test_fan_out_and_grammar_bounds() -> None:

@@ -25,7 +25,7 @@ MISTAKES = [  # (route, fields, the param blamed) - each answered 500 by the eng
     (CHAT, {"stop_regex": "("}, "stop_regex"),
     (CHAT, {"stop_regex": "(", "stream": True}, "stop_regex"),  # refused before the stream starts
     (COMPLETIONS, {"stop_regex": "[z-a]"}, "stop_regex"),
-    (CHAT, {"ebnf": "root ::= root"}, "ebnf"),
+    (CHAT, {"ebnf": "root ::= root"}, "ebnf"),  # refused by the guard first (no rule of it matches any text)
     (CHAT, {"response_format": SELF_REF}, "response_format"),
     (COMPLETIONS, {"json_schema": json.dumps({"$ref": "#"})}, "json_schema"),
     (CHAT, {"chat_template_kwargs": {"tools": 5}}, "chat_template_kwargs.tools"),
@@ -59,14 +59,17 @@ def test_client_mistakes_are_400_and_not_engine_failures(gateway: GatewayServer,
         assert _count(gateway, route, "502") == before[(route, "502")]
 
 
-def test_a_grammar_mistake_in_a_stream_ends_it_with_a_client_error_event(gateway: GatewayServer) -> None:
-    """SGLang starts the stream (200), then sends its 500 as an event: the gateway's last event is a 400-kind error."""
-    body = {**_body(CHAT, {"ebnf": "root ::= root"}), "stream": True}
+def test_a_grammar_that_matches_no_text_is_refused_before_its_stream_starts(gateway: GatewayServer, tiny_engine: EngineProcess) -> None:
+    """SGLang starts the stream (200), then sends its 500 as an event; the guard refuses such a grammar first (a 400
+    before any event). The relay's own mapping of that event, for grammars the guard cannot judge: test_sse_scan."""
+    body = {**_body(CHAT, {"ebnf": 'root ::= "x" a\na ::= a'}), "stream": True}  # the engine fails after the first token
+    with httpx.stream("POST", tiny_engine.url + CHAT, json={**body, "model": "tiny"}, timeout=120) as straight:
+        assert straight.status_code == 200
+        assert "Grammar accept_token failed" in straight.read().decode()
     with httpx.stream("POST", gateway.url + CHAT, json=body, headers=auth(), timeout=120) as response:
-        assert response.status_code == 200
-        events = [line for line in response.iter_lines() if line.startswith("data: {")]
-    error = json.loads(events[-1].removeprefix("data: "))["error"]
-    assert error["type"] == "invalid_request_error" and error["param"] == "ebnf", error
+        assert response.status_code == 400
+        error = json.loads(response.read())["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == "ebnf" and "'a'" in error["message"], error
 
 
 def test_validation_dump_with_brackets_in_its_location_is_rewritten(gateway: GatewayServer) -> None:

@@ -5,7 +5,8 @@ gateway lets through (or should stop) with SGLang's own sampling and decoding pa
 edges: token ids around the vocabulary, huge and negative numbers, empty stops, odd grammars and
 schemas, logit biases, streams with usage. The engine must never crash and no answer may be a 500
 (a 502 would mean the engine failed on a client's request). ``SGLANG_GATEWAY_FUZZ_EXAMPLES`` sets
-how many requests are generated (default 300; the hardening work was checked with several thousand).
+how many requests are generated (default 300; the hardening work was checked with several thousand); the seed is
+fresh each run, printed, and replayable (:mod:`tests.fuzz_seed`).
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ from typing import Any
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 from launch.model_info import vocab_size
 from launch.process import EngineProcess
+from tests.fuzz_seed import SEED, replay
 from tests.gateway_server import KEY, GatewayServer, auth, serve
 
 pytestmark = pytest.mark.engine
@@ -124,7 +126,8 @@ def fuzz_target(tiny_engine: EngineProcess) -> Iterator[tuple[GatewayServer, htt
             yield gw, http
 
 
-@settings(max_examples=EXAMPLES, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@seed(SEED)
+@settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(case=requests())
 def test_engine_survives_hostile_parameters(fuzz_target: tuple[GatewayServer, httpx.Client], tiny_engine: EngineProcess, case: tuple[str, dict[str, Any]]) -> None:
     _, http = fuzz_target
@@ -133,8 +136,8 @@ def test_engine_survives_hostile_parameters(fuzz_target: tuple[GatewayServer, ht
     with http.stream("POST", path, json=body) as response:
         content = response.read()
     SEEN[str(response.status_code)] += 1
-    assert response.status_code < 500, (response.status_code, body, content[:500])
-    assert tiny_engine.running and tiny_engine.pid == pid, f"the engine died on {body}"
+    assert response.status_code < 500, (response.status_code, body, content[:500], replay())
+    assert tiny_engine.running and tiny_engine.pid == pid, f"the engine died on {body} ({replay()})"
     if response.status_code >= 400:
         assert b'"error"' in content and b"Traceback" not in content
 
@@ -146,6 +149,6 @@ def test_fuzz_summary_and_engine_alive(fuzz_target: tuple[GatewayServer, httpx.C
     assert tiny_engine.running
     ok = http.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
     assert ok.status_code == 200
-    print(f"\nfuzz: {sum(SEEN.values())} requests, statuses {dict(SEEN)}")
+    print(f"\nfuzz: {sum(SEEN.values())} requests, statuses {dict(SEEN)} ({replay()})")
     if sum(SEEN.values()) >= 50:
         assert SEEN["200"] > 0 and any(code.startswith("4") for code in SEEN), dict(SEEN)

@@ -137,6 +137,9 @@ def test_requests_that_crashed_or_froze_the_engine_are_refused_and_the_model_kee
         ("/v1/chat/completions", {"model": "tiny", "messages": HELLO, "logit_bias": {str(vocab + 5): 1.0}}, "logit_bias"),
         ("/v1/score", {**score, "query": [], "items": [[]]}, "query"),
         ("/v1/score", {**score, "query": [1], "items": [[], []]}, "items"),
+        # Found by the same fuzz under a new seed (issue 58): a text item joined to no query is 0 tokens
+        ("/v1/score", {**score, "items": [""]}, "items"),
+        ("/v1/score", {**score, "query": None, "items": ["a", ""], "item_first": True}, "items"),
         ("/v1/score", {**score, "query": "q", "items": ["a"] * 20_000}, "items"),
         ("/v1/completions", {"model": "tiny", "prompt": ["a"] * 20_000, "max_tokens": 1}, "prompt"),
         ("/v1/chat/completions", {"model": "tiny", "messages": HELLO, "regex": "x+", "stop_regex": "(x+x+)+y", "max_tokens": 64}, "stop_regex"),
@@ -160,4 +163,6 @@ def test_requests_that_crashed_or_froze_the_engine_are_refused_and_the_model_kee
         assert bounded.status_code == 200, bounded.text
         ok = http.post("/v1/score", json={**score, "query": "q", "items": ["a", "b"]})
         assert ok.status_code == 200, ok.text
+        joined = http.post("/v1/score", json={**score, "query": "q", "items": [""]})  # the prompt scored is "q"
+        assert joined.status_code == 200 and len(joined.json()["scores"]) == 1, joined.text
     assert tiny_engine.running and tiny_engine.pid == pid, "the shared engine died"
