@@ -145,10 +145,14 @@ def hold_forced_calls(path: str, body: dict[str, Any]) -> None:
         return
     pairs = list(dialect.functions(body))
     if kind == "named":
-        named = [(tool, function) for tool, function in pairs if function.get("name") == name]
-        if not named:
+        pairs = [(tool, function) for tool, function in pairs if function.get("name") == name]
+        if not pairs:
             return  # the engine refuses a choice naming no offered tool, in its own words
-        body["tools"] = [tool for tool, _ in named]
-        pairs = named
-    for _, function in pairs:
-        function["strict"] = True
+    held = {id(tool): _strict(tool, dialect) for tool, _ in pairs}  # copies: the caller's tools stay as they were
+    body["tools"] = [held.get(id(tool), tool) for tool in body["tools"] if kind != "named" or id(tool) in held]
+
+
+def _strict(tool: dict[str, Any], dialect: ToolDialect) -> dict[str, Any]:
+    if dialect.function_key is None:
+        return {**tool, "strict": True}
+    return {**tool, dialect.function_key: {**tool[dialect.function_key], "strict": True}}

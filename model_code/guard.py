@@ -22,6 +22,7 @@ from engine_guard.fields import DROPPED, EXTENSIONS
 from engine_guard.refusal import Refused
 from engine_guard.schemas import ChatCompletionRequest, check_body, check_extensions
 from engine_guard.token_ids import CHAT_TOKEN_ID_FIELDS, token_id_problem
+from engine_guard.tool_calls import check_strict_schemas, check_tool_parser, hold_forced_calls
 from launch.config import ConfigError, format_validation_error
 from launch.model_info import vocab_size as model_vocab_size
 from model_code.errors import BadRequestError
@@ -38,6 +39,8 @@ class RequestGuard:
     extensions: frozenset[str] = frozenset()
     bounds: RequestBounds = field(default_factory=RequestBounds)
     vocab_size: int | None = None  # None: only negative token ids are refused
+    tool_call_parser: str | None = None  # the managed engine's --tool-call-parser (tools refused without one)
+    knows_tool_parser: bool = False  # False for a URL: its engine's parser is not known here
 
     @classmethod
     def from_target(cls, target: Target) -> RequestGuard:
@@ -56,8 +59,10 @@ class RequestGuard:
             bounds = RequestBounds.model_validate(section.get("request_bounds") or {})
         except ValidationError as error:
             raise ConfigError(format_validation_error("model_config: gateway.request_bounds", error)) from None
-        vocab = model_vocab_size(target.engine.model_path) if target.engine is not None else deployment.models[name].vocab_size
-        return cls(name, frozenset(enabled), bounds, vocab)
+        engine = target.engine
+        vocab = model_vocab_size(engine.model_path) if engine is not None else deployment.models[name].vocab_size
+        parser = engine.tool_call_parser if engine is not None else None
+        return cls(name, frozenset(enabled), bounds, vocab, parser, engine is not None)
 
     def check(self, messages: list[dict[str, Any]], kwargs: dict[str, Any], *, stream: bool = False) -> None:
         """Raise BadRequestError naming the field when the request ``kwargs`` (``chat.completions.create``'s,
@@ -70,9 +75,16 @@ class RequestGuard:
             problem = token_id_problem(CHAT_TOKEN_ID_FIELDS, body, self.vocab_size)
             if problem is not None:
                 raise Refused(problem, code="invalid_token_ids", param=problem.split(":", 1)[0])
+            if self.knows_tool_parser:
+                check_tool_parser(CHAT_PATH, body, self.model, self.tool_call_parser)
+            check_strict_schemas(CHAT_PATH, body)
         except Refused as refusal:
             raise BadRequestError(refusal.message, param=refusal.param, code=refusal.code) from None
         extra = kwargs.get("extra_body") or {}
+        offered = body.get("tools")
+        hold_forced_calls(CHAT_PATH, body)  # a forced call held to its name and schema, as the gateway holds it
+        if body.get("tools") is not offered:
+            (extra if "tools" in extra else kwargs)["tools"] = body["tools"]
         for name in DROPPED[CHAT_PATH]:
             kwargs.pop(name, None)
             extra.pop(name, None)
