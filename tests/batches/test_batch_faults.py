@@ -1,0 +1,118 @@
+"""The batch API when its storage fails under it (a FAKE engine that notes each answered prompt; the database a real
+SQLite file whose writes are refused on demand by a trigger, as a full disk or a database blip refuses them): a
+failed record pauses the batch and no line runs or is charged twice; a store gone after start answers 503."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from loguru import logger
+
+from tests.batches.helpers import ALPHA, chat_lines, jsonl, new_database, results, two_key_gateway, upload, wait_ended
+from tests.gateway_server import GatewayServer, serve
+from tests.postgres import PostgresServer
+from tests.servers import CLI, REPO
+from tests.waiting import wait_until
+
+
+@pytest.fixture(scope="module")
+def gateway(fake: tuple[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayServer]:
+    with two_key_gateway(fake[0], tmp_path_factory.mktemp("state"), max_concurrency=2, poll_interval_s=0.2, retry_backoff_s=0.1) as server:
+        yield server
+
+
+def _client(gateway: GatewayServer, key: str = ALPHA) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gateway.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def _database(gateway: GatewayServer) -> Path:
+    return Path(gateway.state.settings.state_dir) / "usage.sqlite3"
+
+
+def _sql(gateway: GatewayServer, statement: str, *args: object) -> list[tuple[object, ...]]:
+    with sqlite3.connect(_database(gateway), timeout=30) as conn:
+        return conn.execute(statement, args).fetchall()
+
+
+def test_a_failed_record_pauses_the_batch_and_no_line_runs_or_is_charged_twice(gateway: GatewayServer, fake: tuple[str, Path]) -> None:
+    """Item 5 of issue 58: with every line's record refused, the batch stops after the lines in flight (their
+    answers held), and once the database takes writes again every line reached the engine once and has one ledger row."""
+    client = _client(gateway)
+    lines = chat_lines(20)
+    for line in lines:
+        line["body"]["messages"][0]["content"] = "paused-" + line["custom_id"]
+    file_id = upload(client, lines)
+    _sql(gateway, "CREATE TRIGGER refuse_ends BEFORE UPDATE ON batch_lines BEGIN SELECT RAISE(ABORT, 'database or disk is full'); END")
+    seen: list[str] = []
+    sink = logger.add(lambda message: seen.append(str(message)), level="WARNING")
+    try:
+        batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+
+        def answered() -> list[str]:
+            return [text for text in fake[1].read_text().splitlines() if text.startswith("paused-")]
+
+        wait_until(lambda: any("could not be recorded" in text for text in seen), lambda: f"no record refused; answered {answered()}")
+        for _ in range(5):  # a few polls of the runner: the paused batch is taken up and stays paused
+            time.sleep(0.2)
+            assert client.batches.retrieve(batch.id).status == "in_progress"
+        assert len(answered()) <= 2, answered()  # the lines in flight when the first record failed (max_concurrency)
+    finally:
+        _sql(gateway, "DROP TRIGGER IF EXISTS refuse_ends")
+        logger.remove(sink)
+    done = wait_ended(client, batch.id)
+    assert done.status == "completed" and done.request_counts.completed == 20, done
+    assert sorted(answered()) == sorted(f"paused-line-{i}" for i in range(20)), answered()  # each line once
+    assert sorted(line["custom_id"] for line in results(client, done.output_file_id)) == sorted(f"line-{i}" for i in range(20))
+    rows = wait_until(
+        lambda: (found := _sql(gateway, "SELECT request_id FROM usage_rows WHERE batch_id = ?", batch.id)) and len(found) >= 20 and found,
+        "the ledger's rows of the batch", timeout_s=10, every_s=0.05,
+    )  # fmt: skip
+    assert sorted(row[0] for row in rows) == sorted(f"{batch.id}-{i}" for i in range(20))  # charged once each
+    assert sum("could not be recorded" in text for text in seen) == 1, seen  # said once, when it paused
+    assert not any("Task exception was never retrieved" in text for text in seen)
+
+
+def test_the_cli_prints_server_text_as_it_is(gateway: GatewayServer, tmp_path: Path) -> None:
+    """Item 11 of issue 58: a custom_id of ``[/]`` in the server's error made rich raise MarkupError."""
+    source = tmp_path / "bad.jsonl"
+    source.write_bytes(jsonl([{**chat_lines(1)[0], "custom_id": "[/]", "body": {"model": "m", "messages": "x"}}]))
+    env = {**os.environ, "SGLANG_GATEWAY_URL": gateway.url, "SGLANG_GATEWAY_KEY": ALPHA}
+    ran = subprocess.run([*CLI, "batch", "submit", str(source)], capture_output=True, text=True, env=env, timeout=120, cwd=REPO)
+    assert ran.returncode == 1, ran.stderr
+    assert "Traceback" not in ran.stderr and "MarkupError" not in ran.stderr, ran.stderr
+    assert "error: 400" in ran.stderr and "'[/]'" in ran.stderr, ran.stderr
+
+
+def test_the_store_down_after_start_answers_503_on_a_kept_connection_and_the_runner_says_it_once(
+    fake: tuple[str, Path], postgres: PostgresServer, tmp_path: Path
+) -> None:
+    """Issue 57 item 2 (batch part): PostgreSQL stopped after the batch API opened it answers 503
+    ``batches_unavailable`` (docs/batches.md) on a connection that stays open, not a 500 that drops it; the runner
+    says so in one line, not a warning of several lines at every poll."""
+    seen: list[str] = []
+    settings = {"usage": {"database_url": new_database(postgres), "flush_interval_s": 0.05}, "batches": {"poll_interval_s": 0.1}}
+    with serve({"m": {"url": fake[0]}}, {"state_dir": str(tmp_path), **settings}) as server:
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            assert http.get("/v1/batches").status_code == 200  # the database opened
+            sink = logger.add(lambda message: seen.append(str(message)), level="WARNING")
+            postgres.stop()
+            try:
+                for path in ("/v1/batches", "/v1/files", "/v1/messages/batches"):  # the same connection answers each
+                    answer = http.get(path)
+                    assert answer.status_code == 503, answer.text
+                    assert "batches_unavailable" in answer.text and answer.headers.get("connection") != "close", answer.text
+                time.sleep(1)  # ten polls of the runner
+            finally:
+                logger.remove(sink)
+                postgres.start()
+            wait_until(lambda: http.get("/v1/batches").status_code == 200, "the batch API back once PostgreSQL is")
+    runner = [text for text in seen if "batches:" in text]
+    assert len(runner) == 1 and runner[0].count("\n") == 1, seen  # one line (and its newline)
