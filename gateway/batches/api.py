@@ -9,6 +9,7 @@ route table (one handler per (method, path), checked both ways), so docs, metric
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import secrets
 import time
@@ -18,6 +19,7 @@ from typing import Any, Literal
 import orjson
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
+from sqlalchemy.exc import SQLAlchemyError
 from starlette.datastructures import UploadFile
 from starlette.responses import Response, StreamingResponse
 
@@ -205,6 +207,20 @@ HANDLERS: dict[tuple[str, str], Callable[..., Any]] = {
 }
 
 
+def _unavailable_as_503(handler: Callable[..., Any]) -> Callable[..., Any]:
+    """``handler`` with a database that fails after it was opened answered as when it cannot be opened: 503
+    ``batches_unavailable`` in the route's dialect (never a 500, which also drops the client's connection)."""
+
+    @functools.wraps(handler)
+    async def answered(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return await handler(*args, **kwargs)
+        except SQLAlchemyError as error:
+            raise GatewayError(503, f"the batch database cannot be reached ({type(error).__name__}); try again later", code="batches_unavailable") from error
+
+    return answered
+
+
 def batch_routes() -> APIRouter:
     """The FastAPI routes of the table's batch lines (every line served, nothing served that the table lacks)."""
     table = {(method, path): summary for method, path, summary in BATCH_ROUTES}
@@ -212,7 +228,7 @@ def batch_routes() -> APIRouter:
     router = APIRouter()
     for (method, path), summary in table.items():
         router.add_api_route(
-            path, HANDLERS[(method, path)], methods=[method], summary=summary, name=f"{method} {path}",
+            path, _unavailable_as_503(HANDLERS[(method, path)]), methods=[method], summary=summary, name=f"{method} {path}",
             include_in_schema=not path.startswith("/admin"),  # as every admin route: not listed to client keys
         )  # fmt: skip
     return router
