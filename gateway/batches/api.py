@@ -101,11 +101,9 @@ async def get_file(file_id: str, request: Request) -> Response:
 async def delete_file(file_id: str, request: Request) -> Response:
     batches, store = await _batches(request)
     await _owned_file(request, file_id)
-    using = await _db(store.batch_using, file_id)
+    using = await _db(store.delete_file, file_id, functools.partial(batches.files.delete, file_id))  # bytes, then row
     if using is not None:
         raise GatewayError(409, f"file {file_id} is the input of batch {using}, which has not ended; cancel it first", param="file_id")
-    await _db(store.delete_file, file_id)
-    await _db(batches.files.delete, file_id)
     return _json({"id": file_id, "object": "file", "deleted": True})
 
 
@@ -136,10 +134,6 @@ async def create_batch(request: Request) -> Response:
     source = await _db(store.file, asked.input_file_id, owner)
     if source is None or source.purpose != "batch":
         raise GatewayError(404, f"No such File object: {asked.input_file_id}", code="file_not_found", param="input_file_id")
-    queued = await batches.key_load(store, owner)
-    state = request.app.state.gateway
-    custom_ids = await _db(checked_lines, state, batches.files, asked.input_file_id, asked.endpoint, tenant, batches.settings)
-    batches.refuse_over_queued(queued, len(custom_ids))
     now = int(time.time())
     row = {
         "id": "batch_" + secrets.token_hex(12), "owner": owner, "key_name": tenant.name if tenant is not None else None,
@@ -147,7 +141,16 @@ async def create_batch(request: Request) -> Response:
         "status": "validating", "created_at": now, "expires_at": now + WINDOW_S[asked.completion_window],
         "metadata": json.dumps(asked.metadata) if asked.metadata is not None else None,
     }  # fmt: skip
-    created = await batches.create(store, row, custom_ids)
+    await batches.reserve(store, row, owner)  # the key's limits taken before the lines are checked; the file held
+    try:
+        try:
+            custom_ids = await batches.check(checked_lines, request.app.state.gateway, batches.files, asked.input_file_id, asked.endpoint, tenant, batches.settings)
+        except FileNotFoundError:
+            raise GatewayError(404, f"No such File object: {asked.input_file_id}", code="file_not_found", param="input_file_id") from None
+        created = await batches.create(store, row["id"], custom_ids)
+    except BaseException:
+        await _db(store.unreserve, row["id"])
+        raise
     return _json(created.model_dump())
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import aclosing
@@ -40,7 +41,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from gateway.batches.dispatch import Answer, LineSender
 from gateway.batches.files import FileStorage, jsonl_lines
 from gateway.batches.results import result_files
-from gateway.batches.shapes import BatchObject
+from gateway.batches.shapes import ACTIVE, BatchObject
 from gateway.batches.store import BatchStore, LineEnd
 from gateway.batches.yielding import Yielding
 from gateway.config import BatchSettings
@@ -158,7 +159,11 @@ class BatchRunner:
         if batch.status == "validating":
             await self._db(self.store.move, batch.id, "in_progress", ("validating",))
         if batch.status in ("validating", "in_progress"):
-            await self._run_lines(batch)
+            try:
+                await self._run_lines(batch)
+            except FileNotFoundError:
+                await self._fail(batch, "input_file_missing", f"the input file {batch.input_file_id} is gone; the lines not yet run cannot run")
+                return
         if not self._stop.is_set() and batch.id not in self._lost and not self._held.get(batch.id):
             await self._finish(batch)  # (answers held unrecorded: paused, taken up again at the next poll)
 
@@ -324,6 +329,15 @@ class BatchRunner:
         if await self._db(self.store.move, batch.id, final, source, output_file_id=output_id, error_file_id=errors_id):
             self._cancelled.discard(batch.id)
             logger.info("batches: batch {} {}", batch.id, final)
+
+    async def _fail(self, batch: BatchObject, code: str, message: str) -> None:
+        """End ``batch`` as ``failed`` with why (OpenAI's ``errors`` list), its lines not run ending so too; the
+        lines that ran keep their answers, in its result files."""
+        await self._db(self.store.end_queued, batch.id, "failed", {"code": code, "message": message})
+        output_id, errors_id = await self._write_results(batch)
+        errors = json.dumps({"object": "list", "data": [{"code": code, "message": message, "param": None, "line": None}]})
+        if await self._db(self.store.move, batch.id, "failed", tuple(ACTIVE), output_file_id=output_id, error_file_id=errors_id, errors=errors):
+            logger.warning("batches: batch {} failed: {}", batch.id, message)
 
     async def _write_results(self, batch: BatchObject) -> tuple[str | None, str | None]:
         if batch.endpoint == MESSAGES:

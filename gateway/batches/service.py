@@ -13,8 +13,11 @@ restarted after a kill takes its batches up at once."""
 from __future__ import annotations
 
 import asyncio
+import functools
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 from loguru import logger
@@ -35,7 +38,9 @@ from gateway.core.state import GatewayState
 from gateway.edge.auth import KeyHolder
 from gateway.tenants.ledger import database_url
 
+T = TypeVar("T")
 FILES_DIR = "batch_files"
+VALIDATION_THREADS = 2  # creates' checks of their lines at once (each a thread of its own pool); more wait their turn
 LOCAL_HOLDER = "local"  # a lone gateway's lease holder: the same name after a restart
 
 
@@ -50,6 +55,7 @@ class Batches:
         self.store: BatchStore | None = None
         self.runner: BatchRunner | None = None
         self._opening = asyncio.Lock()
+        self.validating = ThreadPoolExecutor(VALIDATION_THREADS, thread_name_prefix="batch-check")
 
     async def open(self, run: ASGIApp | None, app: object, keys: KeyHolder, metrics: Metrics) -> None:
         """Open the database if it exists (schema brought up to date); with ``run`` (the line chain,
@@ -73,28 +79,40 @@ class Batches:
                     self.store = await asyncio.to_thread(BatchStore, self.url)
         return self.store
 
-    async def key_load(self, store: BatchStore, owner: str) -> int:
-        """Lines ``owner`` has queued; 429 when it has ``max_active_batches_per_key`` batches in progress already
-        (asked before a new batch's lines are checked, so that a busy key is refused before that work)."""
-        active, queued = await asyncio.to_thread(store.load, owner)
-        if active >= self.settings.max_active_batches_per_key:
-            raise GatewayError(
-                429, f"this key has {active} batches in progress (gateway.batches.max_active_batches_per_key)", code="batch_limit_exceeded"
-            )
-        return queued
+    async def reserve(self, store: BatchStore, row: dict[str, Any], input_owner: str | None) -> None:
+        """Reserve ``row``'s batch before its lines are checked (counted in its key's limits from now on, so that
+        concurrent creates of one key cannot all pass): 429 ``batch_limit_exceeded`` when the key has
+        ``max_active_batches_per_key`` unfinished batches or ``max_queued_lines_per_key`` lines queued; 404 when
+        ``input_owner``'s input file is gone."""
+        limits = self.settings
+        refused = await asyncio.to_thread(store.reserve, row, limits.max_active_batches_per_key, limits.max_queued_lines_per_key, input_owner)
+        if refused is None:
+            return
+        active, queued = refused
+        if active < 0:
+            raise GatewayError(404, f"No such File object: {row['input_file_id']}", code="file_not_found", param="input_file_id")
+        if active >= limits.max_active_batches_per_key:
+            raise GatewayError(429, f"this key has {active} batches in progress (gateway.batches.max_active_batches_per_key)", code="batch_limit_exceeded")
+        raise GatewayError(
+            429, f"this key has {queued} lines queued (gateway.batches.max_queued_lines_per_key: {limits.max_queued_lines_per_key})",
+            code="batch_limit_exceeded",
+        )  # fmt: skip
 
-    def refuse_over_queued(self, queued: int, adding: int, noun: str = "lines") -> None:
-        """429 when ``adding`` more lines and the ``queued`` ones of a key exceed ``max_queued_lines_per_key``."""
+    async def check(self, work: Callable[..., T], *args: Any) -> T:
+        """Run a create's check of its lines (``work``) in the validation threads, not the default pool: a big file's
+        check never queues other keys' calls (every database call of the API runs in the default pool)."""
+        return await asyncio.get_running_loop().run_in_executor(self.validating, functools.partial(work, *args))
+
+    async def create(self, store: BatchStore, batch_id: str, custom_ids: list[str], noun: str = "lines") -> BatchObject:
+        """Turn the reservation ``batch_id`` into a batch of ``custom_ids`` and wake the runner; 429 when they take the
+        key's queued lines over ``max_queued_lines_per_key`` (the reservation is the caller's to drop)."""
         limit = self.settings.max_queued_lines_per_key
-        if queued + adding > limit:
+        created = await asyncio.to_thread(store.fill_reservation, batch_id, custom_ids, limit)
+        if isinstance(created, int):
             raise GatewayError(
-                429, f"this key has {queued} {noun} queued; {adding} more exceed gateway.batches.max_queued_lines_per_key ({limit})",
+                429, f"this key has {created} {noun} queued; {len(custom_ids)} more exceed gateway.batches.max_queued_lines_per_key ({limit})",
                 code="batch_limit_exceeded",
             )  # fmt: skip
-
-    async def create(self, store: BatchStore, row: dict[str, Any], custom_ids: list[str]) -> BatchObject:
-        """Record a batch of ``custom_ids`` and wake the runner."""
-        created = await asyncio.to_thread(store.create_batch, row, custom_ids)
         if self.runner is not None:
             self.runner.wake()
         return created
@@ -119,6 +137,7 @@ class Batches:
     async def close(self, grace_s: float) -> None:
         if self.runner is not None:
             await self.runner.close(grace_s)
+        self.validating.shutdown(wait=False, cancel_futures=True)
         if self.store is not None:
             await asyncio.to_thread(self.store.close)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import sqlite3
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -118,3 +119,78 @@ def test_the_store_down_after_start_answers_503_on_a_kept_connection_and_the_run
             wait_until(lambda: http.get("/v1/batches").status_code == 200, "the batch API back once PostgreSQL is")
     runner = [text for text in seen if "batches:" in text]
     assert len(runner) == 1 and runner[0].count("\n") == 1, seen  # one line (and its newline)
+
+
+def test_concurrent_creates_of_one_key_hold_its_batch_limit(fake: tuple[str, Path], tmp_path: Path) -> None:
+    """Item 6 of issue 58: 8 creates at once of one file, with 3 unfinished batches allowed per key: the limit is
+    taken before the lines are checked, so at most 3 are created (before: all 8, each checked while none existed)."""
+    limits = {"max_active_batches_per_key": 3, "max_queued_lines_per_key": 10**6, "max_concurrency": 1, "poll_interval_s": 0.2}
+    with two_key_gateway(fake[0], tmp_path, **limits) as server:
+        client = _client(server)
+        file_id = upload(client, chat_lines(3000))
+        outcomes: list[object] = []
+
+        def create() -> None:
+            try:
+                outcomes.append(client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h").id)
+            except openai.APIStatusError as error:
+                outcomes.append(error)
+
+        threads = [threading.Thread(target=create) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        created = [item for item in outcomes if isinstance(item, str)]
+        refused = [item for item in outcomes if not isinstance(item, str)]
+        assert 1 <= len(created) <= 3 and len(created) + len(refused) == 8, outcomes
+        assert all(isinstance(item, openai.RateLimitError) and item.body["code"] == "batch_limit_exceeded" for item in refused), refused
+        assert len(client.batches.list(limit=20).data) == len(created)
+        for batch_id in created:
+            client.batches.cancel(batch_id)
+
+
+def test_the_input_of_a_create_under_way_cannot_be_deleted(gateway: GatewayServer) -> None:
+    """Item 10 of issue 58: the file a create is checking is held by it (409 on delete), and the batch it makes runs."""
+    client = _client(gateway)
+    file_id = upload(client, chat_lines(20000))
+    created: list[object] = []
+    thread = threading.Thread(target=lambda: created.append(client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")))
+    thread.start()
+    try:
+        wait_until(lambda: _sql(gateway, "SELECT id FROM batches WHERE input_file_id = ? AND status = 'reserved'", file_id), "the create's reservation", every_s=0.01)
+        with pytest.raises(openai.ConflictError):
+            client.files.delete(file_id)
+    finally:
+        thread.join(120)
+    batch = created[0]
+    assert client.files.retrieve(file_id).id == file_id
+    client.batches.cancel(batch.id)  # type: ignore[attr-defined]
+    assert wait_ended(client, batch.id).status == "cancelled"  # type: ignore[attr-defined]
+
+
+def test_a_batch_whose_input_is_gone_fails_saying_why(gateway: GatewayServer) -> None:
+    """Item 10 of issue 58: a batch whose input file's bytes are gone (lost under the gateway) fails with a reason,
+    instead of staying in_progress with a traceback at every poll."""
+    client = _client(gateway)
+    file_id = upload(client, chat_lines(3))
+    (Path(gateway.state.settings.state_dir) / "batch_files" / f"{file_id}.jsonl").unlink()
+    batches = gateway.app.state.batches
+    now = int(time.time())
+    row = {"id": "batch_gone" + file_id[-8:], "owner": _sql(gateway, "SELECT owner FROM batch_files WHERE id = ?", file_id)[0][0], "key_name": "alpha",
+           "endpoint": "/v1/chat/completions", "input_file_id": file_id, "completion_window": "24h", "status": "validating",
+           "created_at": now, "expires_at": now + 86400}  # fmt: skip
+    batches.store.create_batch(row, ["line-0", "line-1", "line-2"])  # as a create that passed, before the bytes went
+    batches.runner.wake()
+    batch = wait_ended(client, row["id"], timeout_s=30)
+    assert batch.status == "failed" and batch.failed_at, batch
+    assert batch.errors.data[0].code == "input_file_missing" and file_id in batch.errors.data[0].message, batch.errors
+
+
+def test_token_ids_are_checked_at_create(gateway: GatewayServer) -> None:
+    """Item 11 of issue 58: a line's token ids the engine's admission refuses are refused at the create."""
+    client = _client(gateway)
+    lines = [{"custom_id": "neg", "method": "POST", "url": "/v1/completions", "body": {"model": "m", "prompt": [5, -1], "max_tokens": 2}}]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.batches.create(input_file_id=upload(client, lines), endpoint="/v1/completions", completion_window="24h")
+    assert refused.value.body["code"] == "invalid_token_ids" and "neg" in refused.value.body["message"], refused.value.body
