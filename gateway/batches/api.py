@@ -73,12 +73,20 @@ async def upload_file(request: Request) -> Response:
             raise GatewayError(400, "send the file as the multipart field 'file'", param="file")
         if upload.size is not None and upload.size > limit:
             raise GatewayError(413, f"the file is larger than {limit} bytes (gateway.batches.max_file_bytes)", code="file_too_large", param="file")
+        owner, tenant = request_owner(request.scope), request.scope.get(TENANT_SCOPE_KEY)
+        quota = tenant.limits if tenant is not None else None
+        expected = upload.size if upload.size is not None else limit
+        await _db(batches.refuse_over_quota, store, owner, quota, expected)  # before a byte is written
+        batches.refuse_below_floor(expected)
         file_id = "file-" + secrets.token_hex(12)
         size = await _db(batches.files.write, file_id, upload.file)
-        if size > limit:
+        try:
+            if size > limit:
+                raise GatewayError(413, f"the file is larger than {limit} bytes (gateway.batches.max_file_bytes)", code="file_too_large", param="file")
+            created = await _db(batches.add_upload, store, file_id, owner, quota, upload.filename or "input.jsonl", size)
+        except BaseException:
             await _db(batches.files.delete, file_id)
-            raise GatewayError(413, f"the file is larger than {limit} bytes (gateway.batches.max_file_bytes)", code="file_too_large", param="file")
-        created = await _db(store.add_file, file_id, request_owner(request.scope), "batch", upload.filename or "input.jsonl", size)
+            raise
     finally:
         await form.close()
     return _json(created.model_dump())

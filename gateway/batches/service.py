@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import shutil
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -28,9 +29,9 @@ from starlette.types import ASGIApp
 from gateway.batches.dispatch import LineSender
 from gateway.batches.files import DatabaseFiles, FileStorage, LocalFiles
 from gateway.batches.runner import BatchRunner
-from gateway.batches.shapes import ACTIVE, BatchObject
+from gateway.batches.shapes import ACTIVE, BatchObject, FileObject
 from gateway.batches.store import BatchStore
-from gateway.config import GatewaySettings
+from gateway.config import GatewaySettings, KeyLimits
 from gateway.core.errors import GatewayError
 from gateway.core.metrics import Metrics
 from gateway.core.shared_store import replica_name
@@ -98,6 +99,36 @@ class Batches:
             code="batch_limit_exceeded",
         )  # fmt: skip
 
+    def refuse_below_floor(self, adding: int) -> None:
+        """507 when writing ``adding`` bytes would leave the state_dir's disk under ``min_free_bytes`` (files kept in
+        the database: not this gateway's disk to watch)."""
+        if not isinstance(self.files, LocalFiles) or not self.settings.min_free_bytes:
+            return
+        free = shutil.disk_usage(self.files.root).free
+        if free - adding < self.settings.min_free_bytes:
+            raise GatewayError(
+                507, f"the gateway's disk has {free} bytes free; {adding} more would leave less than gateway.batches.min_free_bytes "
+                f"({self.settings.min_free_bytes}); delete files or try later", code="insufficient_storage", param="file",
+            )  # fmt: skip
+
+    def refuse_over_quota(self, store: BatchStore, owner: str, quota: KeyLimits | None, adding: int) -> None:
+        """413 ``file_quota_exceeded`` when one more file of ``adding`` bytes takes ``owner`` over its key's
+        ``batch_files`` or ``batch_file_bytes`` (in a thread: it reads the database)."""
+        if quota is None or (quota.batch_files is None and quota.batch_file_bytes is None):
+            return
+        _over_quota(*store.usage(owner), quota, adding)
+
+    def add_upload(self, store: BatchStore, file_id: str, owner: str, quota: KeyLimits | None, filename: str, size: int) -> FileObject:
+        """Record an uploaded file, its key's quotas counted again under the key's lock (concurrent uploads of one key
+        cannot all pass); 413 when over them (in a thread: it writes the database)."""
+        limits = (quota.batch_files, quota.batch_file_bytes) if quota is not None else (None, None)
+        created = store.add_upload(file_id, owner, filename, size, *limits)
+        if isinstance(created, tuple):
+            assert quota is not None
+            _over_quota(*created, quota, size)
+        assert isinstance(created, FileObject)
+        return created
+
     async def check(self, work: Callable[..., T], *args: Any) -> T:
         """Run a create's check of its lines (``work``) in the validation threads, not the default pool: a big file's
         check never queues other keys' calls (every database call of the API runs in the default pool)."""
@@ -140,6 +171,16 @@ class Batches:
         self.validating.shutdown(wait=False, cancel_futures=True)
         if self.store is not None:
             await asyncio.to_thread(self.store.close)
+
+
+def _over_quota(files: int, size: int, quota: KeyLimits, adding: int) -> None:
+    if quota.batch_files is not None and files + 1 > quota.batch_files:
+        raise GatewayError(413, f"this key keeps {files} batch files (its limits.batch_files: {quota.batch_files}); delete some first", code="file_quota_exceeded", param="file")
+    if quota.batch_file_bytes is not None and size + adding > quota.batch_file_bytes:
+        raise GatewayError(
+            413, f"this key keeps {size} bytes of batch files; {adding} more exceed its limits.batch_file_bytes ({quota.batch_file_bytes}); delete some first",
+            code="file_quota_exceeded", param="file",
+        )  # fmt: skip
 
 
 def batches_for(state: GatewayState) -> Batches | None:

@@ -75,6 +75,19 @@ class BatchStore:
             conn.execute(insert(batch_files).values(**row))
         return _file(row)
 
+    def add_upload(self, file_id: str, owner: str, filename: str, size: int, max_files: int | None, max_bytes: int | None) -> FileObject | tuple[int, int]:
+        """Record an uploaded file unless it takes ``owner`` over ``max_files`` files or ``max_bytes`` bytes kept
+        (then its (files, bytes) kept before it), under the owner's lock."""
+        row = {"id": file_id, "owner": owner, "purpose": "batch", "filename": filename[:256], "bytes": size, "created_at": int(time.time())}
+        with self.engine.begin() as conn:
+            if max_files is not None or max_bytes is not None:
+                _lock_owner(conn, owner)
+                count, kept = _usage(conn, owner)
+                if (max_files is not None and count + 1 > max_files) or (max_bytes is not None and kept + size > max_bytes):
+                    return count, kept
+            conn.execute(insert(batch_files).values(**row))
+        return _file(row)
+
     def file(self, file_id: str, owner: str | None) -> FileObject | None:
         """``file_id`` if ``owner`` holds it (None: whoever does)."""
         row = self._owned(batch_files, file_id, owner)
@@ -104,10 +117,8 @@ class BatchStore:
 
     def usage(self, owner: str) -> tuple[int, int]:
         """(files, bytes) ``owner`` keeps (uploads and batches' result files): what its file quotas count."""
-        query = select(func.count(), func.coalesce(func.sum(batch_files.c.bytes), 0)).where(batch_files.c.owner == owner)
         with self.engine.begin() as conn:
-            count, size = conn.execute(query).one()
-        return int(count), int(size)
+            return _usage(conn, owner)
 
     # ---------------------------------------------------------------- batches
     def reserve(self, row: dict[str, Any], max_active: int, max_queued: int, input_owner: str | None) -> tuple[int, int] | None:
@@ -326,6 +337,13 @@ def _load(conn: Connection, owner: str) -> tuple[int, int]:
     count = conn.execute(select(func.count()).where(active)).scalar() or 0
     queued = conn.execute(select(func.coalesce(func.sum(batches.c.total - batches.c.completed - batches.c.failed), 0)).where(active)).scalar()
     return int(count), int(queued or 0)
+
+
+def _usage(conn: Connection, owner: str) -> tuple[int, int]:
+    """(files, bytes) ``owner`` keeps."""
+    query = select(func.count(), func.coalesce(func.sum(batch_files.c.bytes), 0)).where(batch_files.c.owner == owner)
+    count, size = conn.execute(query).one()
+    return int(count), int(size)
 
 
 def _lock_owner(conn: Connection, owner: str) -> None:

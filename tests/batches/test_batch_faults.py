@@ -194,3 +194,31 @@ def test_token_ids_are_checked_at_create(gateway: GatewayServer) -> None:
     with pytest.raises(openai.BadRequestError) as refused:
         client.batches.create(input_file_id=upload(client, lines), endpoint="/v1/completions", completion_window="24h")
     assert refused.value.body["code"] == "invalid_token_ids" and "neg" in refused.value.body["message"], refused.value.body
+
+
+def test_a_key_keeps_no_more_files_than_its_quotas_and_an_upload_below_the_floor_is_refused(fake: tuple[str, Path], tmp_path: Path) -> None:
+    """Item 4 of issue 58: a key's ``limits.batch_files`` / ``batch_file_bytes`` refuse the upload that would take it
+    over (413 ``file_quota_exceeded``, nothing kept), another key unaffected, a delete gives the room back; a free-space
+    floor above what the disk has refuses every upload (507 ``insufficient_storage``) before a byte is written."""
+    keys = [
+        {"name": "alpha", "key": ALPHA, "models": ["m"], "limits": {"batch_files": 2, "batch_file_bytes": 3000}},
+        {"name": "beta", "key": "sk-beta", "models": ["m"]},
+    ]
+    with serve({"m": {"url": fake[0]}}, {"keys": keys, "state_dir": str(tmp_path / "a")}) as server:
+        alpha, beta = _client(server), _client(server, "sk-beta")
+        kept = [upload(alpha, chat_lines(2)), upload(alpha, chat_lines(2))]
+        with pytest.raises(openai.APIStatusError) as refused:
+            upload(alpha, chat_lines(2))
+        assert refused.value.status_code == 413 and refused.value.body["code"] == "file_quota_exceeded", refused.value.body
+        assert len(list((tmp_path / "a" / "batch_files").iterdir())) == 2  # the refused bytes not kept
+        upload(beta, chat_lines(30))  # another key: its own room
+        alpha.files.delete(kept[0])
+        with pytest.raises(openai.APIStatusError) as too_big:
+            upload(alpha, chat_lines(30))  # one file, but over the bytes
+        assert too_big.value.status_code == 413 and "batch_file_bytes" in too_big.value.body["message"], too_big.value.body
+        upload(alpha, chat_lines(2))
+    with serve({"m": {"url": fake[0]}}, {"keys": keys, "state_dir": str(tmp_path / "b"), "batches": {"min_free_bytes": 1 << 60}}) as server:
+        with pytest.raises(openai.APIStatusError) as full:
+            upload(_client(server, "sk-beta"), chat_lines(1))
+        assert full.value.status_code == 507 and full.value.body["code"] == "insufficient_storage", full.value.body
+        assert not list((tmp_path / "b" / "batch_files").iterdir())
