@@ -28,7 +28,7 @@ from gateway.batches.files import FileStorage, LinesReader
 from gateway.batches.json_items import BodyError, array_items
 from gateway.batches.service import opened
 from gateway.batches.shapes import TERMINAL, WINDOW_S, BatchObject
-from gateway.batches.validate import guarded
+from gateway.batches.validate import guarded, step_aside
 from gateway.config import BatchSettings
 from gateway.core.endpoints import (
     MESSAGE_BATCH_BY_ID,
@@ -121,6 +121,7 @@ def checked_requests(
     def lines() -> Iterator[bytes]:
         try:
             for index, raw in enumerate(array_items(read, "requests", 2 * limits.max_line_bytes + 4096)):  # spaces: checked again below
+                step_aside(index)
                 if index >= limits.max_lines:
                     raise GatewayError(400, f"more than {limits.max_lines} requests (gateway.batches.max_lines)", code="too_many_lines")
                 item = _request(index, raw)
@@ -188,7 +189,7 @@ async def create_message_batch(request: Request) -> Response:
         created = await batches.create(store, batch_id, custom_ids, "requests")
     except BaseException:
         await asyncio.to_thread(batches.files.delete, file_id)
-        await asyncio.to_thread(store.unreserve, batch_id)
+        await batches.check(store.unreserve, batch_id)
         raise
     return _json(message_batch(created))
 

@@ -157,7 +157,7 @@ async def create_batch(request: Request) -> Response:
             raise GatewayError(404, f"No such File object: {asked.input_file_id}", code="file_not_found", param="input_file_id") from None
         created = await batches.create(store, row["id"], custom_ids)
     except BaseException:
-        await _db(store.unreserve, row["id"])
+        await batches.check(store.unreserve, row["id"])
         raise
     return _json(created.model_dump())
 

@@ -126,7 +126,8 @@ class BatchRunner:
                     if batch.id not in self._batches:
                         self._batches[batch.id] = asyncio.create_task(self._run(batch), name=f"batch {batch.id}")
                 self.metrics.batch_queued.set(waiting)
-                self._store_state(None)
+                if not unfinished:
+                    self._store_state(None)  # (with batches to run, a claim's write says whether it is back)
             except Exception as error:  # noqa: BLE001 - a database down: try again at the next poll
                 self._store_state(error)
             self._wake.clear()
@@ -146,6 +147,7 @@ class BatchRunner:
                 renewing.cancel()
                 self._lost.discard(batch.id)
                 await self._release(batch.id)
+            self._store_state(None)  # a whole run without a database error: it answers
         except Exception as error:  # noqa: BLE001 - logged; the batch is taken up again at the next poll
             if _database_error(error):
                 self._store_state(error)  # one line when the database goes away, not a trace per batch and poll
@@ -190,17 +192,19 @@ class BatchRunner:
     async def _release(self, batch_id: str) -> None:
         try:
             await self._db(self.store.release, batch_id, self.holder)
-        except Exception as error:  # noqa: BLE001 - the lease then runs out by itself
-            logger.warning("batches: the lease of batch {} could not be released ({}); it runs out in {:g} s", batch_id,
-                           type(error).__name__, self.lease_s)  # fmt: skip
+        except Exception as error:  # noqa: BLE001 - the lease then runs out by itself (a lone gateway: its own, taken back)
+            if self._store_up:
+                logger.warning("batches: the lease of batch {} could not be released ({}); it runs out in {:g} s", batch_id,
+                               type(error).__name__, self.lease_s)  # fmt: skip
+            raise
 
     def _store_state(self, error: Exception | None) -> None:
         """Log the database going away or coming back, once each (one line), never at every poll."""
         if error is not None and self._store_up:
             first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-            logger.warning("batches: the database cannot be reached ({}: {}); batches pause until it can", type(error).__name__, first[:200])
+            logger.warning("batches: the database fails ({}: {}); batches pause until it answers", type(error).__name__, first[:200])
         elif error is None and not self._store_up:
-            logger.info("batches: the database is reachable again; batches resume")
+            logger.info("batches: the database answers again; batches resume")
         self._store_up = error is None
 
     def _stopped(self, batch: BatchObject) -> bool:

@@ -62,9 +62,13 @@ class BatchStore:
     def __init__(self, url: str) -> None:
         self.engine: Engine = open_engine(url, write=True)
         migrate(self.engine)
+        # Reads of SQLite in plain transactions: every write transaction is BEGIN IMMEDIATE, one at a time, so a
+        # read in one would wait behind a create's insert of 50,000 lines; WAL readers wait for no writer.
+        self.reads: Engine = open_engine(url, write=False) if self.engine.dialect.name == "sqlite" else self.engine
 
     def close(self) -> None:
         self.engine.dispose()
+        self.reads.dispose()
 
     # ---------------------------------------------------------------- files
     def add_file(self, file_id: str, owner: str, purpose: str, filename: str, size: int) -> FileObject:
@@ -117,7 +121,7 @@ class BatchStore:
 
     def usage(self, owner: str) -> tuple[int, int]:
         """(files, bytes) ``owner`` keeps (uploads and batches' result files): what its file quotas count."""
-        with self.engine.begin() as conn:
+        with self.reads.begin() as conn:
             return _usage(conn, owner)
 
     # ---------------------------------------------------------------- batches
@@ -182,7 +186,7 @@ class BatchStore:
 
     def owner_of(self, batch_id: str) -> tuple[str, str | None] | None:
         """(owner, key name) of a batch: whom its lines run as."""
-        with self.engine.begin() as conn:
+        with self.reads.begin() as conn:
             row = conn.execute(select(batches.c.owner, batches.c.key_name).where(batches.c.id == batch_id)).first()
         return (row[0], row[1]) if row is not None else None
 
@@ -218,11 +222,11 @@ class BatchStore:
     def unfinished(self) -> list[BatchObject]:
         """Every batch not yet ended, oldest first: what the runner takes up (at start: what a restart resumes)."""
         query = select(batches).where(batches.c.status.in_(ACTIVE)).order_by(batches.c.created_at, batches.c.id)
-        with self.engine.begin() as conn:
+        with self.reads.begin() as conn:
             return [_batch(row) for row in conn.execute(query).mappings()]
 
     def status(self, batch_id: str) -> str | None:
-        with self.engine.begin() as conn:
+        with self.reads.begin() as conn:
             return conn.execute(select(batches.c.status).where(batches.c.id == batch_id)).scalar()
 
     def move(self, batch_id: str, to: str, only_from: Iterable[str], **values: Any) -> bool:
@@ -256,14 +260,14 @@ class BatchStore:
 
     def lease(self, batch_id: str) -> tuple[str | None, float | None]:
         """(holder, seconds left on the database's clock; negative: ran out) of ``batch_id``'s lease."""
-        with self.engine.begin() as conn:
+        with self.reads.begin() as conn:
             row = conn.execute(select(batches.c.leased_by, batches.c.lease_until - _now(conn)).where(batches.c.id == batch_id)).first()
         return (row[0], float(row[1]) if row[1] is not None else None) if row is not None else (None, None)
 
     # ---------------------------------------------------------------- lines
     def queued(self, batch_id: str) -> list[int]:
         query = select(batch_lines.c.line).where(batch_lines.c.batch_id == batch_id, batch_lines.c.state == "queued")
-        with self.engine.begin() as conn:
+        with self.reads.begin() as conn:
             return sorted(conn.execute(query).scalars())
 
     def end_line(self, batch_id: str, line: int, end: LineEnd) -> bool:
@@ -293,7 +297,7 @@ class BatchStore:
         """Every line that ended (or the first ``limit`` after the line ``after_line``), in input order, with its answer."""
         where = and_(batch_lines.c.batch_id == batch_id, batch_lines.c.state != "queued", batch_lines.c.line > after_line)
         query = select(batch_lines).where(where).order_by(batch_lines.c.line).limit(limit)
-        with self.engine.begin() as conn:
+        with self.reads.begin() as conn:
             return [dict(row) for row in conn.execute(query).mappings()]
 
     def _owned(self, table: Any, object_id: str, owner: str | None) -> Any:
@@ -301,27 +305,27 @@ class BatchStore:
         query = select(table).where(table.c.id == object_id)
         if owner is not None:
             query = query.where(table.c.owner == owner)
-        with self.engine.begin() as conn:
+        with self.reads.begin() as conn:
             return conn.execute(query).mappings().first()
 
     def _page(self, query: Any, table: Any, after: str | None, limit: int, before: str | None = None) -> list[Any]:
         """Newest first, ``limit`` + 1 rows (the extra one says ``has_more``), starting after the id ``after``; with
         ``before``, the ``limit`` + 1 rows just newer than that id (the extra one, the first, saying more are newer)."""
         if before is not None:
-            with self.engine.begin() as conn:
+            with self.reads.begin() as conn:
                 cursor = conn.execute(select(table.c.created_at).where(table.c.id == before)).scalar()
             if cursor is not None:
                 query = query.where(or_(table.c.created_at > cursor, and_(table.c.created_at == cursor, table.c.id > before)))
             query = query.order_by(table.c.created_at.asc(), table.c.id.asc()).limit(limit + 1)
-            with self.engine.begin() as conn:
+            with self.reads.begin() as conn:
                 return list(reversed(list(conn.execute(query).mappings())))
         if after is not None:
-            with self.engine.begin() as conn:
+            with self.reads.begin() as conn:
                 cursor = conn.execute(select(table.c.created_at).where(table.c.id == after)).scalar()
             if cursor is not None:
                 query = query.where(or_(table.c.created_at < cursor, and_(table.c.created_at == cursor, table.c.id < after)))
         query = query.order_by(table.c.created_at.desc(), table.c.id.desc()).limit(limit + 1)
-        with self.engine.begin() as conn:
+        with self.reads.begin() as conn:
             return list(conn.execute(query).mappings())
 
 
