@@ -17,7 +17,17 @@ import openai
 import pytest
 from loguru import logger
 
-from tests.batches.helpers import ALPHA, chat_lines, jsonl, new_database, results, two_key_gateway, upload, wait_ended
+from tests.batches.helpers import (
+    ADMIN,
+    ALPHA,
+    chat_lines,
+    jsonl,
+    new_database,
+    results,
+    two_key_gateway,
+    upload,
+    wait_ended,
+)
 from tests.gateway_server import GatewayServer, serve
 from tests.postgres import PostgresServer
 from tests.servers import CLI, REPO
@@ -222,3 +232,14 @@ def test_a_key_keeps_no_more_files_than_its_quotas_and_an_upload_below_the_floor
             upload(_client(server, "sk-beta"), chat_lines(1))
         assert full.value.status_code == 507 and full.value.body["code"] == "insufficient_storage", full.value.body
         assert not list((tmp_path / "b" / "batch_files").iterdir())
+
+
+def test_the_batch_queue_of_every_key_is_not_shown_to_a_client_key(gateway: GatewayServer) -> None:
+    """Item 11 of issue 58: ``gateway_batch_queued_lines`` counts every key's waiting lines: the admin reads it, a
+    client key's /metrics leaves it out (it had told each key how much the others had queued)."""
+    def scrape(key: str) -> str:
+        return httpx.get(gateway.url + "/metrics", headers={"Authorization": f"Bearer {key}"}, timeout=30).text
+
+    assert "gateway_batch_queued_lines" in scrape(ADMIN)
+    client = scrape(ALPHA)
+    assert "gateway_batch_queued_lines" not in client and "gateway_requests" in client
