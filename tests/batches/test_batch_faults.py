@@ -131,22 +131,25 @@ def test_the_store_down_after_start_answers_503_on_a_kept_connection_and_the_run
     assert len(runner) == 1 and runner[0].count("\n") == 1, seen  # one line (and its newline)
 
 
-def test_concurrent_creates_of_one_key_hold_its_batch_limit(fake: tuple[str, Path], tmp_path: Path) -> None:
-    """Item 6 of issue 58: 8 creates at once of one file, with 3 unfinished batches allowed per key: the limit is
-    taken before the lines are checked, so at most 3 are created (before: all 8, each checked while none existed)."""
+@pytest.mark.parametrize("database", ["sqlite", "postgresql"])
+def test_concurrent_creates_of_one_key_hold_its_batch_limit(fake: tuple[str, Path], tmp_path: Path, database: str, request: pytest.FixtureRequest) -> None:
+    """Item 6 of issue 58: 8 creates at once, with 3 unfinished batches allowed per key: the limit is
+    taken before the lines are checked (under the key's lock: PostgreSQL's advisory lock, SQLite's one writer), so
+    at most 3 are created (before: all 8, each checked while none existed)."""
     limits = {"max_active_batches_per_key": 3, "max_queued_lines_per_key": 10**6, "max_concurrency": 1, "poll_interval_s": 0.2}
-    with two_key_gateway(fake[0], tmp_path, **limits) as server:
+    url = new_database(request.getfixturevalue("postgres")) if database == "postgresql" else None
+    with two_key_gateway(fake[0], tmp_path, database_url=url, **limits) as server:
         client = _client(server)
-        file_id = upload(client, chat_lines(3000))
+        files = [upload(client, chat_lines(3000)) for _ in range(8)]  # one each: no create waits on another's file
         outcomes: list[object] = []
 
-        def create() -> None:
+        def create(file_id: str) -> None:
             try:
                 outcomes.append(client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h").id)
             except openai.APIStatusError as error:
                 outcomes.append(error)
 
-        threads = [threading.Thread(target=create) for _ in range(8)]
+        threads = [threading.Thread(target=create, args=(file_id,)) for file_id in files]
         for thread in threads:
             thread.start()
         for thread in threads:
