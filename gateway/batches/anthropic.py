@@ -182,6 +182,8 @@ async def create_message_batch(request: Request) -> Response:
         "id": batch_id, "owner": owner, "key_name": tenant.name if tenant is not None else None, "endpoint": MESSAGES,
         "input_file_id": file_id, "completion_window": "24h", "status": "validating", "created_at": now, "expires_at": now + WINDOW_S["24h"],
     }  # fmt: skip
+    length = request.headers.get("content-length", "")
+    batches.refuse_below_floor(int(length) if length.isdigit() else batches.settings.max_file_bytes)  # its lines are a file
     await batches.reserve(store, row, None)  # the key's limits taken before the body is read
     try:
         read = _body_reader(request, asyncio.get_running_loop())

@@ -118,7 +118,10 @@ async def delete_file(file_id: str, request: Request) -> Response:
 async def file_content(file_id: str, request: Request) -> Response:
     batches, _ = await _batches(request)
     await _owned_file(request, file_id)
-    stream = await _db(batches.files.open, file_id)
+    try:
+        stream = await _db(batches.files.open, file_id)
+    except FileNotFoundError:  # its bytes gone (a delete whose row could not follow them, on a full disk): delete it again
+        raise GatewayError(404, f"the bytes of file {file_id} are gone; delete it", code="file_not_found", param="file_id") from None
 
     def chunks() -> Iterator[bytes]:
         with stream:

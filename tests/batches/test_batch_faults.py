@@ -246,3 +246,25 @@ def test_the_batch_queue_of_every_key_is_not_shown_to_a_client_key(gateway: Gate
     assert "gateway_batch_queued_lines" in scrape(ADMIN)
     client = scrape(ALPHA)
     assert "gateway_batch_queued_lines" not in client and "gateway_requests" in client
+
+
+def test_a_delete_frees_the_bytes_before_it_needs_the_database(gateway: GatewayServer) -> None:
+    """Item 4 of issue 58: on a full disk the database cannot write the delete of a file's row until space is
+    freed, so the bytes go first (before: the row first, which failed, and the bytes stayed: nothing could free
+    space). Here the row's delete is refused (a trigger, as a full disk refuses it): the bytes are gone all the same,
+    the answer is a 503, and a second delete, once the database writes, ends it; the content meanwhile is a 404."""
+    client = _client(gateway)
+    file_id = upload(client, chat_lines(3))
+    path = Path(gateway.state.settings.state_dir) / "batch_files" / f"{file_id}.jsonl"
+    _sql(gateway, "CREATE TRIGGER refuse_deletes BEFORE DELETE ON batch_files BEGIN SELECT RAISE(ABORT, 'database or disk is full'); END")
+    try:
+        with pytest.raises(openai.APIStatusError) as refused:
+            client.files.delete(file_id)
+        assert refused.value.status_code == 503, refused.value.body
+        assert not path.exists()  # the space is free
+        with pytest.raises(openai.NotFoundError):
+            client.files.content(file_id)
+    finally:
+        _sql(gateway, "DROP TRIGGER IF EXISTS refuse_deletes")
+    assert client.files.delete(file_id).deleted
+    assert file_id not in [item.id for item in client.files.list().data]
