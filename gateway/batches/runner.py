@@ -27,6 +27,7 @@ input file read once, lines in order) stays; several batches spread over replica
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import time
@@ -108,6 +109,9 @@ class BatchRunner:
             for task in (*late, *self._lines):
                 task.cancel()
             await asyncio.gather(*late, *self._lines, return_exceptions=True)
+        if self._held:  # answers held for a database that failed: a last try (bounded: a hung one holds no shutdown)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*(self._record_held(batch_id) for batch_id in list(self._held))), max(grace_s, 1.0))
 
     async def _loop(self) -> None:
         while not self._stop.is_set():
