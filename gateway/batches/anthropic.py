@@ -186,30 +186,34 @@ async def create_message_batch(request: Request) -> Response:
     batches.refuse_below_floor(int(length) if length.isdigit() else batches.settings.max_file_bytes)  # its lines are a file
     await batches.reserve(store, row, None)  # the key's limits taken before the body is read
     try:
-        read = _body_reader(request, asyncio.get_running_loop())
-        custom_ids = await batches.check(checked_requests, request.app.state.gateway, read, batches.files, file_id, tenant, batches.settings)
+        read = _body_reader(request, asyncio.get_running_loop(), request.app.state.gateway.settings.http.body_timeout_s + 5)
+        custom_ids = await batches.in_create_pool(checked_requests, request.app.state.gateway, read, batches.files, file_id, tenant, batches.settings)
         created = await batches.create(store, batch_id, custom_ids, "requests")
     except BaseException:
         await asyncio.to_thread(batches.files.delete, file_id)
-        await batches.check(store.unreserve, batch_id)
+        await batches.in_create_pool(store.unreserve, batch_id)
         raise
     return _json(message_batch(created))
 
 
-def _body_reader(request: Request, loop: asyncio.AbstractEventLoop) -> Callable[[], bytes]:
-    """The request's body a chunk at a time for a thread (each chunk received on the event loop; b"": the end)."""
+def _body_reader(request: Request, loop: asyncio.AbstractEventLoop, timeout_s: float) -> Callable[[], bytes]:
+    """The request's body a chunk at a time for a thread (each chunk received on the event loop; b"": the end). A
+    chunk not there within ``timeout_s`` (the body's own timeout is shorter: a loop gone at shutdown) ends the read."""
     chunks = request.stream()
 
     async def following() -> bytes:
         try:
-            return await anext(chunks)
+            while not (chunk := await anext(chunks)):
+                pass  # (an empty chunk is no end: the end is the stream's)
+            return chunk
         except StopAsyncIteration:
             return b""
 
     def read() -> bytes:
-        while chunk := asyncio.run_coroutine_threadsafe(following(), loop).result():
-            return chunk
-        return b""
+        try:
+            return asyncio.run_coroutine_threadsafe(following(), loop).result(timeout_s)
+        except TimeoutError:
+            raise GatewayError(408, f"request body not received within {timeout_s:g}s", code="request_timeout") from None
 
     return read
 

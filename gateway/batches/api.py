@@ -155,12 +155,12 @@ async def create_batch(request: Request) -> Response:
     await batches.reserve(store, row, owner)  # the key's limits taken before the lines are checked; the file held
     try:
         try:
-            custom_ids = await batches.check(checked_lines, request.app.state.gateway, batches.files, asked.input_file_id, asked.endpoint, tenant, batches.settings)
+            custom_ids = await batches.in_create_pool(checked_lines, request.app.state.gateway, batches.files, asked.input_file_id, asked.endpoint, tenant, batches.settings)
         except FileNotFoundError:
             raise GatewayError(404, f"No such File object: {asked.input_file_id}", code="file_not_found", param="input_file_id") from None
         created = await batches.create(store, row["id"], custom_ids)
     except BaseException:
-        await batches.check(store.unreserve, row["id"])
+        await batches.in_create_pool(store.unreserve, row["id"])
         raise
     return _json(created.model_dump())
 

@@ -56,7 +56,7 @@ class Batches:
         self.store: BatchStore | None = None
         self.runner: BatchRunner | None = None
         self._opening = asyncio.Lock()
-        self.validating = ThreadPoolExecutor(CREATE_THREADS, thread_name_prefix="batch-create")
+        self._create_pool = ThreadPoolExecutor(CREATE_THREADS, thread_name_prefix="batch-create")
 
     async def open(self, run: ASGIApp | None, app: object, keys: KeyHolder, metrics: Metrics) -> None:
         """Open the database if it exists (schema brought up to date); with ``run`` (the line chain,
@@ -86,7 +86,7 @@ class Batches:
         ``max_active_batches_per_key`` unfinished batches or ``max_queued_lines_per_key`` lines queued; 404 when
         ``input_owner``'s input file is gone."""
         limits = self.settings
-        refused = await self.check(store.reserve, row, limits.max_active_batches_per_key, limits.max_queued_lines_per_key, input_owner)
+        refused = await self.in_create_pool(store.reserve, row, limits.max_active_batches_per_key, limits.max_queued_lines_per_key, input_owner)
         if refused is None:
             return
         active, queued = refused
@@ -129,17 +129,17 @@ class Batches:
         assert isinstance(created, FileObject)
         return created
 
-    async def check(self, work: Callable[..., T], *args: Any) -> T:
+    async def in_create_pool(self, work: Callable[..., T], *args: Any) -> T:
         """Run a create's work (``work``: its reservation, the check of its lines, the insert of its lines, which
         waits for SQLite's one writer) in the creates' own threads, not the default pool: creates of big files
         never queue other keys' calls (every other database call of the API runs in the default pool)."""
-        return await asyncio.get_running_loop().run_in_executor(self.validating, functools.partial(work, *args))
+        return await asyncio.get_running_loop().run_in_executor(self._create_pool, functools.partial(work, *args))
 
     async def create(self, store: BatchStore, batch_id: str, custom_ids: list[str], noun: str = "lines") -> BatchObject:
         """Turn the reservation ``batch_id`` into a batch of ``custom_ids`` and wake the runner; 429 when they take the
         key's queued lines over ``max_queued_lines_per_key`` (the reservation is the caller's to drop)."""
         limit = self.settings.max_queued_lines_per_key
-        created = await self.check(store.fill_reservation, batch_id, custom_ids, limit)
+        created = await self.in_create_pool(store.fill_reservation, batch_id, custom_ids, limit)
         if isinstance(created, int):
             raise GatewayError(
                 429, f"this key has {created} {noun} queued; {len(custom_ids)} more exceed gateway.batches.max_queued_lines_per_key ({limit})",
@@ -169,7 +169,7 @@ class Batches:
     async def close(self, grace_s: float) -> None:
         if self.runner is not None:
             await self.runner.close(grace_s)
-        self.validating.shutdown(wait=False, cancel_futures=True)
+        self._create_pool.shutdown(wait=False, cancel_futures=True)
         if self.store is not None:
             await asyncio.to_thread(self.store.close)
 
