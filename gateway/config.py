@@ -90,6 +90,11 @@ class KeyLimits(_Strict):
     max_concurrent: int | None = Field(None, ge=1, description="Requests of this key in flight at once.")
     tokens_per_day: int | None = Field(None, ge=1, description="Token budget per UTC day.")
     tokens_per_month: int | None = Field(None, ge=1, description="Token budget per UTC calendar month.")
+    batch_file_bytes: int | None = Field(None, ge=1, description="Bytes of batch files (uploads and batches' results) the key may keep (uploads beyond: 413).")
+    batch_files: int | None = Field(None, ge=1, description="Batch files (uploads and batches' results) the key may keep (uploads beyond: 413).")
+
+
+FILE_LIMITS = frozenset({"batch_file_bytes", "batch_files"})  # storage, checked by the batch API: not request limits
 
 
 _KEY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$")
@@ -286,6 +291,11 @@ class BatchSettings(_Strict):
     max_active_batches_per_key: int = Field(20, ge=1, description="Batches of one key not yet finished (429 beyond).")
     retry_backoff_s: float = Field(1.0, gt=0, description="First wait before a line that met a passing failure (429, 502, 503, 504) is sent again.")
     poll_interval_s: float = Field(1.0, gt=0, description="How often the runner looks for batches created elsewhere (worker processes) or cancelled.")
+    min_free_bytes: int = Field(
+        256 * 1024 * 1024, ge=0,
+        description="Free space the state_dir's disk keeps: an upload that would leave less is refused (507), so that batches "
+        "can still record their lines and write their results, and the database its rows (0: no floor).",
+    )  # fmt: skip
 
 
 class ReplicaSettings(_Strict):

@@ -15,7 +15,7 @@ import asyncio
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -24,8 +24,11 @@ from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.responses import Response, StreamingResponse
 
+from gateway.batches.files import FileStorage, LinesReader
+from gateway.batches.json_items import BodyError, array_items
 from gateway.batches.service import opened
 from gateway.batches.shapes import TERMINAL, WINDOW_S, BatchObject
+from gateway.batches.validate import guarded, step_aside
 from gateway.config import BatchSettings
 from gateway.core.endpoints import (
     MESSAGE_BATCH_BY_ID,
@@ -37,7 +40,6 @@ from gateway.core.endpoints import (
 )
 from gateway.core.errors import Dialect, GatewayError
 from gateway.core.state import GatewayState
-from gateway.data.routes import guard_request
 from gateway.edge.auth import request_owner
 from gateway.tenants.keys import TENANT_SCOPE_KEY, Tenant
 
@@ -51,14 +53,6 @@ class MessageBatchRequest(BaseModel):
 
     custom_id: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
     params: dict[str, Any]
-
-
-class MessageBatchCreate(BaseModel):
-    """``POST /v1/messages/batches``'s body."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    requests: list[MessageBatchRequest] = Field(min_length=1)
 
 
 def _json(data: Any, status: int = 200) -> Response:
@@ -113,29 +107,54 @@ def _error(line: dict[str, Any], result: Any) -> dict[str, Any]:
     return body
 
 
-def checked_requests(state: GatewayState, asked: MessageBatchCreate, tenant: Tenant | None, limits: BatchSettings) -> tuple[bytes, list[str]]:
-    """(the input file, the custom_ids) of ``asked`` once every request passed a live Messages request's guard; else
-    GatewayError(400) naming the first bad one by its index and custom_id."""
-    if len(asked.requests) > limits.max_lines:
-        raise GatewayError(400, f"{len(asked.requests)} requests, more than {limits.max_lines} (gateway.batches.max_lines)", code="too_many_lines")
+def checked_requests(
+    state: GatewayState, read: Callable[[], bytes], files: FileStorage, file_id: str, tenant: Tenant | None, limits: BatchSettings
+) -> list[str]:
+    """The custom_ids of the create's body (read by ``read``, a chunk at a time, as it arrives) once every request
+    passed a live Messages request's guard, its requests written as the lines of the input file ``file_id`` as they
+    pass; else GatewayError(400) naming the first bad one by its index (and custom_id), the file not kept. Memory is
+    bounded by one request, never the body (:func:`gateway.batches.json_items.array_items`)."""
     route = PROXIED_BY_PATH[MESSAGES]
-    lines: list[bytes] = []
+    custom_ids: list[str] = []
     seen: set[str] = set()
-    for index, item in enumerate(asked.requests):
-        if item.custom_id in seen:
-            raise _bad(index, item.custom_id, "custom_id is not unique in the batch", "duplicate_custom_id")
-        if item.params.get("stream"):
-            raise _bad(index, item.custom_id, "a batch request cannot stream (stream: true)", "invalid_request")
-        line = orjson.dumps({"custom_id": item.custom_id, "method": "POST", "url": MESSAGES, "body": item.params})
-        if len(line) > limits.max_line_bytes:
-            raise _bad(index, item.custom_id, f"{len(line)} bytes, more than {limits.max_line_bytes} (gateway.batches.max_line_bytes)", "line_too_large")
+
+    def lines() -> Iterator[bytes]:
         try:
-            guard_request(state, route, orjson.dumps(item.params), tenant)
-        except GatewayError as error:
-            raise _bad(index, item.custom_id, error.message, error.code, error.param) from None
-        seen.add(item.custom_id)
-        lines.append(line)
-    return b"".join(line + b"\n" for line in lines), [item.custom_id for item in asked.requests]
+            for index, raw in enumerate(array_items(read, "requests", 2 * limits.max_line_bytes + 4096)):  # spaces: checked again below
+                step_aside(index)
+                if index >= limits.max_lines:
+                    raise GatewayError(400, f"more than {limits.max_lines} requests (gateway.batches.max_lines)", code="too_many_lines")
+                item = _request(index, raw)
+                if item.custom_id in seen:
+                    raise _bad(index, item.custom_id, "custom_id is not unique in the batch", "duplicate_custom_id")
+                if item.params.get("stream"):
+                    raise _bad(index, item.custom_id, "a batch request cannot stream (stream: true)", "invalid_request")
+                line = orjson.dumps({"custom_id": item.custom_id, "method": "POST", "url": MESSAGES, "body": item.params})
+                if len(line) > limits.max_line_bytes:
+                    raise _bad(index, item.custom_id, f"{len(line)} bytes, more than {limits.max_line_bytes} (gateway.batches.max_line_bytes)", "line_too_large")
+                try:
+                    guarded(state, route, item.params, tenant)
+                except GatewayError as error:
+                    raise _bad(index, item.custom_id, error.message, error.code, error.param) from None
+                seen.add(item.custom_id)
+                custom_ids.append(item.custom_id)
+                yield line + b"\n"
+        except BodyError as error:
+            if error.code == "line_too_large":
+                raise GatewayError(400, f"{error} (gateway.batches.max_line_bytes)", code=error.code, param=error.where) from None
+            raise GatewayError(400, str(error), param=error.where) from None
+
+    files.write(file_id, LinesReader(lines()))
+    return custom_ids
+
+
+def _request(index: int, raw: bytes) -> MessageBatchRequest:
+    try:
+        return MessageBatchRequest.model_validate_json(raw)
+    except ValidationError as error:
+        problem = error.errors()[0]
+        where = f"requests[{index}]" + "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in problem["loc"])
+        raise GatewayError(400, f"{where}: {problem['msg']}", param=where) from None
 
 
 def _bad(index: int, custom_id: str, message: str, code: str, param: str | None = None) -> GatewayError:
@@ -154,31 +173,49 @@ async def _owned(request: Request, message_batch_id: str) -> BatchObject:
 
 async def create_message_batch(request: Request) -> Response:
     batches, store = await opened(request)
-    try:
-        asked = MessageBatchCreate.model_validate_json(await request.body())
-    except ValidationError as error:
-        problem = error.errors()[0]
-        where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in problem["loc"]).lstrip(".") or "body"
-        raise GatewayError(400, f"{where}: {problem['msg']}", param=where) from None
     owner = request_owner(request.scope)
     tenant: Tenant | None = request.scope.get(TENANT_SCOPE_KEY)
-    queued = await batches.key_load(store, owner)
-    data, custom_ids = await asyncio.to_thread(checked_requests, request.app.state.gateway, asked, tenant, batches.settings)
-    batches.refuse_over_queued(queued, len(custom_ids), "requests")
     batch_id = PREFIX + secrets.token_hex(12)
     file_id = f"file-{batch_id}-input"  # the requests as lines: storage only, no file of the Files API
-    await asyncio.to_thread(batches.files.write, file_id, data)
     now = int(time.time())
     row = {
         "id": batch_id, "owner": owner, "key_name": tenant.name if tenant is not None else None, "endpoint": MESSAGES,
         "input_file_id": file_id, "completion_window": "24h", "status": "validating", "created_at": now, "expires_at": now + WINDOW_S["24h"],
     }  # fmt: skip
+    length = request.headers.get("content-length", "")
+    batches.refuse_below_floor(int(length) if length.isdigit() else batches.settings.max_file_bytes)  # its lines are a file
+    await batches.reserve(store, row, None)  # the key's limits taken before the body is read
     try:
-        created = await batches.create(store, row, custom_ids)
+        read = _body_reader(request, asyncio.get_running_loop(), request.app.state.gateway.settings.http.body_timeout_s + 5)
+        custom_ids = await batches.in_create_pool(checked_requests, request.app.state.gateway, read, batches.files, file_id, tenant, batches.settings)
+        created = await batches.create(store, batch_id, custom_ids, "requests")
     except BaseException:
         await asyncio.to_thread(batches.files.delete, file_id)
+        await batches.in_create_pool(store.unreserve, batch_id)
         raise
     return _json(message_batch(created))
+
+
+def _body_reader(request: Request, loop: asyncio.AbstractEventLoop, timeout_s: float) -> Callable[[], bytes]:
+    """The request's body a chunk at a time for a thread (each chunk received on the event loop; b"": the end). A
+    chunk not there within ``timeout_s`` (the body's own timeout is shorter: a loop gone at shutdown) ends the read."""
+    chunks = request.stream()
+
+    async def following() -> bytes:
+        try:
+            while not (chunk := await anext(chunks)):
+                pass  # (an empty chunk is no end: the end is the stream's)
+            return chunk
+        except StopAsyncIteration:
+            return b""
+
+    def read() -> bytes:
+        try:
+            return asyncio.run_coroutine_threadsafe(following(), loop).result(timeout_s)
+        except TimeoutError:
+            raise GatewayError(408, f"request body not received within {timeout_s:g}s", code="request_timeout") from None
+
+    return read
 
 
 async def get_message_batch(message_batch_id: str, request: Request) -> Response:
@@ -231,8 +268,8 @@ async def delete_message_batch(message_batch_id: str, request: Request) -> Respo
     batch = await _owned(request, message_batch_id)
     if batch.status not in TERMINAL:
         raise GatewayError(409, f"message batch {message_batch_id} is still processing; cancel it first", code="batch_not_ended")
+    await asyncio.to_thread(batches.files.delete, batch.input_file_id)  # the bytes first: on a full disk, the room the rows' delete needs
     await asyncio.to_thread(store.delete_batch, batch.id)
-    await asyncio.to_thread(batches.files.delete, batch.input_file_id)
     return _json({"id": batch.id, "type": "message_batch_deleted"})
 
 

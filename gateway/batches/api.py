@@ -9,6 +9,7 @@ route table (one handler per (method, path), checked both ways), so docs, metric
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import secrets
 import time
@@ -18,6 +19,7 @@ from typing import Any, Literal
 import orjson
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
+from sqlalchemy.exc import SQLAlchemyError
 from starlette.datastructures import UploadFile
 from starlette.responses import Response, StreamingResponse
 
@@ -71,12 +73,20 @@ async def upload_file(request: Request) -> Response:
             raise GatewayError(400, "send the file as the multipart field 'file'", param="file")
         if upload.size is not None and upload.size > limit:
             raise GatewayError(413, f"the file is larger than {limit} bytes (gateway.batches.max_file_bytes)", code="file_too_large", param="file")
+        owner, tenant = request_owner(request.scope), request.scope.get(TENANT_SCOPE_KEY)
+        quota = tenant.limits if tenant is not None else None
+        expected = upload.size if upload.size is not None else limit
+        await _db(batches.refuse_over_quota, store, owner, quota, expected)  # before a byte is written
+        batches.refuse_below_floor(expected)
         file_id = "file-" + secrets.token_hex(12)
         size = await _db(batches.files.write, file_id, upload.file)
-        if size > limit:
+        try:
+            if size > limit:
+                raise GatewayError(413, f"the file is larger than {limit} bytes (gateway.batches.max_file_bytes)", code="file_too_large", param="file")
+            created = await _db(batches.add_upload, store, file_id, owner, quota, upload.filename or "input.jsonl", size)
+        except BaseException:
             await _db(batches.files.delete, file_id)
-            raise GatewayError(413, f"the file is larger than {limit} bytes (gateway.batches.max_file_bytes)", code="file_too_large", param="file")
-        created = await _db(store.add_file, file_id, request_owner(request.scope), "batch", upload.filename or "input.jsonl", size)
+            raise
     finally:
         await form.close()
     return _json(created.model_dump())
@@ -99,18 +109,19 @@ async def get_file(file_id: str, request: Request) -> Response:
 async def delete_file(file_id: str, request: Request) -> Response:
     batches, store = await _batches(request)
     await _owned_file(request, file_id)
-    using = await _db(store.batch_using, file_id)
+    using = await _db(store.delete_file, file_id, functools.partial(batches.files.delete, file_id))  # bytes, then row
     if using is not None:
         raise GatewayError(409, f"file {file_id} is the input of batch {using}, which has not ended; cancel it first", param="file_id")
-    await _db(store.delete_file, file_id)
-    await _db(batches.files.delete, file_id)
     return _json({"id": file_id, "object": "file", "deleted": True})
 
 
 async def file_content(file_id: str, request: Request) -> Response:
     batches, _ = await _batches(request)
     await _owned_file(request, file_id)
-    stream = await _db(batches.files.open, file_id)
+    try:
+        stream = await _db(batches.files.open, file_id)
+    except FileNotFoundError:  # its bytes gone (a delete whose row could not follow them, on a full disk): delete it again
+        raise GatewayError(404, f"the bytes of file {file_id} are gone; delete it", code="file_not_found", param="file_id") from None
 
     def chunks() -> Iterator[bytes]:
         with stream:
@@ -134,10 +145,6 @@ async def create_batch(request: Request) -> Response:
     source = await _db(store.file, asked.input_file_id, owner)
     if source is None or source.purpose != "batch":
         raise GatewayError(404, f"No such File object: {asked.input_file_id}", code="file_not_found", param="input_file_id")
-    queued = await batches.key_load(store, owner)
-    state = request.app.state.gateway
-    custom_ids = await _db(checked_lines, state, batches.files, asked.input_file_id, asked.endpoint, tenant, batches.settings)
-    batches.refuse_over_queued(queued, len(custom_ids))
     now = int(time.time())
     row = {
         "id": "batch_" + secrets.token_hex(12), "owner": owner, "key_name": tenant.name if tenant is not None else None,
@@ -145,7 +152,16 @@ async def create_batch(request: Request) -> Response:
         "status": "validating", "created_at": now, "expires_at": now + WINDOW_S[asked.completion_window],
         "metadata": json.dumps(asked.metadata) if asked.metadata is not None else None,
     }  # fmt: skip
-    created = await batches.create(store, row, custom_ids)
+    await batches.reserve(store, row, owner)  # the key's limits taken before the lines are checked; the file held
+    try:
+        try:
+            custom_ids = await batches.in_create_pool(checked_lines, request.app.state.gateway, batches.files, asked.input_file_id, asked.endpoint, tenant, batches.settings)
+        except FileNotFoundError:
+            raise GatewayError(404, f"No such File object: {asked.input_file_id}", code="file_not_found", param="input_file_id") from None
+        created = await batches.create(store, row["id"], custom_ids)
+    except BaseException:
+        await batches.in_create_pool(store.unreserve, row["id"])
+        raise
     return _json(created.model_dump())
 
 
@@ -206,6 +222,20 @@ HANDLERS: dict[tuple[str, str], Callable[..., Any]] = {
 }
 
 
+def _unavailable_as_503(handler: Callable[..., Any]) -> Callable[..., Any]:
+    """``handler`` with a database that fails after it was opened answered as when it cannot be opened: 503
+    ``batches_unavailable`` in the route's dialect (never a 500, which also drops the client's connection)."""
+
+    @functools.wraps(handler)
+    async def answered(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return await handler(*args, **kwargs)
+        except SQLAlchemyError as error:
+            raise GatewayError(503, f"the batch database cannot be reached ({type(error).__name__}); try again later", code="batches_unavailable") from error
+
+    return answered
+
+
 def batch_routes() -> APIRouter:
     """The FastAPI routes of the table's batch lines (every line served, nothing served that the table lacks)."""
     table = {(method, path): summary for method, path, summary in BATCH_ROUTES}
@@ -213,7 +243,7 @@ def batch_routes() -> APIRouter:
     router = APIRouter()
     for (method, path), summary in table.items():
         router.add_api_route(
-            path, HANDLERS[(method, path)], methods=[method], summary=summary, name=f"{method} {path}",
+            path, _unavailable_as_503(HANDLERS[(method, path)]), methods=[method], summary=summary, name=f"{method} {path}",
             include_in_schema=not path.startswith("/admin"),  # as every admin route: not listed to client keys
         )  # fmt: skip
     return router

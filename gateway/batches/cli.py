@@ -11,6 +11,7 @@ from typing import Annotated, Any
 import openai
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from gateway.batches.shapes import ENDPOINTS, TERMINAL
@@ -35,9 +36,9 @@ def _call(work: Any) -> Any:
         return work()
     except openai.APIStatusError as error:
         body = error.body if isinstance(error.body, dict) else {}
-        err.print(f"[bold red]error:[/] {error.status_code} {body.get('message') or error.message}", highlight=False)
+        err.print(f"[bold red]error:[/] {error.status_code} {escape(str(body.get('message') or error.message))}", highlight=False)
     except openai.APIConnectionError as error:
-        err.print(f"[bold red]error:[/] cannot reach the gateway: {error}", highlight=False)
+        err.print(f"[bold red]error:[/] cannot reach the gateway: {escape(str(error))}", highlight=False)
     raise typer.Exit(1)
 
 
@@ -63,7 +64,7 @@ def submit(
     with file.open("rb") as source:
         uploaded = _call(lambda: client.files.create(file=(file.name, source), purpose="batch"))
     batch = _call(lambda: client.batches.create(input_file_id=uploaded.id, endpoint=endpoint, completion_window="24h"))  # type: ignore[arg-type]
-    out.print(batch.id, highlight=False)
+    out.print(batch.id, highlight=False, markup=False)
     if wait:
         batch = _watch(client, batch.id)
         _save(client, batch, output or file.with_suffix(".output.jsonl"))
@@ -74,12 +75,12 @@ def submit(
 def _watch(client: openai.OpenAI, batch_id: str) -> Any:
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("failed {task.fields[failed]}"), TimeElapsedColumn())
     with Progress(*columns, console=err) as progress:
-        task = progress.add_task(batch_id, total=None, failed=0)
+        task = progress.add_task(escape(batch_id), total=None, failed=0)
         while True:
             batch = _call(lambda: client.batches.retrieve(batch_id))
             counts = batch.request_counts
             progress.update(task, total=counts.total, completed=counts.completed + counts.failed, failed=counts.failed,
-                            description=f"{batch_id} {batch.status}")  # fmt: skip
+                            description=escape(f"{batch_id} {batch.status}"))  # fmt: skip
             if batch.status in TERMINAL:
                 return batch
             time.sleep(1)
@@ -89,17 +90,17 @@ def _save(client: openai.OpenAI, batch: Any, output: Path) -> None:
     for file_id, path in ((batch.output_file_id, output), (batch.error_file_id, output.with_suffix(".errors.jsonl"))):
         if file_id:
             path.write_bytes(_call(lambda file_id=file_id: client.files.content(file_id)).content)
-            err.print(f"{path}", highlight=False)
+            err.print(f"{path}", highlight=False, markup=False)
 
 
 @batch_app.command()
 def status(batch_id: BatchId, url: Url = "http://127.0.0.1:8000", key: Key = "") -> None:
     """One batch: status, lines done and failed, its files."""
     batch = _call(lambda: _client(url, key).batches.retrieve(batch_id))
-    out.print(_line(batch), highlight=False, soft_wrap=True)
+    out.print(_line(batch), highlight=False, soft_wrap=True, markup=False)
     for name in ("input_file_id", "output_file_id", "error_file_id"):
         if getattr(batch, name):
-            out.print(f"  {name}: {getattr(batch, name)}", highlight=False)
+            out.print(f"  {name}: {getattr(batch, name)}", highlight=False, markup=False)
 
 
 @batch_app.command("list")
@@ -107,13 +108,13 @@ def list_batches(limit: Annotated[int, typer.Option(help="How many, newest first
     """The key's batches, newest first."""
     page = _call(lambda: _client(url, key).batches.list(limit=limit))
     for batch in page.data:  # one line each (greppable; ids never wrapped)
-        out.print(_line(batch), highlight=False, soft_wrap=True)
+        out.print(_line(batch), highlight=False, soft_wrap=True, markup=False)
 
 
 @batch_app.command()
 def cancel(batch_id: BatchId, url: Url = "http://127.0.0.1:8000", key: Key = "") -> None:
     """Start no new line of the batch; lines in flight finish and their answers are kept."""
-    out.print(_line(_call(lambda: _client(url, key).batches.cancel(batch_id))), highlight=False)
+    out.print(_line(_call(lambda: _client(url, key).batches.cancel(batch_id))), highlight=False, markup=False)
 
 
 @batch_app.command()
@@ -127,6 +128,6 @@ def download(
     client = _client(url, key)
     batch = _call(lambda: client.batches.retrieve(batch_id))
     if not (batch.output_file_id or batch.error_file_id):
-        err.print(f"[bold red]error:[/] batch {batch_id} has no result file yet ({batch.status})", highlight=False)
+        err.print(f"[bold red]error:[/] batch {escape(batch_id)} has no result file yet ({escape(batch.status)})", highlight=False)
         raise typer.Exit(1)
     _save(client, batch, output)

@@ -138,6 +138,30 @@ def _chunks(source: BinaryIO | bytes) -> Iterator[bytes]:
         yield chunk
 
 
+class LinesReader(io.RawIOBase):
+    """A readable stream of the byte strings ``lines`` yields, made as they are read (a file written as it is checked)."""
+
+    def __init__(self, lines: Iterator[bytes]) -> None:
+        self._lines = lines
+        self._left = b""
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int = -1) -> bytes:
+        parts, count = [self._left], len(self._left)
+        while size < 0 or count < size:
+            line = next(self._lines, None)
+            if line is None:
+                break
+            parts.append(line)
+            count += len(line)
+        data = b"".join(parts)
+        cut = len(data) if size < 0 else size
+        self._left = data[cut:]
+        return data[:cut]
+
+
 def jsonl_lines(stream: BinaryIO) -> Iterator[tuple[int, int, bytes]]:
     """(index, number, line) of each non-blank line: the index counts non-blank lines from 0 (how batch lines are
     numbered at validation and at run time alike), the number is the line's own in the file, from 1 (what errors name)."""

@@ -27,7 +27,9 @@ input file read once, lines in order) stays; several batches spread over replica
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import aclosing
@@ -35,11 +37,12 @@ from typing import Any, TypeVar
 
 import orjson
 from loguru import logger
+from sqlalchemy.exc import SQLAlchemyError
 
 from gateway.batches.dispatch import Answer, LineSender
 from gateway.batches.files import FileStorage, jsonl_lines
 from gateway.batches.results import result_files
-from gateway.batches.shapes import BatchObject
+from gateway.batches.shapes import ACTIVE, BatchObject
 from gateway.batches.store import BatchStore, LineEnd
 from gateway.batches.yielding import Yielding
 from gateway.config import BatchSettings
@@ -70,6 +73,8 @@ class BatchRunner:
         self.holder = holder
         self.lease_s = lease_s
         self._lost: set[str] = set()  # batches whose lease this runner held and lost
+        self._held: dict[str, dict[int, tuple[LineEnd, str]]] = {}  # answers whose record failed: (end, model) by line
+        self._store_up = True  # the database answered the last call (a change is logged once, in one line)
         self._slots = asyncio.Semaphore(settings.max_concurrency)
         self._yielding = Yielding(sender.load, settings)  # fewer lines of a model while it serves interactive requests
         self._wake = asyncio.Event()
@@ -104,6 +109,9 @@ class BatchRunner:
             for task in (*late, *self._lines):
                 task.cancel()
             await asyncio.gather(*late, *self._lines, return_exceptions=True)
+        if self._held:  # answers held for a database that failed: a last try (bounded: a hung one holds no shutdown)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*(self._record_held(batch_id) for batch_id in list(self._held))), max(grace_s, 1.0))
 
     async def _loop(self) -> None:
         while not self._stop.is_set():
@@ -122,8 +130,10 @@ class BatchRunner:
                     if batch.id not in self._batches:
                         self._batches[batch.id] = asyncio.create_task(self._run(batch), name=f"batch {batch.id}")
                 self.metrics.batch_queued.set(waiting)
+                if not unfinished:
+                    self._store_state(None)  # (with batches to run, a claim's write says whether it is back)
             except Exception as error:  # noqa: BLE001 - a database down: try again at the next poll
-                logger.warning("batches: cannot read the batches ({}: {}); retrying", type(error).__name__, error)
+                self._store_state(error)
             self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), self.settings.poll_interval_s)
@@ -141,8 +151,12 @@ class BatchRunner:
                 renewing.cancel()
                 self._lost.discard(batch.id)
                 await self._release(batch.id)
-        except Exception:  # noqa: BLE001 - logged; the batch is taken up again at the next poll
-            logger.exception("batches: batch {} stopped on an error; it is taken up again", batch.id)
+            self._store_state(None)  # a whole run without a database error: it answers
+        except Exception as error:  # noqa: BLE001 - logged; the batch is taken up again at the next poll
+            if _database_error(error):
+                self._store_state(error)  # one line when the database goes away, not a trace per batch and poll
+            else:
+                logger.exception("batches: batch {} stopped on an error; it is taken up again", batch.id)
             await asyncio.sleep(self.settings.poll_interval_s)
         finally:
             self._batches.pop(batch.id, None)
@@ -151,9 +165,13 @@ class BatchRunner:
         if batch.status == "validating":
             await self._db(self.store.move, batch.id, "in_progress", ("validating",))
         if batch.status in ("validating", "in_progress"):
-            await self._run_lines(batch)
-        if not self._stop.is_set() and batch.id not in self._lost:
-            await self._finish(batch)
+            try:
+                await self._run_lines(batch)
+            except FileNotFoundError:
+                await self._fail(batch, "input_file_missing", f"the input file {batch.input_file_id} is gone; the lines not yet run cannot run")
+                return
+        if not self._stop.is_set() and batch.id not in self._lost and not self._held.get(batch.id):
+            await self._finish(batch)  # (answers held unrecorded: paused, taken up again at the next poll)
 
     async def _renew(self, batch_id: str) -> None:
         """Renew the lease every ``lease_s / 3``; lost when another holds it, or after ``lease_s`` without a renewal
@@ -178,38 +196,82 @@ class BatchRunner:
     async def _release(self, batch_id: str) -> None:
         try:
             await self._db(self.store.release, batch_id, self.holder)
-        except Exception as error:  # noqa: BLE001 - the lease then runs out by itself
-            logger.warning("batches: the lease of batch {} could not be released ({}); it runs out in {:g} s", batch_id,
-                           type(error).__name__, self.lease_s)  # fmt: skip
+        except Exception as error:  # noqa: BLE001 - the lease then runs out by itself (a lone gateway: its own, taken back)
+            if self._store_up:
+                logger.warning("batches: the lease of batch {} could not be released ({}); it runs out in {:g} s", batch_id,
+                               type(error).__name__, self.lease_s)  # fmt: skip
+            raise
+
+    def _store_state(self, error: Exception | None) -> None:
+        """Log the database going away or coming back, once each (one line), never at every poll."""
+        if error is not None and self._store_up:
+            first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            logger.warning("batches: the database fails ({}: {}); batches pause until it answers", type(error).__name__, first[:200])
+        elif error is None and not self._store_up:
+            logger.info("batches: the database answers again; batches resume")
+        self._store_up = error is None
 
     def _stopped(self, batch: BatchObject) -> bool:
         return (
-            self._stop.is_set() or batch.id in self._cancelled or batch.id in self._lost
+            self._stop.is_set() or batch.id in self._cancelled or batch.id in self._lost or bool(self._held.get(batch.id))
             or (batch.expires_at is not None and time.time() >= batch.expires_at)
         )  # fmt: skip
 
     async def _run_lines(self, batch: BatchObject) -> None:
+        if not await self._record_held(batch.id):
+            return  # the database still refuses: the batch stays paused, its answers held
         queued = set(await self._db(self.store.queued, batch.id))
         whose = await self._db(self.store.owner_of, batch.id)
         if not queued or whose is None:
             return
         mine: set[asyncio.Task[None]] = set()
-        async with aclosing(self._input(batch.input_file_id)) as lines:
-            async for index, raw in lines:
-                if index not in queued:
-                    continue
-                await self._slots.acquire()
-                body, model = _read(raw)
-                await self._yielding.enter(model, lambda: self._stopped(batch))
-                if self._stopped(batch):
-                    self._yielding.leave(model)
-                    self._slots.release()
-                    break
-                task = asyncio.create_task(self._line(batch, whose[0], index, body, model))
-                for group in (mine, self._lines):
-                    group.add(task)
-                    task.add_done_callback(group.discard)
-        await asyncio.gather(*mine, return_exceptions=True)
+        try:
+            async with aclosing(self._input(batch.input_file_id)) as lines:
+                async for index, raw in lines:
+                    if index not in queued:
+                        continue
+                    await self._slots.acquire()
+                    body, model = _read(raw)
+                    await self._yielding.enter(model, lambda: self._stopped(batch))
+                    if self._stopped(batch):
+                        self._yielding.leave(model)
+                        self._slots.release()
+                        break
+                    task = asyncio.create_task(self._line(batch, whose[0], index, body, model))
+                    for group in (mine, self._lines):
+                        group.add(task)
+                        task.add_done_callback(group.discard)
+        finally:  # the lines in flight end (and record, or hold, their answers) before the batch is let go
+            await asyncio.gather(*mine, return_exceptions=True)
+
+    async def _record(self, batch_id: str, index: int, end: LineEnd, model: str) -> None:
+        """Record a line's end; when the database refuses (a full disk, a blip), hold the answer here and pause the
+        batch: no line of it starts until the held answers are recorded, and a held line is never sent again (it
+        ran, and was charged, once)."""
+        try:
+            await self._end_line(batch_id, index, end, model)
+        except Exception as error:  # noqa: BLE001 - said once; the answer waits here for the database
+            held = self._held.setdefault(batch_id, {})
+            if not held:
+                logger.warning("batches: the answer of line {} of batch {} could not be recorded ({}: {}); the batch pauses, its answers held until "
+                               "the database takes them", index, batch_id, type(error).__name__, str(error).strip().split("\n")[0][:200])  # fmt: skip
+            held[index] = (end, model)
+
+    async def _end_line(self, batch_id: str, index: int, end: LineEnd, model: str) -> None:
+        if await self._db(self.store.end_line, batch_id, index, end):
+            self.metrics.child(self.metrics.batch_lines, model, "done" if end.status_code == 200 else "failed").inc()
+
+    async def _record_held(self, batch_id: str) -> bool:
+        """Record the answers held for ``batch_id`` (:meth:`_record`); True once none is left."""
+        held = self._held.get(batch_id, {})
+        for index, (end, model) in sorted(held.items()):
+            try:
+                await self._end_line(batch_id, index, end, model)
+            except Exception:  # noqa: BLE001 - still refused: stays paused (said when it paused)
+                return False
+            del held[index]
+        self._held.pop(batch_id, None)
+        return True
 
     async def _input(self, file_id: str) -> AsyncIterator[tuple[int, bytes]]:
         """(index, line) of the input file, read :data:`READ_LINES` at a time in a thread (off the event loop: a file
@@ -226,8 +288,8 @@ class BatchRunner:
     async def _line(self, batch: BatchObject, owner: str, index: int, body: Any, model: str) -> None:
         try:
             end = await self._answer(batch, owner, index, body, model)
-            if end is not None and await self._db(self.store.end_line, batch.id, index, end):
-                self.metrics.child(self.metrics.batch_lines, model, "done" if end.status_code == 200 else "failed").inc()
+            if end is not None:
+                await self._record(batch.id, index, end, model)
         finally:
             self._yielding.leave(model)
             self._slots.release()
@@ -276,6 +338,15 @@ class BatchRunner:
             self._cancelled.discard(batch.id)
             logger.info("batches: batch {} {}", batch.id, final)
 
+    async def _fail(self, batch: BatchObject, code: str, message: str) -> None:
+        """End ``batch`` as ``failed`` with why (OpenAI's ``errors`` list), its lines not run ending so too; the
+        lines that ran keep their answers, in its result files."""
+        await self._db(self.store.end_queued, batch.id, "failed", {"code": code, "message": message})
+        output_id, errors_id = await self._write_results(batch)
+        errors = json.dumps({"object": "list", "data": [{"code": code, "message": message, "param": None, "line": None}]})
+        if await self._db(self.store.move, batch.id, "failed", tuple(ACTIVE), output_file_id=output_id, error_file_id=errors_id, errors=errors):
+            logger.warning("batches: batch {} failed: {}", batch.id, message)
+
     async def _write_results(self, batch: BatchObject) -> tuple[str | None, str | None]:
         if batch.endpoint == MESSAGES:
             return None, None  # a Message Batch's results are read from its lines (gateway.batches.anthropic)
@@ -305,6 +376,11 @@ def _read(raw: bytes) -> tuple[Any, str]:
     except Exception as error:  # noqa: BLE001 - any shape of unreadable line fails that line only
         return error, "-"
     return body, str(body.get("model", "-")) if isinstance(body, dict) else "-"
+
+
+def _database_error(error: BaseException) -> bool:
+    """The database (or the disk under it) failing, as opposed to a bug: said in one line, not with a trace."""
+    return isinstance(error, SQLAlchemyError | OSError) and not isinstance(error, FileNotFoundError)
 
 
 def _take(lines: Iterator[T], count: int) -> list[T]:

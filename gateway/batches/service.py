@@ -13,8 +13,12 @@ restarted after a kill takes its batches up at once."""
 from __future__ import annotations
 
 import asyncio
+import functools
+import shutil
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 from loguru import logger
@@ -25,9 +29,9 @@ from starlette.types import ASGIApp
 from gateway.batches.dispatch import LineSender
 from gateway.batches.files import DatabaseFiles, FileStorage, LocalFiles
 from gateway.batches.runner import BatchRunner
-from gateway.batches.shapes import ACTIVE, BatchObject
+from gateway.batches.shapes import ACTIVE, BatchObject, FileObject
 from gateway.batches.store import BatchStore
-from gateway.config import GatewaySettings
+from gateway.config import GatewaySettings, KeyLimits
 from gateway.core.errors import GatewayError
 from gateway.core.metrics import Metrics
 from gateway.core.shared_store import replica_name
@@ -35,7 +39,9 @@ from gateway.core.state import GatewayState
 from gateway.edge.auth import KeyHolder
 from gateway.tenants.ledger import database_url
 
+T = TypeVar("T")
 FILES_DIR = "batch_files"
+CREATE_THREADS = 2  # creates at work at once (reserving, checking, inserting their lines), in a pool of their own; more wait
 LOCAL_HOLDER = "local"  # a lone gateway's lease holder: the same name after a restart
 
 
@@ -50,6 +56,7 @@ class Batches:
         self.store: BatchStore | None = None
         self.runner: BatchRunner | None = None
         self._opening = asyncio.Lock()
+        self._create_pool = ThreadPoolExecutor(CREATE_THREADS, thread_name_prefix="batch-create")
 
     async def open(self, run: ASGIApp | None, app: object, keys: KeyHolder, metrics: Metrics) -> None:
         """Open the database if it exists (schema brought up to date); with ``run`` (the line chain,
@@ -73,28 +80,71 @@ class Batches:
                     self.store = await asyncio.to_thread(BatchStore, self.url)
         return self.store
 
-    async def key_load(self, store: BatchStore, owner: str) -> int:
-        """Lines ``owner`` has queued; 429 when it has ``max_active_batches_per_key`` batches in progress already
-        (asked before a new batch's lines are checked, so that a busy key is refused before that work)."""
-        active, queued = await asyncio.to_thread(store.load, owner)
-        if active >= self.settings.max_active_batches_per_key:
-            raise GatewayError(
-                429, f"this key has {active} batches in progress (gateway.batches.max_active_batches_per_key)", code="batch_limit_exceeded"
-            )
-        return queued
+    async def reserve(self, store: BatchStore, row: dict[str, Any], input_owner: str | None) -> None:
+        """Reserve ``row``'s batch before its lines are checked (counted in its key's limits from now on, so that
+        concurrent creates of one key cannot all pass): 429 ``batch_limit_exceeded`` when the key has
+        ``max_active_batches_per_key`` unfinished batches or ``max_queued_lines_per_key`` lines queued; 404 when
+        ``input_owner``'s input file is gone."""
+        limits = self.settings
+        refused = await self.in_create_pool(store.reserve, row, limits.max_active_batches_per_key, limits.max_queued_lines_per_key, input_owner)
+        if refused is None:
+            return
+        active, queued = refused
+        if active < 0:
+            raise GatewayError(404, f"No such File object: {row['input_file_id']}", code="file_not_found", param="input_file_id")
+        if active >= limits.max_active_batches_per_key:
+            raise GatewayError(429, f"this key has {active} batches in progress (gateway.batches.max_active_batches_per_key)", code="batch_limit_exceeded")
+        raise GatewayError(
+            429, f"this key has {queued} lines queued (gateway.batches.max_queued_lines_per_key: {limits.max_queued_lines_per_key})",
+            code="batch_limit_exceeded",
+        )  # fmt: skip
 
-    def refuse_over_queued(self, queued: int, adding: int, noun: str = "lines") -> None:
-        """429 when ``adding`` more lines and the ``queued`` ones of a key exceed ``max_queued_lines_per_key``."""
-        limit = self.settings.max_queued_lines_per_key
-        if queued + adding > limit:
+    def refuse_below_floor(self, adding: int) -> None:
+        """507 when writing ``adding`` bytes would leave the state_dir's disk under ``min_free_bytes`` (files kept in
+        the database: not this gateway's disk to watch)."""
+        if not isinstance(self.files, LocalFiles) or not self.settings.min_free_bytes:
+            return
+        free = shutil.disk_usage(self.files.root).free
+        if free - adding < self.settings.min_free_bytes:
             raise GatewayError(
-                429, f"this key has {queued} {noun} queued; {adding} more exceed gateway.batches.max_queued_lines_per_key ({limit})",
-                code="batch_limit_exceeded",
+                507, f"the gateway's disk has {free} bytes free; {adding} more would leave less than gateway.batches.min_free_bytes "
+                f"({self.settings.min_free_bytes}); delete files or try later", code="insufficient_storage", param="file",
             )  # fmt: skip
 
-    async def create(self, store: BatchStore, row: dict[str, Any], custom_ids: list[str]) -> BatchObject:
-        """Record a batch of ``custom_ids`` and wake the runner."""
-        created = await asyncio.to_thread(store.create_batch, row, custom_ids)
+    def refuse_over_quota(self, store: BatchStore, owner: str, quota: KeyLimits | None, adding: int) -> None:
+        """413 ``file_quota_exceeded`` when one more file of ``adding`` bytes takes ``owner`` over its key's
+        ``batch_files`` or ``batch_file_bytes`` (in a thread: it reads the database)."""
+        if quota is None or (quota.batch_files is None and quota.batch_file_bytes is None):
+            return
+        _over_quota(*store.usage(owner), quota, adding)
+
+    def add_upload(self, store: BatchStore, file_id: str, owner: str, quota: KeyLimits | None, filename: str, size: int) -> FileObject:
+        """Record an uploaded file, its key's quotas counted again under the key's lock (concurrent uploads of one key
+        cannot all pass); 413 when over them (in a thread: it writes the database)."""
+        limits = (quota.batch_files, quota.batch_file_bytes) if quota is not None else (None, None)
+        created = store.add_upload(file_id, owner, filename, size, *limits)
+        if isinstance(created, tuple):
+            assert quota is not None
+            _over_quota(*created, quota, size)
+        assert isinstance(created, FileObject)
+        return created
+
+    async def in_create_pool(self, work: Callable[..., T], *args: Any) -> T:
+        """Run a create's work (``work``: its reservation, the check of its lines, the insert of its lines, which
+        waits for SQLite's one writer) in the creates' own threads, not the default pool: creates of big files
+        never queue other keys' calls (every other database call of the API runs in the default pool)."""
+        return await asyncio.get_running_loop().run_in_executor(self._create_pool, functools.partial(work, *args))
+
+    async def create(self, store: BatchStore, batch_id: str, custom_ids: list[str], noun: str = "lines") -> BatchObject:
+        """Turn the reservation ``batch_id`` into a batch of ``custom_ids`` and wake the runner; 429 when they take the
+        key's queued lines over ``max_queued_lines_per_key`` (the reservation is the caller's to drop)."""
+        limit = self.settings.max_queued_lines_per_key
+        created = await self.in_create_pool(store.fill_reservation, batch_id, custom_ids, limit)
+        if isinstance(created, int):
+            raise GatewayError(
+                429, f"this key has {created} {noun} queued; {len(custom_ids)} more exceed gateway.batches.max_queued_lines_per_key ({limit})",
+                code="batch_limit_exceeded",
+            )  # fmt: skip
         if self.runner is not None:
             self.runner.wake()
         return created
@@ -119,8 +169,19 @@ class Batches:
     async def close(self, grace_s: float) -> None:
         if self.runner is not None:
             await self.runner.close(grace_s)
+        self._create_pool.shutdown(wait=False, cancel_futures=True)
         if self.store is not None:
             await asyncio.to_thread(self.store.close)
+
+
+def _over_quota(files: int, size: int, quota: KeyLimits, adding: int) -> None:
+    if quota.batch_files is not None and files + 1 > quota.batch_files:
+        raise GatewayError(413, f"this key keeps {files} batch files (its limits.batch_files: {quota.batch_files}); delete some first", code="file_quota_exceeded", param="file")
+    if quota.batch_file_bytes is not None and size + adding > quota.batch_file_bytes:
+        raise GatewayError(
+            413, f"this key keeps {size} bytes of batch files; {adding} more exceed its limits.batch_file_bytes ({quota.batch_file_bytes}); delete some first",
+            code="file_quota_exceeded", param="file",
+        )  # fmt: skip
 
 
 def batches_for(state: GatewayState) -> Batches | None:

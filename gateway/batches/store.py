@@ -13,9 +13,10 @@ clocks need not agree.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +41,9 @@ from gateway.batches.shapes import ACTIVE, BatchObject, FileObject, RequestCount
 from gateway.tenants.batch_schema import batch_files, batch_lines, batches
 from gateway.tenants.ledger_schema import migrate, open_engine
 
+RESERVED = "reserved"  # a batch being created: counts against its key's limits and holds its input file; no API shows it
+RESERVATION_S = 3600  # a reservation older than this was left by a process that died mid-create: no longer counted
+
 
 @dataclass(frozen=True)
 class LineEnd:
@@ -58,9 +62,13 @@ class BatchStore:
     def __init__(self, url: str) -> None:
         self.engine: Engine = open_engine(url, write=True)
         migrate(self.engine)
+        # Reads of SQLite in plain transactions: every write transaction is BEGIN IMMEDIATE, one at a time, so a
+        # read in one would wait behind a create's insert of 50,000 lines; WAL readers wait for no writer.
+        self.reads: Engine = open_engine(url, write=False) if self.engine.dialect.name == "sqlite" else self.engine
 
     def close(self) -> None:
         self.engine.dispose()
+        self.reads.dispose()
 
     # ---------------------------------------------------------------- files
     def add_file(self, file_id: str, owner: str, purpose: str, filename: str, size: int) -> FileObject:
@@ -68,6 +76,19 @@ class BatchStore:
         row = {"id": file_id, "owner": owner, "purpose": purpose, "filename": filename[:256], "bytes": size, "created_at": int(time.time())}
         with self.engine.begin() as conn:
             conn.execute(delete(batch_files).where(batch_files.c.id == file_id))
+            conn.execute(insert(batch_files).values(**row))
+        return _file(row)
+
+    def add_upload(self, file_id: str, owner: str, filename: str, size: int, max_files: int | None, max_bytes: int | None) -> FileObject | tuple[int, int]:
+        """Record an uploaded file unless it takes ``owner`` over ``max_files`` files or ``max_bytes`` bytes kept
+        (then its (files, bytes) kept before it), under the owner's lock."""
+        row = {"id": file_id, "owner": owner, "purpose": "batch", "filename": filename[:256], "bytes": size, "created_at": int(time.time())}
+        with self.engine.begin() as conn:
+            if max_files is not None or max_bytes is not None:
+                _lock_owner(conn, owner)
+                count, kept = _usage(conn, owner)
+                if (max_files is not None and count + 1 > max_files) or (max_bytes is not None and kept + size > max_bytes):
+                    return count, kept
             conn.execute(insert(batch_files).values(**row))
         return _file(row)
 
@@ -83,19 +104,49 @@ class BatchStore:
         rows = self._page(query, batch_files, after, limit)
         return [_file(row) for row in rows[:limit]], len(rows) > limit
 
-    def delete_file(self, file_id: str) -> None:
+    def delete_file(self, file_id: str, free_bytes: Callable[[], None]) -> str | None:
+        """Delete ``file_id`` unless a batch being created or not ended reads it (that batch's id is returned, nothing
+        deleted). The bytes go first (``free_bytes``), then the row: on a full disk, the bytes' space is what lets
+        the database write the row's delete. One transaction holding the file's row, so a create that reserves a
+        batch of it (:meth:`reserve`) comes wholly before or after."""
         with self.engine.begin() as conn:
+            if conn.execute(select(batch_files.c.id).where(batch_files.c.id == file_id).with_for_update()).first() is None:
+                return None
+            using = conn.execute(select(batches.c.id).where(batches.c.input_file_id == file_id, _holding(conn)).limit(1)).scalar()
+            if using is not None:
+                return str(using)
+            free_bytes()
             conn.execute(delete(batch_files).where(batch_files.c.id == file_id))
+        return None
 
-    def batch_using(self, file_id: str) -> str | None:
-        """An unfinished batch reading ``file_id`` (its input must stay until the batch ends)."""
-        query = select(batches.c.id).where(batches.c.input_file_id == file_id, batches.c.status.in_(ACTIVE))
-        with self.engine.begin() as conn:
-            return conn.execute(query.limit(1)).scalar()
+    def usage(self, owner: str) -> tuple[int, int]:
+        """(files, bytes) ``owner`` keeps (uploads and batches' result files): what its file quotas count."""
+        with self.reads.begin() as conn:
+            return _usage(conn, owner)
 
     # ---------------------------------------------------------------- batches
+    def reserve(self, row: dict[str, Any], max_active: int, max_queued: int, input_owner: str | None) -> tuple[int, int] | None:
+        """Record ``row`` as a reservation (status :data:`RESERVED`) if its owner has fewer than ``max_active``
+        unfinished batches (reservations included) and fewer than ``max_queued`` lines queued, and, with
+        ``input_owner``, its input file is still that owner's; None when reserved, else (unfinished batches, queued
+        lines) of the owner ((-1, -1): the input file is gone). Under the owner's lock (PostgreSQL; SQLite writes one
+        transaction at a time), so concurrent creates of one key are counted one after the other."""
+        with self.engine.begin() as conn:
+            _lock_owner(conn, row["owner"])
+            if input_owner is not None:
+                found = select(batch_files.c.id).where(batch_files.c.id == row["input_file_id"], batch_files.c.owner == input_owner)
+                if conn.execute(found.with_for_update()).first() is None:
+                    return -1, -1
+            stale = and_(batches.c.owner == row["owner"], batches.c.status == RESERVED, batches.c.created_at < int(time.time()) - RESERVATION_S)
+            conn.execute(delete(batches).where(stale))
+            active, queued = _load(conn, row["owner"])
+            if active >= max_active or queued >= max_queued:
+                return active, queued
+            conn.execute(insert(batches).values(**{**row, "status": RESERVED, "total": 0, "completed": 0, "failed": 0}))
+        return None
+
     def create_batch(self, row: dict[str, Any], custom_ids: list[str]) -> BatchObject:
-        """The batch and its lines (all queued), in one transaction: a batch exists whole or not at all."""
+        """The batch and its lines (all queued), in one transaction, with no limit asked (a test's, a tool's)."""
         row = {**row, "total": len(custom_ids), "completed": 0, "failed": 0}
         lines = [{"batch_id": row["id"], "line": index, "custom_id": custom_id, "state": "queued"} for index, custom_id in enumerate(custom_ids)]
         with self.engine.begin() as conn:
@@ -104,14 +155,38 @@ class BatchStore:
                 conn.execute(insert(batch_lines), lines[start : start + 1000])
         return _batch(row)
 
+    def fill_reservation(self, batch_id: str, custom_ids: list[str], max_queued: int) -> BatchObject | int:
+        """Turn the reservation ``batch_id`` into a batch of ``custom_ids`` (all queued, status ``validating``), in one
+        transaction under its owner's lock: the batch exists whole or not at all. The owner's queued lines instead
+        (the reservation left as it is) when the new ones would take them over ``max_queued``."""
+        lines = [{"batch_id": batch_id, "line": index, "custom_id": custom_id, "state": "queued"} for index, custom_id in enumerate(custom_ids)]
+        with self.engine.begin() as conn:
+            owner = conn.execute(select(batches.c.owner).where(batches.c.id == batch_id, batches.c.status == RESERVED)).scalar()
+            if owner is None:
+                raise LookupError(f"no reservation {batch_id}")
+            _lock_owner(conn, owner)
+            _, queued = _load(conn, owner)
+            if queued + len(custom_ids) > max_queued:
+                return queued
+            conn.execute(update(batches).where(batches.c.id == batch_id).values(status="validating", total=len(custom_ids)))
+            for start in range(0, len(lines), 1000):
+                conn.execute(insert(batch_lines), lines[start : start + 1000])
+            row = conn.execute(select(batches).where(batches.c.id == batch_id)).mappings().one()
+        return _batch(row)
+
+    def unreserve(self, batch_id: str) -> None:
+        """Drop the reservation ``batch_id`` (its create was refused or failed)."""
+        with self.engine.begin() as conn:
+            conn.execute(delete(batches).where(batches.c.id == batch_id, batches.c.status == RESERVED))
+
     def batch(self, batch_id: str, owner: str | None) -> BatchObject | None:
         """``batch_id`` if ``owner`` holds it (None: whoever does)."""
         row = self._owned(batches, batch_id, owner)
-        return _batch(row) if row is not None else None
+        return _batch(row) if row is not None and row["status"] != RESERVED else None
 
     def owner_of(self, batch_id: str) -> tuple[str, str | None] | None:
         """(owner, key name) of a batch: whom its lines run as."""
-        with self.engine.begin() as conn:
+        with self.reads.begin() as conn:
             row = conn.execute(select(batches.c.owner, batches.c.key_name).where(batches.c.id == batch_id)).first()
         return (row[0], row[1]) if row is not None else None
 
@@ -120,7 +195,7 @@ class BatchStore:
     ) -> tuple[list[BatchObject], bool]:
         """``owner``'s batches (of ``endpoints`` only, if given), newest first: those after the id ``after``, or the
         ``limit`` just before the id ``before``; and whether more lie beyond them."""
-        query = select(batches)
+        query = select(batches).where(batches.c.status != RESERVED)
         if owner is not None:
             query = query.where(batches.c.owner == owner)
         if endpoints is not None:
@@ -136,27 +211,22 @@ class BatchStore:
 
     def every_batch(self, after: str | None, limit: int) -> tuple[list[tuple[BatchObject, dict[str, Any]]], bool]:
         """Every key's batches, each with who owns it and runs it (``key``, ``leased_by``): the admin's list, one query."""
-        rows = self._page(select(batches), batches, after, limit)
+        rows = self._page(select(batches).where(batches.c.status != RESERVED), batches, after, limit)
         return [(_batch(row), {"key": row["key_name"], "leased_by": row["leased_by"]}) for row in rows[:limit]], len(rows) > limit
 
     def load(self, owner: str) -> tuple[int, int]:
         """(unfinished batches, lines still queued) of ``owner``: what the per-key limits count."""
-        active = and_(batches.c.owner == owner, batches.c.status.in_(ACTIVE))
         with self.engine.begin() as conn:
-            count = conn.execute(select(func.count()).where(active)).scalar() or 0
-            queued = conn.execute(
-                select(func.coalesce(func.sum(batches.c.total - batches.c.completed - batches.c.failed), 0)).where(active)
-            ).scalar()
-        return int(count), int(queued or 0)
+            return _load(conn, owner)
 
     def unfinished(self) -> list[BatchObject]:
         """Every batch not yet ended, oldest first: what the runner takes up (at start: what a restart resumes)."""
         query = select(batches).where(batches.c.status.in_(ACTIVE)).order_by(batches.c.created_at, batches.c.id)
-        with self.engine.begin() as conn:
+        with self.reads.begin() as conn:
             return [_batch(row) for row in conn.execute(query).mappings()]
 
     def status(self, batch_id: str) -> str | None:
-        with self.engine.begin() as conn:
+        with self.reads.begin() as conn:
             return conn.execute(select(batches.c.status).where(batches.c.id == batch_id)).scalar()
 
     def move(self, batch_id: str, to: str, only_from: Iterable[str], **values: Any) -> bool:
@@ -190,14 +260,14 @@ class BatchStore:
 
     def lease(self, batch_id: str) -> tuple[str | None, float | None]:
         """(holder, seconds left on the database's clock; negative: ran out) of ``batch_id``'s lease."""
-        with self.engine.begin() as conn:
+        with self.reads.begin() as conn:
             row = conn.execute(select(batches.c.leased_by, batches.c.lease_until - _now(conn)).where(batches.c.id == batch_id)).first()
         return (row[0], float(row[1]) if row[1] is not None else None) if row is not None else (None, None)
 
     # ---------------------------------------------------------------- lines
     def queued(self, batch_id: str) -> list[int]:
         query = select(batch_lines.c.line).where(batch_lines.c.batch_id == batch_id, batch_lines.c.state == "queued")
-        with self.engine.begin() as conn:
+        with self.reads.begin() as conn:
             return sorted(conn.execute(query).scalars())
 
     def end_line(self, batch_id: str, line: int, end: LineEnd) -> bool:
@@ -227,7 +297,7 @@ class BatchStore:
         """Every line that ended (or the first ``limit`` after the line ``after_line``), in input order, with its answer."""
         where = and_(batch_lines.c.batch_id == batch_id, batch_lines.c.state != "queued", batch_lines.c.line > after_line)
         query = select(batch_lines).where(where).order_by(batch_lines.c.line).limit(limit)
-        with self.engine.begin() as conn:
+        with self.reads.begin() as conn:
             return [dict(row) for row in conn.execute(query).mappings()]
 
     def _owned(self, table: Any, object_id: str, owner: str | None) -> Any:
@@ -235,28 +305,57 @@ class BatchStore:
         query = select(table).where(table.c.id == object_id)
         if owner is not None:
             query = query.where(table.c.owner == owner)
-        with self.engine.begin() as conn:
+        with self.reads.begin() as conn:
             return conn.execute(query).mappings().first()
 
     def _page(self, query: Any, table: Any, after: str | None, limit: int, before: str | None = None) -> list[Any]:
         """Newest first, ``limit`` + 1 rows (the extra one says ``has_more``), starting after the id ``after``; with
         ``before``, the ``limit`` + 1 rows just newer than that id (the extra one, the first, saying more are newer)."""
         if before is not None:
-            with self.engine.begin() as conn:
+            with self.reads.begin() as conn:
                 cursor = conn.execute(select(table.c.created_at).where(table.c.id == before)).scalar()
             if cursor is not None:
                 query = query.where(or_(table.c.created_at > cursor, and_(table.c.created_at == cursor, table.c.id > before)))
             query = query.order_by(table.c.created_at.asc(), table.c.id.asc()).limit(limit + 1)
-            with self.engine.begin() as conn:
+            with self.reads.begin() as conn:
                 return list(reversed(list(conn.execute(query).mappings())))
         if after is not None:
-            with self.engine.begin() as conn:
+            with self.reads.begin() as conn:
                 cursor = conn.execute(select(table.c.created_at).where(table.c.id == after)).scalar()
             if cursor is not None:
                 query = query.where(or_(table.c.created_at < cursor, and_(table.c.created_at == cursor, table.c.id < after)))
         query = query.order_by(table.c.created_at.desc(), table.c.id.desc()).limit(limit + 1)
-        with self.engine.begin() as conn:
+        with self.reads.begin() as conn:
             return list(conn.execute(query).mappings())
+
+
+def _holding(conn: Connection) -> ColumnElement[bool]:
+    """Batches that hold their input file: not ended, or reserved by a create still under way."""
+    recent = and_(batches.c.status == RESERVED, batches.c.created_at >= int(time.time()) - RESERVATION_S)
+    return or_(batches.c.status.in_(ACTIVE), recent)
+
+
+def _load(conn: Connection, owner: str) -> tuple[int, int]:
+    """(unfinished batches, reservations included; lines still queued) of ``owner``."""
+    active = and_(batches.c.owner == owner, _holding(conn))
+    count = conn.execute(select(func.count()).where(active)).scalar() or 0
+    queued = conn.execute(select(func.coalesce(func.sum(batches.c.total - batches.c.completed - batches.c.failed), 0)).where(active)).scalar()
+    return int(count), int(queued or 0)
+
+
+def _usage(conn: Connection, owner: str) -> tuple[int, int]:
+    """(files, bytes) ``owner`` keeps."""
+    query = select(func.count(), func.coalesce(func.sum(batch_files.c.bytes), 0)).where(batch_files.c.owner == owner)
+    count, size = conn.execute(query).one()
+    return int(count), int(size)
+
+
+def _lock_owner(conn: Connection, owner: str) -> None:
+    """Hold ``owner``'s lock to the end of the transaction (PostgreSQL: an advisory lock; SQLite's write
+    transactions, ``BEGIN IMMEDIATE``, run one at a time already)."""
+    if conn.dialect.name == "postgresql":
+        key = int.from_bytes(hashlib.blake2b(f"batches:{owner}".encode(), digest_size=8).digest(), "big", signed=True)
+        conn.execute(select(func.pg_advisory_xact_lock(literal(key))))
 
 
 def _now(conn: Connection) -> ColumnElement[float]:

@@ -91,6 +91,7 @@ _KINDS: dict[int, tuple[str, str]] = {
     502: ("upstream_error", "bad_gateway"),
     503: ("service_unavailable", "engine_unavailable"),
     504: ("timeout_error", "upstream_timeout"),
+    507: ("server_error", "insufficient_storage"),
 }
 
 

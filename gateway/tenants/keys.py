@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from gateway.config import GatewaySettings, KeyLimits, NamedKey, class_number
+from gateway.config import FILE_LIMITS, GatewaySettings, KeyLimits, NamedKey, class_number
 from gateway.tenants.priority import PriorityChoice
 
 TENANT_SCOPE_KEY = "gateway.tenant"
@@ -48,8 +48,9 @@ class Tenant:
 
     @cached_property
     def limited(self) -> bool:
-        """Whether any limit is set (read on every request: computed once, the tenant is immutable)."""
-        return self.limits != KeyLimits()
+        """Whether any request limit is set (read on every request: computed once, the tenant is immutable); the
+        batch files' quotas are the batch API's, not the requests'."""
+        return self.limits.model_dump(exclude=FILE_LIMITS) != KeyLimits().model_dump(exclude=FILE_LIMITS)
 
     def may_use(self, names: Iterable[str]) -> bool:
         """Whether the model known by ``names`` (its name and aliases) is one this key may use."""

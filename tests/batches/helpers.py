@@ -32,13 +32,15 @@ def answering_fake(directory: Path) -> Iterator[tuple[str, Path]]:
 
 
 @contextmanager
-def two_key_gateway(fake_url: str, state: Path, **batches: Any) -> Iterator[GatewayServer]:
+def two_key_gateway(fake_url: str, state: Path, database_url: str | None = None, **batches: Any) -> Iterator[GatewayServer]:
     """A gateway in front of ``fake_url`` (models ``m``, scheduling by priority, and ``other``), keys alpha and beta
-    (both limited to ``m``) and an admin key, its ledger flushed every 50 ms, the batch settings ``batches``."""
+    (both limited to ``m``) and an admin key, its ledger flushed every 50 ms (in ``database_url``, else SQLite in
+    ``state``), the batch settings ``batches``."""
     models = {"m": {"url": fake_url, "enable_priority_scheduling": True}, "other": {"url": fake_url}}
     settings = {
         "keys": [{"name": "alpha", "key": ALPHA, "models": ["m"]}, {"name": "beta", "key": BETA, "models": ["m"]}],
-        "admin_keys": [ADMIN], "state_dir": str(state), "usage": {"flush_interval_s": 0.05}, "batches": batches,
+        "admin_keys": [ADMIN], "state_dir": str(state), "batches": batches,
+        "usage": {"flush_interval_s": 0.05, **({"database_url": database_url} if database_url else {})},
     }  # fmt: skip
     with serve(models, settings) as server:
         yield server

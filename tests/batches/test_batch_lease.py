@@ -157,3 +157,36 @@ def test_a_file_in_the_database_reads_back_whole_from_another_store(url: str) ->
     finally:
         writer.close()
         reader.close()
+
+
+def test_of_many_reservations_at_once_no_more_pass_than_the_key_may_have(url: str) -> None:
+    """Item 6 of issue 58, below the API: 4 stores (as 4 worker processes or replicas) reserve 10 batches each for
+    one key at once, with 3 unfinished batches allowed: the count and the insert are one step under the key's lock,
+    so exactly 3 pass (PostgreSQL's advisory lock; SQLite's one writer)."""
+    stores = [BatchStore(url) for _ in range(4)]
+    try:
+        start = threading.Barrier(len(stores))
+        passed: list[str] = []
+
+        def reserver(store: BatchStore) -> None:
+            start.wait()
+            for _ in range(10):
+                now = int(time.time())
+                row = {
+                    "id": "batch_" + secrets.token_hex(12), "owner": "o", "key_name": None, "endpoint": "/v1/chat/completions",
+                    "input_file_id": "file-x", "completion_window": "24h", "status": "validating", "created_at": now, "expires_at": now + 86400,
+                }  # fmt: skip
+                if store.reserve(row, 3, 10**6, None) is None:
+                    passed.append(row["id"])
+
+        threads = [threading.Thread(target=reserver, args=(store,)) for store in stores]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert len(passed) == 3, passed
+        assert stores[0].load("o") == (3, 0)
+        assert stores[0].batches("o", None, 10) == ([], False)  # reservations: shown by no API
+    finally:
+        for store in stores:
+            store.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -187,3 +188,25 @@ def test_metrics_fold_message_batch_ids() -> None:
     assert route_label("/v1/messages/batches/msgbatch_1/results") == "/v1/messages/batches/{message_batch_id}/results"
     assert route_label("/v1/messages/batches/msgbatch_1/cancel") == "/v1/messages/batches/{message_batch_id}/cancel"
     assert route_label("/v1/messages/batches/msgbatch_1/anything/else") == "other"
+
+
+def test_a_create_is_read_as_it_arrives_and_refused_before_the_rest_of_its_body(gateway: GatewayServer) -> None:
+    """Item 7 of issue 58: the body is checked as it arrives (off the event loop, one request in memory at a time),
+    so a request over ``max_line_bytes`` is refused once its first bytes are read: here the answer comes while
+    19.9 of the body's 20 MB were never sent (before: the body was read and parsed whole first)."""
+    host, port = gateway.url.removeprefix("http://").rsplit(":", 1)
+    size = 20 * 1024 * 1024
+    head = b'{"requests": [{"custom_id": "huge", "params": {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "'
+    with socket.create_connection((host, int(port)), timeout=60) as conn:
+        conn.sendall(
+            b"POST /v1/messages/batches HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nanthropic-version: 2023-06-01\r\n"
+            + f"x-api-key: {ALPHA}\r\nContent-Length: {size}\r\n\r\n".encode() + head + b"x" * (65536 - len(head))
+        )  # fmt: skip
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+            chunk = conn.recv(65536)
+            assert chunk, answer
+            answer += chunk
+    status, _, rest = answer.partition(b"\r\n")
+    assert b" 400 " in status, answer
+    assert b"requests[0]" in rest and b"max_line_bytes" in rest, answer
