@@ -32,15 +32,19 @@ def _generated(engine_url: str) -> float:
     return sum(float(m.group(1)) for m in re.finditer(r"^sglang:generation_tokens_total\{[^}]*\} ([0-9.e+]+)$", text, re.M))
 
 
-def _cut(url: str, events: int) -> None:
+def _cut(url: str, events: int) -> float:
+    """One stream read to ``events`` events and cut: the events a second it was read at, after its first."""
     body = {"model": "tiny", "messages": [{"role": "user", "content": "Count to a thousand."}], "max_tokens": 2000,
             "stream": True, "ignore_eos": True}  # fmt: skip
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as answer:
-        seen = 0
+        seen, first = 0, 0.0
         for line in answer.iter_lines():
             seen += line.startswith("data: ")
+            if seen == 1:
+                first = time.perf_counter()
             if seen >= events:
-                return
+                return (seen - 1) / max(time.perf_counter() - first, 1e-9)
+    return 0.0
 
 
 def main() -> None:
@@ -60,7 +64,7 @@ def main() -> None:
             with serve({"tiny": {"url": engine.url}}, gateway) as server:
                 before = _generated(engine.url)
                 with ThreadPoolExecutor(args.concurrency) as pool:
-                    list(pool.map(lambda _: _cut(server.url, args.events), range(args.streams)))
+                    rates = list(pool.map(lambda _: _cut(server.url, args.events), range(args.streams)))
                 time.sleep(3)  # the engine aborted the last streams; the ledger wrote their rows
                 generated = _generated(engine.url) - before
                 rows = httpx.get(server.url + "/admin/usage", params={"key": "meter"}, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30)
@@ -70,6 +74,7 @@ def main() -> None:
     unseen = generated - charged
     print(f"streams {args.streams} cut after {args.events} events, {args.concurrency} at a time")
     print(f"engine generated {generated:.0f} tokens; ledger charged {charged} completion tokens")
+    print(f"events a second per stream while read: median {sorted(rates)[len(rates) // 2]:.0f}")
     print(f"not charged: {unseen:.0f} tokens, {unseen / args.streams:.1f} per stream, {unseen / max(generated, 1):.1%} of what was generated")
 
 
