@@ -104,7 +104,8 @@ class Lease:
 
 
 def _answered_in_full(upstream: aiohttp.ClientResponse | StreamExchange) -> bool:
-    """The engine answered (not with a 5xx) and its answer came to its end: it did not die of this request."""
-    if upstream.status >= 500:
+    """The engine answered with success and its answer came to its end: it did not die of this request. (Not a 4xx:
+    a request the engine refused was not run, so it says nothing of its shape.)"""
+    if not 200 <= upstream.status < 300:
         return False
     return upstream.is_complete if isinstance(upstream, StreamExchange) else upstream.content.at_eof()
