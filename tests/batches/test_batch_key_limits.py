@@ -4,6 +4,9 @@ key's generation limits; they have a modest limit of their own (gateway.edge.quo
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,8 +16,9 @@ import openai
 import pytest
 
 from gateway.edge.quota import MANAGEMENT_PER_MINUTE
-from tests.batches.helpers import chat_lines, results, upload, wait_ended
+from tests.batches.helpers import chat_lines, jsonl, results, upload, wait_ended
 from tests.gateway_server import GatewayServer, serve
+from tests.servers import CLI, REPO
 from tests.waiting import wait_until
 
 KEY = "sk-limited-owner"
@@ -76,6 +80,20 @@ def test_management_calls_have_a_modest_limit_of_their_own(limited: GatewayServe
     assert statuses[:MANAGEMENT_PER_MINUTE] == [200] * MANAGEMENT_PER_MINUTE  # far more than its 1 request a minute
     assert statuses[-1] == 429 and refused.status_code == 429
     assert refused.json()["error"]["code"] == "rate_limit_exceeded" and int(refused.headers["retry-after"]) >= 1
+
+
+@pytest.mark.parametrize("limited", [{"requests_per_minute": 6}], indirect=True)
+def test_the_cli_waits_for_a_batch_of_a_key_at_a_few_requests_a_minute(limited: GatewayServer, tmp_path: Path) -> None:
+    """Issue 58 item 9: at 6 requests a minute, ``batch submit --wait`` of 6 lines had not finished after 120 s (its
+    upload, create and status polls spent the key's rate, its lines waited for what was left). Now they spend none."""
+    source = tmp_path / "jobs.jsonl"
+    source.write_bytes(jsonl(chat_lines(6)))
+    env = {**os.environ, "SGLANG_GATEWAY_URL": limited.url, "SGLANG_GATEWAY_KEY": KEY}
+    submitted = subprocess.run([*CLI, "batch", "submit", str(source), "--endpoint", "/v1/chat/completions", "--wait"],
+                               capture_output=True, text=True, env=env, timeout=120, cwd=REPO)  # fmt: skip
+    assert submitted.returncode == 0, submitted.stderr
+    written = [json.loads(line) for line in (tmp_path / "jobs.output.jsonl").read_text().splitlines()]
+    assert sorted(line["custom_id"] for line in written) == [f"line-{i}" for i in range(6)]
 
 
 def test_the_cli_polls_a_long_batch_less_and_less_often() -> None:
