@@ -82,6 +82,21 @@ def test_management_calls_have_a_modest_limit_of_their_own(limited: GatewayServe
     assert refused.json()["error"]["code"] == "rate_limit_exceeded" and int(refused.headers["retry-after"]) >= 1
 
 
+@pytest.mark.parametrize("limited", [{"tokens_per_day": 300}], indirect=True)
+def test_batch_lines_wait_while_the_budget_is_held_and_fail_only_once_it_is_spent(limited: GatewayServer) -> None:
+    """Issue 58 item 8: each line may cost more than the whole day (it holds its body's bytes plus 280; the FAKE
+    engine answers 5 + 280). The first runs alone; the others met 429 insufficient_quota while it held the budget,
+    and failed for good (1 line of 10 completed). Held is not spent: they wait (rate_limit_exceeded), the second
+    runs once the first settled (285 of 300 used), and only then is the budget spent for the rest."""
+    client = _client(limited)
+    lines = chat_lines(10, max_tokens=280)
+    batch = client.batches.create(input_file_id=upload(client, lines), endpoint="/v1/chat/completions", completion_window="24h")
+    ended = wait_ended(client, batch.id)
+    assert ended.request_counts.completed == 2 and ended.request_counts.failed == 8, ended
+    errors = results(client, ended.error_file_id)
+    assert {line["response"]["body"]["error"]["code"] for line in errors} == {"insufficient_quota"}, errors[:2]
+
+
 @pytest.mark.parametrize("limited", [{"requests_per_minute": 6}], indirect=True)
 def test_the_cli_waits_for_a_batch_of_a_key_at_a_few_requests_a_minute(limited: GatewayServer, tmp_path: Path) -> None:
     """Issue 58 item 9: at 6 requests a minute, ``batch submit --wait`` of 6 lines had not finished after 120 s (its
