@@ -205,6 +205,10 @@ class HttpSettings(_Strict):
         8192, ge=1,
         description="Open client connections; beyond, new ones get 503 and are closed. Each stream holds about three file descriptors: the gateway raises its open-file limit to the hard limit at start; the default is lowered to what that limit fits (logged), an explicit value above it is warned about. A process out of descriptors anyway answers 503 gateway_out_of_descriptors naming its own limit.",
     )
+    max_connections_per_key: int | None = Field(
+        None, ge=1,
+        description="Open client connections whose last request carried one key; beyond, that key's request on another connection gets 503 too_many_connections and it is closed, so one key cannot hold every connection (unset: half of max_connections).",
+    )
     max_header_bytes: int = Field(32768, ge=1024, description="Request line plus headers; beyond: 431.")
     max_headers: int = Field(100, ge=1, description="Header fields per request; beyond: 431.")
     max_url_bytes: int = Field(8192, ge=256, description="Request target (path and query); beyond: 414.")

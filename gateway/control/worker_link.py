@@ -26,6 +26,7 @@ from gateway.control import channel
 from gateway.control.snapshot import RemoteBackend, RoutingState, apply_state
 from gateway.core.context import request_info
 from gateway.core.errors import GatewayError
+from gateway.core.poison import Suspicion
 from gateway.core.state import GatewayState
 from gateway.edge.auth import KeyHolder
 from gateway.tenants.quotas import Quotas
@@ -121,7 +122,7 @@ class WorkerLink:
         routed = [(route.name, b) for route in routes for b in (*route.replicas, route.front) if b]
         self._retired = [(name, b) for name, b in self._retired if b.in_flight > 0 or b.lost]
         in_flight: dict[tuple[str, str], int] = {}
-        lost: list[tuple[str, str, tuple[str, str | None]]] = []  # (model, identity, (shape, key))
+        lost: list[tuple[str, str, Suspicion]] = []  # (model, identity, (shape, key, answered before))
         with_adapters = {route.name for route in routes if route.adapters}
         for name, backend in (*routed, *self._retired):
             if backend.in_flight:

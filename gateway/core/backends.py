@@ -22,6 +22,8 @@ from launch.process import EngineProcess, bearer
 from launch.router import RouterProcess
 from launch.sglang_versions import NEWEST, VERSIONS, EngineVersion, installed_sglang
 
+COMPLETED_SHAPES = 4096  # per backend: a steady client's shape stays among them however many others complete between
+
 
 class Backend:
     """What every upstream has: the name it serves the model under, its replica number and its counts."""
@@ -52,10 +54,23 @@ class Backend:
         self.knows_tool_parser = False
         # Shapes of requests whose upstream connection broke (the engine died under them, most
         # likely): the watchdog turns them into suspects when it finds the engine dead.
-        self.lost: collections.deque[tuple[str, str | None]] = collections.deque(maxlen=64)  # (shape, key)
+        self.lost: collections.deque[tuple[str, str | None, bool]] = collections.deque(maxlen=64)  # (shape, key, completed)
+        # Shapes of requests it answered in full, the most recent last: a suspect of such a shape is not evidence
+        # (gateway.core.poison: a shape that crashes an engine does so whenever it comes).
+        self.completed: collections.OrderedDict[str, None] = collections.OrderedDict()
         # The requests upstream now (their leases): the suspects if the engine freezes.
         self.active: set[Any] = set()
         self._token = secrets.token_hex(8)
+
+    def note_completed(self, shape: str) -> None:
+        """A request of ``shape`` was answered in full (the newest ``COMPLETED_SHAPES`` are kept)."""
+        completed = self.completed
+        if shape in completed:
+            completed.move_to_end(shape)
+            return
+        completed[shape] = None
+        if len(completed) > COMPLETED_SHAPES:
+            completed.popitem(last=False)
 
     def adapters_in_flight(self) -> list[str]:
         """The LoRA adapter of each request upstream now that selects one (an unload waits for them)."""

@@ -192,6 +192,18 @@ def route_label(path: str) -> str:
 
 _GATEWAY_PATHS = frozenset(path for _, path, _ in GATEWAY_ROUTES if "{" not in path)
 
+# A client's management of its own batches and files: no generation, so none of the key's generation limits
+# (gateway.edge.quota gives them a modest limit of their own)
+_MANAGEMENT = frozenset({
+    FILES, FILE_BY_ID, FILE_CONTENT, BATCHES, BATCH_BY_ID, BATCH_CANCEL,
+    MESSAGE_BATCHES, MESSAGE_BATCH_BY_ID, MESSAGE_BATCH_CANCEL, MESSAGE_BATCH_RESULTS,
+})  # fmt: skip
+
+
+def is_batch_management(path: str) -> bool:
+    """Whether ``path`` is a client's call on its batches or files (listing, creating, reading, cancelling, deleting)."""
+    return route_label(path) in _MANAGEMENT
+
 
 def _batch_label(path: str) -> str:
     parts = path.strip("/").split("/")  # v1, files|batches, id[, content|cancel]

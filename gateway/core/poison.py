@@ -3,7 +3,8 @@
 The known kinds are refused by the request guard (:mod:`engine_guard`: token ids outside the vocabulary,
 unbounded grammars, fields off the allowlist). For crash classes nobody has found yet there is :class:`Quarantine`: when an engine dies, the requests
 whose connections broke with it are suspects; when it freezes (the watchdog restarts it for failed health
-probes), every request in flight on it is. A request shape that was the only suspect of a failure, or a
+probes), every request in flight on it is, less those of shapes the engine had answered in full before (they are
+not what crashes it: :func:`evidence`). A request shape that was the only suspect of a failure, or a
 suspect of two, is refused (400). Requests are identified by their *shape* (:func:`engine_guard.shapes.request_shape`: route,
 fields, types and size classes), not their bytes: an SDK retrying, a client editing a word, the same
 request an hour later or on another replica are all refused, while requests made of other fields pass.
@@ -20,7 +21,8 @@ from typing import Any
 from engine_guard.shapes import fields_of
 from gateway.core.errors import GatewayError
 
-Suspicion = tuple[str, "str | None"]  # (request shape, the key that sent it: None on an open gateway)
+# (request shape, the key that sent it: None on an open gateway, whether its engine answered that shape in full before)
+Suspicion = tuple[str, "str | None", bool]
 
 
 @dataclass
@@ -41,6 +43,19 @@ class Suspect:
     @property
     def refusing(self) -> bool:
         return self.blocked or bool(self.refused_for)
+
+
+def evidence(suspects: list[tuple[str, str | None, bool]]) -> list[tuple[str, str | None]]:
+    """The (shape, key) pairs a failure is held against: those of shapes the engine had never answered in full.
+
+    The quarantine's premise is that a shape which crashed an engine crashes it whenever it comes; a shape the
+    engine answered before is then not the cause, however many of its requests were in flight. So a steady client's
+    ordinary requests next to another key's crafted one are not evidence at all: the crafted one is the only
+    suspect (refused at once). When every suspect's shape had been answered (a crash that depends on the bytes, not
+    the shape), every suspect is evidence, as if nothing had been answered."""
+    pairs = list(dict.fromkeys((shape, key) for shape, key, _ in suspects))
+    doubted = list(dict.fromkeys((shape, key) for shape, key, answered in suspects if not answered))
+    return doubted or pairs
 
 
 def implicated_keys(suspects: list[tuple[str, str | None]]) -> set[str | None]:
@@ -77,10 +92,12 @@ class Quarantine:
     def __bool__(self) -> bool:
         return self._blocked > 0
 
-    def engine_failed(self, model: str, suspects: list[str] | list[Suspicion], cause: str) -> list[str]:
-        """Note the requests (shapes, or (shape, key) pairs; a bare shape is an open gateway's) in flight when
-        ``model``'s engine crashed or froze; returns the shapes newly refused (for anyone)."""
-        pairs = list(dict.fromkeys((item, None) if isinstance(item, str) else (item[0], item[1]) for item in suspects))
+    def engine_failed(self, model: str, suspects: Iterable[str | tuple[str, str | None] | Suspicion], cause: str) -> list[str]:
+        """Note the requests (shapes, (shape, key) pairs or :data:`Suspicion`; a bare shape is an open gateway's) in
+        flight when ``model``'s engine crashed or froze; returns the shapes newly refused (for anyone).
+
+        The evidence is the suspects whose shape the engine had not answered in full before (:func:`evidence`)."""
+        pairs = evidence([(item, None, False) if isinstance(item, str) else (item[0], item[1], len(item) > 2 and bool(item[2])) for item in suspects])
         implicated = implicated_keys(pairs)
         alone = len({shape for shape, _ in pairs}) == 1
         newly = []

@@ -53,8 +53,9 @@ async def exchange(call: Call, lease: Lease, sender: UpstreamSender, quarantine:
         path = call.endpoint.upstream_path
         payload = orjson.dumps(body)
         lease.request = (path, payload)
+        lease.shape = request_shape(path, body)
         if quarantine:
-            quarantine.check(route.name, request_shape(path, body), lease.key)
+            quarantine.check(route.name, lease.shape, lease.key)
         headers = {"Content-Type": "application/json", "X-Request-Id": call.info.request_id, **backend.upstream_headers()}
         headers.update(call.notes.attempt(backend.served_name, backend.url, call.info.replica))
         try:

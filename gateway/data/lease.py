@@ -25,7 +25,7 @@ class Lease:
     is what tells the engine that nobody listens any more (it aborts the request).
     """
 
-    __slots__ = ("limiter", "backend", "gauge", "upstream", "request", "grammar", "adapter", "key")
+    __slots__ = ("limiter", "backend", "gauge", "upstream", "request", "shape", "grammar", "adapter", "key")
 
     def __init__(self, limiter: ConcurrencyLimiter) -> None:
         self.limiter: ConcurrencyLimiter | None = limiter
@@ -34,6 +34,7 @@ class Lease:
         self.gauge: Any = None
         self.upstream: aiohttp.ClientResponse | StreamExchange | None = None
         self.request: tuple[str, bytes] | None = None  # (path, body) as sent upstream
+        self.shape: str | None = None  # the request shape of that body (engine_guard.shapes): the quarantine's unit
         self.adapter: str | None = None  # the LoRA adapter it selects: an unload waits for it (gateway.control.adapters)
         self.key: str | None = None  # the client key that sent it (name or hash; None: open gateway): whose evidence it is
 
@@ -63,11 +64,16 @@ class Lease:
             return
         if isinstance(error, (aiohttp.ClientConnectorError, TimeoutError, UpstreamUnreachable, UpstreamPoolFull)):
             return
-        self.backend.lost.append((payload_shape(*self.request), self.key))
+        self.backend.lost.append(self._suspicion(self.backend))
 
     def suspect(self) -> Suspicion | None:
-        """This request's shape and key, when it is upstream (a suspect if its engine freezes)."""
-        return (payload_shape(*self.request), self.key) if self.request is not None else None
+        """This request's shape and key, when it is upstream (a suspect if its engine freezes), and whether its
+        backend answered a request of that shape in full before."""
+        return self._suspicion(self.backend) if self.request is not None and self.backend is not None else None
+
+    def _suspicion(self, backend: Backend) -> Suspicion:
+        shape = self.shape if self.shape is not None else payload_shape(*self.request)  # type: ignore[misc]
+        return (shape, self.key, shape in backend.completed)
 
     def release_grammar(self) -> None:
         """Give back the grammar slot: the engine has compiled the grammar (a stream's first bytes came)."""
@@ -80,6 +86,8 @@ class Lease:
         upstream, self.upstream = self.upstream, None
         if upstream is not None:
             if isinstance(upstream, StreamExchange) or upstream.content.at_eof():
+                if self.shape is not None and self.backend is not None and _answered_in_full(upstream):
+                    self.backend.note_completed(self.shape)
                 upstream.release()  # a stream cut short is closed by it (the engine aborts the request)
             else:
                 upstream.close()
@@ -93,3 +101,11 @@ class Lease:
         limiter, self.limiter = self.limiter, None
         if limiter is not None:
             limiter.release()
+
+
+def _answered_in_full(upstream: aiohttp.ClientResponse | StreamExchange) -> bool:
+    """The engine answered with success and its answer came to its end: it did not die of this request. (Not a 4xx:
+    a request the engine refused was not run, so it says nothing of its shape.)"""
+    if not 200 <= upstream.status < 300:
+        return False
+    return upstream.is_complete if isinstance(upstream, StreamExchange) else upstream.content.at_eof()

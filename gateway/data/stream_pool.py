@@ -255,6 +255,11 @@ class StreamExchange:
         self._rest_until: float | None = None  # resting until this loop time (its wake-up tick in the pool)
         self.native: tuple[NativeStreams, int] | None = None  # relayed by the native thread: (its streams, this one)
 
+    @property
+    def is_complete(self) -> bool:
+        """The whole response came (its end was read)."""
+        return self._complete
+
     # -------------------------------------------------------------- what the connection reports
     def headers_done(self, status: int, keep_alive: bool) -> None:
         self.status = status

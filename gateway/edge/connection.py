@@ -6,7 +6,9 @@ reading, and answers malformed requests in plain text. Each of these lets an una
 memory, sockets or (through a stalled stream) a model's concurrency slot. :func:`guarded_protocol`
 makes a subclass of uvicorn's ``HttpToolsProtocol`` that enforces :class:`HttpSettings`:
 
-- more than ``max_connections`` open connections: the new one gets 503 and is closed at once;
+- more than ``max_connections`` open connections: the new one gets 503 and is closed at once; a key whose requests
+  hold ``max_connections_per_key`` of them (unset: half) gets 503 for a request on another connection, so that one
+  key's streams cannot take every connection (an fd-starved process has few);
 - request line over ``max_url_bytes`` (414), head over ``max_header_bytes`` or ``max_headers`` (431):
   counted as bytes arrive while the head is incomplete, so a never-ending header cannot grow memory, and
   field by field as the parser hands them over, so a head that arrives whole in one read is counted too;
@@ -18,7 +20,11 @@ makes a subclass of uvicorn's ``HttpToolsProtocol`` that enforces :class:`HttpSe
 While the gateway drains (SIGTERM with ``gateway.shutdown_delay_s``) every response closes its connection, so that a
 client holding a keep-alive connection opens its next one through the load balancer, to another replica.
 
-Every rejection is OpenAI-shaped JSON with ``Connection: close``. The body timeout lives in the app
+Every rejection is OpenAI-shaped JSON with ``Connection: close``, followed by a lingering close: the gateway stops
+writing, then reads and drops what the client still sends until it closes (at most :data:`LINGER_S` and
+:data:`LINGER_BYTES`), because
+closing a socket with unread bytes (a request body sent at once) sends a reset, and the client's TCP stack drops the
+answer it had not read yet. The body timeout lives in the app
 (:class:`gateway.edge.middleware.BodyLimitMiddleware`), which can still answer 408 there.
 """
 
@@ -36,6 +42,9 @@ from gateway.config import HttpSettings
 from gateway.core.endpoints import dialect_for_path
 from gateway.core.errors import Dialect, GatewayError
 from gateway.core.state import GatewayState
+
+LINGER_S = 2.0  # after a rejection, how long what the client still sends is read and dropped before the socket closes
+LINGER_BYTES = 1 << 20  # ... and how much of it (a request body; a head that never ends is cut off sooner)
 
 HTTP_CYCLE = "gateway.http_cycle"
 """``scope["extensions"]`` key of uvicorn's request-response cycle: a stream relay writes its events to the
@@ -65,6 +74,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     limits: HttpSettings = HttpSettings()
     gateway: GatewayState | None = None  # whose ``draining`` makes every response close its connection
+    by_key: dict[int, int] = {}  # a hash of each key presented -> the open connections whose last request carried it
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -75,6 +85,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._rejection: GatewayError | None = None
         self._head_timer: asyncio.TimerHandle | None = None
         self._write_timer: asyncio.TimerHandle | None = None
+        self._key: int | None = None  # (a hash of) the key this connection's last request presented, counted in by_key
+        self._lingering = False  # rejected: what comes is read and dropped until the client closes
+        self._dropped = 0  # bytes dropped while lingering
 
     # ------------------------------------------------------------------ connection
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -88,9 +101,15 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timers()
+        self._count_key(None)
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self._lingering:
+            self._dropped += len(data)
+            if self._dropped > LINGER_BYTES:
+                self.transport.close()
+            return
         super().data_received(data)
         if not self._awaiting_head or self.transport.is_closing():
             return
@@ -131,6 +150,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._awaiting_head = False
         self._head_bytes = 0
         self._cancel_head_timer()
+        self._hold_key_share()
         super().on_headers_complete()
         cycle = getattr(self, "cycle", None)
         if cycle is not None and cycle.scope is self.scope:
@@ -170,6 +190,33 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             logger.warning("http: {} accepted no data for {:g}s; disconnecting it", client, self.limits.write_timeout_s)
             self.transport.abort()  # connection_lost() follows: the app sees http.disconnect
 
+    # ------------------------------------------------------------------ a key's share of the connections
+    def _hold_key_share(self) -> None:
+        """Count this connection for the key its request presents; refuse the request (503) when that key already
+        holds its share of the connections on others. A request without a key is not counted (it is refused later)."""
+        key = next((hash(value) for name, value in self.headers if name in (b"authorization", b"x-api-key")), None)
+        if key is None or key == self._key:
+            return
+        share = self.limits.max_connections_per_key or max(1, self.limits.max_connections // 2)
+        held = self.by_key.get(key, 0)
+        if held >= share:
+            logger.warning("http: a key holds {} open connections (its share of max_connections); refusing its request on another", held)
+            message = f"this key holds {held} of the gateway's open connections, its share; close some or retry later"
+            self._rejection = GatewayError(503, message, code="too_many_connections", headers={"Retry-After": "1"})
+            raise _Rejected
+        self._count_key(key)
+
+    def _count_key(self, key: int | None) -> None:
+        if self._key is not None:
+            left = self.by_key[self._key] - 1
+            if left:
+                self.by_key[self._key] = left
+            else:
+                del self.by_key[self._key]
+        self._key = key
+        if key is not None:
+            self.by_key[key] = self.by_key.get(key, 0) + 1
+
     # ------------------------------------------------------------------ helpers
     def _head_too_large(self) -> GatewayError:
         return GatewayError(431, f"request headers are larger than {self.limits.max_header_bytes} bytes", code="headers_too_large")
@@ -194,7 +241,21 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             # The request line may be known by now: answer in that route's dialect.
             path = getattr(self, "url", b"").split(b"?", 1)[0].decode("latin-1", errors="replace")
             self.transport.write(rejection_bytes(error, dialect_for_path(path)))
-            self.transport.close()
+            self._linger()
+
+    def _linger(self) -> None:
+        """Stop writing (the client reads the answer, then the end), drop what it still sends, close once it closes
+        (``eof_received``) or after :data:`LINGER_S`: a close with unread bytes would reset the connection."""
+        self._lingering = True
+        transport = self.transport
+        try:
+            transport.resume_reading()
+            if transport.can_write_eof():
+                transport.write_eof()
+        except (OSError, RuntimeError):
+            transport.close()
+            return
+        self.loop.call_later(LINGER_S, transport.close)
 
     def _cancel_head_timer(self) -> None:
         if self._head_timer is not None:
@@ -211,4 +272,4 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 def guarded_protocol(limits: HttpSettings, gateway: GatewayState | None = None) -> type[GuardedHttpProtocol]:
     """A protocol class for ``uvicorn.Config(http=...)`` enforcing ``limits``; connections close after each response
     while ``gateway`` drains."""
-    return type("GatewayHttpProtocol", (GuardedHttpProtocol,), {"limits": limits, "gateway": gateway})
+    return type("GatewayHttpProtocol", (GuardedHttpProtocol,), {"limits": limits, "gateway": gateway, "by_key": {}})

@@ -4,6 +4,11 @@ those headers (OpenAI's ``x-ratelimit-*``, Anthropic's ``anthropic-ratelimit-*``
 
 Runs right after the key check (it needs the tenant) and charges the request's tokens when it ends, from the
 usage the relay or the plain answer recorded on the request's :class:`~gateway.core.context.RequestInfo`.
+
+A key's calls on its own batches and files (:func:`~gateway.core.endpoints.is_batch_management`) generate nothing:
+they spend none of its generation limits, so a key over its budget or rate still reaches the results it paid for and
+can cancel what runs. They have a modest limit of their own instead (:data:`MANAGEMENT_PER_MINUTE` per key and
+process), which keeps a polling loop from hammering the store.
 """
 
 from __future__ import annotations
@@ -15,21 +20,27 @@ from collections.abc import Callable
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.core.context import RequestInfo, request_info
-from gateway.core.endpoints import dialect_for_path
+from gateway.core.endpoints import dialect_for_path, is_batch_management
 from gateway.core.errors import Dialect, GatewayError, error_response
 from gateway.tenants.keys import TENANT_SCOPE_KEY, Tenant
-from gateway.tenants.quotas import KeyQuota, Quotas, Refusal
+from gateway.tenants.quotas import Bucket, KeyQuota, Quotas, Refusal
+
+MANAGEMENT_PER_MINUTE = 300  # a limited key's calls on its batches and files, per process (a bucket: 5 a second, 300 at once)
 
 
 class QuotaMiddleware:
     def __init__(self, app: ASGIApp, quotas: Quotas) -> None:
         self.app = app
         self.quotas = quotas
+        self._management: dict[str, Bucket] = {}  # key name -> its bucket of batch and file calls
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         tenant: Tenant | None = scope.get(TENANT_SCOPE_KEY) if scope["type"] == "http" else None
         if tenant is None or tenant.name is None or not tenant.limited:
             await self.app(scope, receive, send)
+            return
+        if is_batch_management(scope["path"]):
+            await self._management_call(tenant.name, scope, receive, send)
             return
         quota = self.quotas.of(tenant.name, tenant.limits)
         now = self.quotas.clock()
@@ -61,6 +72,28 @@ class QuotaMiddleware:
         finally:
             used = ((info.prompt_tokens or 0) + (info.completion_tokens or 0)) if info is not None else 0
             quota.finish(used, self.quotas.clock(), info.reserved if info is not None else 0)
+
+
+    async def _management_call(self, name: str, scope: Scope, receive: Receive, send: Send) -> None:
+        """A call on the key's batches or files: its own bucket, none of the generation limits."""
+        now = self.quotas.clock()
+        bucket = self._management.get(name)
+        if bucket is None:
+            bucket = self._management[name] = Bucket(MANAGEMENT_PER_MINUTE, at=now)
+        bucket.refill(now)
+        if bucket.level < 1:
+            retry = max(1, math.ceil(bucket.wait_s()))
+            error = GatewayError(
+                429, f"key {name!r}: rate limit reached: {MANAGEMENT_PER_MINUTE} batch and file calls per minute; retry in {retry}s",
+                code="rate_limit_exceeded", headers={"Retry-After": str(retry)},
+            )  # fmt: skip
+            info = request_info(scope)
+            if info is not None:
+                info.error = info.error_code = "rate_limit_exceeded"
+            await error_response(error, dialect_for_path(scope["path"]))(scope, receive, send)
+            return
+        bucket.level -= 1
+        await self.app(scope, receive, send)
 
 
 def _refused(name: str, refusal: Refusal, quota: KeyQuota, now: float, dialect: Dialect) -> GatewayError:

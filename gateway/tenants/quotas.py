@@ -149,6 +149,7 @@ class QuotaView:
     day_used: int
     month_used: int
     in_flight: tuple[tuple[int, int], ...]  # (worker index, its requests of this key in flight)
+    held: tuple[tuple[int, int], ...] = ()  # (worker index, the tokens its requests of this key hold now)
 
 
 class KeyQuota:
@@ -163,6 +164,7 @@ class KeyQuota:
         self.in_flight = 0
         self.share = share  # of the buckets, for one worker of several (1: the process holds the whole quota)
         self.others_in_flight = 0  # the other workers' requests of this key, as of the last round
+        self.others_held = 0  # the tokens the other workers' requests of this key hold, as of the last round
         self.unreported = [0, 0]  # requests admitted and tokens charged here since the last report
         self.reported_in_flight = 0
         self.reserved = 0  # tokens held by this process's requests in flight (charged at admission, settled at the end)
@@ -198,7 +200,7 @@ class KeyQuota:
         for budget in (self.day, self.month):
             if budget is not None:
                 budget.roll(now)
-                if budget.used >= budget.limit:
+                if budget.used - self.reserved - self.others_held >= budget.limit:  # spent, not held by requests in flight
                     wait = next_period_start(now, budget.period) - now
                     return Refusal(f"token budget spent: {budget.limit} tokens per {budget.period}", "insufficient_quota", wait)
         if self.requests is not None:
@@ -280,8 +282,9 @@ class Quotas:
         # a worker's reports the control had not counted yet in the last sums it sent: (number, key -> used)
         self._unabsorbed: list[tuple[int, dict[str, tuple[int, int]]]] = []
         self._reports = 0
-        # the control's view: key -> worker -> in flight, and the last report of each worker it counted
+        # the control's view: key -> worker -> in flight (and tokens held), and the last report of each worker it counted
         self._in_flight: dict[str, dict[int, int]] = {}
+        self._held: dict[str, dict[int, int]] = {}
         self.absorbed: dict[int, int] = {}
         self._spent: dict[str, dict[str, int]] = {"day": {}, "month": {}}  # from the ledger at start: key -> tokens
 
@@ -307,20 +310,20 @@ class Quotas:
         return quota
 
     # ----------------------------------------------------------------- a worker's side
-    def report(self) -> tuple[int, dict[str, tuple[int, int, int]]] | None:
-        """What each key used here since the last report (requests admitted, tokens charged, in flight now), numbered;
-        None when nothing changed."""
+    def report(self) -> tuple[int, dict[str, tuple[int, int, int, int]]] | None:
+        """What each key used here since the last report (requests admitted, tokens charged, in flight now, tokens its
+        requests in flight hold now), numbered; None when nothing changed."""
         used = {}
         for name, quota in self._by_name.items():
             requests, tokens = quota.unreported
             if requests or tokens or quota.in_flight != quota.reported_in_flight:
-                used[name] = (requests, tokens, quota.in_flight)
+                used[name] = (requests, tokens, quota.in_flight, quota.reserved)
                 quota.reported_in_flight = quota.in_flight
             quota.unreported = [0, 0]
         if not used:
             return None
         self._reports += 1
-        self._unabsorbed.append((self._reports, {name: (r, t) for name, (r, t, _) in used.items()}))
+        self._unabsorbed.append((self._reports, {name: (counts[0], counts[1]) for name, counts in used.items()}))
         return self._reports, used
 
     def apply(self, views: dict[str, tuple[KeyLimits, QuotaView]], worker: int, absorbed: int) -> None:
@@ -344,6 +347,7 @@ class Quotas:
                     budget.roll(now)
                     budget.used, budget.base = total + tokens, total
             quota.others_in_flight = sum(count for index, count in view.in_flight if index != worker)
+            quota.others_held = sum(count for index, count in view.held if index != worker)
 
     def counted(self, number: int) -> None:
         """The sums hold this process's reports up to ``number`` (a replica counts its own at once, whether or not the
@@ -359,10 +363,13 @@ class Quotas:
             quota.others_in_flight = 0 if limit is None else limit - max(1, math.floor(limit * self.share))
 
     # ----------------------------------------------------------------- the control's side
-    def absorb(self, worker: int, number: int, used: dict[str, tuple[int, int, int]], limits: dict[str, KeyLimits]) -> None:
-        """Count report ``number`` of worker ``worker`` (key -> used); ``limits``: the limited named keys in force."""
+    def absorb(self, worker: int, number: int, used: dict[str, tuple[int, ...]], limits: dict[str, KeyLimits]) -> None:
+        """Count report ``number`` of worker ``worker`` (key -> used: requests, tokens, in flight, and tokens held: a
+        report of an older replica has no held); ``limits``: the limited named keys in force."""
         now = self.clock()
-        for name, (requests, tokens, in_flight) in used.items():
+        for name, counts in used.items():
+            requests, tokens, in_flight = counts[:3]
+            held = counts[3] if len(counts) > 3 else 0
             key_limits = limits.get(name)
             if key_limits is None:  # no longer limited (a reload): nothing to count
                 continue
@@ -373,11 +380,12 @@ class Quotas:
             if tokens:
                 quota.charge(tokens, now)
             self._in_flight.setdefault(name, {})[worker] = in_flight
+            self._held.setdefault(name, {})[worker] = held
         self.absorbed[worker] = number
 
     def forget_worker(self, worker: int) -> None:
         """A worker that exited has nothing in flight any more, and its successor numbers its reports from 1."""
-        for counts in self._in_flight.values():
+        for counts in (*self._in_flight.values(), *self._held.values()):
             counts.pop(worker, None)
         self.absorbed.pop(worker, None)
 
@@ -397,6 +405,7 @@ class Quotas:
                 quota.day.used if quota.day is not None else 0,
                 quota.month.used if quota.month is not None else 0,
                 tuple(sorted(self._in_flight.get(name, {}).items())),
+                tuple(sorted(self._held.get(name, {}).items())),
             ))  # fmt: skip
         return views
 

@@ -35,6 +35,7 @@ from gateway.config import KeyLimits
 from gateway.core.shared_store import SharedStore, StoreUnavailable, quota_reports, replicas
 from gateway.tenants.quotas import Quotas
 
+HELD = "\0held\0"  # a stored report's entry for the tokens a key's requests hold: [0, 0, tokens] (older replicas skip it)
 GONE_ROUNDS = 4  # a replica not seen for this many rounds (at least GONE_MIN_S) has nothing in flight any more
 GONE_MIN_S = 2.0
 LOOK_BACK_S = 5.0  # reports are read again this far behind the last read (stamped when written, seen once committed)
@@ -58,7 +59,7 @@ class SharedQuotas:
         self.store = store
         self.limited = limited  # the limited named keys in force (a reload changes them)
         self._numbers: dict[str, int] = {store.replica: 0}  # replica -> its number in the sums' in-flight counts
-        self._pending: dict[str, list[int]] = {}  # what the store did not take yet: key -> [requests, tokens, in flight]
+        self._pending: dict[str, list[int]] = {}  # what the store did not take yet: key -> [requests, tokens, in flight, held]
         self._absorbed: dict[int, dt.datetime] = {}  # the other replicas' report ids already counted -> their time
         self._read_from: dt.datetime | None = None  # None: the first round reads only what comes after it
         self._last_number = 0
@@ -74,10 +75,10 @@ class SharedQuotas:
             self._last_number = number
             self.total.absorb(0, number, used, limits)
             self.local.counted(number)  # in the sums now: a long outage keeps no list of reports
-            for name, (requests, tokens, in_flight) in used.items():  # one report, however long the store was down
-                held = self._pending.setdefault(name, [0, 0, 0])
-                held[0], held[1], held[2] = held[0] + requests, held[1] + tokens, in_flight
-        pending = orjson.dumps(self._pending).decode() if self._pending else None
+            for name, (requests, tokens, in_flight, reserved) in used.items():  # one report, however long the store was down
+                held = self._pending.setdefault(name, [0, 0, 0, 0])
+                held[0], held[1], held[2], held[3] = held[0] + requests, held[1] + tokens, in_flight, reserved
+        pending = orjson.dumps(_written(self._pending)).decode() if self._pending else None
         try:
             exchanged = await self.store.run(lambda conn: self._exchange(conn, pending))
         except StoreUnavailable:
@@ -96,7 +97,7 @@ class SharedQuotas:
             self.total.forget_worker(self._numbers.pop(name))
         self.store.live = sorted(live)
         for replica, used in others:
-            self.total.absorb(self._number(replica), 0, {name: tuple(counts) for name, counts in used.items()}, limits)
+            self.total.absorb(self._number(replica), 0, _read(used), limits)
         self.local.apply(self.total.snapshot(limits), 0, self._last_number)
 
     def _number(self, replica: str) -> int:
@@ -136,3 +137,19 @@ class SharedQuotas:
             conn.execute(delete(replicas).where(replicas.c.seen_at < now - dt.timedelta(seconds=KEEP_REPORTS_S)))
         return _Exchanged(others, live, now, absorbed)
 
+
+
+def _written(pending: dict[str, list[int]]) -> dict[str, list[int]]:
+    """A report as stored: three counts a key (as older replicas read them), and what its requests hold apart."""
+    stored = {name: counts[:3] for name, counts in pending.items()}
+    stored.update((HELD + name, [0, 0, counts[3]]) for name, counts in pending.items() if counts[3])
+    return stored
+
+
+def _read(stored: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """A stored report as :meth:`Quotas.absorb` takes it (key -> requests, tokens, in flight, held)."""
+    used = {name: (*counts[:3], 0) for name, counts in stored.items() if not name.startswith(HELD)}
+    for name, counts in stored.items():
+        if name.startswith(HELD) and name[len(HELD) :] in used:
+            used[name[len(HELD) :]] = (*used[name[len(HELD) :]][:3], counts[2])
+    return used

@@ -12,11 +12,14 @@ import platform
 import re
 import resource
 import shutil
+import signal
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from launch.procgroup import signal_group
 
 STACK_PACKAGES = ("sglang", "torch", "sglang-kernel", "sgl-kernel", "flashinfer-python", "flashinfer-jit-cache")
 _STACK_SCRIPT = (
@@ -69,14 +72,22 @@ class HostFacts:
 
 
 def run(command: list[str], timeout_s: float = 20) -> str | None:
-    """A command's standard output, or None when it is absent, fails or hangs."""
+    """A command's standard output, or None when it is absent, fails or hangs. It runs in a process group of its
+    own: one that hangs (``nvidia-smi`` on a wedged driver) is killed with everything it started, not left behind."""
     if shutil.which(command[0]) is None:
         return None
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, check=False)
-    except (OSError, subprocess.TimeoutExpired):
+        child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    except OSError:
         return None
-    return done.stdout if done.returncode == 0 else None
+    with child:
+        try:
+            stdout, _ = child.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            signal_group(child.pid, signal.SIGKILL)
+            child.wait()
+            return None
+    return stdout if child.returncode == 0 else None
 
 
 def installed_stack(python: str) -> dict[str, str]:

@@ -367,3 +367,28 @@ def test_records_of_other_replicas_merge_and_clears_are_said() -> None:
     theirs.merge({}, gone=[("m", shape)])  # cleared on another replica
     assert not theirs
     assert mine.clear("m") == 1 and said == [1, 1]
+
+
+def test_a_shape_the_engine_answered_before_is_not_evidence() -> None:
+    """The bystander case (issue 58): a steady client's ordinary shape, answered many times, in flight at each of
+    an attacker's crashes with crafted shapes. The crafted one is the only evidence: refused at once for its key."""
+    quarantine = Quarantine()
+    ordinary = request_shape("/v1/chat/completions", {"messages": [{"role": "user", "content": "line"}], "max_tokens": 4})
+    first, second = (request_shape("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 17}], "max_tokens": n}) for n in (2, 50))
+    for crafted in (first, second):
+        suspects = [(ordinary, "victim", True), (crafted, "attacker", False), (ordinary, "victim", True)]
+        assert quarantine.engine_failed("m", suspects, "crashed") == [crafted]
+        quarantine.check("m", ordinary, "victim")
+        with pytest.raises(GatewayError):
+            quarantine.check("m", crafted, "attacker")
+        quarantine.check("m", crafted, "victim")  # one key's evidence: refused for that key only
+    assert [(entry["shape"], entry["refused_for"]) for entry in quarantine.report()] == [(first, ["attacker"]), (second, ["attacker"])]
+
+
+def test_when_every_suspect_was_answered_before_all_are_evidence() -> None:
+    """A crash that depends on the bytes, not the shape: nothing tells the suspects apart, so they count as before."""
+    quarantine = Quarantine()
+    a, b = request_shape("/p", {"a": 1}), request_shape("/p", {"b": 1})
+    assert quarantine.engine_failed("m", [(a, "k1", True), (b, "k2", True)], "crashed") == []
+    assert quarantine.engine_failed("m", [(a, "k1", True), (b, "k2", True)], "crashed") == [a, b]
+    assert {(entry["shape"], tuple(entry["refused_for"])) for entry in quarantine.report()} == {(a, ("k1",)), (b, ("k2",))}

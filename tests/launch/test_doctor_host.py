@@ -233,3 +233,29 @@ def test_databricks_model_serving_is_recognised_by_the_variable_mlflow_reads(hos
     facts = host_path("h200-r580-cuda13.0.txt", (RECORDED / "h200-r580-query-gpu.csv").read_text())
     assert "IS_IN_DB_MODEL_SERVING_ENV" in facts.container_env
     assert _by_name(host_checks(facts), "container").detail.startswith("Databricks Model Serving")
+
+
+def test_a_hung_nvidia_smi_is_killed_with_its_children(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 58 item 11: a FAKE ``nvidia-smi`` that starts a child and hangs (a wedged driver): the doctor gives up
+    on it after its timeout and leaves neither of them running."""
+    from launch.doctor.host import run
+    from launch.procgroup import pid_alive
+    from tests.waiting import wait_until
+
+    pids = tmp_path / "pids"
+    _program(tmp_path, "nvidia-smi", f"sleep 300 &\necho $! > {pids}\nexec sleep 300\n")
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    try:
+        assert run(["nvidia-smi"], timeout_s=1) is None
+        child = int(pids.read_text())
+        wait_until(lambda: not pid_alive(child) or _zombie(child), f"the child {child} of the hung nvidia-smi to go", 10)
+    finally:  # (what a failure left: this test's own child, by its pid)
+        if pids.exists() and pid_alive(int(pids.read_text())) and not _zombie(int(pids.read_text())):
+            os.kill(int(pids.read_text()), 9)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True

@@ -229,6 +229,32 @@ def test_concurrent_requests_of_one_key(upstream: str) -> None:
             assert _chat(_sdk(server, CHAT)).http_response.status_code == 200
 
 
+def test_a_budget_held_by_a_request_in_flight_is_not_spent(upstream: str) -> None:
+    """Issue 58 item 8: 300 tokens a day, one request in flight holding more than that (alone, it runs): another
+    request meanwhile gets 429 rate_limit_exceeded with Retry-After 1 (the budget is held), not insufficient_quota
+    until midnight; once the hold is given back (504: nothing used) the same request is served."""
+    with fake_stalled_upstream() as stalled:
+        models = {"a": {"url": upstream}, "stalled": {"url": stalled}}
+        keys = [{"name": "batch", "key": BATCH, "limits": {"tokens_per_day": 300}}]
+        with serve(models, {"keys": keys, "upstream_read_timeout_s": 3}) as server:
+            held = threading.Thread(target=lambda: httpx.post(
+                server.url + "/v1/chat/completions", headers={"authorization": f"Bearer {BATCH}"}, timeout=30,
+                json={"model": "stalled", "messages": PROMPT, "max_tokens": 500},
+            ))  # fmt: skip
+            held.start()
+            quota = server.app.state.quotas.of("batch", server.state.settings.keys[0].limits)
+            for _ in range(500):
+                if quota.reserved > 300:
+                    break
+                threading.Event().wait(0.01)
+            with pytest.raises(openai.RateLimitError) as refused:
+                _chat(_sdk(server, BATCH), tokens=2)
+            assert refused.value.body["code"] == "rate_limit_exceeded" and "held by requests in flight" in refused.value.body["message"]
+            assert refused.value.response.headers["retry-after"] == "1"
+            held.join(30)
+            assert _chat(_sdk(server, BATCH), tokens=2).http_response.status_code == 200
+
+
 def test_anthropic_clients_get_their_own_rate_limit_headers(upstream: str) -> None:
     with _serve(upstream, [{"name": "chat", "key": CHAT, "limits": {"requests_per_minute": 2}}]) as server:
         _clock(server)

@@ -174,3 +174,47 @@ def test_reports_the_sums_hold_are_not_subtracted_again() -> None:
             quotas.counted(report[0])
         quotas.apply({"t": (limits, QuotaView(8.0, None, JAN_1, 0, 0, ()))}, 0, 0)  # sums: 10 - the 2 admitted here
         assert quota.requests is not None and quota.requests.level == level
+
+
+def test_a_hold_in_flight_is_not_a_spent_budget() -> None:
+    """Issue 58 item 8: 300 tokens a day, one request holding 520 that will cost 55. Another request meanwhile is
+    told the budget is held (rate_limit_exceeded, retry in 1 s), not spent until midnight; once the hold is settled
+    it runs; only the tokens really used spend the budget."""
+    quota = KeyQuota(KeyLimits(tokens_per_day=300), JAN_1 + 60)
+    assert quota.admit(JAN_1 + 60) is None and quota.reserve(520, JAN_1 + 60) is None  # alone: larger than the budget, it runs
+    assert quota.admit(JAN_1 + 61) is None  # held, not spent: admitted
+    refused = quota.reserve(40, JAN_1 + 61)
+    assert refused is not None and refused.code == "rate_limit_exceeded" and refused.retry_after_s == 1.0, refused
+    quota.finish(0, JAN_1 + 61)
+    quota.finish(55, JAN_1 + 62, reserved=520)
+    assert quota.admit(JAN_1 + 63) is None and quota.reserve(40, JAN_1 + 63) is None
+    quota.finish(245, JAN_1 + 64, reserved=40)  # 300 spent
+    refused = quota.admit(JAN_1 + 65)
+    assert refused is not None and refused.code == "insufficient_quota" and refused.retry_after_s == 86400 - 65
+
+
+def test_what_another_workers_requests_hold_is_not_spent_either() -> None:
+    limits = KeyLimits(tokens_per_day=300)
+    control, workers = Quotas(clock=lambda: JAN_1), [Quotas(clock=lambda: JAN_1, share=0.5) for _ in range(2)]
+    a, b = (worker.of("t", limits) for worker in workers)
+    assert a.admit(JAN_1) is None and a.reserve(520, JAN_1) is None
+    for index, worker in enumerate(workers):
+        report = worker.report()
+        if report is not None:
+            control.absorb(index, *report, {"t": limits})
+    views = control.snapshot({"t": limits})
+    for index, worker in enumerate(workers):
+        worker.apply(views, index, control.absorbed.get(index, 0))
+    assert b.day is not None and b.day.used == 520 and b.others_held == 520
+    assert b.admit(JAN_1) is None  # the other worker's hold: not spent
+    refused = b.reserve(40, JAN_1)
+    assert refused is not None and refused.code == "rate_limit_exceeded"
+
+
+def test_replicas_store_what_is_held_apart_from_the_counts_older_replicas_read() -> None:
+    from gateway.tenants.shared_quotas import _read, _written
+
+    stored = _written({"t": [2, 600, 1, 520], "u": [1, 5, 0, 0]})
+    assert all(len(counts) == 3 for counts in stored.values())  # what an older replica destructures
+    assert _read(stored) == {"t": (2, 600, 1, 520), "u": (1, 5, 0, 0)}
+    assert _read({"t": [2, 600, 1]}) == {"t": (2, 600, 1, 0)}  # an older replica's report
