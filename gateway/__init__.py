@@ -17,7 +17,8 @@ import none of each other). Every module is named under its folder (a test check
   ``api``            the routes of the table's ``BATCH_ROUTES``; ``shapes`` the wire objects; ``validate`` every line
                      through a live request's guard before a batch exists
   ``anthropic``      Anthropic's Message Batches (``/v1/messages/batches``): a create written as an input file of
-                     ``/v1/messages`` lines, the batch object, list and results as views of the same batch and lines
+                     ``/v1/messages`` lines, the batch object, list and results as views of the same batch and lines;
+                     ``json_items`` its body read a request at a time as it arrives (memory bounded by one request)
   ``files``          the files' bytes (one small interface: state_dir, or the database for shared replicas); ``store``
                      files, batches, lines in the ledger's database, and each batch's lease (one replica runs it)
   ``runner``         the queued lines, bounded and retried, resumed at start, of the batches it holds the lease of;
@@ -92,7 +93,9 @@ import none of each other). Every module is named under its folder (a test check
   ``call``           one proxied request as its stages carry it, and the hook they note its trace in*;
   ``shared_store``   the PostgreSQL store replicas share (``gateway.replicas.shared``): its tables, whether it answers,
                      its rounds; what goes through it: ``shared_responses`` (stored responses, looked up on a local
-                     miss), ``shared_quarantine`` (refused shapes, pushed on change and pulled each round)
+                     miss), ``shared_quarantine`` (refused shapes, pushed on change and pulled each round);
+                     ``bounded_calls`` every database call under a deadline, its connections cut past it (a frozen
+                     server never stalls a replica)
   ``context``        what is learnt about one request (for its log line, metrics and trace); ``tracing`` its
                      OpenTelemetry spans, built once it is over
 
