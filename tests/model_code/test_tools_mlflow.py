@@ -1,7 +1,7 @@
 """The agent path through MLflow on the real default model: each flavour's ``predict`` and ``predict_stream`` with
 tools, in URL mode (the session's SmolLM2 engine) and managed mode (the loaded model starts its own engine), return
 the flavour's own tool-call objects with schema-valid arguments; and a two-turn agent loop (call -> tool result ->
-final answer) runs through ``mlflow.pyfunc.load_model``.
+final answer) runs through ``mlflow.pyfunc.load_model``; and greedy, each flavour gives the engine's own answer.
 
 Matrix: 3 flavours x predict/predict_stream x URL/managed = 12 cases, each a forced call (``tool_choice:
 required``: the engine's grammar holds it to the tool and its schema, engine_guard.tool_calls), greedy.
@@ -138,3 +138,42 @@ def test_a_two_turn_agent_loop_through_load_model(flavor: str, url_models: dict[
         answer = model.predict({"input": items, "custom_inputs": {"tools": [WEATHER]}, "temperature": 0, "max_output_tokens": 40})
         text = "".join(part["text"] for item in answer["output"] if item["type"] == "message" for part in item["content"])
     assert "snow" in text.lower(), answer
+
+
+MAX_TOKENS = 32
+
+
+def test_each_mlflow_flavour_gives_the_engines_answer(smollm2_engine: EngineProcess, mlflow_store: Path) -> None:
+    """Greedy, a Japanese prompt: each flavour's predict (and ChatAgent's predict_stream) is the engine's own answer."""
+    import httpx
+    import mlflow
+
+    from model_code import close_model, log_model
+
+    messages = [{"role": "user", "content": "日本の首都はどこですか？日本語で答えてください。"}]
+    direct = httpx.post(smollm2_engine.url + "/v1/chat/completions", timeout=300,
+                        json={"model": "smollm2", "messages": messages, "temperature": 0, "max_tokens": MAX_TOKENS}).json()  # fmt: skip
+    expected = (direct["choices"][0]["message"]["content"], direct["usage"]["completion_tokens"])
+    requests = {
+        "chat_agent": {"messages": messages, "custom_inputs": {"temperature": 0, "max_tokens": MAX_TOKENS}},
+        "chat_model": {"messages": messages, "temperature": 0, "max_tokens": MAX_TOKENS},
+        "responses_agent": {"input": messages, "temperature": 0, "max_output_tokens": MAX_TOKENS},
+    }
+    for flavor, request in requests.items():
+        with mlflow.start_run():
+            info = log_model({"models": {"smollm2": {"url": smollm2_engine.url}}}, flavor=flavor, flashinfer=None)
+        model = mlflow.pyfunc.load_model(info.model_uri)
+        try:
+            out = model.predict(request)
+            if flavor == "chat_agent":
+                got = (out["messages"][0]["content"], out["usage"]["completion_tokens"])
+            elif flavor == "chat_model":
+                got = (out["choices"][0]["message"]["content"], out["usage"]["completion_tokens"])
+            else:
+                text = "".join(part["text"] for item in out["output"] if item["type"] == "message" for part in item["content"])
+                got = (text, expected[1])  # ResponsesAgent's output carries no usage (its text comes from the chat route)
+            streamed = "".join(chunk["delta"]["content"] for chunk in model.predict_stream(request)) if flavor == "chat_agent" else None
+        finally:
+            close_model(model)
+        assert got == expected, flavor
+        assert streamed in (None, expected[0]), streamed
