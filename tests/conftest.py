@@ -30,7 +30,11 @@ DEFAULT_CONFIG = REPO / "configs" / "smollm2-cpu.yaml"
 DEFAULT_MODEL = Path(os.environ.get("SGLANG_GATEWAY_DEFAULT_MODEL", REPO / ".cache" / "smollm2-instruct"))
 ENGINE_FIXTURE = "starts_engine"
 SLOWEST_MODULES = (
+    "tests/gateway/test_tools_engine.py",
+    "tests/model_code/test_tools_mlflow.py",
     "tests/gateway/test_swap.py",
+    "tests/gateway/test_default_model_paths.py",
+    "tests/gateway/test_strict_tools.py",
     "tests/gateway/test_router_upstream.py",
     "tests/model_code/test_replicas.py",
     "tests/benchmarks/test_affinity.py",
