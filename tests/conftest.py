@@ -135,8 +135,12 @@ def tiny_engine(
 
     Tests must not stop or kill it; tests that break an engine start their own.
     """
+    yield from _session_engine("tiny", tiny_engine_config, tmp_path_factory)
+
+
+def _session_engine(name: str, config: EngineConfig, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
     # as the launcher starts one: a picked port another process took first is picked again
-    engine = start_ready("tiny", tiny_engine_config, log_dir=tmp_path_factory.mktemp("engine-logs"))
+    engine = start_ready(name, config, log_dir=tmp_path_factory.mktemp("engine-logs"))
     try:
         yield engine
     finally:
@@ -164,11 +168,7 @@ def smollm2_engine(
 ) -> Iterator[EngineProcess]:
     """One real SGLang engine on CPU serving the embedded default's model as `smollm2` (a model that answers, calls
     tools and keeps to schemas), shared by the session's tests that need right answers. Tests must not stop it."""
-    engine = start_ready("smollm2", default_deployment.engine("smollm2"), log_dir=tmp_path_factory.mktemp("engine-logs"))
-    try:
-        yield engine
-    finally:
-        engine.stop()
+    yield from _session_engine("smollm2", default_deployment.engine("smollm2"), tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
