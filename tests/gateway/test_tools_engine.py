@@ -1,14 +1,16 @@
-"""Tool calls on the real default model (SmolLM2-135M-Instruct on the CPU engine), through the gateway, as the SDKs
-parse them: every route that takes tools x every tool_choice x streamed or not, the refusal for an engine without a
-tool-call parser, and the tool result's round trip.
+"""Tool calls on the real CPU engine, through the gateway, as the SDKs parse them: every route that takes tools x
+every tool_choice x streamed or not, the refusal for an engine without a tool-call parser, and, on the real default
+model (SmolLM2-135M-Instruct), forced calls and the tool result's round trip.
 
-The matrix (3 routes x 4 choices x 2 = 24 cases) asserts the exact objects the ``openai`` and ``anthropic`` SDKs
-build: chat ``tool_calls`` (ids, names, JSON arguments; streamed deltas joined by index), Responses ``function_call``
-items (streamed: ``output_item.added`` / ``function_call_arguments.done``), Messages ``tool_use`` blocks (streamed:
-``input_json_delta``). A forced call (``required``, a named function, Anthropic ``any``/``tool``) must name an
-offered tool (the named one when named) with arguments that validate against its schema: the engine holds them by
-grammar because the gateway marks forced tools strict and offers a named tool alone (engine_guard.tool_calls). A
-135M model never calls a tool of its own will (``auto``): there the answer is text, with no call smuggled into it.
+The matrix (3 routes x 4 choices x 2 = 24 cases) runs on the tiny random-weight model: a forced call (``required``, a
+named function, Anthropic ``any``/``tool``) is held by the engine's grammar, not by the model's wit (the gateway marks
+forced tools strict and offers a named tool alone: engine_guard.tool_calls), and a model that knows nothing of the
+tools is the hardest test of that; it is also ten times faster than the real one (the suite's budget). It asserts the
+exact objects the ``openai`` and ``anthropic`` SDKs build: chat ``tool_calls`` (ids, names, JSON arguments; streamed
+deltas joined by index), Responses ``function_call`` items (streamed: ``output_item.added`` /
+``function_call_arguments.done``), Messages ``tool_use`` blocks (streamed: ``input_json_delta``); a forced call names
+an offered tool (the named one when named) with arguments that validate against its schema. Under ``auto`` and
+``none`` no call comes back and none is smuggled into the text.
 """
 
 from __future__ import annotations
@@ -28,45 +30,53 @@ from tests.gateway_server import GatewayServer, serve
 
 pytestmark = pytest.mark.real_model
 
+CITY = {"type": "string", "enum": ["Paris", "Tokyo", "Lima"]}  # bounded: random weights would write a string forever
 WEATHER = {
     "name": "get_weather", "description": "Get the current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
-                   "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}, "required": ["city"]},
+    "parameters": {"type": "object", "properties": {"city": CITY, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city"]},
 }  # fmt: skip
 TIME = {
     "name": "get_time", "description": "Get the local time in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    "parameters": {"type": "object", "properties": {"city": CITY}, "required": ["city"]},
 }  # fmt: skip
 SCHEMAS = {tool["name"]: tool["parameters"] for tool in (WEATHER, TIME)}
 QUESTION = "What's the weather like in Paris today?"
 CHOICES = ("auto", "required", "named", "none")
 
 
-@pytest.fixture(scope="module")
-def gateway(smollm2_engine: EngineProcess) -> Iterator[GatewayServer]:
-    with serve({"smollm2": {"url": smollm2_engine.url, "aliases": ["default"]}}) as server:
+def _gateway(name: str, engine: EngineProcess) -> Iterator[GatewayServer]:
+    with serve({name: {"url": engine.url, "aliases": ["default"]}}) as server:
         assert httpx.get(server.url + "/ready", timeout=60).status_code == 200  # its first probe learns the engine's parser
         yield server
 
 
 @pytest.fixture(scope="module")
-def openai_client(gateway: GatewayServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+def gateway(tiny_engine: EngineProcess) -> Iterator[GatewayServer]:
+    yield from _gateway("tiny", tiny_engine)
 
 
 @pytest.fixture(scope="module")
-def anthropic_client(gateway: GatewayServer) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=gateway.url, api_key="unused", max_retries=0, timeout=300)
+def real_gateway(smollm2_engine: EngineProcess) -> Iterator[GatewayServer]:
+    yield from _gateway("smollm2", smollm2_engine)
 
 
-def _tokens(choice: str) -> int:
-    return 40 if choice in ("required", "named") else 12  # a forced call of get_weather(city) takes ~25 tokens; text is cut short
+def _clients(gateway: GatewayServer) -> tuple[openai.OpenAI, anthropic.Anthropic]:
+    return (openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0, timeout=300),
+            anthropic.Anthropic(base_url=gateway.url, api_key="unused", max_retries=0, timeout=300))  # fmt: skip
 
 
-def chat_calls(client: openai.OpenAI, choice: str, stream: bool) -> tuple[str, list[dict[str, Any]]]:
+def _sampling(choice: str, real: bool) -> dict[str, Any]:
+    """Greedy on the real model. The tiny one samples: greedy, its random weights fill a call's JSON with whitespace (which
+    the grammar allows inside a tool call) until max_tokens; sampled, a call ends in tens of tokens (ample room given)."""
+    forced = choice in ("required", "named")
+    return {"temperature": 0, "max_tokens": 64 if forced else 12} if real else {"temperature": 1.0, "max_tokens": 300 if forced else 12}
+
+
+def chat_calls(client: openai.OpenAI, choice: str, stream: bool, real: bool) -> tuple[str, list[dict[str, Any]]]:
     """(text, calls) of a chat completion: calls as {id, name, arguments} from the SDK's own objects."""
     tool_choice: Any = {"type": "function", "function": {"name": "get_time"}} if choice == "named" else choice
-    kwargs = dict(model="default", messages=[{"role": "user", "content": QUESTION}], temperature=0, max_tokens=_tokens(choice),
+    kwargs = dict(model="default", messages=[{"role": "user", "content": QUESTION}], **_sampling(choice, real),
                   tools=[{"type": "function", "function": tool} for tool in (WEATHER, TIME)], tool_choice=tool_choice)
     if not stream:
         message = client.chat.completions.create(**kwargs).choices[0].message
@@ -89,9 +99,10 @@ def chat_calls(client: openai.OpenAI, choice: str, stream: bool) -> tuple[str, l
     return text, [by_index[index] for index in sorted(by_index)]
 
 
-def responses_calls(client: openai.OpenAI, choice: str, stream: bool) -> tuple[str, list[dict[str, Any]]]:
+def responses_calls(client: openai.OpenAI, choice: str, stream: bool, real: bool) -> tuple[str, list[dict[str, Any]]]:
     tool_choice: Any = {"type": "function", "name": "get_time"} if choice == "named" else choice
-    kwargs = dict(model="default", input=QUESTION, temperature=0, max_output_tokens=_tokens(choice), store=False,
+    sampling = _sampling(choice, real)
+    kwargs = dict(model="default", input=QUESTION, temperature=sampling["temperature"], max_output_tokens=sampling["max_tokens"], store=False,
                   tools=[{"type": "function", **tool} for tool in (WEATHER, TIME)], tool_choice=tool_choice)
     if not stream:
         response = client.responses.create(**kwargs)
@@ -111,9 +122,11 @@ def responses_calls(client: openai.OpenAI, choice: str, stream: bool) -> tuple[s
     return response.output_text, calls
 
 
-def messages_calls(client: anthropic.Anthropic, choice: str, stream: bool) -> tuple[str, list[dict[str, Any]]]:
+def messages_calls(client: anthropic.Anthropic, choice: str, stream: bool, real: bool) -> tuple[str, list[dict[str, Any]]]:
     tool_choice = {"named": {"type": "tool", "name": "get_time"}, "required": {"type": "any"}}.get(choice, {"type": choice})
-    kwargs = dict(model="default", messages=[{"role": "user", "content": QUESTION}], extra_body={"temperature": 0}, max_tokens=_tokens(choice),
+    sampling = _sampling(choice, real)
+    kwargs = dict(model="default", messages=[{"role": "user", "content": QUESTION}], extra_body={"temperature": sampling["temperature"]},
+                  max_tokens=sampling["max_tokens"],
                   tools=[{"name": t["name"], "description": t["description"], "input_schema": t["parameters"]} for t in (WEATHER, TIME)],
                   tool_choice=tool_choice)
     if stream:
@@ -131,24 +144,35 @@ def messages_calls(client: anthropic.Anthropic, choice: str, stream: bool) -> tu
 ROUTES = {"chat": chat_calls, "responses": responses_calls, "messages": messages_calls}
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
-@pytest.mark.parametrize("choice", CHOICES)
-@pytest.mark.parametrize("route", sorted(ROUTES))
-def test_tool_choice_gives_the_calls_the_sdk_parses(
-    route: str, choice: str, stream: bool, openai_client: openai.OpenAI, anthropic_client: anthropic.Anthropic
-) -> None:
-    client = anthropic_client if route == "messages" else openai_client
-    text, calls = ROUTES[route](client, choice, stream)
-    if choice in ("auto", "none"):
-        assert calls == [] and text.strip(), (text, calls)
-        assert "<tool_call>" not in text  # a call is never left as text: the engine's parser takes it out
-        return
+def _check_forced(choice: str, text: str, calls: list[dict[str, Any]]) -> None:
     assert calls, f"a forced call came back as no call (text {text!r})"
     ids = [call["id"] for call in calls]
     assert all(ids) and len(set(ids)) == len(ids), ids
     for call in calls:
         assert call["name"] == "get_time" if choice == "named" else call["name"] in SCHEMAS, call
         jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+@pytest.mark.parametrize("choice", CHOICES)
+@pytest.mark.parametrize("route", sorted(ROUTES))
+def test_tool_choice_gives_the_calls_the_sdk_parses(route: str, choice: str, stream: bool, gateway: GatewayServer) -> None:
+    openai_client, anthropic_client = _clients(gateway)
+    text, calls = ROUTES[route](anthropic_client if route == "messages" else openai_client, choice, stream, False)
+    if choice in ("auto", "none"):
+        assert calls == [], (text, calls)
+        assert "<tool_call>" not in text  # a call is never left as text: the engine's parser takes it out
+        return
+    _check_forced(choice, text, calls)
+
+
+@pytest.mark.parametrize("route", sorted(ROUTES))
+def test_the_default_model_makes_the_named_call_in_each_dialect(route: str, real_gateway: GatewayServer) -> None:
+    """The real default model, streamed: the named function, with the city the user asked about."""
+    openai_client, anthropic_client = _clients(real_gateway)
+    text, calls = ROUTES[route](anthropic_client if route == "messages" else openai_client, "named", True, True)
+    _check_forced("named", text, calls)
+    assert json.loads(calls[0]["arguments"])["city"] == "Paris"
 
 
 def test_tools_for_an_engine_without_a_tool_parser_are_refused_naming_the_setting(tiny_engine: EngineProcess) -> None:
@@ -182,12 +206,13 @@ def test_tools_for_an_engine_without_a_tool_parser_are_refused_naming_the_settin
 
 def test_an_engine_tells_the_gateway_its_tool_parser(gateway: GatewayServer) -> None:
     """A url model's parser comes from the engine's /get_server_info: the check is made from what the engine says."""
-    (backend,) = gateway.state.registry.route("smollm2").replicas
+    (backend,) = gateway.state.registry.route("tiny").replicas
     assert backend.knows_tool_parser and backend.tool_call_parser in ("qwen25", "qwen")  # SGLang says qwen25 as qwen
 
 
-def test_a_tool_result_reaches_the_model_in_each_dialect(openai_client: openai.OpenAI, anthropic_client: anthropic.Anthropic) -> None:
-    """Call -> tool result -> answer: the result the client sends back is what the model answers from."""
+def test_a_tool_result_reaches_the_model_in_each_dialect(real_gateway: GatewayServer) -> None:
+    """Call -> tool result -> answer, on the real default model: the result the client sends back is what it answers from."""
+    openai_client, anthropic_client = _clients(real_gateway)
     tools = [{"type": "function", "function": WEATHER}]
     first = openai_client.chat.completions.create(
         model="default", messages=[{"role": "user", "content": QUESTION}], tools=tools, tool_choice="required",

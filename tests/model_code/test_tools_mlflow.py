@@ -1,10 +1,12 @@
-"""The agent path through MLflow on the real default model: each flavour's ``predict`` and ``predict_stream`` with
-tools, in URL mode (the session's SmolLM2 engine) and managed mode (the loaded model starts its own engine), return
-the flavour's own tool-call objects with schema-valid arguments; and a two-turn agent loop (call -> tool result ->
-final answer) runs through ``mlflow.pyfunc.load_model``; and greedy, each flavour gives the engine's own answer.
+"""The agent path through MLflow: each flavour's ``predict`` and ``predict_stream`` with tools, in URL mode (the
+session's engine) and managed mode (the loaded model starts its own engine), return the flavour's own tool-call
+objects with schema-valid arguments; on the real default model (SmolLM2-135M-Instruct), a two-turn agent loop (call
+-> tool result -> final answer) runs through ``mlflow.pyfunc.load_model``, and greedy, each flavour gives the
+engine's own answer.
 
 Matrix: 3 flavours x predict/predict_stream x URL/managed = 12 cases, each a forced call (``tool_choice:
-required``: the engine's grammar holds it to the tool and its schema, engine_guard.tool_calls), greedy.
+required``: the engine's grammar holds it to the tool and its schema, engine_guard.tool_calls), on the real CPU engine
+with the tiny random-weight model (the grammar, not the model, makes the call: and ten times faster).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ WEATHER = {
     "type": "function",
     "function": {
         "name": "get_weather", "description": "Get the current weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo"]}}, "required": ["city"]},
     },
 }  # fmt: skip
 SCHEMA = WEATHER["function"]["parameters"]
@@ -46,43 +48,49 @@ def _load(config: dict[str, Any]) -> dict[str, Any]:
     return models
 
 
-@pytest.fixture(scope="module")
-def url_models(smollm2_engine: EngineProcess, mlflow_store: Path) -> Iterator[dict[str, Any]]:
+def _loaded(config: dict[str, Any]) -> Iterator[dict[str, Any]]:
     from model_code import close_model
 
-    models = _load({"models": {"smollm2": {"url": smollm2_engine.url}}})
+    models = _load(config)
     yield models
     for model in models.values():
         close_model(model)
 
 
 @pytest.fixture(scope="module")
-def managed_models(starts_engine: None, default_model_dir: Path, mlflow_store: Path) -> Iterator[dict[str, Any]]:
-    """The three flavours logged with the default config's engine: loading starts one engine, shared by the three."""
-    from model_code import close_model
+def url_models(tiny_engine: EngineProcess, mlflow_store: Path) -> Iterator[dict[str, Any]]:
+    yield from _loaded({"models": {"tiny": {"url": tiny_engine.url}}})
 
-    engine = {"model_path": str(default_model_dir), "device": "cpu", "dtype": "float32", "max_total_tokens": 4096,
+
+@pytest.fixture(scope="module")
+def real_models(smollm2_engine: EngineProcess, mlflow_store: Path) -> Iterator[dict[str, Any]]:
+    yield from _loaded({"models": {"smollm2": {"url": smollm2_engine.url}}})
+
+
+@pytest.fixture(scope="module")
+def managed_models(starts_engine: None, tiny_model_dir: Path, mlflow_store: Path) -> Iterator[dict[str, Any]]:
+    """The three flavours logged with an engine section (tiny-cpu.yaml's): loading starts one engine, shared by the three."""
+    engine = {"model_path": str(tiny_model_dir), "device": "cpu", "dtype": "float32", "max_total_tokens": 4096,
               "tool_call_parser": "qwen25"}  # fmt: skip
-    models = _load({"models": {"smollm2": {"engine": engine}}})
-    yield models
-    for model in models.values():
-        close_model(model)
+    yield from _loaded({"models": {"tiny": {"engine": engine}}})
 
 
-def request(flavor: str) -> dict[str, Any]:
-    """A forced call in each flavour's own request shape."""
+def request(flavor: str, real: bool = False) -> dict[str, Any]:
+    """A forced call in each flavour's own request shape: greedy on the real model; sampled on the tiny one, whose
+    random weights, greedy, fill a call's JSON with whitespace until max_tokens (sampled, a call ends in tens of tokens)."""
+    temperature, tokens = (0, 64) if real else (1.0, 300)
     if flavor == "chat_agent":  # ChatAgent: generation parameters travel in custom_inputs
-        return {"messages": QUESTION, "custom_inputs": {"tools": [WEATHER], "tool_choice": "required", "temperature": 0, "max_tokens": 64}}
+        return {"messages": QUESTION, "custom_inputs": {"tools": [WEATHER], "tool_choice": "required", "temperature": temperature, "max_tokens": tokens}}
     if flavor == "chat_model":  # ChatModel: ChatParams at the top level (tool_choice is not one: custom_inputs)
-        return {"messages": QUESTION, "tools": [WEATHER], "temperature": 0, "max_tokens": 64, "custom_inputs": {"tool_choice": "required"}}
+        return {"messages": QUESTION, "tools": [WEATHER], "temperature": temperature, "max_tokens": tokens, "custom_inputs": {"tool_choice": "required"}}
     # ResponsesAgent: MLflow 3.17's signature takes `tools` items with only a `type` (a function tool's name and
     # parameters fail its schema check in load_model's predict), so function tools travel in custom_inputs
-    return {"input": QUESTION, "custom_inputs": {"tools": [WEATHER], "tool_choice": "required"}, "temperature": 0, "max_output_tokens": 64}
+    return {"input": QUESTION, "custom_inputs": {"tools": [WEATHER], "tool_choice": "required"}, "temperature": temperature, "max_output_tokens": tokens}
 
 
-def calls_of(flavor: str, model: Any, stream: bool) -> list[dict[str, Any]]:
+def calls_of(flavor: str, model: Any, stream: bool, real: bool = False) -> list[dict[str, Any]]:
     """The calls as each flavour's own objects carry them: [{id, name, arguments}]."""
-    body = request(flavor)
+    body = request(flavor, real)
     if flavor == "chat_agent":
         if not stream:
             (message,) = model.predict(body)["messages"]
@@ -117,10 +125,10 @@ def test_each_flavour_returns_its_own_tool_call_objects(mode: str, flavor: str, 
 
 
 @pytest.mark.parametrize("flavor", ["chat_agent", "responses_agent"])
-def test_a_two_turn_agent_loop_through_load_model(flavor: str, url_models: dict[str, Any]) -> None:
+def test_a_two_turn_agent_loop_through_load_model(flavor: str, real_models: dict[str, Any]) -> None:
     """Call -> the tool's result -> an answer made from it, each turn one ``predict`` of the loaded model."""
-    model = url_models[flavor]
-    (call,) = calls_of(flavor, model, stream=False)[:1]
+    model = real_models[flavor]
+    (call,) = calls_of(flavor, model, stream=False, real=True)[:1]
     result = "Heavy snow, minus 12 degrees."
     if flavor == "chat_agent":
         turn = QUESTION + [
@@ -143,12 +151,9 @@ def test_a_two_turn_agent_loop_through_load_model(flavor: str, url_models: dict[
 MAX_TOKENS = 32
 
 
-def test_each_mlflow_flavour_gives_the_engines_answer(smollm2_engine: EngineProcess, mlflow_store: Path) -> None:
+def test_each_mlflow_flavour_gives_the_engines_answer(smollm2_engine: EngineProcess, real_models: dict[str, Any]) -> None:
     """Greedy, a Japanese prompt: each flavour's predict (and ChatAgent's predict_stream) is the engine's own answer."""
     import httpx
-    import mlflow
-
-    from model_code import close_model, log_model
 
     messages = [{"role": "user", "content": "日本の首都はどこですか？日本語で答えてください。"}]
     direct = httpx.post(smollm2_engine.url + "/v1/chat/completions", timeout=300,
@@ -160,20 +165,15 @@ def test_each_mlflow_flavour_gives_the_engines_answer(smollm2_engine: EngineProc
         "responses_agent": {"input": messages, "temperature": 0, "max_output_tokens": MAX_TOKENS},
     }
     for flavor, request in requests.items():
-        with mlflow.start_run():
-            info = log_model({"models": {"smollm2": {"url": smollm2_engine.url}}}, flavor=flavor, flashinfer=None)
-        model = mlflow.pyfunc.load_model(info.model_uri)
-        try:
-            out = model.predict(request)
-            if flavor == "chat_agent":
-                got = (out["messages"][0]["content"], out["usage"]["completion_tokens"])
-            elif flavor == "chat_model":
-                got = (out["choices"][0]["message"]["content"], out["usage"]["completion_tokens"])
-            else:
-                text = "".join(part["text"] for item in out["output"] if item["type"] == "message" for part in item["content"])
-                got = (text, expected[1])  # ResponsesAgent's output carries no usage (its text comes from the chat route)
-            streamed = "".join(chunk["delta"]["content"] for chunk in model.predict_stream(request)) if flavor == "chat_agent" else None
-        finally:
-            close_model(model)
+        model = real_models[flavor]
+        out = model.predict(request)
+        if flavor == "chat_agent":
+            got = (out["messages"][0]["content"], out["usage"]["completion_tokens"])
+            streamed = "".join(chunk["delta"]["content"] for chunk in model.predict_stream(request))
+            assert streamed == expected[0], streamed
+        elif flavor == "chat_model":
+            got = (out["choices"][0]["message"]["content"], out["usage"]["completion_tokens"])
+        else:
+            text = "".join(part["text"] for item in out["output"] if item["type"] == "message" for part in item["content"])
+            got = (text, expected[1])  # ResponsesAgent's output carries no usage (its text comes from the chat route)
         assert got == expected, flavor
-        assert streamed in (None, expected[0]), streamed
