@@ -430,6 +430,48 @@ def test_a_client_that_reads_slowly_gets_every_byte_in_order(native: bool) -> No
     assert (stats is not None and stats["blocked"] > 0 and stats["events"] > 100) is native
 
 
+@RELAYS
+def test_a_client_that_stops_reading_gives_its_slot_back(native: bool) -> None:
+    """A client that reads nothing holds its concurrency slot until the gateway's buffers for it are full and it has
+    then taken nothing for ``write_timeout_s``: it is cut off, the engine's connection closed (the engine aborts),
+    and the slot serves the next request. The FAKE engine sends as fast as the gateway reads, so the buffers fill in
+    a moment whatever the load. (With the real CPU engine the test waited on generation: about 3 MB fit in the
+    loopback buffers of a client that reads nothing, which its answer outgrew only after 1,774 of 1,900 tokens, 17 s
+    on a quiet machine, past the 120 s it allowed under load: the gateway held the slot while it could still write.)"""
+    box: dict[str, GatewayServer] = {}
+    big = http_chunk(b'data: {"choices":[{"index":0,"delta":{"content":"%s"},"finish_reason":null}]}\n\n' % (b"x" * 16000))
+    endless: Script = [(0.0, SSE_HEAD + http_chunk(ROLE)), (0.1, http_chunk(_token(0))), (0.0, _handed_over(box))]
+    endless += [(0.0, big)] * 4000  # 64 MB: far past what the sockets and the transport hold
+    settings = {"relay_native": native, "limits": {"max_concurrent": 1}, "http": {"write_timeout_s": 2}}
+    with _scripted_engine(lambda n: endless if n == 1 else _chat_script()) as engine, serve({"m": {"url": engine["url"]}}, settings) as served:
+        box["gateway"] = served
+        body = orjson.dumps(_chat())
+        with socket.socket() as stalled:
+            stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            stalled.connect(("127.0.0.1", served.port))
+            stalled.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: g\r\nContent-Type: application/json\r\n"
+                            b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+            wait_until(lambda: engine["requests"] == 1, "the stalled stream to reach the engine", 20, 0.01)
+            with httpx.Client(timeout=30) as http:
+                assert http.post(served.url + "/v1/chat/completions", json=_chat()).status_code == 429  # its slot is held
+                reply = wait_until(
+                    lambda: (answer := http.post(served.url + "/v1/chat/completions", json=_chat())).status_code != 429 and answer,
+                    "the slot to be given back", 60, 0.1,
+                )  # fmt: skip
+            assert reply.status_code == 200 and reply.content.endswith(DONE), reply.content[-200:]
+            wait_until(lambda: engine["broken"] == 1, "the engine's connection of the stalled stream to be closed", 20, 0.02)
+            stalled.settimeout(10)
+            received = b""
+            try:
+                while more := stalled.recv(1 << 20):
+                    received += more
+            except (ConnectionResetError, TimeoutError):
+                pass
+        stats = served.state.proxy.streams.native_stats()
+    assert received.startswith(b"HTTP/1.1 200") and DONE not in received  # cut off, not ended
+    assert (stats is not None and stats["blocked"] > 0) is native  # the thread's writes were what the client refused
+
+
 def test_the_relay_thread_runs_below_the_event_loops_priority() -> None:
     """Its nice value is the process's plus RELAY_THREAD_NICE: on saturated cores new streams go first."""
 
