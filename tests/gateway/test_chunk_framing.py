@@ -13,7 +13,7 @@ import os
 
 import httptools
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from gateway.data import _relay_loop
@@ -53,9 +53,9 @@ def llhttp_chunks(pieces: list[bytes]) -> tuple[bytes, int]:
     return body.data, 1 if body.ended else 0
 
 
-_LINE_ENDS = st.sampled_from([b"\r\n"] * 8 + [b"\n", b"\r", b"", b" \r\n", b"\t\r\n", b"\r\r\n", b"\n\r\n"])
+_LINE_ENDS = st.sampled_from([b"\r\n"] * 60 + [b"\n", b"\r", b"", b" \r\n", b"\t\r\n", b"\r\r\n", b"\n\r\n"])
 _EXTENSIONS = st.sampled_from(
-    [b""] * 6 + [b";a", b";a=b", b';a="b c"', b";a=b;c=d", b';a="\\""', b";", b"; a", b";a =b", b";a= b", b";a\nb",
+    [b""] * 60 + [b";a", b";a=b", b";a", b";a=b", b';a="b c"', b";a=b;c=d", b';a="\\""', b";", b"; a", b";a =b", b";a= b", b";a\nb",
      b";a=\x80", b';a="x', b" ", b"\t", b" ;a", b";a=b ", b";\x00", b';a="\x7f"', b";a=b\rc"]
 )  # fmt: skip
 _TRAILERS = st.sampled_from(
@@ -68,8 +68,8 @@ _DIGITS = st.sampled_from(["%x", "%X", "%02x", "%016x", "%017x", "%020X", "%040x
 @st.composite
 def _chunk(draw: st.DrawFn) -> bytes:
     data = draw(st.binary(max_size=24))
-    size = len(data) + draw(st.sampled_from([0] * 12 + [-1, 1, 2]))
-    if draw(st.integers(0, 30)) == 0:
+    size = len(data) + draw(st.sampled_from([0] * 60 + [-1, 1, 2]))
+    if draw(st.integers(0, 60)) == 0:
         size = draw(st.sampled_from([2**64 - 1, 2**64, 2**63, 16**15, 16**16]))
     size_text = (draw(_DIGITS) % max(size, 0)).encode() if size >= 0 else b""
     return size_text + draw(_EXTENSIONS) + draw(_LINE_ENDS) + data + draw(_LINE_ENDS)
@@ -79,23 +79,26 @@ def _chunk(draw: st.DrawFn) -> bytes:
 def _framed(draw: st.DrawFn) -> bytes:
     """A chunked body: chunks, the last chunk, trailers, its end, maybe bytes after; then a few bytes mutated."""
     framed = b"".join(draw(st.lists(_chunk(), max_size=5)))
-    if draw(st.integers(0, 5)):
+    if draw(st.integers(0, 3)):
         framed += b"0" * draw(st.integers(1, 20)) + draw(_EXTENSIONS) + draw(_LINE_ENDS)
-        for trailer in draw(st.lists(_TRAILERS, max_size=2)):
+        for trailer in draw(st.lists(_TRAILERS, max_size=2)) if draw(st.integers(0, 3)) == 0 else []:
             framed += trailer + draw(_LINE_ENDS)
         framed += draw(_LINE_ENDS) + draw(st.sampled_from([b"", b"", b"x", b"HTTP/1.1 200 OK\r\n"]))
-    for at, op, byte in draw(st.lists(st.tuples(st.integers(0, 400), st.sampled_from("ird"), st.binary(min_size=1, max_size=1)), max_size=3)):
+    mutations = st.lists(st.tuples(st.integers(0, 400), st.sampled_from("ird"), st.binary(min_size=1, max_size=1)), max_size=2)
+    for at, op, byte in draw(mutations) if draw(st.integers(0, 2)) == 0 else []:
         at = at % (len(framed) + 1)
         framed = framed[:at] + (byte if op != "d" else b"") + framed[at + (op != "i") :]
     return framed
 
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(framed=st.one_of(_framed(), st.binary(max_size=80)), cuts=st.lists(st.integers(0, 600), max_size=6))
+@given(framed=st.one_of(_framed(), _framed(), _framed(), st.binary(max_size=80)), cuts=st.lists(st.integers(0, 600), max_size=6))
 def test_the_native_chunk_parser_answers_as_llhttp_does(framed: bytes, cuts: list[int]) -> None:
     points = sorted({0, *(cut for cut in cuts if cut < len(framed)), len(framed)})
     pieces = [framed[a:b] for a, b in zip(points, points[1:], strict=False)]
-    assert _relay_loop.feed_chunks(pieces) == llhttp_chunks(pieces), framed
+    expected = llhttp_chunks(pieces)
+    event({1: "ended", 0: "goes on", -1: "broken"}[expected[1]])  # (--hypothesis-show-statistics: the mix of cases)
+    assert _relay_loop.feed_chunks(pieces) == expected, framed
 
 
 @pytest.mark.parametrize(
