@@ -274,6 +274,9 @@ _SCENARIOS: dict[str, tuple[str, Callable[[dict[str, GatewayServer], Told], Scri
     "chat-bare-lf-in-a-trailer": ("chat", lambda box, told: [*_handed_over_chat(box), *_chat_end(last=b"0\r\nx-t: 1\n\r\n")]),
     "chat-a-valid-trailer": ("chat", lambda box, told: [*_handed_over_chat(box), *_chat_end(last=b"0;x=\"1\"\r\nx-t: 1\r\n\r\n")]),
     "chat-broken-in-one-read-with-events": ("chat", lambda box, told: [*_handed_over_chat(box), (0.003, http_chunk(_token(1)) + http_chunk(_token(2)) + BROKEN)]),
+    "chat-broken-in-one-read-with-the-usage": (  # (the thread parks the stream for Python to read the usage: it breaks after)
+        "chat", lambda box, told: [*_handed_over_chat(box), *_chat_end()[:1], (0.003, http_chunk(FINISH) + http_chunk(USAGE) + BROKEN)],
+    ),
     "responses-broken-in-one-read-with-events": ("responses", lambda box, told: _responses_script(box, [(0.003, http_chunk(_delta(3)) + http_chunk(_delta(4)) + BROKEN)])),
     "responses-broken-in-a-read-of-its-own": (
         "responses", lambda box, told: _responses_script(box, [(0.003, http_chunk(_delta(3)) + http_chunk(_delta(4))), (0.0, _client_has(told)), (0.0, BROKEN)]),
