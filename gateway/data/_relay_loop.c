@@ -33,6 +33,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "llhttp/llhttp.h"
+
 #define READ_SIZE (256 * 1024)
 #define MAX_PENDING (4 * 1024 * 1024) /* a partial event larger than this goes out unsplit, unscanned */
 #define MAX_KINDS 4
@@ -41,7 +43,6 @@
 
 enum { R_INSPECT = 1, R_BLOCKED, R_GONE, R_END, R_LOST, R_MALFORMED };
 enum { ST_FREE, ST_ACTIVE, ST_PARKED };
-enum { CS_SIZE, CS_EXT, CS_SIZE_LF, CS_DATA, CS_DATA_CR, CS_DATA_LF, CS_TRAILER, CS_TRAILER_LINE, CS_END_LF, CS_DONE };
 
 typedef struct {
     char *p;
@@ -73,97 +74,57 @@ static void buf_free(buf_t *b) {
     b->len = b->cap = 0;
 }
 
-/* ------------------------------------------------------------------ HTTP/1.1 chunked framing */
+/* ------------------------------------------------------------------ HTTP/1.1 chunked framing
+ *
+ * Parsed by llhttp (vendored in llhttp/, the version httptools 0.9.0 ships): the parser the Python relay reads the
+ * same bytes with (gateway.data.stream_pool), so that both relays take and refuse exactly the same framing. A
+ * stream's parser starts after a fixed chunked response head; only the body's bytes are fed to it. */
 
 typedef struct {
-    int state;
-    int digits;
-    uint64_t left;
+    llhttp_t parser; /* first: the callbacks get the parser and cast it back */
+    buf_t *out;      /* where the data goes during a feed (NULL: dropped) */
+    int ended;       /* the body's last chunk and trailers were read */
+    int broken;      /* llhttp refused the framing (or out could not grow) */
 } chunks_t;
 
-static int hex_value(char c) {
-    if (c >= '0' && c <= '9') return c - '0';
-    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
-    return -1;
+static llhttp_settings_t chunk_settings;
+static const char CHUNKED_HEAD[] = "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n";
+
+static int on_chunk_data(llhttp_t *p, const char *at, size_t len) {
+    chunks_t *c = (chunks_t *)p;
+    return c->out != NULL && buf_append(c->out, at, len) ? -1 : 0; /* (-1: HPE_USER, the feed fails) */
+}
+
+static int on_body_end(llhttp_t *p) {
+    ((chunks_t *)p)->ended = 1;
+    return HPE_PAUSED; /* stop here: what follows is not this body's (a response of its own, to llhttp) */
+}
+
+static void chunks_setup(void) {
+    llhttp_settings_init(&chunk_settings);
+    chunk_settings.on_body = on_chunk_data;
+    chunk_settings.on_message_complete = on_body_end;
+}
+
+static void chunks_init(chunks_t *c) {
+    memset(c, 0, sizeof(*c));
+    llhttp_init(&c->parser, HTTP_RESPONSE, &chunk_settings);
+    if (llhttp_execute(&c->parser, CHUNKED_HEAD, sizeof(CHUNKED_HEAD) - 1) != HPE_OK) c->broken = 1;
 }
 
 /* Feeds n bytes of a chunked body; the data goes to out (NULL: dropped). Returns the bytes consumed (fewer than n
- * only when the body ended: state CS_DONE), or -1 when the framing is broken (or out cannot grow). */
+ * only when the body ended: c->ended), or -1 when the framing is broken (or out cannot grow); the data before the
+ * broken bytes is in out all the same (as llhttp hands it to the Python relay). */
 static ssize_t chunks_feed(chunks_t *c, const char *in, size_t n, buf_t *out) {
-    size_t i = 0;
-    while (i < n) {
-        char ch = in[i];
-        switch (c->state) {
-        case CS_SIZE: {
-            int v = hex_value(ch);
-            if (v >= 0) {
-                if (++c->digits > 15) return -1;
-                c->left = c->left * 16 + (uint64_t)v;
-                i++;
-            } else if (c->digits == 0) {
-                return -1;
-            } else if (ch == '\r') {
-                c->state = CS_SIZE_LF;
-                i++;
-            } else if (ch == ';' || ch == ' ' || ch == '\t') {
-                c->state = CS_EXT;
-                i++;
-            } else {
-                return -1;
-            }
-            break;
-        }
-        case CS_EXT:
-            if (ch == '\r') c->state = CS_SIZE_LF;
-            i++;
-            break;
-        case CS_SIZE_LF:
-            if (ch != '\n') return -1;
-            i++;
-            c->digits = 0;
-            c->state = c->left ? CS_DATA : CS_TRAILER;
-            break;
-        case CS_DATA: {
-            size_t take = n - i;
-            if (take > c->left) take = (size_t)c->left;
-            if (out != NULL && buf_append(out, in + i, take)) return -1;
-            i += take;
-            c->left -= take;
-            if (c->left == 0) c->state = CS_DATA_CR;
-            break;
-        }
-        case CS_DATA_CR:
-            if (ch != '\r') return -1;
-            i++;
-            c->state = CS_DATA_LF;
-            break;
-        case CS_DATA_LF:
-            if (ch != '\n') return -1;
-            i++;
-            c->state = CS_SIZE;
-            break;
-        case CS_TRAILER:
-            if (ch == '\r') {
-                c->state = CS_END_LF;
-                i++;
-            } else {
-                c->state = CS_TRAILER_LINE;
-            }
-            break;
-        case CS_TRAILER_LINE:
-            if (ch == '\n') c->state = CS_TRAILER;
-            i++;
-            break;
-        case CS_END_LF:
-            if (ch != '\n') return -1;
-            c->state = CS_DONE;
-            return (ssize_t)(i + 1);
-        case CS_DONE:
-            return (ssize_t)i;
-        }
-    }
-    return (ssize_t)i;
+    if (c->broken) return -1;
+    if (c->ended) return 0;
+    c->out = out;
+    llhttp_errno_t err = llhttp_execute(&c->parser, in, n);
+    c->out = NULL;
+    if (err == HPE_OK) return (ssize_t)n;
+    if (err == HPE_PAUSED && c->ended) return (ssize_t)(llhttp_get_error_pos(&c->parser) - in);
+    c->broken = 1;
+    return -1;
 }
 
 /* ------------------------------------------------------------------ streams and reports */
@@ -176,6 +137,7 @@ typedef struct {
     int chunked_out;
     int ended;      /* the body's last chunk was read (reported once nothing is parked) */
     int extra;      /* bytes followed the body's end: the connection cannot be reused */
+    int broken;     /* the chunk framing broke (MALFORMED reported once the events before it went out) */
     chunks_t chunks;
     buf_t pending;  /* body bytes after the last event boundary */
     buf_t last[2];  /* the last two blocks of events before [DONE] (where a stream's finish and ending are) */
@@ -475,15 +437,14 @@ static void on_readable(Engine *e, stream_t *s, uint64_t id) {
     size_t before = s->pending.len;
     ssize_t used = chunks_feed(&s->chunks, e->rbuf, (size_t)n, &s->pending);
     if (used < 0) {
-        finish(e, s, id, R_MALFORMED, 0);
-        return;
-    }
-    if (s->chunks.state == CS_DONE) {
+        s->broken = 1; /* the complete events before the broken bytes go out first, as the Python relay's do */
+    } else if (s->chunks.ended) {
         s->ended = 1;
         if (used < n) s->extra = 1;
     }
     if (s->pending.len > before && relay_events(e, s, id)) return;  /* parked: the end waits for resume() */
-    if (s->ended) finish(e, s, id, R_END, 0);
+    if (s->broken) finish(e, s, id, R_MALFORMED, 0);
+    else if (s->ended) finish(e, s, id, R_END, 0);
 }
 
 static void *run(void *arg) {
@@ -668,13 +629,14 @@ static PyObject *Engine_attach(Engine *e, PyObject *args) {
     Py_buffer body, pending;
     if (!PyArg_ParseTuple(args, "iiy*y*ip", &up, &cl, &body, &pending, &kind, &chunked_out)) return NULL;
     PyObject *result = NULL;
-    chunks_t chunks = {CS_SIZE, 0, 0};
+    chunks_t chunks;
+    chunks_init(&chunks);
     ssize_t used = chunks_feed(&chunks, body.buf, (size_t)body.len, NULL);
     if (e->ep < 0) {
         PyErr_SetString(PyExc_RuntimeError, "the native relay is closed");
     } else if (kind < 0 || kind >= MAX_KINDS) {
         PyErr_SetString(PyExc_ValueError, "unknown stream kind");
-    } else if (used < 0 || chunks.state == CS_DONE) {
+    } else if (used < 0 || chunks.ended) {
         PyErr_SetString(PyExc_ValueError, used < 0 ? "the body's chunk framing is broken" : "the body has ended");
     } else {
         lock(e);
@@ -719,7 +681,9 @@ static PyObject *Engine_resume(Engine *e, PyObject *arg) {
     int resumed = 0;
     if (s != NULL && s->state == ST_PARKED) {
         resumed = 1;
-        if (s->ended) {
+        if (s->broken) {
+            finish(e, s, id, R_MALFORMED, 0);
+        } else if (s->ended) {
             finish(e, s, id, R_END, 0);
         } else {
             s->state = ST_ACTIVE;
@@ -844,7 +808,8 @@ static PyObject *feed_chunks(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "O", &pieces)) return NULL;
     PyObject *seq = PySequence_Fast(pieces, "a sequence of bytes");
     if (seq == NULL) return NULL;
-    chunks_t c = {CS_SIZE, 0, 0};
+    chunks_t c;
+    chunks_init(&c);
     buf_t out = {0};
     int status = 0;
     for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq) && status == 0; i++) {
@@ -857,7 +822,7 @@ static PyObject *feed_chunks(PyObject *self, PyObject *args) {
         }
         ssize_t used = chunks_feed(&c, PyBytes_AS_STRING(item), (size_t)PyBytes_GET_SIZE(item), &out);
         if (used < 0) status = -1;
-        else if (c.state == CS_DONE) status = 1;
+        else if (c.ended) status = 1;
     }
     Py_DECREF(seq);
     PyObject *result = Py_BuildValue("(y#i)", out.p ? out.p : "", (Py_ssize_t)out.len, status);
@@ -873,6 +838,7 @@ static PyMethodDef module_methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_relay_loop", NULL, -1, module_methods};
 
 PyMODINIT_FUNC PyInit__relay_loop(void) {
+    chunks_setup();
     if (PyType_Ready(&EngineType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;

@@ -262,8 +262,16 @@ class SSEProxyResponse(Response):
             self.info.error = failure.log_detail or failure.message
             self.info.error_code = failure.code
             self.metrics.child(self.metrics.stream_errors, self.model).inc()
-            tail += sse_error_event(failure, self.kind, self._next_sequence_number())
+            tail += sse_error_event(failure, self.kind, self._next_sequence_number(tail))
         await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+    def _next_sequence_number(self, tail: bytes = b"") -> int:
+        """Responses: the number after the highest one the engine gave the events sent last (they count from 0), for
+        the error event that ends a failed stream; 0 when none came. Read at the end, not counted per read, from the
+        last pieces written: the one that ended with [DONE] and ``tail`` (a partial last event) included, as either
+        may hold the highest."""
+        numbers = _SEQUENCE_NUMBER.findall(self._last_events() + tail)
+        return max(map(int, numbers)) + 1 if numbers else 0
 
     def _last_events(self) -> bytes:
         """The last pieces written (where a stream's finish, usage and ending are)."""
@@ -389,12 +397,6 @@ class SSEProxyResponse(Response):
     def _prompt_bound(self) -> int | None:
         info, sent = self.info, self.lease.request
         return info.prompt_estimate if info.prompt_estimate is not None else prompt_bound(len(sent[1])) if sent else None
-
-    def _next_sequence_number(self) -> int:
-        """Responses: the number after the last one the engine gave its events (they count from 0), for the error
-        event that ends a failed stream; 0 when none came. Read from the last events at the end, not counted per read."""
-        numbers = _SEQUENCE_NUMBER.findall(b"".join(self._last))
-        return int(numbers[-1]) + 1 if numbers else 0
 
     def _last_partial_event(self, pending: bytes) -> bytes:
         """What follows the last blank line when the upstream body ended: the stream's own last event as it

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import socket
 import threading
 import time
@@ -48,7 +49,8 @@ USAGE = b'data: {"id":"c1","choices":[],"usage":{"prompt_tokens":7,"completion_t
 DONE = b"data: [DONE]\n\n"
 TOKENS = 20
 
-Script = list[tuple[float, bytes]]  # (seconds to wait, bytes to send) after the request is read
+Step = bytes | Callable[[], object]  # bytes to send, or a wait for a state of the gateway or the client (a gate)
+Script = list[tuple[float, Step]]  # (seconds to wait, then the step) after the request is read
 
 
 def _chat_script() -> Script:
@@ -75,16 +77,18 @@ def _scripted_engine(script: Callable[[int], Script], close_after: bool = False)
                     request_line = read_request(conn, head=True)
                 except (OSError, StopIteration, ValueError):
                     return
-                if not request_line.startswith(b"POST /v1/chat/completions "):
+                if not request_line.startswith((b"POST /v1/chat/completions ", b"POST /v1/responses ")):
                     conn.sendall(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
                     continue
                 chats += 1
                 counts["connections"] += chats == 1  # type: ignore[operator]
                 counts["requests"] += 1  # type: ignore[operator]
-                for wait_s, data in script(counts["requests"]):  # type: ignore[arg-type]
+                for wait_s, step in script(counts["requests"]):  # type: ignore[arg-type]
                     time.sleep(wait_s)
-                    if data:
-                        conn.sendall(data)
+                    if callable(step):
+                        step()
+                    elif step:
+                        conn.sendall(step)
                 if close_after:
                     conn.close()
                     return
@@ -96,10 +100,41 @@ def _scripted_engine(script: Callable[[int], Script], close_after: bool = False)
         yield counts  # type: ignore[misc]
 
 
-def _stream(gateway: GatewayServer, body: dict[str, object], path: str = "/v1/chat/completions") -> bytes:
+def _stream(gateway: GatewayServer, body: dict[str, object], path: str = "/v1/chat/completions", told: Told | None = None) -> bytes:
+    """The body of a stream; ``told``: its event is set once what the client received holds its bytes."""
     with httpx.Client(timeout=30) as http, http.stream("POST", gateway.url + path, json=body) as response:
         assert response.status_code == 200
-        return response.read()
+        received = b""
+        for data in response.iter_bytes():
+            received += data
+            if told is not None and told[0] in received:
+                told[1].set()
+        return received
+
+
+Told = tuple[bytes, threading.Event]  # (bytes the client received, set once it has)
+
+
+def _client_has(told: Told) -> Callable[[], None]:
+    """A script's gate: the engine sends on once the client has received ``told``'s bytes (a read of their own)."""
+
+    def gate() -> None:
+        assert told[1].wait(20), f"the client never received {told[0]!r}"
+
+    return gate
+
+
+def _handed_over(box: dict[str, GatewayServer]) -> Callable[[], None]:
+    """A script's gate: the engine sends on once the stream is the native thread's (the gateway in ``box``, set once
+    it serves; nothing to wait for when it relays in Python). The read before it hands the stream over: a stream
+    read after the first 10 ms whose client holds no bytes goes native at that read, whatever the load."""
+
+    def gate() -> None:
+        streams = box["gateway"].state.proxy.streams
+        if streams.native_enabled:
+            wait_until(lambda: (streams.native_stats() or {}).get("streams", 0) > 0, "the stream to go native", 20, 0.002)
+
+    return gate
 
 
 def _chat(include_usage: bool | None = None) -> dict[str, object]:
@@ -119,11 +154,17 @@ def _relayed_natively(gateway: GatewayServer) -> int:
     return stats["events"] if stats is not None else 0
 
 
-def _through(native: bool, script: Callable[[int], Script], body: dict[str, object], **gateway: object) -> tuple[bytes, float | None, int]:
+def _through(
+    native: bool, script: Callable[[int], Script], body: dict[str, object], path: str = "/v1/chat/completions",
+    box: dict[str, GatewayServer] | None = None, told: Told | None = None, **gateway: object,
+) -> tuple[bytes, float | None, int]:  # fmt: skip
     """One stream of ``script`` through a gateway with the native relay on or off: what the client got, the
-    completion tokens the gateway counted, and the events the native thread relayed."""
+    completion tokens the gateway counted, and the events the native thread relayed. ``box`` gets the gateway (for
+    the script's gates); ``told``: see :func:`_stream`."""
     with _scripted_engine(script) as engine, serve({"m": {"url": engine["url"]}}, {"relay_native": native, **gateway}) as served:
-        received = _stream(served, body)
+        if box is not None:
+            box["gateway"] = served
+        received = _stream(served, body, path, told)
         return received, _completion_tokens(served), _relayed_natively(served)
 
 
@@ -175,16 +216,103 @@ def test_a_stream_the_engine_cuts_ends_with_an_error_event(native: bool) -> None
     assert (relayed >= 5) is native  # (the read that hands the stream over goes out from Python)
 
 
-@RELAYS
-def test_broken_chunk_framing_ends_the_stream_with_an_error_event(native: bool) -> None:
-    def script(_: int) -> Script:
-        return _chat_script()[:5] + [(0.003, b"zz\r\nnot a chunk\r\n")]
+BROKEN = b"zz\r\nnot a chunk\r\n"
 
-    with _scripted_engine(script) as engine, serve({"m": {"url": engine["url"]}}, {"relay_native": native}) as served:
-        received = _stream(served, _chat())
-    events = [event for event in received.split(b"\n\n") if event]
-    assert events[:4] == [event.rstrip(b"\n") for event in [ROLE, *(_token(i) for i in range(3))]]
+
+def _handed_over_chat(box: dict[str, GatewayServer]) -> Script:
+    """Head and role event, a pause, the first token, and the hand-over to the native thread (a gate)."""
+    return [*_chat_script()[:3], (0.0, _handed_over(box))]
+
+
+@RELAYS
+@pytest.mark.parametrize("arrival", ["one-read", "split-reads"])
+def test_broken_chunk_framing_ends_the_stream_with_an_error_event(native: bool, arrival: str) -> None:
+    """Whole events, then broken framing: the events reach the client as events (counted, so charged), then the
+    gateway's error event, whether they came in the read that holds the broken bytes or in one before it (the client
+    has them before the broken bytes are sent). In one read, the native relay had sent them as a partial event (an
+    extra newline, not counted)."""
+    box: dict[str, GatewayServer] = {}
+    told = (_token(4), threading.Event())
+    events = http_chunk(_token(3)) + http_chunk(_token(4))
+    end: Script = [(0.0, events + BROKEN)] if arrival == "one-read" else [(0.0, events), (0.0, _client_has(told)), (0.0, BROKEN)]
+    script = [*_handed_over_chat(box), (0.003, http_chunk(_token(1)) + http_chunk(_token(2))), *end]
+    received, tokens, relayed = _through(native, lambda _: script, _chat(), box=box, told=told)
+    assert received.endswith(b"\n\n") and b"\n\n\n" not in received, received
+    events = received.split(b"\n\n")[:-1]
+    assert events[:6] == [event.rstrip(b"\n") for event in [ROLE, *(_token(i) for i in range(5))]] and len(events) == 7
     assert orjson.loads(events[-1].removeprefix(b"data: "))["error"]["code"] == "engine_unavailable"
+    assert tokens == 6  # no usage came: the events relayed are the completion charged
+    assert (relayed >= 2) is native
+
+
+def _delta(n: int) -> bytes:
+    """A Responses stream's text delta, numbered ``n``."""
+    return (
+        b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","item_id":"msg_1",'
+        b'"output_index":0,"content_index":0,"delta":"t%d","sequence_number":%d}\n\n' % (n, n)
+    )
+
+
+def _responses_script(box: dict[str, GatewayServer], tail: Script) -> Script:
+    """A Responses stream's head and first deltas, handed over to the native thread, then ``tail``."""
+    return [(0.0, SSE_HEAD + http_chunk(_delta(0))), (0.1, http_chunk(_delta(1))), (0.0, _handed_over(box)), (0.003, http_chunk(_delta(2))), *tail]
+
+
+def _padded_chunk(data: bytes) -> bytes:
+    return b"%020x\r\n%s\r\n" % (len(data), data)  # 20 hex digits: leading zeros are legal (RFC 9112: 1*HEXDIG)
+
+
+def _chat_end(frame: Callable[[bytes], bytes] = http_chunk, last: bytes = b"0\r\n\r\n") -> Script:
+    return [*((0.003, frame(_token(i))) for i in range(1, 6)), (0.003, frame(FINISH)), (0.003, frame(DONE)), (0.0, last)]
+
+
+# name: (path, the script after the hand-over, bytes the client has before the script's gate lets the engine go on)
+_SCENARIOS: dict[str, tuple[str, Callable[[dict[str, GatewayServer], Told], Script]]] = {
+    "chat-sizes-with-leading-zeros": ("chat", lambda box, told: [*_handed_over_chat(box), *_chat_end(_padded_chunk)]),
+    "chat-whitespace-after-a-size": ("chat", lambda box, told: [*_handed_over_chat(box), *_chat_end()[:1], (0.003, b"%x \r\n%s\r\n" % (len(_token(2)), _token(2)))]),
+    "chat-bare-lf-in-an-extension": ("chat", lambda box, told: [*_handed_over_chat(box), *_chat_end()[:1], (0.003, b"%x;a\nb\r\n%s\r\n" % (len(_token(2)), _token(2)))]),
+    "chat-bare-lf-in-a-trailer": ("chat", lambda box, told: [*_handed_over_chat(box), *_chat_end(last=b"0\r\nx-t: 1\n\r\n")]),
+    "chat-a-valid-trailer": ("chat", lambda box, told: [*_handed_over_chat(box), *_chat_end(last=b"0;x=\"1\"\r\nx-t: 1\r\n\r\n")]),
+    "chat-broken-in-one-read-with-events": ("chat", lambda box, told: [*_handed_over_chat(box), (0.003, http_chunk(_token(1)) + http_chunk(_token(2)) + BROKEN)]),
+    "chat-broken-in-one-read-with-the-usage": (  # (the thread parks the stream for Python to read the usage: it breaks after)
+        "chat", lambda box, told: [*_handed_over_chat(box), *_chat_end()[:1], (0.003, http_chunk(FINISH) + http_chunk(USAGE) + BROKEN)],
+    ),
+    "responses-broken-in-one-read-with-events": ("responses", lambda box, told: _responses_script(box, [(0.003, http_chunk(_delta(3)) + http_chunk(_delta(4)) + BROKEN)])),
+    "responses-broken-in-a-read-of-its-own": (
+        "responses", lambda box, told: _responses_script(box, [(0.003, http_chunk(_delta(3)) + http_chunk(_delta(4))), (0.0, _client_has(told)), (0.0, BROKEN)]),
+    ),
+    "responses-broken-after-a-piece-ending-with-done": (
+        "responses", lambda box, told: _responses_script(box, [(0.003, http_chunk(_delta(3) + _delta(4) + DONE)), (0.0, _client_has(told)), (0.0, BROKEN)]),
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("scenario", list(_SCENARIOS))
+def test_hostile_framing_reaches_the_client_alike_through_either_relay(scenario: str) -> None:
+    """Byte for byte the same stream through either relay, whatever the engine's framing (valid or not: one framing
+    contract, llhttp's), the same tokens charged, and on /v1/responses an error event numbered after every event the
+    client had. The native thread relayed part of each stream (the scripts hand it over before the framing at issue)."""
+    route, build = _SCENARIOS[scenario]
+    path, body = ("/v1/chat/completions", _chat()) if route == "chat" else ("/v1/responses", {"model": "m", "input": "hi", "stream": True})
+    seen = {}
+    for native in (False, True):
+        box: dict[str, GatewayServer] = {}
+        told = (_delta(4) if route == "responses" else _token(4), threading.Event())
+        script = build(box, told)
+        seen[native] = _through(native, lambda _, script=script: script, body, path, box=box, told=told)  # type: ignore[misc]
+    (python, python_tokens, _), (native, native_tokens, relayed) = seen[False], seen[True]
+    assert native == python
+    assert native_tokens == python_tokens
+    assert relayed > 0
+    assert received_events_are_whole(native)
+    if route == "responses":
+        numbers = [int(n) for n in re.findall(rb'"sequence_number": ?(\d+)', native)]
+        assert numbers == list(range(len(numbers))), numbers  # the error event's follows the last the engine gave
+
+
+def received_events_are_whole(received: bytes) -> bool:
+    """Every event the client got ends with one blank line, none with more (no partial event sent as one)."""
+    return received.endswith(b"\n\n") and b"\n\n\n" not in received
 
 
 @RELAYS
@@ -241,14 +369,17 @@ def test_a_client_that_leaves_once_it_has_the_end_had_a_complete_stream(native: 
     """The client closes its connection as soon as it has [DONE] (SDKs do), before the engine's body has ended: the
     request is complete, logged without an error and with its tokens (it had been logged "client disconnected",
     and its trace had lost its finish reason)."""
+    box: dict[str, GatewayServer] = {}
     script = _chat_script()
+    script.insert(3, (0.0, _handed_over(box)))  # the tokens after the first come once the thread relays the stream
     script[-1] = (0.5, b"0\r\n\r\n")  # the body's end comes well after [DONE]
     request = orjson.dumps(_chat(include_usage=True))
     lines: list[str] = []
     sink = logger.add(lambda message: lines.append(str(message)), level="INFO")
     try:
         with _scripted_engine(lambda _: script) as engine, serve({"m": {"url": engine["url"]}}, {"relay_native": native}) as served:
-            with socket.create_connection(("127.0.0.1", served.port), timeout=10) as sock:
+            box["gateway"] = served
+            with socket.create_connection(("127.0.0.1", served.port), timeout=30) as sock:
                 sock.sendall(
                     b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
                     % (len(request), request)
@@ -300,6 +431,48 @@ def test_a_client_that_reads_slowly_gets_every_byte_in_order(native: bool) -> No
     assert data[1] == 1, "the client's body is not complete chunk framing"
     assert data[0] == ROLE + b"".join(_token(i) for i in range(5)) + b"".join(big) + FINISH + DONE
     assert (stats is not None and stats["blocked"] > 0 and stats["events"] > 100) is native
+
+
+@RELAYS
+def test_a_client_that_stops_reading_gives_its_slot_back(native: bool) -> None:
+    """A client that reads nothing holds its concurrency slot until the gateway's buffers for it are full and it has
+    then taken nothing for ``write_timeout_s``: it is cut off, the engine's connection closed (the engine aborts),
+    and the slot serves the next request. The FAKE engine sends as fast as the gateway reads, so the buffers fill in
+    a moment whatever the load. (With the real CPU engine the test waited on generation: about 3 MB fit in the
+    loopback buffers of a client that reads nothing, which its answer outgrew only after 1,774 of 1,900 tokens, 17 s
+    on a quiet machine, past the 120 s it allowed under load: the gateway held the slot while it could still write.)"""
+    box: dict[str, GatewayServer] = {}
+    big = http_chunk(b'data: {"choices":[{"index":0,"delta":{"content":"%s"},"finish_reason":null}]}\n\n' % (b"x" * 16000))
+    endless: Script = [(0.0, SSE_HEAD + http_chunk(ROLE)), (0.1, http_chunk(_token(0))), (0.0, _handed_over(box))]
+    endless += [(0.0, big)] * 4000  # 64 MB: far past what the sockets and the transport hold
+    settings = {"relay_native": native, "limits": {"max_concurrent": 1}, "http": {"write_timeout_s": 2}}
+    with _scripted_engine(lambda n: endless if n == 1 else _chat_script()) as engine, serve({"m": {"url": engine["url"]}}, settings) as served:
+        box["gateway"] = served
+        body = orjson.dumps(_chat())
+        with socket.socket() as stalled:
+            stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            stalled.connect(("127.0.0.1", served.port))
+            stalled.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: g\r\nContent-Type: application/json\r\n"
+                            b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+            wait_until(lambda: engine["requests"] == 1, "the stalled stream to reach the engine", 20, 0.01)
+            with httpx.Client(timeout=30) as http:
+                assert http.post(served.url + "/v1/chat/completions", json=_chat()).status_code == 429  # its slot is held
+                reply = wait_until(
+                    lambda: (answer := http.post(served.url + "/v1/chat/completions", json=_chat())).status_code != 429 and answer,
+                    "the slot to be given back", 60, 0.1,
+                )  # fmt: skip
+            assert reply.status_code == 200 and reply.content.endswith(DONE), reply.content[-200:]
+            wait_until(lambda: engine["broken"] == 1, "the engine's connection of the stalled stream to be closed", 20, 0.02)
+            stalled.settimeout(10)
+            received = b""
+            try:
+                while more := stalled.recv(1 << 20):
+                    received += more
+            except (ConnectionResetError, TimeoutError):
+                pass
+        stats = served.state.proxy.streams.native_stats()
+    assert received.startswith(b"HTTP/1.1 200") and DONE not in received  # cut off, not ended
+    assert (stats is not None and stats["blocked"] > 0) is native  # the thread's writes were what the client refused
 
 
 def test_the_relay_thread_runs_below_the_event_loops_priority() -> None:

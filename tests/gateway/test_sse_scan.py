@@ -402,6 +402,17 @@ def test_a_failed_responses_stream_numbers_its_error_event_after_the_engines_las
     assert relay._next_sequence_number() == 7
 
 
+def test_a_failed_responses_stream_numbers_its_error_event_after_a_piece_that_ended_with_done() -> None:
+    """The piece that ended with [DONE] is kept apart from the last two, and a partial last event goes out as the
+    stream's tail: either may hold the highest number sent, and the error event's follows it (it had repeated one)."""
+    relay, _ = _writing_relay(StreamKind.RESPONSES)
+    delta = b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","sequence_number":%d}\n\n'
+    relay._on_data(delta % 0 + delta % 1)
+    relay._on_data(delta % 2 + delta % 3 + b"data: [DONE]\n\n")
+    assert relay._next_sequence_number() == 4
+    assert relay._next_sequence_number((delta % 4)[:-1]) == 5
+
+
 class _Writer:
     """What the relay writes to the client, in order (the relay's writer, without a client)."""
 
