@@ -32,7 +32,7 @@ PROMPTS = {
     "japanese": "日本の首都はどこですか？日本語で答えてください。",
     "french": "Écris une phrase joyeuse sur la mer avec un emoji 🌊.",
 }
-MAX_TOKENS = 32
+MAX_TOKENS = 24
 KEY = "sk-paths"
 
 

@@ -70,7 +70,7 @@ def _sampling(choice: str, real: bool) -> dict[str, Any]:
     """Greedy on the real model. The tiny one samples: greedy, its random weights fill a call's JSON with whitespace (which
     the grammar allows inside a tool call) until max_tokens; sampled, a call ends in tens of tokens (ample room given)."""
     forced = choice in ("required", "named")
-    return {"temperature": 0, "max_tokens": 64 if forced else 12} if real else {"temperature": 1.0, "max_tokens": 300 if forced else 12}
+    return {"temperature": 0, "max_tokens": 40 if forced else 12} if real else {"temperature": 1.0, "max_tokens": 300 if forced else 12}
 
 
 def chat_calls(client: openai.OpenAI, choice: str, stream: bool, real: bool) -> tuple[str, list[dict[str, Any]]]:
@@ -216,17 +216,17 @@ def test_a_tool_result_reaches_the_model_in_each_dialect(real_gateway: GatewaySe
     tools = [{"type": "function", "function": WEATHER}]
     first = openai_client.chat.completions.create(
         model="default", messages=[{"role": "user", "content": QUESTION}], tools=tools, tool_choice="required",
-        temperature=0, max_tokens=64,
+        temperature=0, max_tokens=40,
     ).choices[0].message
     (call,) = first.tool_calls
     result = "Heavy snow, minus 12 degrees."
     turn = [{"role": "user", "content": QUESTION}, first.model_dump(exclude_none=True),
             {"role": "tool", "tool_call_id": call.id, "content": result}]
-    answer = openai_client.chat.completions.create(model="default", messages=turn, tools=tools, temperature=0, max_tokens=40)
+    answer = openai_client.chat.completions.create(model="default", messages=turn, tools=tools, temperature=0, max_tokens=24)
     assert "snow" in (answer.choices[0].message.content or "").lower(), answer.choices[0].message
 
     responses = openai_client.responses.create(
-        model="default", temperature=0, max_output_tokens=40, store=False, tools=[{"type": "function", **WEATHER}],
+        model="default", temperature=0, max_output_tokens=26, store=False, tools=[{"type": "function", **WEATHER}],
         input=[{"role": "user", "content": QUESTION},
                {"type": "function_call", "call_id": call.id, "name": call.function.name, "arguments": call.function.arguments},
                {"type": "function_call_output", "call_id": call.id, "output": result}],
@@ -234,7 +234,7 @@ def test_a_tool_result_reaches_the_model_in_each_dialect(real_gateway: GatewaySe
     assert "snow" in responses.output_text.lower(), responses.output
 
     message = anthropic_client.messages.create(
-        model="default", extra_body={"temperature": 0}, max_tokens=40,
+        model="default", extra_body={"temperature": 0}, max_tokens=24,
         tools=[{"name": WEATHER["name"], "description": WEATHER["description"], "input_schema": WEATHER["parameters"]}],
         messages=[{"role": "user", "content": QUESTION},
                   {"role": "assistant", "content": [{"type": "tool_use", "id": call.id, "name": call.function.name,

@@ -78,7 +78,7 @@ def managed_models(starts_engine: None, tiny_model_dir: Path, mlflow_store: Path
 def request(flavor: str, real: bool = False) -> dict[str, Any]:
     """A forced call in each flavour's own request shape: greedy on the real model; sampled on the tiny one, whose
     random weights, greedy, fill a call's JSON with whitespace until max_tokens (sampled, a call ends in tens of tokens)."""
-    temperature, tokens = (0, 64) if real else (1.0, 300)
+    temperature, tokens = (0, 40) if real else (1.0, 300)
     if flavor == "chat_agent":  # ChatAgent: generation parameters travel in custom_inputs
         return {"messages": QUESTION, "custom_inputs": {"tools": [WEATHER], "tool_choice": "required", "temperature": temperature, "max_tokens": tokens}}
     if flavor == "chat_model":  # ChatModel: ChatParams at the top level (tool_choice is not one: custom_inputs)
@@ -136,19 +136,19 @@ def test_a_two_turn_agent_loop_through_load_model(flavor: str, real_models: dict
              "tool_calls": [{"id": call["id"], "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}]},
             {"role": "tool", "content": result, "tool_call_id": call["id"], "name": call["name"], "id": "t1"},
         ]  # fmt: skip
-        answer = model.predict({"messages": turn, "custom_inputs": {"tools": [WEATHER], "temperature": 0, "max_tokens": 40}})
+        answer = model.predict({"messages": turn, "custom_inputs": {"tools": [WEATHER], "temperature": 0, "max_tokens": 24}})
         text = answer["messages"][-1]["content"]
     else:
         items = QUESTION + [
             {"type": "function_call", "call_id": call["id"], "name": call["name"], "arguments": call["arguments"]},
             {"type": "function_call_output", "call_id": call["id"], "output": result},
         ]
-        answer = model.predict({"input": items, "custom_inputs": {"tools": [WEATHER]}, "temperature": 0, "max_output_tokens": 40})
+        answer = model.predict({"input": items, "custom_inputs": {"tools": [WEATHER]}, "temperature": 0, "max_output_tokens": 26})
         text = "".join(part["text"] for item in answer["output"] if item["type"] == "message" for part in item["content"])
     assert "snow" in text.lower(), answer
 
 
-MAX_TOKENS = 32
+MAX_TOKENS = 24
 
 
 def test_each_mlflow_flavour_gives_the_engines_answer(smollm2_engine: EngineProcess, real_models: dict[str, Any]) -> None:
