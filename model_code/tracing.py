@@ -30,7 +30,7 @@ from mlflow.entities import SpanEvent, SpanStatusCode
 from mlflow.tracing.constant import SpanAttributeKey
 
 from model_code.target import TracingMode
-from model_code.trace_context import TraceLink, link_for, sending
+from model_code.trace_context import TraceLink, link_for, pull, sending
 
 T = TypeVar("T")
 Usage = Mapping[str, int]
@@ -117,8 +117,7 @@ def _sent_with(link: TraceLink | None, chunks: Iterable[T]) -> Iterator[T]:
     iterator = iter(chunks)
     try:
         while True:
-            with sending(link):
-                chunk = next(iterator, _END)
+            chunk = pull(iterator, link, _END)
             if chunk is _END:
                 return
             yield chunk  # type: ignore[misc]

@@ -128,14 +128,25 @@ def stream_to_chat_agent(chunks: Iterable[Any]) -> Iterator[ChatAgentChunk]:
 
 def reduce_chat_agent_chunks(chunks: list[Any]) -> dict[str, Any]:
     """Trace output of a ChatAgent stream: the joined message, finish reason and usage."""
-    content, finish, usage, calls = "", None, None, None
+    texts: list[str] = []
+    finish, usage, calls = None, None, None
     for chunk in chunks:
-        data = chunk.model_dump(exclude_none=True) if hasattr(chunk, "model_dump") else chunk
-        content += data.get("delta", {}).get("content") or ""
-        calls = data.get("delta", {}).get("tool_calls") or calls
-        finish = data.get("finish_reason") or finish
-        usage = data.get("usage") or usage
-    message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+        if isinstance(chunk, ChatAgentChunk):  # read, not dumped: one dump per chunk is MLflow's own already
+            delta = chunk.delta
+            texts.append(delta.content or "")
+            calls = delta.tool_calls or calls
+            finish = chunk.finish_reason or finish
+            usage = chunk.usage or usage
+            continue
+        texts.append(chunk.get("delta", {}).get("content") or "")
+        calls = chunk.get("delta", {}).get("tool_calls") or calls
+        finish = chunk.get("finish_reason") or finish
+        usage = chunk.get("usage") or usage
+    if calls and not isinstance(calls[0], dict):
+        calls = [call.model_dump(exclude_none=True) for call in calls]
+    if usage is not None and not isinstance(usage, dict):
+        usage = usage.model_dump(exclude_none=True)
+    message = {"role": "assistant", "content": "".join(texts), **({"tool_calls": calls} if calls else {})}
     return {"messages": [message], "finish_reason": finish, "usage": usage}
 
 

@@ -241,7 +241,7 @@ def reduce_chat_model_chunks(chunks: list[Any]) -> dict[str, Any]:
     finishes: dict[int, str] = {}
     usage = None
     for chunk in chunks:
-        data = chunk.to_dict() if hasattr(chunk, "to_dict") else chunk
+        data = chunk._data if isinstance(chunk, BuiltChatModelChunk) else (chunk.to_dict() if hasattr(chunk, "to_dict") else chunk)
         for choice in data.get("choices", []):
             index = choice.get("index", 0)
             contents[index] = contents.get(index, "") + (choice.get("delta", {}).get("content") or "")

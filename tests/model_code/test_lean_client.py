@@ -183,3 +183,14 @@ def test_transport_failures_raise_the_same_typed_errors(error, monkeypatch):
 def test_the_sse_reader_joins_multi_line_data_and_skips_comments_and_fields():
     stream = [b": ping\n\nevent: x\nid: 3\ndata: {\"a\":\ndata:  1}\n", b"\n", b"data:[DONE]"]
     assert list(sse_data(iter(stream))) == [b'{"a":\n 1}', b"[DONE]"]
+
+
+@pytest.mark.parametrize("name", sorted(STREAMS))
+def test_trace_reducers_read_built_chunks_as_they_read_their_dumps(name):
+    from model_code.flavors.chat_agent import reduce_chat_agent_chunks
+    from model_code.flavors.chat_model import reduce_chat_model_chunks
+
+    agent = list(stream_to_chat_agent(_replaying(STREAMS[name]).stream_json(MESSAGES)))
+    assert reduce_chat_agent_chunks(agent) == reduce_chat_agent_chunks([c.model_dump(exclude_none=True) for c in agent])
+    chat = list(stream_to_chat_model(_replaying(STREAMS[name]).stream_json(MESSAGES)))
+    assert reduce_chat_model_chunks(chat) == reduce_chat_model_chunks([c.to_dict() for c in chat])
