@@ -94,7 +94,9 @@ def run_serving_bench(
     mlflow.set_experiment(experiment_id=experiment)
     with mlflow.start_run():
         info = log_model({"models": {"bench": {"url": url}}, "mlflow": {"tracing": "off"}}, flavor="chat_agent", flashinfer=None)
-    env = {**os.environ, "MLFLOW_TRACKING_URI": tracking}
+    # MLflow's server runs ``uvicorn`` by name: this interpreter's scripts first on the PATH
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    env = {**os.environ, "MLFLOW_TRACKING_URI": tracking, "PATH": path}
     rows = []
 
     port = pick_free_port()

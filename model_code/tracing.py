@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from functools import partial
+from functools import cache, partial
 from typing import Any, TypeVar
 
 import mlflow
@@ -104,10 +104,16 @@ def _mlflow_exports_synchronously() -> bool:
         return False
     if MLFLOW_ENABLE_ASYNC_TRACE_LOGGING.is_set():
         return not MLFLOW_ENABLE_ASYNC_TRACE_LOGGING.get()
+    return _in_databricks_notebook()  # MLflow keeps its async logging off there by default
+
+
+@cache
+def _in_databricks_notebook() -> bool:
+    """MLflow's own test, once per process (it costs about a millisecond: it is asked at every traced call)."""
     try:
         from mlflow.utils.databricks_utils import is_in_databricks_notebook
 
-        return bool(is_in_databricks_notebook())  # MLflow keeps its async logging off there by default
+        return bool(is_in_databricks_notebook())
     except Exception:
         return False
 
