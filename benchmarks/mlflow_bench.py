@@ -147,6 +147,7 @@ def run_mlflow_bench(
                     _configure(mlflow, flavour_instance, name)
                     for _ in range(3):
                         call()
+                flush_traces()  # the warm-up's traces: not written during the first measured batch
                 task = progress.add_task(f"{flavor} {mode}", total=per_round * rounds * len(sides))
                 for r in range(rounds):
                     order = list(sides) if r % 2 == 0 else list(sides)[::-1]
