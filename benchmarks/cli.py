@@ -556,6 +556,31 @@ def mlflow_command(
     report.print_mlflow(result["rows"], trace_sink)
 
 
+@app.command("mlflow-serving")
+def mlflow_serving_command(
+    stub_kind: Annotated[str, typer.Option(help="Fake upstream implementation: starlette | raw.")] = "starlette",
+    workers: Annotated[int, typer.Option("--workers", "-w", help="mlflow models serve -w N.")] = 2,
+    concurrency: Annotated[int, typer.Option("--concurrency", "-c", help="Clients at once.")] = 2,
+    requests: Annotated[int, typer.Option("--requests", "-n", help="Measured requests per server and route.")] = 40,
+    output_tokens: OutputTokens = 256,
+    out: Out = None,
+) -> None:
+    """Serving throughput of a logged model: ``mlflow models serve -w N`` vs ``sglang-gateway serve --model-uri``
+    (``/invocations`` and the OpenAI route), fake upstream: tokens/s and server CPU per token."""
+    from benchmarks.serving_bench import run_serving_bench
+
+    out_dir = _out_dir(out, "mlflow-serving")
+    with processes.fake_upstream(stub_kind, out_dir) as (url, _):
+        result = run_serving_bench(url, workers, concurrency, requests, output_tokens, out_dir, console)
+    result.update({"title": f"MLflow serving throughput (stub-{stub_kind})", "kind": "mlflow-serving", "machine": report.machine_info()})
+    (out_dir / "result.json").write_text(json.dumps(result, indent=2))
+    for row in result["rows"]:
+        console.print(
+            f"{row['server']:34} {row['route']:32} {row['tokens_per_s']:9.0f} tokens/s  "
+            f"{row['cpu_us_per_token']:7.1f} µs CPU/token  ({row['requests']} requests, {row['tokens']} tokens)"
+        )
+
+
 @app.command("affinity")
 def affinity_command(
     replicas: Annotated[int, typer.Option(help="Engines behind the model (replicas: N of the tiny CPU engine).")] = 2,

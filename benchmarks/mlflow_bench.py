@@ -12,7 +12,8 @@ Traces are exported by MLflow on a background thread of this process, so their e
 calls that follow (that cost is part of "tracing on"); the queue is flushed, untimed, after each batch so
 that it never spills into the next side's batch. ``trace_sink``: ``store`` (the sqlite tracking store, as
 a notebook logs to its tracking server) or ``serving`` (MLflow's Model Serving mode: finished traces go
-to an in-memory buffer for the serving layer, nothing is written).
+to an in-memory buffer for the serving layer, nothing is written). With ``MLFLOW_ENABLE_ASYNC_TRACE_LOGGING=false``
+in the environment, ``store`` is a Databricks notebook's case: MLflow writes each trace on the thread that ends it.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ def run_mlflow_bench(
     import openai
 
     from model_code import close_model, log_model, python_model_of
+    from model_code.tracing import flush_traces  # the wrapper's background recorder, then MLflow's queue
 
     mlflow.set_tracking_uri(f"sqlite:///{out_dir / 'mlflow.db'}")
     experiment = mlflow.create_experiment(
@@ -145,6 +147,7 @@ def run_mlflow_bench(
                     _configure(mlflow, flavour_instance, name)
                     for _ in range(3):
                         call()
+                flush_traces()  # the warm-up's traces: not written during the first measured batch
                 task = progress.add_task(f"{flavor} {mode}", total=per_round * rounds * len(sides))
                 for r in range(rounds):
                     order = list(sides) if r % 2 == 0 else list(sides)[::-1]
@@ -160,7 +163,7 @@ def run_mlflow_bench(
                                 firsts[name].append(first)
                             progress.advance(task)
                         # untimed, but its CPU counts: no export spills into the next batch
-                        mlflow.flush_trace_async_logging()
+                        flush_traces()
                         cpu[name][0] += time.thread_time() - thread_cpu
                         cpu[name][1] += time.process_time() - process_cpu
                 _configure(mlflow, flavour_instance, "tracing on")
@@ -168,7 +171,7 @@ def run_mlflow_bench(
                 calls = per_round * rounds
                 rows += _rows(flavor, mode, times, firsts, {k: [v * 1000 / calls for v in c] for k, c in cpu.items()})
             close_model(model)
-    mlflow.flush_trace_async_logging()
+    flush_traces()
     raw.close()
     return {
         "rows": rows,

@@ -16,6 +16,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import closing
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -127,16 +128,56 @@ class EngineClient:
         return engine_body(messages, self.request(params, messages))
 
     def chat(self, messages: list[dict[str, Any]], params: Mapping[str, Any] | None = None) -> ChatCompletion:
-        """One non-streaming completion; typed errors."""
+        """One non-streaming completion through the ``openai`` SDK (its typed model); typed errors."""
         kwargs = self.request(params, messages)
-        shape = request_shape(CHAT_PATH, engine_body(messages, kwargs))
+
+        def send(replica: Replica) -> ChatCompletion:
+            create = replica.openai().chat.completions.create
+            return create(messages=messages, extra_headers=outgoing_headers(), **kwargs)
+
+        return self._completion(engine_body(messages, kwargs), send)
+
+    def chat_json(self, messages: list[dict[str, Any]], params: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """One non-streaming completion as the engine's JSON (a dict), through the lean transport
+        (:mod:`model_code.lean`: no pydantic models); the same request, retries and typed errors as :meth:`chat`."""
+        body = engine_body(messages, self.request(params, messages))
+        return self._completion(body, lambda replica: replica.lean().post(body, outgoing_headers()))
+
+    def stream(
+        self, messages: list[dict[str, Any]], params: Mapping[str, Any] | None = None
+    ) -> Iterator[ChatCompletionChunk]:
+        """Engine chunks as they arrive through the ``openai`` SDK (usage in the last one); typed errors, also mid-stream."""
+        kwargs = self.request(params, messages, stream=True)
+
+        def send(replica: Replica) -> Iterator[ChatCompletionChunk]:
+            create = replica.openai().chat.completions.create
+            return create(
+                messages=messages,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_headers=outgoing_headers(),
+                **kwargs,
+            )
+
+        yield from self._chunks(engine_body(messages, kwargs, stream=True), send)
+
+    def stream_json(
+        self, messages: list[dict[str, Any]], params: Mapping[str, Any] | None = None
+    ) -> Iterator[dict[str, Any]]:
+        """Engine chunks as dicts, one ``orjson`` parse each, through the lean transport (:mod:`model_code.lean`);
+        the same request, retries and typed errors as :meth:`stream`."""
+        body = engine_body(messages, self.request(params, messages, stream=True), stream=True)
+        yield from self._chunks(body, lambda replica: replica.lean().stream(body, outgoing_headers()))
+
+    def _completion(self, body: dict[str, Any], send: Callable[[Replica], T]) -> T:
+        """``send(replica)`` for the request ``body``: quarantine, one retry elsewhere, typed errors."""
+        shape = request_shape(CHAT_PATH, body)
         with self.quarantine.holding(shape):
             replica = self._take()
             for attempt in (1, 2):
                 log_file = _log_file(replica)
                 try:
-                    create = replica.openai().chat.completions.create
-                    return self._answered(partial(create, messages=messages, extra_headers=outgoing_headers(), **kwargs))
+                    return self._answered(partial(send, replica))
                 except openai.APIConnectionError as error:
                     refused = error
                 except openai.OpenAIError as error:
@@ -151,30 +192,17 @@ class EngineClient:
                 replica = following
         raise AssertionError("unreachable")
 
-    def stream(
-        self, messages: list[dict[str, Any]], params: Mapping[str, Any] | None = None
-    ) -> Iterator[ChatCompletionChunk]:
-        """Engine chunks as they arrive (usage in the last one); typed errors, also mid-stream."""
-        kwargs = self.request(params, messages, stream=True)
-        shape = request_shape(CHAT_PATH, engine_body(messages, kwargs, stream=True))
+    def _chunks(self, body: dict[str, Any], send: Callable[[Replica], Iterator[T]]) -> Iterator[T]:
+        """The chunks of ``send(replica)`` (a stream that can be closed) for the request ``body``: quarantine, one
+        retry elsewhere while nothing was received, typed errors, also mid-stream."""
+        shape = request_shape(CHAT_PATH, body)
         with self.quarantine.holding(shape):
             replica = self._take()
             for attempt in (1, 2):
                 received = False
                 log_file = _log_file(replica)
                 try:
-                    create = replica.openai().chat.completions.create
-                    stream = self._answered(
-                        partial(
-                            create,
-                            messages=messages,
-                            stream=True,
-                            stream_options={"include_usage": True},
-                            extra_headers=outgoing_headers(),
-                            **kwargs,
-                        )
-                    )
-                    with stream:
+                    with closing(self._answered(partial(send, replica))) as stream:  # type: ignore[type-var]
                         for chunk in stream:
                             received = True
                             yield chunk
@@ -317,6 +345,15 @@ class LogTimeClient:
         yield ChatCompletionChunk.model_validate(
             {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
         )
+
+    def chat_json(self, messages: list[dict[str, Any]], params: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        return self.chat(messages, params).model_dump(exclude_unset=True)
+
+    def stream_json(
+        self, messages: list[dict[str, Any]], params: Mapping[str, Any] | None = None
+    ) -> Iterator[dict[str, Any]]:
+        for chunk in self.stream(messages, params):
+            yield chunk.model_dump(exclude_unset=True)
 
     def close(self) -> None:
         pass

@@ -27,6 +27,7 @@ from loguru import logger
 from launch.process import EngineError
 from launch.shared import SharedEngine
 from model_code.engine_owner import Engine, release_engine
+from model_code.lean import LeanTransport
 from model_code.target import ModelCodeSettings
 
 
@@ -50,6 +51,7 @@ class Replica:
         self.recovering = False  # a background thread waits for its shared engine to be back
         self._settings = settings
         self._client: openai.OpenAI | None = None
+        self._lean: LeanTransport | None = None
         self._lock = threading.Lock()
 
     @property
@@ -68,6 +70,14 @@ class Replica:
                     max_retries=0,
                 )
             return self._client
+
+    def lean(self) -> LeanTransport:
+        """The lean transport (:mod:`model_code.lean`) over :meth:`openai`'s pooled HTTP client."""
+        client = self.openai()
+        lean = self._lean
+        if lean is None or lean.sdk is not client:  # first use, or a new client after a recovery
+            lean = self._lean = LeanTransport(client, self._settings.request_timeout_s)
+        return lean
 
     def down_reason(self) -> str | None:
         """Why this replica cannot take requests now, or None."""

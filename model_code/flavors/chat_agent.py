@@ -26,6 +26,7 @@ from model_code.client import usage_dict
 from model_code.flavors.common import (
     EngineBacked,
     ToolCallAccumulator,
+    as_dict,
     cc_messages,
     last_usage,
     single_choice,
@@ -48,11 +49,15 @@ def chat_agent_params(custom_inputs: Mapping[str, Any] | None) -> dict[str, Any]
 
 
 def completion_to_chat_agent(response: Any) -> ChatAgentResponse:
+    """A ChatAgent response from an engine completion (a dict, or the openai SDK's model)."""
+    response = as_dict(response)
+    choices = response.get("choices") or []
     messages = []
-    for choice in response.choices:
-        calls = tool_calls_of(choice.message)
-        content = choice.message.content
-        message_id = response.id if len(response.choices) == 1 else f"{response.id}-{choice.index}"
+    for choice in choices:
+        message = choice.get("message") or {}
+        calls = tool_calls_of(message)
+        content = message.get("content")
+        message_id = response.get("id") if len(choices) == 1 else f"{response.get('id')}-{choice.get('index', 0)}"
         messages.append(
             ChatAgentMessage(
                 role="assistant",
@@ -61,10 +66,10 @@ def completion_to_chat_agent(response: Any) -> ChatAgentResponse:
                 id=message_id or str(uuid.uuid4()),
             )
         )
-    usage = usage_dict(response.usage)
+    usage = usage_dict(response.get("usage"))
     return ChatAgentResponse(
         messages=messages,
-        finish_reason=response.choices[0].finish_reason if response.choices else None,
+        finish_reason=choices[0].get("finish_reason") if choices else None,
         usage=ChatUsage(**usage) if usage else None,
     )
 
@@ -72,16 +77,22 @@ def completion_to_chat_agent(response: Any) -> ChatAgentResponse:
 def stream_to_chat_agent(chunks: Iterable[Any]) -> Iterator[ChatAgentChunk]:
     """ChatAgent chunks: every one has ``delta.content`` (a string); the last one has the finish reason and usage.
 
-    The engine sends usage in a chunk of its own after the finish chunk: the finish chunk waits for it.
+    The engine sends usage in a chunk of its own after the finish chunk: the finish chunk waits for it. One
+    pass per engine chunk (a dict; the openai SDK's models are dumped first), one ChatAgentChunk built per text.
     """
     message_id: str | None = None
     tools = ToolCallAccumulator()
     final: ChatAgentChunk | None = None
     for chunk in chunks:
-        message_id = message_id or chunk.id or str(uuid.uuid4())
-        usage = usage_dict(chunk.usage)
+        if not isinstance(chunk, dict):
+            chunk = as_dict(chunk)
+        if message_id is None:
+            message_id = chunk.get("id") or str(uuid.uuid4())
+        raw_usage = chunk.get("usage")
+        usage = usage_dict(raw_usage) if raw_usage else None
         usage_model = ChatUsage(**usage) if usage else None
-        if not chunk.choices:
+        choices = chunk.get("choices")
+        if not choices:
             if usage_model is not None:
                 final = (
                     final.model_copy(update={"usage": usage_model})
@@ -91,18 +102,20 @@ def stream_to_chat_agent(chunks: Iterable[Any]) -> Iterator[ChatAgentChunk]:
                     )
                 )
             continue
-        choice = chunk.choices[0]
-        if choice.delta.tool_calls:
-            tools.add(choice.delta.tool_calls)
-        text = choice.delta.content
-        if choice.finish_reason:
+        choice = choices[0]
+        delta = choice.get("delta") or {}
+        if delta.get("tool_calls"):
+            tools.add(delta["tool_calls"])
+        text = delta.get("content")
+        finish_reason = choice.get("finish_reason")
+        if finish_reason:
             if final is not None:
                 yield final
             final = ChatAgentChunk(
                 delta=ChatAgentMessage(
                     role="assistant", content=text or "", tool_calls=tools.result() or None, id=message_id
                 ),
-                finish_reason=choice.finish_reason,
+                finish_reason=finish_reason,
                 usage=usage_model,
             )
         elif text:
@@ -115,14 +128,25 @@ def stream_to_chat_agent(chunks: Iterable[Any]) -> Iterator[ChatAgentChunk]:
 
 def reduce_chat_agent_chunks(chunks: list[Any]) -> dict[str, Any]:
     """Trace output of a ChatAgent stream: the joined message, finish reason and usage."""
-    content, finish, usage, calls = "", None, None, None
+    texts: list[str] = []
+    finish, usage, calls = None, None, None
     for chunk in chunks:
-        data = chunk.model_dump(exclude_none=True) if hasattr(chunk, "model_dump") else chunk
-        content += data.get("delta", {}).get("content") or ""
-        calls = data.get("delta", {}).get("tool_calls") or calls
-        finish = data.get("finish_reason") or finish
-        usage = data.get("usage") or usage
-    message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+        if isinstance(chunk, ChatAgentChunk):  # read, not dumped: one dump per chunk is MLflow's own already
+            delta = chunk.delta
+            texts.append(delta.content or "")
+            calls = delta.tool_calls or calls
+            finish = chunk.finish_reason or finish
+            usage = chunk.usage or usage
+            continue
+        texts.append(chunk.get("delta", {}).get("content") or "")
+        calls = chunk.get("delta", {}).get("tool_calls") or calls
+        finish = chunk.get("finish_reason") or finish
+        usage = chunk.get("usage") or usage
+    if calls and not isinstance(calls[0], dict):
+        calls = [call.model_dump(exclude_none=True) for call in calls]
+    if usage is not None and not isinstance(usage, dict):
+        usage = usage.model_dump(exclude_none=True)
+    message = {"role": "assistant", "content": "".join(texts), **({"tool_calls": calls} if calls else {})}
     return {"messages": [message], "finish_reason": finish, "usage": usage}
 
 
@@ -137,7 +161,7 @@ class SGLangChatAgent(EngineBacked, ChatAgent):
     ) -> ChatAgentResponse:
         def call() -> ChatAgentResponse:
             params = chat_agent_params(custom_inputs)
-            return completion_to_chat_agent(self._engine().chat(cc_messages(messages), params))
+            return completion_to_chat_agent(self._engine().chat_json(cc_messages(messages), params))
 
         inputs = {"messages": messages, "context": context, "custom_inputs": custom_inputs}
         return traced_call(
@@ -153,7 +177,7 @@ class SGLangChatAgent(EngineBacked, ChatAgent):
         def chunks() -> Iterator[ChatAgentChunk]:
             params = chat_agent_params(custom_inputs)
             single_choice(params, "ChatAgent.predict_stream")
-            yield from stream_to_chat_agent(self._engine().stream(cc_messages(messages), params))
+            yield from stream_to_chat_agent(self._engine().stream_json(cc_messages(messages), params))
 
         inputs = {"messages": messages, "context": context, "custom_inputs": custom_inputs}
         yield from traced_stream(

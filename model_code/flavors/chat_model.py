@@ -11,9 +11,10 @@ defines the flavour.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from mlflow.entities import SpanType
 from mlflow.models import set_model
@@ -32,9 +33,18 @@ from mlflow.types.llm import (
 )
 
 from model_code.client import usage_dict
-from model_code.flavors.common import EngineBacked, ToolCallAccumulator, cc_messages, last_usage, tool_calls_of
+from model_code.flavors.common import (
+    EngineBacked,
+    ToolCallAccumulator,
+    as_dict,
+    cc_messages,
+    last_usage,
+    tool_calls_of,
+)
 from model_code.flavors.spec import QUESTION, FlavorSpec, executed_by_mlflow
 from model_code.tracing import Usage, traced_call, traced_stream
+
+T = TypeVar("T")
 
 SPEC = FlavorSpec(
     "chat_model", Path(__file__).resolve(), "ChatModel", {"messages": QUESTION, "temperature": 0.1, "max_tokens": 50}
@@ -83,84 +93,146 @@ def _llm_tool_calls(calls: list[dict[str, Any]]) -> list[ToolCall] | None:
 
 
 def completion_to_chat_model(response: Any) -> ChatCompletionResponse:
+    """A ChatModel response from an engine completion (a dict, or the openai SDK's model)."""
+    response = as_dict(response)
     choices = []
-    for choice in response.choices:
-        calls = _llm_tool_calls(tool_calls_of(choice.message))
-        content = choice.message.content
+    for choice in response.get("choices") or []:
+        message = choice.get("message") or {}
+        calls = _llm_tool_calls(tool_calls_of(message))
+        content = message.get("content")
         choices.append(
             ChatChoice(
-                index=choice.index,
+                index=choice.get("index", 0),
                 message=ChatMessage(
                     role="assistant", content=content if content is not None or calls else "", tool_calls=calls
                 ),
-                finish_reason=choice.finish_reason or "stop",
+                finish_reason=choice.get("finish_reason") or "stop",
             )
         )
-    usage = usage_dict(response.usage)
+    usage = usage_dict(response.get("usage"))
     return ChatCompletionResponse(
         choices=choices,
         usage=TokenUsageStats(**usage) if usage else None,
-        id=response.id,
-        model=response.model,
-        created=response.created,
+        id=response.get("id"),
+        model=response.get("model"),
+        created=response.get("created"),
     )
+
+
+class BuiltChatModelChunk(ChatCompletionChunk):
+    """A :class:`ChatCompletionChunk` built from fields this module made itself: its ``to_dict()`` (what MLflow's
+    ChatModel wrapper sends for each chunk) is the dict built with it, not a ``dataclasses.asdict`` walk, and
+    nothing is validated again (MLflow's dataclasses re-check every nested field in ``__post_init__``)."""
+
+    _data: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self._data)
+
+
+def _built_chunk(data: dict[str, Any]) -> BuiltChatModelChunk:
+    """The chunk of ``data`` (the wire dict, ``None`` values left out): the dataclass fields hold the dataclass
+    objects, built without their checks, so attribute readers see what ``to_dict()`` says."""
+    chunk = object.__new__(BuiltChatModelChunk)
+    fields = chunk.__dict__
+    fields["choices"] = [_built_choice(choice) for choice in data["choices"]]
+    usage = data.get("usage")
+    fields["usage"] = _built(TokenUsageStats, usage) if usage else None
+    fields["id"] = data.get("id")
+    fields["model"] = data.get("model")
+    fields["object"] = data["object"]
+    fields["created"] = data.get("created")
+    fields["custom_outputs"] = None
+    fields["_data"] = data
+    return chunk
+
+
+def _built(cls: type[T], data: dict[str, Any]) -> T:
+    obj = object.__new__(cls)
+    obj.__dict__.update({field.name: data.get(field.name) for field in dataclasses.fields(cls)})  # type: ignore[arg-type]
+    return obj
+
+
+def _built_choice(choice: dict[str, Any]) -> ChatChunkChoice:
+    delta = dict(choice["delta"])
+    calls = delta.get("tool_calls")
+    if calls:
+        delta["tool_calls"] = [
+            _built(ToolCall, {**call, "function": _built(FunctionToolCallArguments, call["function"])}) for call in calls
+        ]
+    built = _built(ChatChunkChoice, {**choice, "delta": _built(ChatChoiceDelta, delta)})
+    return built
+
+
+def _chunk_dict(chunk: dict[str, Any], choices: list[dict[str, Any]], usage: Usage | None) -> dict[str, Any]:
+    """The ChatModel chunk's dict, as ``ChatCompletionChunk(...).to_dict()`` writes it (no ``None`` values)."""
+    data: dict[str, Any] = {"choices": choices}
+    if usage:
+        data["usage"] = dict(usage)
+    for key in ("id", "model"):
+        if chunk.get(key) is not None:
+            data[key] = chunk[key]
+    data["object"] = "chat.completion.chunk"
+    if chunk.get("created") is not None:
+        data["created"] = chunk["created"]
+    return data
+
+
+def _choice_dict(index: int, content: str, finish_reason: str | None, calls: list[dict[str, Any]] | None) -> dict[str, Any]:
+    delta: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        delta["tool_calls"] = [
+            {"id": call["id"], "type": "function", "function": {"name": call["function"]["name"], "arguments": call["function"]["arguments"]}}
+            for call in calls
+        ]
+    choice: dict[str, Any] = {"delta": delta, "index": index}
+    if finish_reason is not None:
+        choice["finish_reason"] = finish_reason
+    return choice
 
 
 def stream_to_chat_model(chunks: Iterable[Any]) -> Iterator[ChatCompletionChunk]:
     """ChatModel chunks: every one has ``choices[0].delta.content`` (a string); usage comes with the last one.
 
     The engine ends with a usage-only chunk (no choices): its usage goes on the finish chunk, which is
-    held until then. Tool-call fragments are joined and sent whole with their finish reason.
+    held until then. Tool-call fragments are joined and sent whole with their finish reason. One pass per
+    engine chunk (a dict; the openai SDK's models are dumped first); each ChatModel chunk is built once.
     """
     tools: dict[int, ToolCallAccumulator] = {}
-    finals: list[ChatCompletionChunk] = []
+    finals: list[dict[str, Any]] = []
     for chunk in chunks:
-        usage = usage_dict(chunk.usage)
+        if not isinstance(chunk, dict):
+            chunk = as_dict(chunk)
+        raw_usage = chunk.get("usage")
+        usage = usage_dict(raw_usage) if raw_usage else None
         choices = []
-        for choice in chunk.choices:
-            if choice.delta.tool_calls:
-                tools.setdefault(choice.index, ToolCallAccumulator()).add(choice.delta.tool_calls)
-            calls = (
-                _llm_tool_calls(tools.pop(choice.index).result())
-                if choice.finish_reason and choice.index in tools
-                else None
-            )
-            if not choice.delta.content and not choice.finish_reason and not calls:
+        finished = False
+        for choice in chunk.get("choices") or ():
+            index = choice.get("index", 0)
+            delta = choice.get("delta") or {}
+            if delta.get("tool_calls"):
+                tools.setdefault(index, ToolCallAccumulator()).add(delta["tool_calls"])
+            finish_reason = choice.get("finish_reason")
+            calls = tools.pop(index).result() if finish_reason and index in tools else None
+            content = delta.get("content")
+            if not content and not finish_reason and not calls:
                 continue  # an empty delta, or a tool-call fragment
-            choices.append(
-                ChatChunkChoice(
-                    index=choice.index,
-                    delta=ChatChoiceDelta(role="assistant", content=choice.delta.content or "", tool_calls=calls),
-                    finish_reason=choice.finish_reason,
-                )
-            )
+            finished = finished or bool(finish_reason)
+            choices.append(_choice_dict(index, content or "", finish_reason, calls))
         if usage and not choices:
             if not finals:  # usage without a finish chunk before it: give it an empty delta
-                finals.append(_chat_model_chunk(chunk, [_empty_choice()], None))
-            finals[-1].usage = TokenUsageStats(**usage)
+                finals.append(_chunk_dict(chunk, [_choice_dict(0, "", None, None)], None))
+            finals[-1]["usage"] = dict(usage)
             continue
         if not choices:
             continue
-        out = _chat_model_chunk(chunk, choices, usage)
-        if any(choice.finish_reason for choice in choices):
+        out = _chunk_dict(chunk, choices, usage)
+        if finished:
             finals.append(out)
         else:
-            yield out
-    yield from finals
-
-
-def _chat_model_chunk(chunk: Any, choices: list[ChatChunkChoice], usage: Usage | None) -> ChatCompletionChunk:
-    return ChatCompletionChunk(
-        choices=choices,
-        usage=TokenUsageStats(**usage) if usage else None,
-        id=chunk.id,
-        model=chunk.model,
-        created=chunk.created,
-    )
-
-
-def _empty_choice() -> ChatChunkChoice:
-    return ChatChunkChoice(index=0, delta=ChatChoiceDelta(role="assistant", content=""), finish_reason=None)
+            yield _built_chunk(out)
+    for final in finals:
+        yield _built_chunk(final)
 
 
 def reduce_chat_model_chunks(chunks: list[Any]) -> dict[str, Any]:
@@ -169,7 +241,7 @@ def reduce_chat_model_chunks(chunks: list[Any]) -> dict[str, Any]:
     finishes: dict[int, str] = {}
     usage = None
     for chunk in chunks:
-        data = chunk.to_dict() if hasattr(chunk, "to_dict") else chunk
+        data = chunk._data if isinstance(chunk, BuiltChatModelChunk) else (chunk.to_dict() if hasattr(chunk, "to_dict") else chunk)
         for choice in data.get("choices", []):
             index = choice.get("index", 0)
             contents[index] = contents.get(index, "") + (choice.get("delta", {}).get("content") or "")
@@ -190,7 +262,7 @@ class SGLangChatModel(EngineBacked, ChatModel):
 
     def predict(self, context: Any, messages: list[ChatMessage], params: ChatParams) -> ChatCompletionResponse:
         def call() -> ChatCompletionResponse:
-            return completion_to_chat_model(self._engine().chat(cc_messages(messages), chat_model_params(params)))
+            return completion_to_chat_model(self._engine().chat_json(cc_messages(messages), chat_model_params(params)))
 
         inputs = {"messages": messages, "params": params}
         return traced_call(
@@ -206,7 +278,7 @@ class SGLangChatModel(EngineBacked, ChatModel):
         self, context: Any, messages: list[ChatMessage], params: ChatParams
     ) -> Iterator[ChatCompletionChunk]:
         def chunks() -> Iterator[ChatCompletionChunk]:
-            yield from stream_to_chat_model(self._engine().stream(cc_messages(messages), chat_model_params(params)))
+            yield from stream_to_chat_model(self._engine().stream_json(cc_messages(messages), chat_model_params(params)))
 
         inputs = {"messages": messages, "params": params}
         yield from traced_stream(

@@ -26,17 +26,21 @@ class ToolCallAccumulator:
         self._calls: dict[int, dict[str, Any]] = {}
 
     def add(self, deltas: Iterable[Any]) -> None:
+        """Tool-call deltas of one chunk: dicts (the lean client's) or the openai SDK's objects."""
         for delta in deltas:
+            if not isinstance(delta, dict):
+                delta = delta.model_dump()
             call = self._calls.setdefault(
-                delta.index, {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
+                delta["index"], {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
             )
-            if delta.id:
-                call["id"] = delta.id
-            if delta.function is not None:
-                if delta.function.name:
-                    call["function"]["name"] += delta.function.name
-                if delta.function.arguments:
-                    call["function"]["arguments"] += delta.function.arguments
+            if delta.get("id"):
+                call["id"] = delta["id"]
+            function = delta.get("function")
+            if function is not None:
+                if function.get("name"):
+                    call["function"]["name"] += function["name"]
+                if function.get("arguments"):
+                    call["function"]["arguments"] += function["arguments"]
 
     def result(self) -> list[dict[str, Any]]:
         calls = []
@@ -49,15 +53,21 @@ class ToolCallAccumulator:
         return bool(self._calls)
 
 
-def tool_calls_of(message: Any) -> list[dict[str, Any]]:
-    """The tool calls of an engine completion's message, as chat-completions dicts."""
+def as_dict(answer: Any) -> dict[str, Any]:
+    """An engine completion or chunk as the dict the engine sent: the lean client's dicts pass as they are, the
+    openai SDK's models (a client handed in, tests) are dumped once."""
+    return answer if isinstance(answer, dict) else answer.model_dump(exclude_unset=True)
+
+
+def tool_calls_of(message: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The tool calls of an engine completion's message (a dict), as chat-completions dicts."""
     return [
         {
-            "id": call.id,
+            "id": call.get("id"),
             "type": "function",
-            "function": {"name": call.function.name, "arguments": call.function.arguments},
+            "function": {"name": call["function"].get("name"), "arguments": call["function"].get("arguments")},
         }
-        for call in (getattr(message, "tool_calls", None) or [])
+        for call in (message.get("tool_calls") or [])
     ]
 
 
@@ -85,7 +95,7 @@ def single_choice(params: Mapping[str, Any], interface: str) -> None:
 def last_usage(chunks: list[Any]) -> Usage | None:
     """Token usage of the last chunk that carries it (ChatAgent / ChatModel streams)."""
     for chunk in reversed(chunks):
-        usage = usage_dict(getattr(chunk, "usage", None))
+        usage = usage_dict(chunk.get("usage") if isinstance(chunk, dict) else getattr(chunk, "usage", None))
         if usage:
             return usage
     return None

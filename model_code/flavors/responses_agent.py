@@ -32,7 +32,14 @@ from mlflow.types.responses import (
 
 from model_code.client import usage_dict
 from model_code.errors import BadRequestError
-from model_code.flavors.common import EngineBacked, ToolCallAccumulator, cc_messages, single_choice, tool_calls_of
+from model_code.flavors.common import (
+    EngineBacked,
+    ToolCallAccumulator,
+    as_dict,
+    cc_messages,
+    single_choice,
+    tool_calls_of,
+)
 from model_code.flavors.spec import QUESTION, FlavorSpec, executed_by_mlflow
 from model_code.tracing import Usage, traced_call, traced_stream
 
@@ -120,38 +127,50 @@ def _responses_output(item_id: str, text: str | None, calls: list[dict[str, Any]
 
 
 def completion_to_responses(response: Any) -> ResponsesAgentResponse:
-    choice = response.choices[0]
-    item_id = response.id or str(uuid.uuid4())
+    """A ResponsesAgent response from an engine completion (a dict, or the openai SDK's model)."""
+    response = as_dict(response)
+    choice = response["choices"][0]
+    message = choice.get("message") or {}
+    item_id = response.get("id") or str(uuid.uuid4())
     return ResponsesAgentResponse(
         id=item_id,
-        model=response.model,
-        output=_responses_output(item_id, choice.message.content, tool_calls_of(choice.message)),
-        usage=_responses_usage(usage_dict(response.usage)),
-        custom_outputs={"finish_reason": choice.finish_reason},
-        **_status(choice.finish_reason),
+        model=response.get("model"),
+        output=_responses_output(item_id, message.get("content"), tool_calls_of(message)),
+        usage=_responses_usage(usage_dict(response.get("usage"))),
+        custom_outputs={"finish_reason": choice.get("finish_reason")},
+        **_status(choice.get("finish_reason")),
     )
 
 
 def stream_to_responses(chunks: Iterable[Any]) -> Iterator[ResponsesAgentStreamEvent]:
+    """Responses events: a text delta per engine text chunk, then the output items and ``response.completed``.
+    One pass per engine chunk (a dict; the openai SDK's models are dumped first)."""
     item_id: str | None = None
     model = None
-    text = ""
+    text: list[str] = []
     tools = ToolCallAccumulator()
     finish: str | None = None
     usage: dict[str, int] | None = None
     for chunk in chunks:
-        item_id = item_id or chunk.id or str(uuid.uuid4())
-        model = model or chunk.model
-        usage = usage_dict(chunk.usage) or usage
-        for choice in chunk.choices[:1]:
-            if choice.delta.content:
-                text += choice.delta.content
-                yield ResponsesAgentStreamEvent(**create_text_delta(choice.delta.content, item_id))
-            if choice.delta.tool_calls:
-                tools.add(choice.delta.tool_calls)
-            finish = choice.finish_reason or finish
+        if not isinstance(chunk, dict):
+            chunk = as_dict(chunk)
+        if item_id is None:
+            item_id = chunk.get("id") or str(uuid.uuid4())
+        model = model or chunk.get("model")
+        raw_usage = chunk.get("usage")
+        if raw_usage:
+            usage = usage_dict(raw_usage) or usage
+        for choice in (chunk.get("choices") or ())[:1]:
+            delta = choice.get("delta") or {}
+            content = delta.get("content")
+            if content:
+                text.append(content)
+                yield ResponsesAgentStreamEvent(**create_text_delta(content, item_id))
+            if delta.get("tool_calls"):
+                tools.add(delta["tool_calls"])
+            finish = choice.get("finish_reason") or finish
     item_id = item_id or str(uuid.uuid4())
-    output = _responses_output(item_id, text, tools.result())
+    output = _responses_output(item_id, "".join(text), tools.result())
     for item in output:
         yield ResponsesAgentStreamEvent(type="response.output_item.done", item=item)
     response = {"id": item_id, "model": model, "output": output, "usage": _responses_usage(usage), **_status(finish)}
@@ -203,7 +222,7 @@ class _ResponsesAgentMethods(EngineBacked):
         def call() -> ResponsesAgentResponse:
             params = responses_params(request)
             messages = to_chat_completions_input(request.input)
-            return completion_to_responses(self._engine().chat(cc_messages(messages), params))
+            return completion_to_responses(self._engine().chat_json(cc_messages(messages), params))
 
         return traced_call(
             self.tracing,
@@ -221,7 +240,7 @@ class _ResponsesAgentMethods(EngineBacked):
             params = responses_params(request)
             single_choice(params, "ResponsesAgent.predict_stream")
             messages = to_chat_completions_input(request.input)
-            yield from stream_to_responses(self._engine().stream(cc_messages(messages), params))
+            yield from stream_to_responses(self._engine().stream_json(cc_messages(messages), params))
 
         yield from traced_stream(
             self.tracing,

@@ -223,3 +223,33 @@ def test_url_mode_started_no_engine(url_models, tiny_engine):
     assert set(engine_children()) <= {tiny_engine.pid}  # only the shared engine of the session
     for _, model in url_models.values():
         assert python_model_of(model).engine_process is None
+
+
+
+def test_the_lean_client_and_the_openai_sdk_read_a_recorded_engine_stream_alike(url_models):
+    """A stream of the real engine (text, finish and usage chunks), recorded byte for byte and replayed to
+    both clients: the same chunks, chunk for chunk, and the same chunks of each flavour. (Two live requests do not
+    compare: the engine groups tokens into chunks as its scheduling goes.)"""
+    import httpx
+
+    from model_code.flavors.chat_agent import stream_to_chat_agent
+    from model_code.flavors.chat_model import stream_to_chat_model
+    from model_code.flavors.responses_agent import stream_to_responses
+    from model_code.guard import engine_body
+    from tests.model_code.test_lean_client import _dump, _replaying
+
+    client = python_model_of(url_models["chat_agent"][1]).client
+    messages = [{"role": "user", "content": "Count from one to ten."}]
+    body = engine_body(messages, client.request({"max_tokens": 16, "temperature": 0.0}, messages, stream=True), stream=True)
+    recorded = httpx.post(client.base_url + "/chat/completions", json=body, timeout=120).content
+    assert recorded.count(b"data: {") >= 3 and b'"usage":{' in recorded.replace(b" ", b"")
+
+    replay = _replaying(recorded)
+    old = [chunk.model_dump(exclude_unset=True) for chunk in replay.stream(MESSAGES_OF_REPLAY)]
+    new = list(replay.stream_json(MESSAGES_OF_REPLAY))
+    assert new == old and new[-1]["usage"]["completion_tokens"] == 16
+    for convert in (stream_to_chat_agent, stream_to_chat_model, stream_to_responses):
+        assert [_dump(c) for c in convert(iter(new))] == [_dump(c) for c in convert(iter(old))]
+
+
+MESSAGES_OF_REPLAY = [{"role": "user", "content": "replayed"}]

@@ -7,6 +7,7 @@ context the calls' engine requests would carry (the gateway's spans joined to th
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 
@@ -160,3 +161,49 @@ def test_an_opentelemetry_callers_context_is_continued_when_mlflow_has_none(expe
         context = app_span.get_span_context()
         sent = traced_call(TracePolicy("off"), "predict", SpanType.AGENT, {}, trace_context.outgoing_headers, lambda _: None)
     assert _traceparent(sent) == (format(context.trace_id, "032x"), format(context.span_id, "016x"), "01")
+
+
+def test_where_mlflow_writes_the_store_synchronously_the_trace_is_written_after_the_answer_off_the_callers_thread(
+    experiment, monkeypatch
+):
+    """A Databricks notebook's MLflow writes a finished trace on the thread that ends it (its async logging is off
+    there by default; MLFLOW_ENABLE_ASYNC_TRACE_LOGGING=false does the same anywhere): the wrapper's own thread
+    writes it instead, after the answer, and a failure there never reaches the call."""
+    monkeypatch.setenv("MLFLOW_ENABLE_ASYNC_TRACE_LOGGING", "false")
+    release = threading.Event()
+    reduced_on: list[str] = []
+
+    def reduce(chunks):
+        release.wait(10)  # held until the caller has its answer
+        reduced_on.append(threading.current_thread().name)
+        return "".join(chunks)
+
+    chunks = list(traced_stream(TracePolicy(), "predict_stream", SpanType.AGENT, {"q": 1}, iter("ab"), reduce, lambda cs: USAGE))
+    assert chunks == ["a", "b"] and reduced_on == []  # the caller is done: its trace is not written yet
+    release.set()
+    assert tracing.flush_traces(10)
+    assert reduced_on == ["sglang-trace-recorder"]
+    [trace] = mlflow.search_traces(locations=[experiment], return_type="list")  # read back from the store
+    [span] = trace.data.spans
+    assert span.name == "predict_stream" and span.outputs == "ab" and trace.info.token_usage["total_tokens"] == 5
+
+    def broken(chunks):
+        raise RuntimeError("the store is down")
+
+    assert list(traced_stream(TracePolicy(), "s", SpanType.AGENT, {}, iter("c"), broken, lambda cs: None)) == ["c"]
+    assert traced_call(TracePolicy(), "p", SpanType.AGENT, {}, lambda: 7, lambda out: 1 / 0) == 7
+    assert tracing.flush_traces(10) and _trace_count(experiment) == 3  # written without outputs or usage
+
+
+def test_the_background_recorder_is_bounded():
+    recorder = tracing.BackgroundRecorder(size=1)
+    release = threading.Event()
+    ran: list[int] = []
+    recorder.submit(lambda: release.wait(10) and ran.append(1))
+    while recorder._queue.qsize():  # the worker has taken the first job: one place left
+        time.sleep(0.001)
+    recorder.submit(lambda: ran.append(2))
+    recorder.submit(lambda: ran.append(3))  # full: dropped, not raised
+    assert not recorder.flush(0.05)
+    release.set()
+    assert recorder.flush(10) and ran == [1, 2]
