@@ -1,8 +1,8 @@
 """The agent path through MLflow: each flavour's ``predict`` and ``predict_stream`` with tools, in URL mode (the
 session's engine) and managed mode (the loaded model starts its own engine), return the flavour's own tool-call
 objects with schema-valid arguments; on the real default model (SmolLM2-135M-Instruct), a two-turn agent loop (call
--> tool result -> final answer) runs through ``mlflow.pyfunc.load_model``, and greedy, each flavour gives the
-engine's own answer.
+-> tool result -> final answer) runs through ``mlflow.pyfunc.load_model`` and through ``mlflow models serve``, and
+greedy, each flavour gives the engine's own answer.
 
 Matrix: 3 flavours x predict/predict_stream x URL/managed = 12 cases, each a forced call (``tool_choice:
 required``: the engine's grammar holds it to the tool and its schema, engine_guard.tool_calls), on the real CPU engine
@@ -122,6 +122,47 @@ def test_each_flavour_returns_its_own_tool_call_objects(mode: str, flavor: str, 
     for call in calls:
         assert call["name"] == "get_weather"
         jsonschema.validate(json.loads(call["arguments"]), SCHEMA)
+
+
+@pytest.fixture(scope="module")
+def served_real_agent(smollm2_engine: EngineProcess, mlflow_store: Path) -> Iterator[str]:
+    """``mlflow models serve --env-manager local`` of a ChatAgent logged against the real model's engine (URL mode)."""
+    import os
+    import sys
+
+    import mlflow
+
+    from model_code import log_model
+    from tests.servers import server_process
+
+    with mlflow.start_run():
+        info = log_model({"models": {"smollm2": {"url": smollm2_engine.url}}}, flavor="chat_agent", flashinfer=None)
+    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])  # its uvicorn from this venv
+    env = {**os.environ, "PATH": path, "MLFLOW_TRACKING_URI": f"sqlite:///{mlflow_store}/mlflow.db",
+           "MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT": "600"}  # its default 60 s: a CPU model on a loaded machine can pass it
+    argv = [sys.executable, "-m", "mlflow", "models", "serve", "-m", info.model_uri, "--env-manager", "local",
+            "-h", "127.0.0.1", "-p", "{port}"]  # fmt: skip
+    with server_process(argv, log_path=mlflow_store / "mlflow-serve-tools.log", env=env, ready_path="/ping") as server:
+        yield server.url
+
+
+def test_a_two_turn_agent_loop_through_mlflow_models_serve(served_real_agent: str) -> None:
+    """The same loop as a serving endpoint's client runs it: two POSTs to /invocations."""
+    import httpx
+
+    first = httpx.post(served_real_agent + "/invocations", json=request("chat_agent", real=True), timeout=300)
+    assert first.status_code == 200, first.text
+    (message,) = first.json()["messages"]
+    (call,) = message["tool_calls"][:1]
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"])["city"] in ("Paris", "Tokyo")
+    turn = QUESTION + [
+        {**message, "content": message.get("content") or ""},
+        {"role": "tool", "content": "Heavy snow, minus 12 degrees.", "tool_call_id": call["id"], "name": call["function"]["name"], "id": "t1"},
+    ]  # fmt: skip
+    second = httpx.post(served_real_agent + "/invocations", timeout=300,
+                        json={"messages": turn, "custom_inputs": {"tools": [WEATHER], "temperature": 0, "max_tokens": 24}})  # fmt: skip
+    assert second.status_code == 200, second.text
+    assert "snow" in second.json()["messages"][-1]["content"].lower(), second.json()
 
 
 @pytest.mark.parametrize("flavor", ["chat_agent", "responses_agent"])
