@@ -8,7 +8,7 @@ TINY_MODEL := .cache/tiny-model
 DEFAULT_MODEL := .cache/smollm2-instruct
 PYTEST_ARGS ?=
 
-.PHONY: env tiny-model default-model models serve launch check test test-random test-sglang-0.5.10.post1 screenshots mutation lint bench clean
+.PHONY: env tiny-model default-model models serve launch check test test-real-model test-random test-sglang-0.5.10.post1 screenshots mutation lint bench clean
 
 env:
 	@scripts/bootstrap.sh
@@ -41,14 +41,22 @@ check: models
 TEST_WORKERS ?= 3
 XDIST = $$($(PY) -c 'import xdist' 2>/dev/null && [ "$(TEST_WORKERS)" != 0 ] && echo '-n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder')
 
-# The 25 slowest tests are listed at the end of every run.
+# The 25 slowest tests are listed at the end of every run. The tests marked real_model (the embedded default's real
+# model, for answers that can be checked) run apart, in test-real-model: on one worker and one engine, after the rest
+# (three workers each decoding with a 135M model on 2 cores starve each other and the suite).
+TEST_MARKS ?= not real_model
 test: models
-	$(PY) -m pytest --durations=25 $(XDIST) $(PYTEST_ARGS)
+	$(PY) -m pytest --durations=25 $(XDIST) -m "$(TEST_MARKS)" $(PYTEST_ARGS)
+
+# The real model's tests: tool calls, the round trip and the agent loops, greedy equality over every path, the README's
+# gateway examples. Serial: one SmolLM2 engine at a time (about 5 minutes on 2 quiet cores).
+test-real-model: models
+	$(PY) -m pytest --durations=10 -p no:xdist -m real_model $(PYTEST_ARGS)
 
 # The same tests in a random order (pytest-randomly): no test may depend on another having run first.
 # The seed is printed at the top; PYTEST_ARGS='--randomly-seed=N' replays an order.
 test-random: models
-	$(PY) -m pytest --durations=25 -p randomly $(XDIST) $(PYTEST_ARGS)
+	$(PY) -m pytest --durations=25 -p randomly $(XDIST) -m "$(TEST_MARKS)" $(PYTEST_ARGS)
 
 # The tests that prove an older supported SGLang (the CUDA 12 profile's) end to end on CPU: its engine environment
 # (scripts/bootstrap_engine.sh, cached under ~/.cache/sglang-gateway, minutes the first time), then, with every engine

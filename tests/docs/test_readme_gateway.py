@@ -17,6 +17,8 @@ from launch.process import EngineProcess
 from tests.docs.readme_blocks import marked_blocks
 from tests.gateway_server import GatewayServer, serve
 
+pytestmark = pytest.mark.real_model  # the README's answer is the real model's
+
 README_BASE = "http://127.0.0.1:8000"
 
 

@@ -28,8 +28,6 @@ import pytest
 from launch.process import EngineProcess
 from tests.gateway_server import GatewayServer, serve
 
-pytestmark = pytest.mark.real_model
-
 CITY = {"type": "string", "enum": ["Paris", "Tokyo", "Lima"]}  # bounded: random weights would write a string forever
 WEATHER = {
     "name": "get_weather", "description": "Get the current weather in a city",
@@ -166,6 +164,7 @@ def test_tool_choice_gives_the_calls_the_sdk_parses(route: str, choice: str, str
     _check_forced(choice, text, calls)
 
 
+@pytest.mark.real_model
 @pytest.mark.parametrize("route", sorted(ROUTES))
 def test_the_default_model_makes_the_named_call_in_each_dialect(route: str, real_gateway: GatewayServer) -> None:
     """The real default model, streamed: the named function, with the city the user asked about."""
@@ -210,6 +209,7 @@ def test_an_engine_tells_the_gateway_its_tool_parser(gateway: GatewayServer) -> 
     assert backend.knows_tool_parser and backend.tool_call_parser in ("qwen25", "qwen")  # SGLang says qwen25 as qwen
 
 
+@pytest.mark.real_model
 def test_a_tool_result_reaches_the_model_in_each_dialect(real_gateway: GatewayServer) -> None:
     """Call -> tool result -> answer, on the real default model: the result the client sends back is what it answers from."""
     openai_client, anthropic_client = _clients(real_gateway)

@@ -21,8 +21,6 @@ import pytest
 
 from launch.process import EngineProcess
 
-pytestmark = pytest.mark.real_model
-
 WEATHER = {
     "type": "function",
     "function": {
@@ -146,6 +144,7 @@ def served_real_agent(smollm2_engine: EngineProcess, mlflow_store: Path) -> Iter
         yield server.url
 
 
+@pytest.mark.real_model
 def test_a_two_turn_agent_loop_through_mlflow_models_serve(served_real_agent: str) -> None:
     """The same loop as a serving endpoint's client runs it: two POSTs to /invocations."""
     import httpx
@@ -165,6 +164,7 @@ def test_a_two_turn_agent_loop_through_mlflow_models_serve(served_real_agent: st
     assert "snow" in second.json()["messages"][-1]["content"].lower(), second.json()
 
 
+@pytest.mark.real_model
 @pytest.mark.parametrize("flavor", ["chat_agent", "responses_agent"])
 def test_a_two_turn_agent_loop_through_load_model(flavor: str, real_models: dict[str, Any]) -> None:
     """Call -> the tool's result -> an answer made from it, each turn one ``predict`` of the loaded model."""
@@ -192,6 +192,7 @@ def test_a_two_turn_agent_loop_through_load_model(flavor: str, real_models: dict
 MAX_TOKENS = 24
 
 
+@pytest.mark.real_model
 def test_each_mlflow_flavour_gives_the_engines_answer(smollm2_engine: EngineProcess, real_models: dict[str, Any]) -> None:
     """Greedy, a Japanese prompt: each flavour's predict (and ChatAgent's predict_stream) is the engine's own answer."""
     import httpx
