@@ -77,7 +77,7 @@ class RemoteBackend(Backend):
         self.view = view
         self.failure, self.retry_after_s = view.unavailable, view.retry_after_s
         self.sglang_version = view.sglang_version
-        self.tool_call_parser, self.knows_tool_parser = view.tool_call_parser, view.knows_tool_parser
+        self._tool_parser = (view.knows_tool_parser, view.tool_call_parser)
         if view.context_length is not None:
             self.context_length = view.context_length
         self._headers = dict(view.headers)

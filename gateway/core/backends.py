@@ -48,10 +48,9 @@ class Backend:
         # The SGLang version it runs, when known (a launched engine's installed one; an external engine's as its
         # /get_server_info says): which request fields it takes (launch.sglang_versions). Unknown: the newest's.
         self.sglang_version: str | None = None
-        # Its engine's --tool-call-parser (None: it runs none, so tool calls would come back as text), when known: a
-        # launched engine's config, an external engine's /get_server_info. Unknown (a router, not SGLang): not checked.
-        self.tool_call_parser: str | None = None
-        self.knows_tool_parser = False
+        # (known, its engine's --tool-call-parser): None runs none, so tool calls would come back as text. Known for a
+        # launched engine (its config) and an external one once its /get_server_info said; a router's: not checked.
+        self._tool_parser: tuple[bool, str | None] = (False, None)
         # Shapes of requests whose upstream connection broke (the engine died under them, most
         # likely): the watchdog turns them into suspects when it finds the engine dead.
         self.lost: collections.deque[tuple[str, str | None, bool]] = collections.deque(maxlen=64)  # (shape, key, completed)
@@ -116,6 +115,20 @@ class Backend:
         return self._vocab_size
 
     @property
+    def knows_tool_parser(self) -> bool:
+        """Whether :attr:`tool_call_parser` is known (tools are refused only where the engine is known to have none)."""
+        return self._tool_parser[0]
+
+    @property
+    def tool_call_parser(self) -> str | None:
+        """The engine's tool-call parser (None: none, or not known)."""
+        return self._tool_parser[1]
+
+    def learn_tool_parser(self, parser: str | None) -> None:
+        """What the engine said of its tool-call parser (None: it runs none)."""
+        self._tool_parser = (True, parser)
+
+    @property
     def engine_version(self) -> EngineVersion:
         """The version table's entry for :attr:`sglang_version` (the newest's for an unknown or unlisted one)."""
         return VERSIONS.get(self.sglang_version or NEWEST) or VERSIONS[NEWEST]
@@ -151,7 +164,14 @@ class EngineBackend(Backend):
     def __init__(self, served_name: str, engine: EngineProcess, *, replica: int = 0) -> None:
         super().__init__(served_name, replica=replica)
         self.engine = engine
-        self.tool_call_parser, self.knows_tool_parser = engine.config.tool_call_parser, True
+
+    @property
+    def knows_tool_parser(self) -> bool:
+        return True  # its config says
+
+    @property
+    def tool_call_parser(self) -> str | None:
+        return self.engine.config.tool_call_parser
 
     @property
     def engine_version(self) -> EngineVersion:

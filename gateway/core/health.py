@@ -46,7 +46,7 @@ class HealthProbes:
             return
         if isinstance(version, str) and version and "tool_call_parser" in info:  # SGLang's server args, said
             parser = info["tool_call_parser"]
-            backend.tool_call_parser, backend.knows_tool_parser = parser if isinstance(parser, str) and parser else None, True
+            backend.learn_tool_parser(parser if isinstance(parser, str) and parser else None)
         if isinstance(version, str) and version:
             backend.sglang_version = version
             if version not in VERSIONS:

@@ -184,7 +184,7 @@ def test_tools_for_an_engine_without_a_tool_parser_are_refused_naming_the_settin
     with serve({"plain": {"url": tiny_engine.url}}) as server:
         state = server.state
         (backend,) = state.registry.route("plain").replicas
-        backend.tool_call_parser, backend.knows_tool_parser = None, True  # as /get_server_info says of such an engine
+        backend.learn_tool_parser(None)  # as /get_server_info says of such an engine
         cases = {
             "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": bare}], "tool_choice": "required"},
             "/v1/responses": {"input": "hi", "tools": [{"type": "function", **bare}]},
