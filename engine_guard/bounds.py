@@ -9,6 +9,7 @@ decides whether it takes a grammar slot (``limits.max_concurrent_grammars``).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -151,7 +152,12 @@ def grammar_bytes(body: dict[str, Any]) -> int:
 
 
 def _size(value: Any) -> int:
-    return len(value.encode()) if isinstance(value, str) else len(orjson.dumps(value))
+    if isinstance(value, str):
+        return len(value.encode())
+    try:
+        return len(orjson.dumps(value))
+    except TypeError:  # an integer past 64 bits (a Python caller's, on the MLflow path): json writes it
+        return len(json.dumps(value, default=str))
 
 
 def _check_grammars(body: dict[str, Any], bounds: RequestBounds, setting: str) -> int:

@@ -141,13 +141,13 @@ def hold_forced_calls(path: str, body: dict[str, Any]) -> None:
     if dialect is None:
         return
     kind, name = dialect.choice(body)
-    if kind not in ("forced", "named"):
-        return
+    if kind not in ("forced", "named") or not isinstance(body.get("tools"), list):
+        return  # no tools to hold: the engine refuses a forced choice without them, in its own words
     pairs = list(dialect.functions(body))
     if kind == "named":
         pairs = [(tool, function) for tool, function in pairs if function.get("name") == name]
-        if not pairs:
-            return  # the engine refuses a choice naming no offered tool, in its own words
+    if not pairs:
+        return  # the engine refuses a choice naming no offered tool, in its own words
     held = {id(tool): _strict(tool, dialect) for tool, _ in pairs}  # copies: the caller's tools stay as they were
     body["tools"] = [held.get(id(tool), tool) for tool in body["tools"] if kind != "named" or id(tool) in held]
 

@@ -10,6 +10,7 @@ retries, quarantine and :func:`model_code.errors.from_openai_error` treat both p
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -32,7 +33,7 @@ class LeanTransport:
     def _send(self, body: Mapping[str, Any], extra_headers: Mapping[str, str] | None, stream: bool) -> httpx.Response:
         http: httpx.Client = self.sdk._client  # the SDK's pooled client: one pool per replica, shared with it
         headers = {**self.headers, **extra_headers} if extra_headers else self.headers
-        request = http.build_request("POST", self.url, content=orjson.dumps(body), headers=headers, timeout=self.timeout)
+        request = http.build_request("POST", self.url, content=_json_bytes(body), headers=headers, timeout=self.timeout)
         try:
             response = http.send(request, stream=stream)
         except httpx.TimeoutException as error:
@@ -111,3 +112,12 @@ def _raise_error_event(data: Any, response: httpx.Response) -> None:
         if not message or not isinstance(message, str):
             message = "An error occurred during streaming"
         raise openai.APIError(message=message, request=response.request, body=error)
+
+
+def _json_bytes(body: Mapping[str, Any]) -> bytes:
+    """The body as JSON: orjson, or the standard library for what orjson cannot write (an integer past 64 bits, which
+    a Python caller may pass and the openai SDK's path sends as it is)."""
+    try:
+        return orjson.dumps(body)
+    except TypeError:
+        return json.dumps(body).encode()
