@@ -156,3 +156,13 @@ def _strict(tool: dict[str, Any], dialect: ToolDialect) -> dict[str, Any]:
     if dialect.function_key is None:
         return {**tool, "strict": True}
     return {**tool, dialect.function_key: {**tool[dialect.function_key], "strict": True}}
+
+
+def guard_tools(path: str, body: dict[str, Any], model: str, parser: str | None, *, parser_known: bool) -> None:
+    """What both paths (the gateway, the MLflow wrapper) do with a request's tools, in order: refused for an engine
+    known to run no tool-call parser, a strict schema the grammar cannot hold refused (Refused), then a forced call
+    held (:func:`hold_forced_calls`, after the strict check: it marks forced tools strict)."""
+    if parser_known:
+        check_tool_parser(path, body, model, parser)
+    check_strict_schemas(path, body)
+    hold_forced_calls(path, body)

@@ -22,7 +22,7 @@ from engine_guard.fields import DROPPED, EXTENSIONS
 from engine_guard.refusal import Refused
 from engine_guard.schemas import ChatCompletionRequest, check_body, check_extensions
 from engine_guard.token_ids import CHAT_TOKEN_ID_FIELDS, token_id_problem
-from engine_guard.tool_calls import check_strict_schemas, check_tool_parser, hold_forced_calls
+from engine_guard.tool_calls import guard_tools
 from launch.config import ConfigError, format_validation_error
 from launch.model_info import vocab_size as model_vocab_size
 from model_code.errors import BadRequestError
@@ -75,15 +75,12 @@ class RequestGuard:
             problem = token_id_problem(CHAT_TOKEN_ID_FIELDS, body, self.vocab_size)
             if problem is not None:
                 raise Refused(problem, code="invalid_token_ids", param=problem.split(":", 1)[0])
-            if self.knows_tool_parser:
-                check_tool_parser(CHAT_PATH, body, self.model, self.tool_call_parser)
-            check_strict_schemas(CHAT_PATH, body)
+            offered = body.get("tools")
+            guard_tools(CHAT_PATH, body, self.model, self.tool_call_parser, parser_known=self.knows_tool_parser)
         except Refused as refusal:
             raise BadRequestError(refusal.message, param=refusal.param, code=refusal.code) from None
         extra = kwargs.get("extra_body") or {}
-        offered = body.get("tools")
-        hold_forced_calls(CHAT_PATH, body)  # a forced call held to its name and schema, as the gateway holds it
-        if body.get("tools") is not offered:
+        if body.get("tools") is not offered:  # a forced call held to its name and schema, as the gateway holds it
             (extra if "tools" in extra else kwargs)["tools"] = body["tools"]
         for name in DROPPED[CHAT_PATH]:
             kwargs.pop(name, None)

@@ -11,7 +11,7 @@ import orjson
 from engine_guard.bounds import grammar_bytes
 from engine_guard.refusal import Refused
 from engine_guard.token_ids import token_id_problem
-from engine_guard.tool_calls import check_strict_schemas, check_tool_parser, hold_forced_calls
+from engine_guard.tool_calls import guard_tools
 from gateway.core.call import Call
 from gateway.core.errors import GatewayError, StreamKind, refused, unknown_model
 from gateway.core.registry import Registry
@@ -61,13 +61,10 @@ def check(call: Call) -> None:
     problem = route.backend.engine_version.field_problem(endpoint.path, body)  # an older SGLang would ignore it
     if problem is not None:
         raise GatewayError(400, problem, code="unsupported_parameter", param=problem.split(":", 1)[0])
-    try:
-        if route.backend.knows_tool_parser:  # tools for an engine that would answer its calls as text: refused
-            check_tool_parser(endpoint.path, body, route.name, route.backend.tool_call_parser)
-        check_strict_schemas(endpoint.path, body)  # before hold_forced_calls marks forced tools strict
+    try:  # tools an engine would answer as text refused; a forced call held to its name and schema by its grammar
+        guard_tools(endpoint.path, body, route.name, route.backend.tool_call_parser, parser_known=route.backend.knows_tool_parser)
     except Refused as refusal:
         raise refused(refusal) from None
-    hold_forced_calls(endpoint.path, body)  # a forced call held to its name and schema by the engine's grammar
     if info.reserve is not None:  # a limited key: hold what the request may cost (settled at its end)
         info.prompt_estimate, bound = cost_bound(body, len(orjson.dumps(body)), route.backend.context_length)
         info.reserve(bound if endpoint.stream is not None else info.prompt_estimate)
