@@ -179,7 +179,8 @@ def compare_command(
     upstream: Annotated[
         str,
         typer.Option(
-            help="stub (fake upstream, own process) | sglang (real CPU engine, tiny model) | a URL of a running engine."
+            help="stub (fake upstream, own process) | sglang (real CPU engine, tiny model) | sglang-default (real CPU "
+            "engine, the default model SmolLM2-135M-Instruct) | a URL of a running engine."
         ),
     ] = "stub",
     stub_kind: Annotated[str, typer.Option(help="Fake upstream implementation: starlette | raw.")] = "starlette",
@@ -281,7 +282,7 @@ def compare_command(
         )
         for name in _apis(api)
     ]
-    out_dir = _out_dir(out, f"compare-{upstream if upstream in ('stub', 'sglang') else 'url'}")
+    out_dir = _out_dir(out, f"compare-{upstream if upstream == 'stub' or upstream in processes.ENGINES else 'url'}")
     info = report.machine_info()
     upstream_label = f"stub-{stub_kind}" if upstream == "stub" else upstream
     measured: dict[str, dict[str, Any]] = {}
@@ -291,10 +292,10 @@ def compare_command(
         if upstream == "stub":
             console.print(f"starting the fake upstream ({stub_kind})")
             direct_url, upstream_proc = stack.enter_context(processes.fake_upstream(stub_kind, out_dir))
-        elif upstream == "sglang":
-            console.print("starting the SGLang CPU engine (tiny model; 30-60 s)")
+        elif upstream in processes.ENGINES:
+            console.print(f"starting the SGLang CPU engine ({processes.ENGINES[upstream][2]})")
             t = time.monotonic()
-            direct_url, upstream_proc = stack.enter_context(processes.sglang_engine(out_dir))
+            direct_url, upstream_proc = stack.enter_context(processes.sglang_engine(out_dir, upstream))
             console.print(f"engine ready at {direct_url} after {time.monotonic() - t:.0f}s")
         else:
             direct_url, upstream_proc = upstream.rstrip("/"), None

