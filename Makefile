@@ -76,8 +76,8 @@ test-sglang-0.5.10.post1: tiny-model
 	  --deselect tests/gateway/test_openai_sdk.py::test_chat_json_schema_parse $(OLDER_ENGINE_TESTS) $(PYTEST_ARGS)
 
 # The status page's screenshots in docs/images/, taken by its browser test (tests/gateway/test_swap.py (h)).
-screenshots: tiny-model
-	SGLANG_GATEWAY_SCREENSHOTS=docs $(PY) -m pytest -q tests/gateway/test_swap.py -k test_h_
+screenshots: models
+	SGLANG_GATEWAY_SCREENSHOTS=docs $(PY) -m pytest -q -p no:xdist -m real_model tests/gateway/test_playground_real_model.py
 
 # Mutation testing of the modules that decide without I/O (mutmut, one mutant at a time; minutes, so not part of
 # `make test`). Its own environment (.cache/mutation-venv, built on first use), a fresh mutants/ each run, a score per

@@ -35,7 +35,6 @@ outage length) are printed (run with ``-s`` to see them).
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 from collections.abc import Iterator
@@ -60,7 +59,6 @@ from tests.browser import browser_missing, chromium_page, expect_text
 from tests.gateway_server import KEY, GatewayServer, auth
 from tests.leaks import LeakCheck
 from tests.load import ThreadedLoad
-from tests.servers import REPO
 from tests.waiting import wait_until
 
 ADMIN = "swap-admin-key"
@@ -438,8 +436,7 @@ class StatusPage:
     Without keys it lists the models as ready and shows no admin part (the admin API stays 401 to it); with the
     client key the playground streams an answer that grows in the page over several animation frames; with the
     admin key it shows the engine; the crashed engine shows as restarting, then ready on its new process, with
-    both events listed. Screenshots go to ``tmp_path``, and to ``docs/images/`` with
-    ``SGLANG_GATEWAY_SCREENSHOTS=docs`` (``make screenshots``)."""
+    both events listed. Screenshots go to ``tmp_path``."""
 
     def __init__(self, page: Any, shots: Path) -> None:
         self.page, self.shots = page, shots
@@ -450,8 +447,7 @@ class StatusPage:
         if browser_missing():
             yield None
             return
-        shots = REPO / "docs" / "images" if os.environ.get("SGLANG_GATEWAY_SCREENSHOTS") == "docs" else tmp_path
-        shots.mkdir(parents=True, exist_ok=True)
+        shots = tmp_path  # the docs' screenshots are the real model's: tests/gateway/test_playground_real_model.py
         with chromium_page(viewport={"width": 1200, "height": 1000}) as page:
             page.goto(rig.server.url + "/")
             yield cls(page, shots)
