@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import signal
+import subprocess
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -35,6 +36,7 @@ from model_code import log_model
 from tests.fake_engine import fake_engine_python
 from tests.leaks import SETTLE_S, LeakCheck, leaves_nothing
 from tests.model_code.helpers import engine_children
+from tests.servers import CLI, REPO
 from tests.waiting import wait_until
 
 MODES = ("shared", "per_process")
@@ -182,6 +184,21 @@ def test_load_model_with_an_unknown_sglang_flag_raises_the_preflight_line(logged
     version = installed_sglang(EngineConfig(model_path=str(tiny_model_dir)).python_executable)
     assert isinstance(failed.error, PreflightError), repr(failed.error)
     assert str(failed.error) == f"model smol: extra_args: --max-runing-requests: SGLang {version} has no such flag (did you mean --max-running-requests?)"
+
+
+def test_serve_model_uri_of_weights_without_a_tokenizer_exits_2_with_the_preflight_line(logged, nothing_left) -> None:
+    """``sglang-gateway serve --model-uri`` loads the model the same way: the CLI's exit 2 and its one line (it
+    was exit 1 and ``engine 'smol': model smol: ...`` while the shared host's words wrapped the preflight's)."""
+    env = {**os.environ, "MLFLOW_TRACKING_URI": mlflow.get_tracking_uri()}
+    done = subprocess.run([*CLI, "serve", "--model-uri", logged("tokenizer missing", "shared"), "--port", "0"],
+                          capture_output=True, text=True, timeout=300, cwd=REPO, env=env, check=False)  # fmt: skip
+    assert HOST_STARTED.search(done.stderr), done.stderr[-3000:]  # the default shared mode: its host is watched
+    for host in HOST_STARTED.finditer(done.stderr):
+        nothing_left.check.watch(int(host.group(1)))
+        nothing_left.key_dirs.append(Path(host.group(2)))
+    errors = [line.removeprefix("error: ") for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert done.returncode == 2 and len(errors) == 1, done.stderr[-3000:]
+    assert re.fullmatch(r"model smol: model_path /\S+/no-tokenizer: no tokenizer in this directory .*, or set tokenizer_path", errors[0]), errors
 
 
 # ------------------------------------------------------------------ engines that die while starting (real SGLang)
