@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from launch.config import EngineConfig
-from launch.process import EngineError
+from launch.preflight import PreflightError
+from launch.process import EngineError, EngineExited, EngineStartTimeout
 
 RUNTIME_DIR_ENV = "SGLANG_GATEWAY_RUNTIME_DIR"
 USERS_LOCK = "users.lock"
@@ -45,6 +46,40 @@ class SharedEngineError(EngineError):
 
     def __init__(self, message: str, *, log_file: Path | None = None, log_tail: list[str] | None = None) -> None:
         super().__init__(message, name="shared", returncode=None, log_tail=log_tail or [], log_file=log_file)
+
+
+_ENGINE_ERRORS: dict[str, type[EngineError]] = {cls.__name__: cls for cls in (EngineError, EngineExited, EngineStartTimeout)}
+
+
+def failure_state(error: BaseException) -> dict[str, Any]:
+    """The ``state.json`` fields of a host whose engine could not start: the error in parts (kind, message, exit
+    code, log tail), so that each user raises the very error the host met (:func:`start_failure`)."""
+    if isinstance(error, PreflightError):
+        return {"error": str(error), "error_kind": "preflight"}
+    if isinstance(error, EngineError):
+        return {
+            "error": error.message,
+            "error_kind": type(error).__name__,
+            "returncode": error.returncode,
+            "log_tail": error.log_tail,
+            "log_file": str(error.log_file) if error.log_file else None,
+        }
+    return {"error": str(error)}
+
+
+def start_failure(name: str, state: dict[str, Any]) -> Exception:
+    """The error a user of the shared engine ``name`` raises for the failure its host published: the host's own
+    (:class:`launch.preflight.PreflightError`, :class:`launch.process.EngineExited`...), with its message, exit code
+    and log tail, as ``sglang-gateway serve`` prints it; otherwise a :class:`SharedEngineError` naming the engine."""
+    message = str(state.get("error") or "the engine host gave up")
+    log_file = Path(state["log_file"]) if state.get("log_file") else None
+    kind = state.get("error_kind")
+    if kind == "preflight":
+        return PreflightError(message)
+    if kind in _ENGINE_ERRORS:
+        tail = [str(line) for line in state.get("log_tail") or []]
+        return _ENGINE_ERRORS[kind](message, name=name, returncode=state.get("returncode"), log_tail=tail, log_file=log_file)
+    return SharedEngineError(f"engine {name!r}: {message}", log_file=log_file)
 
 
 def runtime_root() -> Path:

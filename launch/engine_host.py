@@ -32,6 +32,7 @@ from launch.engine_dir import (
     START_LOCK,
     STATE_FILE,
     USERS_LOCK,
+    failure_state,
     open_lock_file,
     read_json,
     write_private_json,
@@ -88,8 +89,8 @@ class EngineHost:
                 except EngineStartCancelled:
                     return 0
                 except (EngineError, PreflightError, OSError, ValueError) as error:
+                    self._publish(status="failed", **failure_state(error))  # before the log line, which users would relay
                     logger.error("engine {}: {}", self.name, error)
-                    self._publish(status="failed", error=str(error))
                     self._wait_until_nobody_left(FAILED_GRACE_S)
                     return 1
                 self._publish(

@@ -130,6 +130,7 @@ class EngineError(RuntimeError):
     """The engine could not be started or answered wrongly; carries its exit code and log tail."""
 
     def __init__(self, message: str, *, name: str, returncode: int | None, log_tail: list[str], log_file: Path | None):
+        self.message = message  # without the log file and tail that str() adds: what an engine host publishes
         self.name = name
         self.returncode = returncode
         self.log_tail = log_tail

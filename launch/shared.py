@@ -44,8 +44,10 @@ from launch.engine_dir import (
     key_dir_for,
     log_tail,
     read_json,
+    start_failure,
     write_private_json,
 )
+from launch.preflight import PreflightError
 from launch.process import EngineStartCancelled, EngineStartTimeout, bearer
 from launch.procgroup import pid_alive
 
@@ -156,10 +158,7 @@ class SharedEngine:
                     tail.follow(state.get("log_file"), self.name)
                 return
             if status == "failed" and (alive or saw_attempt):
-                raise SharedEngineError(
-                    f"engine {self.name!r}: {state.get('error') or 'the engine host gave up'}",
-                    log_file=Path(state["log_file"]) if state.get("log_file") else None,
-                )
+                raise start_failure(self.name, state)
             if alive and status:
                 saw_attempt = True
             if not alive:
@@ -239,6 +238,8 @@ class SharedEngine:
                         self.wait_ready(max(1.0, deadline - time.monotonic()), stop_when=lambda: self.closed)
                     except EngineStartCancelled:
                         return False
+                    except PreflightError as error:  # the weights went away meanwhile, say: still an engine error here
+                        raise SharedEngineError(f"engine {self.name!r}: {error}") from error
                     continue
                 if time.monotonic() >= deadline or self.closed:
                     return False
@@ -319,7 +320,8 @@ def join(
 ) -> SharedEngine:
     """Use the machine's engine for ``engine`` (starting it through a new host if none runs); wait until ready.
 
-    Raises :class:`launch.process.EngineError` (with the engine's log tail) when it cannot start, and
+    Raises what the host met when the engine cannot start, as ``sglang-gateway serve`` would
+    (:class:`launch.preflight.PreflightError`, or a :class:`launch.process.EngineError` with the engine's log tail), and
     :class:`launch.process.EngineStartCancelled` once ``stop_when()`` is true while waiting (the lease is
     given back, so an engine nobody else waits for is stopped by its host).
     """
