@@ -23,7 +23,6 @@ from starlette.datastructures import UploadFile
 from starlette.responses import Response, StreamingResponse
 
 from gateway.batches.anthropic import MESSAGE_HANDLERS
-from gateway.batches.calls import DeadlineExceeded
 from gateway.batches.files import CHUNK
 from gateway.batches.service import opened as _batches
 from gateway.batches.shapes import ENDPOINTS, TERMINAL, WINDOW_S, BatchCreate, page
@@ -226,7 +225,8 @@ HANDLERS: dict[tuple[str, str], Callable[..., Any]] = {
 
 
 def _unavailable_as_503(handler: Callable[..., Any]) -> Callable[..., Any]:
-    """``handler`` with a database that fails after it was opened, or does not answer within its deadline, answered as
+    """``handler`` with a database that fails after it was opened, or does not answer within its deadline
+    (:class:`gateway.core.bounded_calls.DeadlineExceeded`), answered as
     when it cannot be opened: 503 ``batches_unavailable`` in the route's dialect (never a 500, which also drops the
     client's connection)."""
 
@@ -234,7 +234,7 @@ def _unavailable_as_503(handler: Callable[..., Any]) -> Callable[..., Any]:
     async def answered(*args: Any, **kwargs: Any) -> Any:
         try:
             return await handler(*args, **kwargs)
-        except (SQLAlchemyError, DeadlineExceeded) as error:
+        except (SQLAlchemyError, TimeoutError) as error:  # TimeoutError: DeadlineExceeded, or a driver's own
             raise GatewayError(503, f"the batch database cannot be reached ({type(error).__name__}); try again later", code="batches_unavailable") from error
 
     return answered

@@ -314,7 +314,7 @@ def test_a_frozen_store_answers_503_at_its_deadline_loses_no_line_and_holds_no_s
                     started = time.monotonic()
                     answer = http.request(method, path, json=body)
                     timings[f"{method} {path}"] = time.monotonic() - started
-                    assert answer.status_code == 503, answer.text
+                    assert answer.status_code == 503, f"{method} {path}: {answer.text}\n{server.log(6000)}"
                     assert answer.headers.get("connection") != "close", answer.headers
                     error = answer.json()["error"]  # OpenAI's code; Anthropic's dialect on its own route
                     assert error.get("code") == "batches_unavailable" or error.get("type") == "overloaded_error", answer.text
