@@ -237,8 +237,10 @@ class UsageSettings(_Strict):
     )
     database_timeout_s: float = Field(
         5.0, gt=0, le=300,
-        description="The longest one call of the usage database (and of the replicas' shared store) may take, counted by "
-        "the gateway: a server that does not answer in time, down or hung, counts as unreachable.",
+        description="The longest one call of the usage database (and of the replicas' shared store, and of the batch database on "
+        "PostgreSQL) may take, counted by the gateway: a server that does not answer in time, down or hung, counts as unreachable "
+        "(the batch API answers 503 batches_unavailable). A batch create's check and insert of its lines, a batch file's write "
+        "and a batch's results get 12 times it (docs/batches.md).",
     )  # fmt: skip
 
     @field_validator("database_url")

@@ -55,6 +55,11 @@ class MessageBatchRequest(BaseModel):
     params: dict[str, Any]
 
 
+async def _db(request: Request, call: Callable[..., Any], *args: Any) -> Any:
+    """A call of the batch database, bounded (:class:`gateway.batches.calls.BatchCalls`)."""
+    return await request.app.state.batches.run(call, *args)
+
+
 def _json(data: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(data), status_code=status, media_type="application/json")
 
@@ -165,7 +170,7 @@ def _bad(index: int, custom_id: str, message: str, code: str, param: str | None 
 async def _owned(request: Request, message_batch_id: str) -> BatchObject:
     """The caller's Message Batch; another key's, or an OpenAI batch, answers the 404 of an absent id."""
     _, store = await opened(request)
-    found = await asyncio.to_thread(store.batch, message_batch_id, request_owner(request.scope))
+    found = await _db(request, store.batch, message_batch_id, request_owner(request.scope))
     if found is None or found.endpoint != MESSAGES:
         raise GatewayError(404, f"No such Message Batch: {message_batch_id}", code="batch_not_found")
     return found
@@ -187,11 +192,13 @@ async def create_message_batch(request: Request) -> Response:
     await batches.reserve(store, row, None)  # the key's limits taken before the body is read
     try:
         read = _body_reader(request, asyncio.get_running_loop(), request.app.state.gateway.settings.http.body_timeout_s + 5)
-        custom_ids = await batches.in_create_pool(checked_requests, request.app.state.gateway, read, batches.files, file_id, tenant, batches.settings)
+        custom_ids = await batches.in_create_pool(
+            checked_requests, request.app.state.gateway, read, batches.files, file_id, tenant, batches.settings, reads_body=True
+        )
         created = await batches.create(store, batch_id, custom_ids, "requests")
     except BaseException:
-        await asyncio.to_thread(batches.files.delete, file_id)
-        await batches.in_create_pool(store.unreserve, batch_id)
+        await batches.run(batches.files.delete, file_id)
+        await batches.in_create_pool(store.unreserve, batch_id, big=False)
         raise
     return _json(message_batch(created))
 
@@ -231,7 +238,7 @@ async def list_message_batches(request: Request) -> Response:
     before, after = query.get("before_id"), query.get("after_id")
     if before and after:
         raise GatewayError(400, "give before_id or after_id, not both", param="before_id")
-    items, more = await asyncio.to_thread(store.batches, request_owner(request.scope), after, int(raw), (MESSAGES,), before)
+    items, more = await _db(request, store.batches, request_owner(request.scope), after, int(raw), (MESSAGES,), before)
     data = [message_batch(item) for item in items]
     return _json({"data": data, "has_more": more, "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None})
 
@@ -255,7 +262,7 @@ async def message_batch_results(message_batch_id: str, request: Request) -> Resp
 
     async def lines() -> AsyncIterator[bytes]:
         after = -1
-        while page := await asyncio.to_thread(store.ended_lines, batch.id, after, RESULTS_PAGE):
+        while page := await _db(request, store.ended_lines, batch.id, after, RESULTS_PAGE):
             yield b"".join(orjson.dumps(result_line(line)) + b"\n" for line in page)
             after = page[-1]["line"]
 
@@ -268,8 +275,8 @@ async def delete_message_batch(message_batch_id: str, request: Request) -> Respo
     batch = await _owned(request, message_batch_id)
     if batch.status not in TERMINAL:
         raise GatewayError(409, f"message batch {message_batch_id} is still processing; cancel it first", code="batch_not_ended")
-    await asyncio.to_thread(batches.files.delete, batch.input_file_id)  # the bytes first: on a full disk, the room the rows' delete needs
-    await asyncio.to_thread(store.delete_batch, batch.id)
+    await batches.run(batches.files.delete, batch.input_file_id)  # the bytes first: on a full disk, the room the rows' delete needs
+    await batches.run(store.delete_batch, batch.id)
     return _json({"id": batch.id, "type": "message_batch_deleted"})
 
 

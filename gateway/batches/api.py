@@ -8,12 +8,11 @@ route table (one handler per (method, path), checked both ways), so docs, metric
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import json
 import secrets
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
 import orjson
@@ -56,8 +55,9 @@ def _limit(request: Request, default: int = 20) -> int:
     return int(raw)
 
 
-async def _db(call: Callable[..., Any], *args: Any) -> Any:
-    return await asyncio.to_thread(call, *args)
+async def _db(request: Request, call: Callable[..., Any], *args: Any) -> Any:
+    """A call of the batch database, bounded (:class:`gateway.batches.calls.BatchCalls`)."""
+    return await request.app.state.batches.run(call, *args)
 
 
 # ---------------------------------------------------------------------------- files
@@ -76,16 +76,16 @@ async def upload_file(request: Request) -> Response:
         owner, tenant = request_owner(request.scope), request.scope.get(TENANT_SCOPE_KEY)
         quota = tenant.limits if tenant is not None else None
         expected = upload.size if upload.size is not None else limit
-        await _db(batches.refuse_over_quota, store, owner, quota, expected)  # before a byte is written
+        await _db(request, batches.refuse_over_quota, store, owner, quota, expected)  # before a byte is written
         batches.refuse_below_floor(expected)
         file_id = "file-" + secrets.token_hex(12)
-        size = await _db(batches.files.write, file_id, upload.file)
+        size = await batches.run_big(batches.files.write, file_id, upload.file)
         try:
             if size > limit:
                 raise GatewayError(413, f"the file is larger than {limit} bytes (gateway.batches.max_file_bytes)", code="file_too_large", param="file")
-            created = await _db(batches.add_upload, store, file_id, owner, quota, upload.filename or "input.jsonl", size)
+            created = await _db(request, batches.add_upload, store, file_id, owner, quota, upload.filename or "input.jsonl", size)
         except BaseException:
-            await _db(batches.files.delete, file_id)
+            await _db(request, batches.files.delete, file_id)
             raise
     finally:
         await form.close()
@@ -94,7 +94,7 @@ async def upload_file(request: Request) -> Response:
 
 async def list_files(request: Request) -> Response:
     _, store = await _batches(request)
-    items, more = await _db(store.files, request_owner(request.scope), request.query_params.get("purpose"), request.query_params.get("after"), _limit(request, 100))
+    items, more = await _db(request, store.files, request_owner(request.scope), request.query_params.get("purpose"), request.query_params.get("after"), _limit(request, 100))
     return _json(page([item.model_dump() for item in items], more))
 
 
@@ -109,7 +109,7 @@ async def get_file(file_id: str, request: Request) -> Response:
 async def delete_file(file_id: str, request: Request) -> Response:
     batches, store = await _batches(request)
     await _owned_file(request, file_id)
-    using = await _db(store.delete_file, file_id, functools.partial(batches.files.delete, file_id))  # bytes, then row
+    using = await _db(request, store.delete_file, file_id, functools.partial(batches.files.delete, file_id))  # bytes, then row
     if using is not None:
         raise GatewayError(409, f"file {file_id} is the input of batch {using}, which has not ended; cancel it first", param="file_id")
     return _json({"id": file_id, "object": "file", "deleted": True})
@@ -119,14 +119,16 @@ async def file_content(file_id: str, request: Request) -> Response:
     batches, _ = await _batches(request)
     await _owned_file(request, file_id)
     try:
-        stream = await _db(batches.files.open, file_id)
+        stream = await _db(request, batches.files.open, file_id)
     except FileNotFoundError:  # its bytes gone (a delete whose row could not follow them, on a full disk): delete it again
         raise GatewayError(404, f"the bytes of file {file_id} are gone; delete it", code="file_not_found", param="file_id") from None
 
-    def chunks() -> Iterator[bytes]:
-        with stream:
-            while chunk := stream.read(CHUNK):
+    async def chunks() -> AsyncIterator[bytes]:  # each read bounded too: the bytes may be in the database
+        try:
+            while chunk := await _db(request, stream.read, CHUNK):
                 yield chunk
+        finally:
+            stream.close()
 
     return StreamingResponse(chunks(), media_type="application/octet-stream")
 
@@ -142,7 +144,7 @@ async def create_batch(request: Request) -> Response:
         raise GatewayError(400, f"{field or 'body'}: {problem['msg']}", param=field) from None
     owner = request_owner(request.scope)
     tenant: Tenant | None = request.scope.get(TENANT_SCOPE_KEY)
-    source = await _db(store.file, asked.input_file_id, owner)
+    source = await _db(request, store.file, asked.input_file_id, owner)
     if source is None or source.purpose != "batch":
         raise GatewayError(404, f"No such File object: {asked.input_file_id}", code="file_not_found", param="input_file_id")
     now = int(time.time())
@@ -160,7 +162,7 @@ async def create_batch(request: Request) -> Response:
             raise GatewayError(404, f"No such File object: {asked.input_file_id}", code="file_not_found", param="input_file_id") from None
         created = await batches.create(store, row["id"], custom_ids)
     except BaseException:
-        await batches.in_create_pool(store.unreserve, row["id"])
+        await batches.in_create_pool(store.unreserve, row["id"], big=False)
         raise
     return _json(created.model_dump())
 
@@ -173,7 +175,7 @@ async def _owned(request: Request, kind: Literal["file", "batch"], object_id: st
     """The caller's file or batch ``object_id``; another key's answers the 404 of an absent id (never confirmed)."""
     _, store = await _batches(request)
     # an id with a NUL names nothing the gateway made, and PostgreSQL's text cannot even be asked for it
-    found = None if "\0" in object_id else await _db(store.file if kind == "file" else store.batch, object_id, request_owner(request.scope))
+    found = None if "\0" in object_id else await _db(request, store.file if kind == "file" else store.batch, object_id, request_owner(request.scope))
     if found is None or (kind == "batch" and found.endpoint not in ENDPOINTS):  # a Message Batch: Anthropic's API only
         raise GatewayError(404, f"No such {kind.title()} object: {object_id}", code=f"{kind}_not_found", param=f"{kind}_id")
     return found
@@ -185,7 +187,7 @@ async def get_batch(batch_id: str, request: Request) -> Response:
 
 async def list_batches(request: Request) -> Response:
     _, store = await _batches(request)
-    items, more = await _db(store.batches, request_owner(request.scope), request.query_params.get("after"), _limit(request), ENDPOINTS)
+    items, more = await _db(request, store.batches, request_owner(request.scope), request.query_params.get("after"), _limit(request), ENDPOINTS)
     return _json(page([item.model_dump() for item in items], more))
 
 
@@ -203,7 +205,7 @@ async def admin_batches(request: Request) -> Response:
     """Every key's batches (admin key), each with the key that owns it and the gateway that runs it (``leased_by``:
     a replica's name, ``local`` for a lone gateway; null between runs)."""
     _, store = await _batches(request)
-    items, more = await _db(store.every_batch, request.query_params.get("after"), _limit(request))
+    items, more = await _db(request, store.every_batch, request.query_params.get("after"), _limit(request))
     return _json(page([{**item.model_dump(), **whose} for item, whose in items], more))
 
 
@@ -223,14 +225,16 @@ HANDLERS: dict[tuple[str, str], Callable[..., Any]] = {
 
 
 def _unavailable_as_503(handler: Callable[..., Any]) -> Callable[..., Any]:
-    """``handler`` with a database that fails after it was opened answered as when it cannot be opened: 503
-    ``batches_unavailable`` in the route's dialect (never a 500, which also drops the client's connection)."""
+    """``handler`` with a database that fails after it was opened, or does not answer within its deadline
+    (:class:`gateway.core.bounded_calls.DeadlineExceeded`), answered as
+    when it cannot be opened: 503 ``batches_unavailable`` in the route's dialect (never a 500, which also drops the
+    client's connection)."""
 
     @functools.wraps(handler)
     async def answered(*args: Any, **kwargs: Any) -> Any:
         try:
             return await handler(*args, **kwargs)
-        except SQLAlchemyError as error:
+        except (SQLAlchemyError, TimeoutError) as error:  # TimeoutError: DeadlineExceeded, or a driver's own
             raise GatewayError(503, f"the batch database cannot be reached ({type(error).__name__}); try again later", code="batches_unavailable") from error
 
     return answered

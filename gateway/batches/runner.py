@@ -62,10 +62,13 @@ class BatchRunner:
     store: BatchStore  # set by the loop once the database is open (no batch runs before)
 
     def __init__(
-        self, connect: Callable[[bool], Awaitable[BatchStore | None]], files: FileStorage, sender: LineSender, settings: BatchSettings,
-        metrics: Metrics, holder: str = "local", lease_s: float = 30.0,
+        self, connect: Callable[[bool], Awaitable[BatchStore | None]], db: Callable[..., Awaitable[Any]], files: FileStorage,
+        sender: LineSender, settings: BatchSettings, metrics: Metrics, holder: str = "local", lease_s: float = 30.0,
+        db_big: Callable[..., Awaitable[Any]] | None = None,
     ) -> None:
         self.connect = connect  # the database, or None while none exists yet (``Batches.store_now``)
+        self.db = db  # runs one call of the open database, bounded (``Batches.run``: DeadlineExceeded is the store down)
+        self.db_big = db_big or db  # one that moves a whole file or batch (``Batches.run_big``)
         self.files = files
         self.sender = sender
         self.settings = settings
@@ -85,7 +88,8 @@ class BatchRunner:
         self._task: asyncio.Task[None] | None = None
 
     async def _db(self, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        return await asyncio.to_thread(call, *args, **kwargs)
+        result: T = await self.db(call, *args, **kwargs)
+        return result
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="batch runner")
@@ -350,7 +354,7 @@ class BatchRunner:
     async def _write_results(self, batch: BatchObject) -> tuple[str | None, str | None]:
         if batch.endpoint == MESSAGES:
             return None, None  # a Message Batch's results are read from its lines (gateway.batches.anthropic)
-        lines = await self._db(self.store.ended_lines, batch.id)
+        lines = await self.db_big(self.store.ended_lines, batch.id)
         whose = await self._db(self.store.owner_of, batch.id)
         assert whose is not None
         output, errors = result_files(batch.id, lines)
@@ -361,7 +365,7 @@ class BatchRunner:
                 ids.append(None)
                 continue
             file_id = f"file-{stem}-{kind}"  # the same id when a finalization is redone after a restart
-            size = await self._db(self.files.write, file_id, data)
+            size = await self.db_big(self.files.write, file_id, data)
             await self._db(self.store.add_file, file_id, whose[0], "batch_output", f"{batch.id}_{kind}.jsonl", size)
             ids.append(file_id)
         return ids[0], ids[1]

@@ -8,12 +8,15 @@ tries again at each poll).
 Replicas sharing one PostgreSQL (``gateway.replicas.shared``) keep files' bytes in it (:class:`DatabaseFiles`) and run
 each batch under a lease named for the replica (``replicas.name``, else the host name and process id), of
 ``replicas.lease_s``; a lone gateway keeps them under ``state_dir`` and holds its leases as ``local``, so a gateway
-restarted after a kill takes its batches up at once."""
+restarted after a kill takes its batches up at once.
+
+Every call of the database runs through :class:`gateway.batches.calls.BatchCalls` (bounded by
+``usage.database_timeout_s`` on PostgreSQL: a hung server is a server down, 503 ``batches_unavailable``), and so does
+the opening (its migration) and closing of the database: nothing waits on a frozen server past its bound."""
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import shutil
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +29,7 @@ from sqlalchemy import Engine
 from sqlalchemy.engine import make_url
 from starlette.types import ASGIApp
 
+from gateway.batches.calls import CREATE_DEADLINES, BatchCalls, DeadlineExceeded
 from gateway.batches.dispatch import LineSender
 from gateway.batches.files import DatabaseFiles, FileStorage, LocalFiles
 from gateway.batches.runner import BatchRunner
@@ -41,7 +45,6 @@ from gateway.tenants.ledger import database_url
 
 T = TypeVar("T")
 FILES_DIR = "batch_files"
-CREATE_THREADS = 2  # creates at work at once (reserving, checking, inserting their lines), in a pool of their own; more wait
 LOCAL_HOLDER = "local"  # a lone gateway's lease holder: the same name after a restart
 
 
@@ -53,10 +56,12 @@ class Batches:
         replicas = state.settings.replicas
         self.holder = replica_name(replicas.name) if replicas.shared else LOCAL_HOLDER
         self.files: FileStorage = DatabaseFiles(self._engine) if replicas.shared or root is None else LocalFiles(root)
+        self.deadline_s = state.settings.usage.database_timeout_s
         self.store: BatchStore | None = None
+        self.calls: BatchCalls | None = None  # with the store: where its calls run
         self.runner: BatchRunner | None = None
         self._opening = asyncio.Lock()
-        self._create_pool = ThreadPoolExecutor(CREATE_THREADS, thread_name_prefix="batch-create")
+        self._open_pool = ThreadPoolExecutor(1, thread_name_prefix="batch-open")  # one open at a time; a hung one holds only it
 
     async def open(self, run: ASGIApp | None, app: object, keys: KeyHolder, metrics: Metrics) -> None:
         """Open the database if it exists (schema brought up to date); with ``run`` (the line chain,
@@ -68,17 +73,47 @@ class Batches:
         if run is not None:
             sender = LineSender(run, app, keys, self.settings, self.state.settings.priority_classes)
             lease_s = self.state.settings.replicas.lease_s
-            self.runner = BatchRunner(self.store_now, self.files, sender, self.settings, metrics, holder=self.holder, lease_s=lease_s)
+            self.runner = BatchRunner(
+                self.store_now, self.run, self.files, sender, self.settings, metrics, holder=self.holder, lease_s=lease_s, db_big=self.run_big
+            )
             self.runner.start()
 
     async def store_now(self, create: bool) -> BatchStore | None:
         """The database, opened once. ``create=False``: None while an SQLite file does not exist yet (no batch can
-        be waiting in it). Raises when it cannot be opened."""
+        be waiting in it). Raises when it cannot be opened (:class:`DeadlineExceeded` when PostgreSQL does not answer
+        within the bound of a create's big call: the opening migrates the schema)."""
         if self.store is None:
             async with self._opening:
                 if self.store is None and (create or self._exists()):
-                    self.store = await asyncio.to_thread(BatchStore, self.url)
+                    store = await self._open()
+                    self.calls = BatchCalls(store.engine, self.deadline_s, self.state.settings.http.body_deadline_s)
+                    self.store = store
         return self.store
+
+    async def _open(self) -> BatchStore:
+        long_s = CREATE_DEADLINES * self.deadline_s  # the server's statement timeout: that of the longest call
+        opening = asyncio.get_running_loop().run_in_executor(self._open_pool, BatchStore, self.url, self.deadline_s, long_s)
+        if make_url(self.url).get_backend_name() == "sqlite":
+            return await opening  # a local file: never cut (see gateway.batches.calls)
+        try:
+            return await asyncio.wait_for(asyncio.shield(opening), long_s)
+        except TimeoutError:
+            if opening.done():
+                raise
+            opening.add_done_callback(_closed_when_late)  # opened after all: its engine let go
+            raise DeadlineExceeded(f"the batch database was not opened in {long_s:g} s") from None
+
+    async def run(self, work: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``work(*args, **kwargs)``, a call of the open database, bounded (:meth:`BatchCalls.run`)."""
+        if self.calls is None:
+            raise RuntimeError("the batch database is not open yet")
+        return await self.calls.run(work, *args, **kwargs)
+
+    async def run_big(self, work: Callable[..., T], *args: Any) -> T:
+        """A call that moves a whole file or batch, bounded as a create's big call (:meth:`BatchCalls.run_big`)."""
+        if self.calls is None:
+            raise RuntimeError("the batch database is not open yet")
+        return await self.calls.run_big(work, *args)
 
     async def reserve(self, store: BatchStore, row: dict[str, Any], input_owner: str | None) -> None:
         """Reserve ``row``'s batch before its lines are checked (counted in its key's limits from now on, so that
@@ -86,7 +121,7 @@ class Batches:
         ``max_active_batches_per_key`` unfinished batches or ``max_queued_lines_per_key`` lines queued; 404 when
         ``input_owner``'s input file is gone."""
         limits = self.settings
-        refused = await self.in_create_pool(store.reserve, row, limits.max_active_batches_per_key, limits.max_queued_lines_per_key, input_owner)
+        refused = await self.in_create_pool(store.reserve, row, limits.max_active_batches_per_key, limits.max_queued_lines_per_key, input_owner, big=False)
         if refused is None:
             return
         active, queued = refused
@@ -129,11 +164,13 @@ class Batches:
         assert isinstance(created, FileObject)
         return created
 
-    async def in_create_pool(self, work: Callable[..., T], *args: Any) -> T:
+    async def in_create_pool(self, work: Callable[..., T], *args: Any, big: bool = True, reads_body: bool = False) -> T:
         """Run a create's work (``work``: its reservation, the check of its lines, the insert of its lines, which
-        waits for SQLite's one writer) in the creates' own threads, not the default pool: creates of big files
-        never queue other keys' calls (every other database call of the API runs in the default pool)."""
-        return await asyncio.get_running_loop().run_in_executor(self._create_pool, functools.partial(work, *args))
+        waits for SQLite's one writer) in the creates' own threads: creates of big files never queue other keys'
+        calls. Bounded as :meth:`BatchCalls.create` says (``big``: the check and the insert of its lines)."""
+        if self.calls is None:
+            raise RuntimeError("the batch database is not open yet")
+        return await self.calls.create(work, *args, big=big, reads_body=reads_body)
 
     async def create(self, store: BatchStore, batch_id: str, custom_ids: list[str], noun: str = "lines") -> BatchObject:
         """Turn the reservation ``batch_id`` into a batch of ``custom_ids`` and wake the runner; 429 when they take the
@@ -152,7 +189,7 @@ class Batches:
     async def cancel(self, store: BatchStore, batch_id: str) -> None:
         """No line of ``batch_id`` starts from now on: ``cancelling`` in the database, and told to the runner here (a
         runner elsewhere sees it at its next poll); lines in flight finish."""
-        await asyncio.to_thread(store.move, batch_id, "cancelling", tuple(ACTIVE - {"cancelling", "finalizing"}))
+        await self.run(store.move, batch_id, "cancelling", tuple(ACTIVE - {"cancelling", "finalizing"}))
         if self.runner is not None:
             self.runner.cancel(batch_id)
 
@@ -167,11 +204,22 @@ class Batches:
         return url.get_backend_name() != "sqlite" or (url.database is not None and Path(url.database).exists())
 
     async def close(self, grace_s: float) -> None:
+        """The runner stopped (within ``grace_s``, and a last bounded try of the answers it holds), then the database
+        let go, bounded too: a frozen server holds no shutdown."""
         if self.runner is not None:
             await self.runner.close(grace_s)
-        self._create_pool.shutdown(wait=False, cancel_futures=True)
-        if self.store is not None:
-            await asyncio.to_thread(self.store.close)
+        if self.store is not None and self.calls is not None:
+            try:
+                await self.calls.run(self.store.close)
+            except Exception as error:  # noqa: BLE001 - its connections are cut; nothing left to wait for
+                logger.warning("batches: the database was not let go cleanly ({})", type(error).__name__)
+            self.calls.close()
+        self._open_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _closed_when_late(opening: asyncio.Future[BatchStore]) -> None:
+    if not opening.cancelled() and opening.exception() is None:
+        opening.result().close()
 
 
 def _over_quota(files: int, size: int, quota: KeyLimits, adding: int) -> None:
@@ -202,7 +250,7 @@ async def opened(request: Request) -> tuple[Batches, BatchStore]:
         raise GatewayError(404, "the batch API is off here (gateway.batches.enabled, and a state_dir for the files)", code="batches_off")
     try:
         store = await batches.store_now(create=True)
-    except Exception as error:  # noqa: BLE001 - the database down: said, never a 500 with a trace
+    except Exception as error:  # noqa: BLE001 - the database down or hung: said, never a 500 with a trace
         raise GatewayError(503, f"the batch database cannot be reached ({type(error).__name__}); try again later", code="batches_unavailable") from error
     assert store is not None
     return batches, store

@@ -1,6 +1,7 @@
 """Files, batches and their lines in the usage ledger's database (SQLite by default, PostgreSQL by URL).
 
-Synchronous SQLAlchemy, called in a thread (:func:`asyncio.to_thread`) by the API and the runner. Every line's end
+Synchronous SQLAlchemy, called in a thread by the API and the runner (:class:`gateway.batches.calls.BatchCalls`:
+bounded on PostgreSQL). Every line's end
 is one transaction that also counts it on its batch, and only a line still ``queued`` can end: a line is counted
 once whatever runs it, and a restarted gateway finds exactly the lines that never ended still queued.
 
@@ -59,8 +60,11 @@ class LineEnd:
 
 
 class BatchStore:
-    def __init__(self, url: str) -> None:
-        self.engine: Engine = open_engine(url, write=True)
+    def __init__(self, url: str, timeout_s: float | None = None, statement_timeout_s: float | None = None) -> None:
+        """``timeout_s``: the deadline of the calls (PostgreSQL's connect and pool timeouts, no ping at checkout),
+        ``statement_timeout_s``: the server's own bound of a statement (that of the longest call):
+        :func:`gateway.tenants.ledger_schema.open_engine`. SQLite's engine is the same with or without them."""
+        self.engine: Engine = open_engine(url, write=True, timeout_s=timeout_s, statement_timeout_s=statement_timeout_s)
         migrate(self.engine)
         # Reads of SQLite in plain transactions: every write transaction is BEGIN IMMEDIATE, one at a time, so a
         # read in one would wait behind a create's insert of 50,000 lines; WAL readers wait for no writer.

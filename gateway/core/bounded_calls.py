@@ -76,8 +76,8 @@ class BoundedCalls:
         try:
             return await asyncio.wait_for(asyncio.shield(future), deadline)
         except TimeoutError:
-            if future.done():  # the work's own TimeoutError
-                raise
+            if future.done():  # it ended as the deadline passed (or raised its own TimeoutError): its outcome, as it is
+                return future.result()
             self._abandon(call, future)
             raise DeadlineExceeded(f"no answer from the database in {deadline:g} s") from None
         except asyncio.CancelledError:

@@ -117,7 +117,7 @@ LATEST = MIGRATIONS[-1].version
 _PG_LOCK = 0x5553_4147_4531  # pg_advisory_xact_lock id of the ledger's migrations ("USAGE1")
 
 
-def open_engine(url: str, *, write: bool, timeout_s: float | None = None) -> Engine:
+def open_engine(url: str, *, write: bool, timeout_s: float | None = None, statement_timeout_s: float | None = None) -> Engine:
     """An engine for ``url``. SQLite: WAL (readers never wait for writers), a busy timeout (the workers' writers
     take turns), and with ``write`` every transaction ``BEGIN IMMEDIATE`` (no deadlock upgrading a read lock);
     a reader opens the file read-only and never creates it. PostgreSQL: a short connect timeout, so a down
@@ -125,14 +125,19 @@ def open_engine(url: str, *, write: bool, timeout_s: float | None = None) -> Eng
 
     ``timeout_s``: for calls bounded by :mod:`gateway.core.bounded_calls` (its deadline): the server's statement
     timeout and the pool's wait too, and no ping at checkout (a ping on a frozen server would block where the deadline
-    cannot cut it; a connection the server closed fails its call, which the caller tries once more)."""
+    cannot cut it; a connection the server closed fails its call, which the caller tries once more).
+    ``statement_timeout_s``: the server's statement timeout instead, where some calls are bounded longer (the batch
+    store's big calls: :mod:`gateway.batches.calls`)."""
     parsed = make_url(url)
     if parsed.get_backend_name() != "sqlite":
         if timeout_s is None:
             return create_engine(url, pool_size=2, max_overflow=2, pool_pre_ping=True, pool_recycle=1800, connect_args={"connect_timeout": 5})
         return create_engine(
             url, pool_size=2, max_overflow=2, pool_recycle=1800, pool_timeout=timeout_s,
-            connect_args={"connect_timeout": max(2, math.ceil(timeout_s)), "options": f"-c statement_timeout={math.ceil(timeout_s * 1000)}"},
+            connect_args={
+                "connect_timeout": max(2, math.ceil(timeout_s)),
+                "options": f"-c statement_timeout={math.ceil((statement_timeout_s or timeout_s) * 1000)}",
+            },
         )  # fmt: skip
     path = Path(parsed.database or "")
     if write:

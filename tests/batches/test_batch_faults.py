@@ -1,10 +1,13 @@
 """The batch API when its storage fails under it (a FAKE engine that notes each answered prompt; the database a real
 SQLite file whose writes are refused on demand by a trigger, as a full disk or a database blip refuses them): a
-failed record pauses the batch and no line runs or is charged twice; a store gone after start answers 503."""
+failed record pauses the batch and no line runs or is charged twice; a store gone after start answers 503; a store
+frozen (a real PostgreSQL stopped by SIGSTOP) answers 503 at the deadline, loses no line and holds no shutdown."""
 
 from __future__ import annotations
 
+import collections
 import os
+import signal
 import sqlite3
 import subprocess
 import threading
@@ -15,6 +18,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import yaml
 from loguru import logger
 
 from tests.batches.helpers import (
@@ -28,9 +32,10 @@ from tests.batches.helpers import (
     upload,
     wait_ended,
 )
+from tests.fake_engine import running_fake_engine
 from tests.gateway_server import GatewayServer, serve
-from tests.postgres import PostgresServer
-from tests.servers import CLI, REPO
+from tests.postgres import PostgresServer, frozen
+from tests.servers import CLI, REPO, ServerProcess
 from tests.waiting import wait_until
 
 
@@ -268,3 +273,71 @@ def test_a_delete_frees_the_bytes_before_it_needs_the_database(gateway: GatewayS
         _sql(gateway, "DROP TRIGGER IF EXISTS refuse_deletes")
     assert client.files.delete(file_id).deleted
     assert file_id not in [item.id for item in client.files.list().data]
+
+
+HANG_S = 30  # a client's wait that only a hang reaches (the deadline is 1 s)
+
+
+def test_a_frozen_store_answers_503_at_its_deadline_loses_no_line_and_holds_no_shutdown(postgres: PostgresServer, tmp_path: Path) -> None:
+    """Issue 57 item 2 (batch part): PostgreSQL frozen by SIGSTOP (server and backends: the kernel accepts, nothing
+    answers) for longer than ``usage.database_timeout_s`` (1 s) under a ``serve`` process running a batch. While
+    frozen: the batch API and the Message Batches API answer 503 (each in its dialect) on a kept connection, a create
+    too; the runner holds the answers it cannot record. Thawed: the API answers again and the batch completes with
+    every line answered and recorded once. Frozen again: SIGTERM ends the process before the thaw. Before the batch
+    store was bounded, each request waited for the thaw (the client's 30 s timeout) and SIGTERM did too. Durations are
+    printed (``-s``), not asserted."""
+    answers = tmp_path / "answers.txt"
+    answers.touch()
+    fake_env = {"FAKE_ENGINE_TOKEN_S": "0.05", "FAKE_ENGINE_ANSWERS": str(answers)}
+    count = 40
+    with running_fake_engine(tmp_path / "engine", env=fake_env) as upstream:
+        gateway = {
+            "state_dir": str(tmp_path / "state"), "shutdown_grace_s": 2,
+            "usage": {"database_url": new_database(postgres), "flush_interval_s": 0.2, "database_timeout_s": 1},
+            "batches": {"poll_interval_s": 0.2, "max_concurrency": 2},
+        }  # fmt: skip
+        config = tmp_path / "gateway.yaml"
+        config.write_text(yaml.safe_dump({"models": {"m": {"url": upstream}}, "gateway": gateway}))
+        server = ServerProcess([*CLI, "serve", str(config), "--port", "{port}"], log_path=tmp_path / "gateway.log")
+        try:
+            server.wait_http("/ready", timeout_s=120)
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=HANG_S, max_retries=0)
+            file_id = upload(client, chat_lines(count))
+            batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+            server.wait_until(lambda: len(answers.read_text().splitlines()) >= 3, HANG_S, "three lines answered")
+            timings: dict[str, float] = {}
+            with frozen(postgres), httpx.Client(base_url=server.url, timeout=HANG_S) as http:
+                for method, path, body in (
+                    ("GET", "/v1/batches", None), ("GET", "/v1/files", None), ("GET", "/v1/messages/batches", None),
+                    ("POST", "/v1/batches", {"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"}),
+                ):  # fmt: skip
+                    started = time.monotonic()
+                    answer = http.request(method, path, json=body)
+                    timings[f"{method} {path}"] = time.monotonic() - started
+                    assert answer.status_code == 503, f"{method} {path}: {answer.text}\n{server.log(6000)}"
+                    assert answer.headers.get("connection") != "close", answer.headers
+                    error = answer.json()["error"]  # OpenAI's code; Anthropic's dialect on its own route
+                    assert error.get("code") == "batches_unavailable" or error.get("type") == "overloaded_error", answer.text
+                # the lines in flight at the freeze ended: their answers are held, the batch paused
+                server.wait_log(r"batches: the answer of line \d+ of batch \S+ could not be recorded", HANG_S)
+                assert postgres.postmaster_pid() is not None
+            print({name: round(seconds, 2) for name, seconds in timings.items()})
+            server.wait_until(lambda: httpx.get(server.url + "/v1/batches", timeout=HANG_S).status_code == 200, HANG_S, "200 after the thaw")
+            ended = wait_ended(client, batch.id)
+            assert ended.status == "completed" and ended.request_counts.completed == count, ended
+            assert sorted(line["custom_id"] for line in results(client, ended.output_file_id)) == sorted(f"line-{i}" for i in range(count))
+            noted = collections.Counter(answers.read_text().splitlines())
+            assert noted == collections.Counter(f"line-{i}" for i in range(count)), noted  # each line ran once
+            # a second batch in flight, the store frozen again: SIGTERM ends the process before the thaw
+            second = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+            server.wait_until(lambda: len(answers.read_text().splitlines()) >= count + 3, HANG_S, "the second batch running")
+            with frozen(postgres):
+                signalled = time.monotonic()
+                server.proc.send_signal(signal.SIGTERM)
+                wait_until(lambda: server.proc.poll() is not None, lambda: f"serve still runs after SIGTERM:\n{server.log(3000)}", 2 + HANG_S)
+                print({"SIGTERM to exit, frozen": round(time.monotonic() - signalled, 2), "second batch": second.id})
+                assert postgres.postmaster_pid() is not None  # (still frozen: the exit did not wait for the thaw)
+            assert server.proc.returncode == 0, server.log(3000)
+            assert "Traceback" not in server.log(), server.log(5000)
+        finally:
+            server.stop(grace_s=HANG_S)
