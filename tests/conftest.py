@@ -37,6 +37,7 @@ SLOWEST_MODULES = (
     "tests/gateway/test_strict_tools.py",
     "tests/gateway/test_router_upstream.py",
     "tests/model_code/test_replicas.py",
+    "tests/model_code/test_start_faults_mlflow.py",
     "tests/benchmarks/test_affinity.py",
     "tests/model_code/test_shared_serving.py",
     "tests/launch/test_shared_engine.py",
