@@ -12,6 +12,13 @@ request before it is sent: only the named tool is offered, and each forced tool 
 engine's grammar holds the name and the parameters' JSON schema (the guard has checked that schema compiles:
 :func:`engine_guard.bounds.grammar_inputs`). A tool the client marked ``strict`` is held by the engine as it is.
 
+The grammar holds the call but does not end the answer: after the call's closing marker SGLang 0.5.23 lets the model
+write on (text its parser drops) until ``max_tokens``, so the client got ``finish_reason: "length"`` for a complete
+call, and waited for the useless tokens. Where one call is all the answer may hold (a named function; ``required``
+with ``parallel_tool_calls: false``) on chat completions, :func:`end_forced_call` adds the parser's end-of-call text
+(:data:`CALL_ENDS`) as a stop string, kept in the output (``no_stop_trim``) so the parser still reads the call: the
+engine stops right after it and answers ``tool_calls``.
+
 One table says, per route, where the tools, their schemas and the choice live (:data:`TOOL_DIALECTS`).
 """
 
@@ -73,6 +80,17 @@ TOOL_DIALECTS: dict[str, ToolDialect] = {
 """Every route that takes tools, and how its requests spell them."""
 
 TOOL_PARSER_SETTING = "tool_call_parser"
+
+CALL_ENDS: dict[str, str] = {
+    "qwen25": "\n</tool_call>",  # Qwen25Detector.eot_token; its grammar closes each call with '}\n</tool_call>'
+    "qwen": "\n</tool_call>",  # the same detector: the name an engine started with qwen25 reports (/get_server_info)
+}
+"""Per ``--tool-call-parser``, the text that closes one call in its format (the detector's end-of-call marker),
+for the parsers checked on the engine; another parser's requests are left as they are. The marker cannot occur
+earlier in a grammar-held call: a raw newline is not allowed inside a JSON string."""
+ENDS_ON_STOP_PATHS = ("/v1/chat/completions",)
+"""Routes whose engine request can keep a matched stop string (``no_stop_trim``): SGLang's Responses and Messages
+requests have no such field, and a trimmed marker would leave the parser no call to read."""
 
 ENFORCED_KEYWORDS = frozenset({
     "type", "properties", "required", "additionalProperties", "items", "prefixItems", "enum", "const", "anyOf",
@@ -158,11 +176,42 @@ def _strict(tool: dict[str, Any], dialect: ToolDialect) -> dict[str, Any]:
     return {**tool, dialect.function_key: {**tool[dialect.function_key], "strict": True}}
 
 
+def end_forced_call(path: str, body: dict[str, Any], parser: str | None) -> None:
+    """Rewrite ``body`` in place so that the engine stops right after a forced call when only one call may come (a
+    named function, or ``required`` with ``parallel_tool_calls`` false): the parser's end-of-call text
+    (:data:`CALL_ENDS`) added to the caller's stop strings, and the matched stop kept in the output
+    (``no_stop_trim``) for the parser to read the call whole. Other requests, routes and parsers are left as they are."""
+    marker = CALL_ENDS.get(parser or "")
+    if marker is None or path not in ENDS_ON_STOP_PATHS:
+        return
+    dialect = TOOL_DIALECTS[path]
+    kind, name = dialect.choice(body)
+    if kind == "forced" and body.get("parallel_tool_calls") is not False:
+        return  # several calls may come: a stop after the first would cut the others off
+    if kind not in ("forced", "named") or not isinstance(body.get("tools"), list):
+        return
+    if not any(kind == "forced" or function.get("name") == name for _, function in dialect.functions(body)):
+        return  # no tool to call: the engine refuses it, in its own words
+    stop = body.get("stop")
+    if stop is None:
+        stops = []
+    elif isinstance(stop, str):
+        stops = [stop]
+    elif isinstance(stop, list):
+        stops = list(stop)
+    else:
+        return  # not a stop the engine takes: its own 400
+    body["stop"] = stops if marker in stops else [*stops, marker]
+    body["no_stop_trim"] = True
+
+
 def guard_tools(path: str, body: dict[str, Any], model: str, parser: str | None, *, parser_known: bool) -> None:
     """What both paths (the gateway, the MLflow wrapper) do with a request's tools, in order: refused for an engine
     known to run no tool-call parser, a strict schema the grammar cannot hold refused (Refused), then a forced call
-    held (:func:`hold_forced_calls`, after the strict check: it marks forced tools strict)."""
+    held (:func:`hold_forced_calls`, after the strict check: it marks forced tools strict) and ended after its call
+    (:func:`end_forced_call`)."""
     if parser_known:
         check_tool_parser(path, body, model, parser)
     check_strict_schemas(path, body)
     hold_forced_calls(path, body)
+    end_forced_call(path, body, parser)

@@ -29,6 +29,10 @@ from model_code.errors import BadRequestError
 from model_code.target import Target
 
 CHAT_PATH = "/v1/chat/completions"
+HELD_FIELDS = ("tools", "stop", "no_stop_trim")
+"""What :func:`engine_guard.tool_calls.guard_tools` may rewrite in a request (a forced call held and ended)."""
+CLIENT_PARAMS = frozenset({"tools", "stop"})
+"""Of those, the ones ``chat.completions.create`` takes by name; the others go in ``extra_body``."""
 
 
 @dataclass(frozen=True)
@@ -71,17 +75,26 @@ class RequestGuard:
         try:
             check_body(body, ChatCompletionRequest, CHAT_PATH)
             check_bounds(CHAT_PATH, body, self.bounds)
-            check_extensions(body, CHAT_PATH, self.extensions, self.model, switch=f"gateway.extension_fields.{self.model} in model_config")
+            check_extensions(
+                body,
+                CHAT_PATH,
+                self.extensions,
+                self.model,
+                switch=f"gateway.extension_fields.{self.model} in model_config",
+            )
             problem = token_id_problem(CHAT_TOKEN_ID_FIELDS, body, self.vocab_size)
             if problem is not None:
                 raise Refused(problem, code="invalid_token_ids", param=problem.split(":", 1)[0])
-            offered = body.get("tools")
+            sent = {name: body.get(name) for name in HELD_FIELDS}
             guard_tools(CHAT_PATH, body, self.model, self.tool_call_parser, parser_known=self.knows_tool_parser)
         except Refused as refusal:
             raise BadRequestError(refusal.message, param=refusal.param, code=refusal.code) from None
         extra = kwargs.get("extra_body") or {}
-        if body.get("tools") is not offered:  # a forced call held to its name and schema, as the gateway holds it
-            (extra if "tools" in extra else kwargs)["tools"] = body["tools"]
+        for name, value in sent.items():  # a forced call held and ended as the gateway holds it: sent where it was
+            if body.get(name) is not value:
+                (extra if name in extra or name not in CLIENT_PARAMS else kwargs)[name] = body[name]
+        if extra:
+            kwargs["extra_body"] = extra
         for name in DROPPED[CHAT_PATH]:
             kwargs.pop(name, None)
             extra.pop(name, None)

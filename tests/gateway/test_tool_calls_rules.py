@@ -9,7 +9,14 @@ from typing import Any
 import pytest
 
 from engine_guard.bounds import grammar_bytes
-from engine_guard.tool_calls import check_strict_schemas, hold_forced_calls, offers_tools
+from engine_guard.tool_calls import (
+    CALL_ENDS,
+    check_strict_schemas,
+    end_forced_call,
+    guard_tools,
+    hold_forced_calls,
+    offers_tools,
+)  # fmt: skip
 
 CHAT = "/v1/chat/completions"
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}}
@@ -68,3 +75,41 @@ def test_a_grammar_with_an_integer_past_64_bits_is_measured_not_crashed_on() -> 
     """orjson writes no integer past 64 bits; a Python caller (the MLflow path) can pass one (the MLflow fuzz found it)."""
     body = {"response_format": {"type": "structural_tag", "structures": [-(2**63) - 1], "triggers": []}}
     assert grammar_bytes(body) > 0
+
+
+NAMED = {"type": "function", "function": {"name": "a"}}
+END = CALL_ENDS["qwen25"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "stop"),
+    [({"tool_choice": NAMED}, [END]), ({"tool_choice": NAMED, "stop": "x"}, ["x", END]),
+     ({"tool_choice": NAMED, "stop": ["x", END]}, ["x", END]),
+     ({"tool_choice": "required", "parallel_tool_calls": False, "stop": ["x", "y"]}, ["x", "y", END])],
+)  # fmt: skip
+def test_a_call_that_must_come_alone_stops_after_its_end_marker_kept_for_the_parser(
+    extra: dict[str, Any], stop: list[str]
+) -> None:
+    """Named, or required with one call allowed: the engine stops on the parser's end-of-call text, left in the
+    output (no_stop_trim) so the parser reads the call; the caller's own stop strings kept, first."""
+    body = {"tools": [_chat_tool("a"), _chat_tool("b")], **extra}
+    guard_tools(CHAT, body, "m", "qwen25", parser_known=True)
+    assert body["stop"] == stop and body["no_stop_trim"] is True
+
+
+@pytest.mark.parametrize(
+    ("path", "parser", "extra"),
+    [(CHAT, "qwen25", {"tool_choice": "required"}),  # several calls may come: a stop would cut them off
+     (CHAT, "qwen25", {"tool_choice": "required", "parallel_tool_calls": True}),
+     (CHAT, "qwen25", {"tool_choice": "auto"}), (CHAT, "qwen25", {}), (CHAT, "qwen25", {"tool_choice": "none"}),
+     (CHAT, "qwen25", {"tool_choice": {"type": "function", "function": {"name": "missing"}}}),  # the engine's own 400
+     (CHAT, "qwen25", {"tool_choice": NAMED, "stop": 5}),
+     (CHAT, "hermes", {"tool_choice": NAMED}), (CHAT, None, {"tool_choice": NAMED}),  # parsers not verified: unchanged
+     ("/v1/responses", "qwen25", {"tool_choice": {"type": "function", "name": "a"}}),  # no no_stop_trim on the route
+     ("/v1/messages", "qwen25", {"tool_choice": {"type": "tool", "name": "a"}})],
+)  # fmt: skip
+def test_other_requests_keep_their_stops(path: str, parser: str | None, extra: dict[str, Any]) -> None:
+    body = {"tools": [_chat_tool("a")], **extra}
+    before = copy.deepcopy(body)
+    end_forced_call(path, body, parser)
+    assert body == before

@@ -174,6 +174,81 @@ def test_the_default_model_makes_the_named_call_in_each_dialect(route: str, real
     assert json.loads(calls[0]["arguments"])["city"] == "Paris"
 
 
+ALONE = {"named": {"type": "function", "function": {"name": "get_time"}}, "required_one": "required"}
+
+
+def _alone(choice: str) -> dict[str, Any]:
+    """A forced chat call that must come alone: named, or required with parallel_tool_calls false."""
+    return {"tools": [{"type": "function", "function": tool} for tool in (WEATHER, TIME)], "tool_choice": ALONE[choice],
+            **({"parallel_tool_calls": False} if choice == "required_one" else {})}  # fmt: skip
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+@pytest.mark.parametrize("choice", sorted(ALONE))
+def test_a_forced_chat_call_that_comes_alone_ends_right_after_it(choice: str, stream: bool, gateway: GatewayServer) -> None:
+    """The engine stops on the call's end marker (engine_guard.tool_calls.end_forced_call): finish_reason tool_calls,
+    well under max_tokens. ``ignore_eos``: the model cannot end it by chance, only the marker can (before: "length",
+    all 300 tokens, the model writing on after its call)."""
+    openai_client, _ = _clients(gateway)
+    kwargs = dict(model="default", messages=[{"role": "user", "content": QUESTION}], temperature=1.0, max_tokens=300,
+                  extra_body={"ignore_eos": True}, **_alone(choice))  # fmt: skip
+    if not stream:
+        answer = openai_client.chat.completions.create(**kwargs)
+        (choice_,) = answer.choices
+        finish, tokens, text = choice_.finish_reason, answer.usage.completion_tokens, choice_.message.content or ""
+        calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments} for c in choice_.message.tool_calls or []]
+    else:
+        finish, tokens, text, by_index = None, None, "", {}
+        for chunk in openai_client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}):
+            tokens = chunk.usage.completion_tokens if chunk.usage else tokens
+            for part in chunk.choices:
+                finish = part.finish_reason or finish
+                text += part.delta.content or ""
+                for delta in part.delta.tool_calls or []:
+                    call = by_index.setdefault(delta.index, {"id": delta.id, "name": "", "arguments": ""})
+                    if delta.function is not None:
+                        call["name"] += delta.function.name or ""
+                        call["arguments"] += delta.function.arguments or ""
+        calls = [by_index[index] for index in sorted(by_index)]
+    assert finish == "tool_calls" and tokens is not None and tokens < 300, (finish, tokens)
+    assert len(calls) == 1 and "tool_call>" not in text, (calls, text)  # the kept marker is the parser's, never text
+    _check_forced("named" if choice == "named" else "required", text, calls)
+
+
+def test_the_callers_stop_strings_still_end_a_forced_call(gateway: GatewayServer) -> None:
+    """The end marker is added to the caller's stop strings, not in their place: a stop the call's text reaches ends
+    the answer there, and a call cut short is no call (before, the engine answered "tool_calls" from the cut text)."""
+    openai_client, _ = _clients(gateway)
+    answer = openai_client.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": QUESTION}], temperature=1.0, max_tokens=300, stop=["arguments"],
+        extra_body={"ignore_eos": True}, **_alone("named"),
+    )  # fmt: skip
+    (choice,) = answer.choices
+    assert choice.finish_reason == "stop" and not choice.message.tool_calls, choice  # cut inside the call: no call
+    assert answer.usage.completion_tokens < 300
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_the_default_model_ends_its_named_chat_call_after_it(stream: bool, real_gateway: GatewayServer) -> None:
+    """Greedy, the real model's named call ends at its marker: tool_calls, not "length" after 80 tokens (before)."""
+    openai_client, _ = _clients(real_gateway)
+    kwargs = dict(model="default", messages=[{"role": "user", "content": QUESTION}], temperature=0, max_tokens=80, **_alone("named"))
+    if not stream:
+        answer = openai_client.chat.completions.create(**kwargs)
+        finish, tokens, (call,) = answer.choices[0].finish_reason, answer.usage.completion_tokens, answer.choices[0].message.tool_calls
+        arguments = call.function.arguments
+    else:
+        finish, tokens, arguments = None, None, ""
+        for chunk in openai_client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}):
+            tokens = chunk.usage.completion_tokens if chunk.usage else tokens
+            for part in chunk.choices:
+                finish = part.finish_reason or finish
+                arguments += "".join(d.function.arguments or "" for d in part.delta.tool_calls or [] if d.function)
+    assert finish == "tool_calls" and tokens is not None and tokens < 80, (finish, tokens)
+    assert json.loads(arguments)["city"] == "Paris"
+
+
 def test_tools_for_an_engine_without_a_tool_parser_are_refused_naming_the_setting(tiny_engine: EngineProcess) -> None:
     """An engine with no --tool-call-parser would answer a forced call as text: 400 in each route's dialect."""
     from launch.config import load_config

@@ -219,3 +219,22 @@ def test_each_mlflow_flavour_gives_the_engines_answer(smollm2_engine: EngineProc
             text = "".join(part["text"] for item in out["output"] if item["type"] == "message" for part in item["content"])
             got = (text, expected[1])  # ResponsesAgent's output carries no usage (its text comes from the chat route)
         assert got == expected, flavor
+
+
+def test_the_guard_ends_a_forced_call_where_the_client_sends_it() -> None:
+    """The MLflow path ends a call that must come alone as the gateway does (engine_guard.tool_calls.end_forced_call),
+    each rewritten field sent where ``chat.completions.create`` takes it: ``stop`` by name (or in ``extra_body`` when the
+    caller put it there), ``no_stop_trim`` in ``extra_body``."""
+    from model_code.guard import RequestGuard
+
+    guard = RequestGuard("tiny", tool_call_parser="qwen25", knows_tool_parser=True)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    kwargs: dict[str, Any] = {"model": "tiny", "tools": [WEATHER], "tool_choice": named, "stop": "x"}
+    guard.check(QUESTION, kwargs)
+    assert kwargs["stop"] == ["x", "\n</tool_call>"] and kwargs["extra_body"] == {"no_stop_trim": True}
+    kwargs = {"model": "tiny", "tools": [WEATHER], "tool_choice": named, "extra_body": {"stop": ["y"]}}
+    guard.check(QUESTION, kwargs)
+    assert "stop" not in kwargs and kwargs["extra_body"] == {"stop": ["y", "\n</tool_call>"], "no_stop_trim": True}
+    kwargs = {"model": "tiny", "tools": [WEATHER], "tool_choice": "required"}  # parallel calls allowed: not ended
+    guard.check(QUESTION, kwargs)
+    assert "stop" not in kwargs and "extra_body" not in kwargs
