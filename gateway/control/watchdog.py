@@ -164,7 +164,7 @@ class Watchdog:
     async def _note_crash_suspects(self, name: str, backend: EngineBackend) -> bool:
         """True when a request most likely crashed the engine: it died of an exception (its log says
         so) with requests in flight. Those requests go to the quarantine."""
-        await asyncio.sleep(0.2)  # let the proxy see the broken connections of requests still in flight
+        await _settled(backend)  # every request upstream at the crash has seen its connection break (noted if lost)
         if self.state.peers is not None:  # and the worker processes report theirs
             await self.state.peers.settle(2.0)
         suspects = list(backend.lost)
@@ -236,3 +236,19 @@ class Watchdog:
         self.health[(name, new.replica)] = ModelHealth(
             backend=new, attempts=health.attempts, restarts=health.restarts, last_restart_at=time.monotonic(), last_error=health.last_error
         )
+
+
+CRASH_SETTLE_S = 5.0
+"""The longest the watchdog waits, after an engine's death, for the requests that were upstream to see it."""
+
+
+async def _settled(backend: Backend, timeout_s: float = CRASH_SETTLE_S) -> None:
+    """Wait until each request that is upstream on ``backend`` now has ended (a broken one is in ``backend.lost`` by
+    then: the proxy notes it before it lets go), at most ``timeout_s``. A fixed pause was not enough: on a loaded
+    machine a bystander's broken connection was noted after the suspects were counted, so the crash looked like the
+    crashing request's alone (or, the other way round, a bystander's). Requests that arrive meanwhile are not waited
+    for."""
+    pending = set(backend.active)
+    deadline = time.monotonic() + timeout_s
+    while pending & backend.active and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)

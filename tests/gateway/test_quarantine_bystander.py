@@ -67,6 +67,7 @@ def test_an_attackers_crashes_beside_a_steady_batch_are_held_against_the_attacke
         for body, progress in zip(crafted, (20, 80), strict=True):
             wait_until(lambda p=progress: completed() >= p, f"{progress} of the victim's lines", 120)  # its shape was answered
             old_pid = rig.models()["m"]["engine"]["pid"]
+            wait_until(lambda: rig.models()["m"]["in_flight"] > 0, "a victim line upstream", 60, every_s=0.01)  # beside the crash
             crashed = httpx.post(rig.server.url + "/v1/chat/completions", json=body, headers=auth(ATTACKER), timeout=60)
             assert crashed.status_code in (502, 503), crashed.text
             wait_until(lambda o=old_pid: (m := rig.models()["m"])["state"] == "ready" and m["engine"]["pid"] != o, "the engine restarted", 60)

@@ -253,3 +253,41 @@ def test_a_reload_during_the_watchdogs_sleep_applies_to_its_next_check(tmp_path:
         assert seen and seen[0] is reloaded
 
     asyncio.run(scenario())
+
+
+def test_a_crash_counts_the_suspects_whose_broken_connections_are_noted_late(tmp_path: Path) -> None:
+    """On a loaded machine the proxy may note a request's broken connection after the engine's death is seen: the
+    watchdog waits for every request that was upstream to end (here one noted 0.6 s later, past the old fixed 0.2 s
+    pause) before it counts the suspects, so the crash is not blamed on the one request noted in time."""
+    engine = EngineProcess("m", EngineConfig(model_path=str(tmp_path), device="cpu", python="/bin/false"), log_dir=tmp_path)
+    engine._tail.extend(CRASH_LOG)
+    backend = EngineBackend("m", engine)
+    registry = Registry([ModelRoute("m", backend)])
+    settings = GatewaySettings(watchdog=WatchdogSettings(max_restarts=0))
+    state = GatewayState(settings, registry, Metrics(registry))
+    crasher = (request_shape("/v1/chat/completions", {"messages": [{"role": "user", "content": "boom"}]}), "attacker", False)
+    bystander = (request_shape("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}), "victim", True)
+    late = object()  # a request still upstream when the watchdog looks: its proxy notes it lost, then lets go
+
+    async def scenario() -> bool:
+        backend.lost.append(crasher)
+        backend.active.add(late)
+
+        async def noted_late() -> None:
+            await asyncio.sleep(0.6)
+            backend.lost.append(bystander)
+            backend.active.discard(late)
+
+        noting = asyncio.create_task(noted_late())
+        crashed = await Watchdog(state, SwapExecutor(state, owned=[engine]))._note_crash_suspects("m", backend)
+        await noting
+        return crashed
+
+    lines: list[str] = []
+    sink = logger.add(lambda message: lines.append(str(message)), level="WARNING", format="{message}")
+    try:
+        assert asyncio.run(scenario())
+    finally:
+        logger.remove(sink)
+    assert any("with 2 request(s) in flight" in line for line in lines), lines
+    assert not backend.lost  # both counted, none left for the next crash
