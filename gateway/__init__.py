@@ -20,7 +20,9 @@ import none of each other). Every module is named under its folder (a test check
                      ``/v1/messages`` lines, the batch object, list and results as views of the same batch and lines;
                      ``json_items`` its body read a request at a time as it arrives (memory bounded by one request)
   ``files``          the files' bytes (one small interface: state_dir, or the database for shared replicas); ``store``
-                     files, batches, lines in the ledger's database, and each batch's lease (one replica runs it)
+                     files, batches, lines in the ledger's database, and each batch's lease (one replica runs it);
+                     ``calls`` every call of that database, in threads of its own, bounded on PostgreSQL (a hung
+                     server answers 503 at the deadline)
   ``runner``         the queued lines, bounded and retried, resumed at start, of the batches it holds the lease of;
                      ``results`` the output and error files; ``yielding`` fewer lines of a model while it serves
                      interactive requests

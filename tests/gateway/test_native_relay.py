@@ -133,6 +133,7 @@ def _handed_over(box: dict[str, GatewayServer]) -> Callable[[], None]:
         streams = box["gateway"].state.proxy.streams
         if streams.native_enabled:
             wait_until(lambda: (streams.native_stats() or {}).get("streams", 0) > 0, "the stream to go native", 20, 0.002)
+            box["handed_over"] = streams  # type: ignore[assignment]  # what follows is read by the native thread first
 
     return gate
 
@@ -145,7 +146,14 @@ def _chat(include_usage: bool | None = None) -> dict[str, object]:
 
 
 def _completion_tokens(gateway: GatewayServer) -> float | None:
-    text = httpx.get(gateway.url + "/metrics", timeout=10).text
+    """The completion tokens counted, read once the request is recorded (its tokens are counted in that same step):
+    the client can have its last byte before, on a loaded machine long before."""
+
+    def recorded() -> str | None:
+        text = httpx.get(gateway.url + "/metrics", timeout=10).text
+        return text if re.search(r'^gateway_requests_total\{[^}]*model="m"', text, re.M) else None
+
+    text = wait_until(recorded, "the stream's request recorded", 30, 0.01)
     return prometheus_value(text, "gateway_tokens_total", {"model": "m", "kind": "completion"})
 
 
@@ -300,10 +308,14 @@ def test_hostile_framing_reaches_the_client_alike_through_either_relay(scenario:
         told = (_delta(4) if route == "responses" else _token(4), threading.Event())
         script = build(box, told)
         seen[native] = _through(native, lambda _, script=script: script, body, path, box=box, told=told)  # type: ignore[misc]
+        handed_over = "handed_over" in box
     (python, python_tokens, _), (native, native_tokens, relayed) = seen[False], seen[True]
     assert native == python
     assert native_tokens == python_tokens
-    assert relayed > 0
+    assert handed_over  # the native run's stream was the thread's when the bytes at issue came
+    # whole events that share the thread's read with broken framing go back to Python with it: relayed by the thread
+    # only where that read came in pieces (a quiet machine's timing), so not asserted for those scenarios
+    assert relayed > 0 or "in-one-read" in scenario
     assert received_events_are_whole(native)
     if route == "responses":
         numbers = [int(n) for n in re.findall(rb'"sequence_number": ?(\d+)', native)]
@@ -516,22 +528,26 @@ def test_without_the_extension_the_gateway_says_so_and_relays_in_python(monkeypa
 
 def test_a_real_engine_stream_is_the_same_through_the_native_thread(tiny_engine: EngineProcess) -> None:
     """The real engine, streamed through the OpenAI SDK with each relay: the same tokens, usage and finish, and in
-    the native relay's run its thread relayed the tokens. (128 tokens: the stream lasts long past the 10 ms after its
-    first read from which it goes native, however loaded the machine.)"""
+    the native relay's run its thread relayed the tokens. A stream goes native at a read when its client holds none of
+    its bytes: on a loaded machine the SDK (in this process) can lag behind for a whole stream, so the native gateway
+    streams again, up to 5 times, until one went through the thread (the real engine cannot be held at a gate)."""
     seen = {}
     for native in (False, True):
         with serve({"tiny": {"url": tiny_engine.url}}, {"relay_native": native}) as gateway:
             client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-            chunks = list(
-                client.chat.completions.create(
-                    model="tiny", messages=[{"role": "user", "content": "Count."}], max_tokens=128, temperature=0,
-                    stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
-                )
-            )  # fmt: skip
             streams = gateway.state.proxy.streams
-            # the SDK closes its connection at [DONE]: the thread lets the stream go once the gateway sees either
-            wait_until(lambda streams=streams: (streams.native_stats() or {}).get("streams", 0) == 0, "the native relay let the stream go", 10, 0.01)
-            stats = streams.native_stats()
+            for _ in range(5 if native else 1):
+                chunks = list(
+                    client.chat.completions.create(
+                        model="tiny", messages=[{"role": "user", "content": "Count."}], max_tokens=128, temperature=0,
+                        stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+                    )
+                )  # fmt: skip
+                # the SDK closes its connection at [DONE]: the thread lets the stream go once the gateway sees either
+                wait_until(lambda streams=streams: (streams.native_stats() or {}).get("streams", 0) == 0, "the native relay let the stream go", 10, 0.01)
+                stats = streams.native_stats()
+                if stats is not None and stats["events"] > 0:
+                    break
         text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
         finish = [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices and chunk.choices[0].finish_reason]
         assert chunks[-1].usage is not None

@@ -62,7 +62,7 @@ def test_streams_are_charged_whether_or_not_they_ask_for_usage(tiny_engine: Any,
                                                     "stream_options": {"include_usage": True}}, headers=headers)  # fmt: skip
         usage = [event["usage"] for event in _events(asked.text) if event.get("usage")]
         assert usage and usage[-1]["completion_tokens"] == 5
-        with http.stream("POST", "/v1/chat/completions", json=chat_body(max_tokens=1000, stream=True, ignore_eos=True), headers=headers) as cut:
+        with http.stream("POST", "/v1/chat/completions", json=chat_body(max_tokens=1900, stream=True, ignore_eos=True), headers=headers) as cut:
             lines = 0
             for line in cut.iter_lines():
                 lines += line.startswith("data: ")
@@ -71,9 +71,9 @@ def test_streams_are_charged_whether_or_not_they_ask_for_usage(tiny_engine: Any,
         requests, prompt, completion = _settled(server.url, "meter", 3)
         assert requests == 3
         # 24 (n=2 x 12) + 5 fully reported; the cut stream: the events the gateway wrote before it saw the client go
-        # (the client read 10, the role event among them; on a loaded machine the socket's buffers took dozens more
-        # before the close was seen), never the 1,000 its request reserved
-        assert 24 + 5 + 9 <= completion <= 24 + 5 + 500, completion
+        # (the client read 10, the role event among them; on a loaded machine the gateway wrote hundreds more before it
+        # saw the close: 596 in one run beside two busy processes), never the 1,900 its request reserved
+        assert 24 + 5 + 9 <= completion < 24 + 5 + 1900, completion
         assert prompt > 0
 
 
