@@ -37,10 +37,10 @@ def loguru_lines() -> Iterator[list[str]]:
 
 
 def _victim_batch() -> bytes:
-    """200 chat lines of one shape (the content's length class is the same on every line)."""
+    """200 chat lines of one shape (the content's length class is the same on every line), 0.5 s each on the FAKE engine."""
     lines = [
         {"custom_id": f"v-{i}", "method": "POST", "url": "/v1/chat/completions",
-         "body": {"model": "m", "messages": [{"role": "user", "content": f"v-{i:03d}"}], "max_tokens": 4}}
+         "body": {"model": "m", "messages": [{"role": "user", "content": f"v-{i:03d}"}], "max_tokens": 10}}
         for i in range(LINES)
     ]  # fmt: skip
     return b"".join(json.dumps(line).encode() + b"\n" for line in lines)
@@ -52,7 +52,8 @@ def test_an_attackers_crashes_beside_a_steady_batch_are_held_against_the_attacke
     engine = {"model_path": str(tiny_model_dir), "device": "cpu", "python": str(fake_engine_python(tmp_path)), "env": {"FAKE_ENGINE_TOKEN_S": "0.05"}}
     settings = {
         "keys": [{"name": "attacker", "key": ATTACKER}, {"name": "victim", "key": VICTIM}], "state_dir": str(tmp_path / "state"),
-        "batches": {"max_concurrency": 8, "retry_backoff_s": 0.2, "poll_interval_s": 0.2},
+        # the batch does not yield to the attacker's request (it would hold back the lines the crash must meet)
+        "batches": {"max_concurrency": 8, "max_concurrency_beside_interactive": 8, "retry_backoff_s": 0.2, "poll_interval_s": 0.2},
         "watchdog": {"interval_s": 0.5, "backoff_initial_s": 0.2, "unhealthy_after": 2}, "health_timeout_s": 1,
     }  # fmt: skip
     crafted = [{"model": "m", "messages": [{"role": "user", "content": CRASH}], "max_tokens": n} for n in (2, 50)]  # two shapes
@@ -81,7 +82,7 @@ def test_an_attackers_crashes_beside_a_steady_batch_are_held_against_the_attacke
             refused = httpx.post(rig.server.url + "/v1/chat/completions", json=body, headers=auth(ATTACKER), timeout=60)
             assert refused.status_code == 400 and refused.json()["error"]["code"] == "request_quarantined", refused.text
         served = httpx.post(rig.server.url + "/v1/chat/completions", headers=auth(VICTIM), timeout=60,
-                            json={"model": "m", "messages": [{"role": "user", "content": "v-999"}], "max_tokens": 4})  # fmt: skip
+                            json={"model": "m", "messages": [{"role": "user", "content": "v-999"}], "max_tokens": 10})  # fmt: skip
         assert served.status_code == 200, served.text
         assert rig.models()["m"]["engine"]["pid"] == pid
         listing = rig.admin("GET", "/admin/quarantine").json()["refused"]
