@@ -341,9 +341,10 @@ def build_default_model_command(
         if not quiet:
             out.print(f"default model already built at {out_dir}")
         return
-    err.print(f"building the default model (SmolLM2-135M-Instruct) in {out_dir}, once")
+    # soft_wrap: a progress line is one line in a log or a pipe too (rich wraps at 80 columns without a terminal).
+    err.print(f"building the default model (SmolLM2-135M-Instruct) in {out_dir}, once", soft_wrap=True)
     try:
-        path = build_instruct_model(out_dir, force=force, progress=lambda line: err.print(f"  {line}"))
+        path = build_instruct_model(out_dir, force=force, progress=lambda line: err.print(f"  {line}", soft_wrap=True))
     except RuntimeError as error:
         raise fail(f"build-default-model: {error}") from None
     out.print(f"default model written to {path}")
