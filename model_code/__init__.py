@@ -11,7 +11,8 @@ models-from-code files load only what they need. A map:
                     ``quarantine`` calls the engine crashed or froze under: not retried, their shape refused
 ``engine_owner``    the engines this process started; ``replica_set`` a model's replicas
 ``tracing``         one MLflow trace per call, recorded after it; ``errors`` typed errors with ``status_code``
-``log``             ``log_model``: a deployment YAML -> a logged model (``requirements``: its pinned GPU stack)
+``log``             ``log_model``: a deployment YAML -> a logged model (``requirements``: its pinned GPU stack;
+                    ``weights``: a weights folder that links out of itself, a Hugging Face snapshot, made packable)
 ``entrypoint``      the ``entrypoint`` flavour (the gateway as the model's server; ``entrypoint_model`` its placeholder)
 ``serving``         ``load_for_serving``: a logged model that takes serving request bodies; ``batch`` many prompts
                     (``batch_job``: as one job of a gateway's batch API, ``via="batch"``, which survives the kernel)

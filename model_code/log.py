@@ -16,6 +16,7 @@ from model_code.flavors.spec import CHAT_TASK
 from model_code.paths import PACKAGE_DIR, REPO_DIR
 from model_code.requirements import pip_requirements as computed_requirements
 from model_code.target import NO_ENGINE_ENV, SETTINGS_KEY, WEIGHTS_ARTIFACT, resolve_target, split_model_config
+from model_code.weights import packable
 
 CODE_PATHS = [str(REPO_DIR / "launch"), str(REPO_DIR / "engine_guard"), str(PACKAGE_DIR)]  # the whole package: every flavour module is there
 
@@ -155,28 +156,31 @@ def log_model(
         )
     )
     requirements += list(extra_pip_requirements)
-    if flavor == ENTRYPOINT_FLAVOR:
-        check_options(merged_settings, input_example, registered_model_name, metadata)
-        weights = Path(artifacts[WEIGHTS_ARTIFACT]) if artifacts else None
-        return log_entrypoint_model(
-            model_config, target, weights=weights, name=name, requirements=requirements, metadata=metadata, **log_kwargs
-        )
+    with contextlib.ExitStack() as packing:
+        if artifacts:  # a Hugging Face cache snapshot links out of its folder, which MLflow refuses: model_code.weights
+            artifacts = {WEIGHTS_ARTIFACT: str(packing.enter_context(packable(Path(artifacts[WEIGHTS_ARTIFACT]))))}
+        if flavor == ENTRYPOINT_FLAVOR:
+            check_options(merged_settings, input_example, registered_model_name, metadata)
+            weights = Path(artifacts[WEIGHTS_ARTIFACT]) if artifacts else None
+            return log_entrypoint_model(
+                model_config, target, weights=weights, name=name, requirements=requirements, metadata=metadata, **log_kwargs
+            )
 
-    lora_paths = target.engine.lora_paths if target.engine is not None else {}
-    with no_engine(), tempfile.TemporaryDirectory(prefix="sglang-gateway-adapters-") as staging:
-        artifacts = {**(artifacts or {}), **stage_adapters(lora_paths, Path(staging))} or None
-        return mlflow.pyfunc.log_model(
-            name=name,
-            python_model=str(FLAVORS[flavor].path),
-            model_config=model_config,
-            artifacts=artifacts,
-            code_paths=CODE_PATHS,
-            pip_requirements=requirements,
-            input_example=dict(input_example) if input_example is not None else FLAVORS[flavor].input_example,
-            metadata=metadata or None,
-            registered_model_name=registered_model_name,
-            **log_kwargs,
-        )
+        lora_paths = target.engine.lora_paths if target.engine is not None else {}
+        with no_engine(), tempfile.TemporaryDirectory(prefix="sglang-gateway-adapters-") as staging:
+            artifacts = {**(artifacts or {}), **stage_adapters(lora_paths, Path(staging))} or None
+            return mlflow.pyfunc.log_model(
+                name=name,
+                python_model=str(FLAVORS[flavor].path),
+                model_config=model_config,
+                artifacts=artifacts,
+                code_paths=CODE_PATHS,
+                pip_requirements=requirements,
+                input_example=dict(input_example) if input_example is not None else FLAVORS[flavor].input_example,
+                metadata=metadata or None,
+                registered_model_name=registered_model_name,
+                **log_kwargs,
+            )
 
 
 def _is_cpu(target: Any) -> bool:

@@ -171,3 +171,31 @@ def test_a_cuda_13_model_loaded_on_a_cuda_12_4_host_names_the_profile_that_runs_
         mlflow.pyfunc.load_model(info.model_uri)
     assert "profile sglang-0.5.10.post1-cu128 runs on it" in str(refused.value)
     assert engine_owner.STARTS == starts
+
+
+def _hugging_face_snapshot(model_dir: Path, cache: Path) -> Path:
+    """``model_dir`` laid out as a Hugging Face cache keeps it: ``snapshots/<revision>/<file> -> ../../blobs/<hash>``."""
+    snapshot, blobs = cache / "snapshots" / "0123abcd", cache / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for number, source in enumerate(sorted(model_dir.iterdir())):
+        assert source.is_file(), source  # the tiny model is flat
+        (blobs / f"blob{number}").write_bytes(source.read_bytes())
+        (snapshot / source.name).symlink_to(Path("..", "..", "blobs", f"blob{number}"))
+    return snapshot
+
+
+@pytest.mark.parametrize("flavor", ["chat_model", "entrypoint"])
+def test_a_hugging_face_cache_snapshot_is_logged_with_its_files(flavor, mlflow_store, tiny_deployment, tiny_model_dir, tmp_path):
+    """A snapshot's files are links out of its folder, which MLflow refuses ("resolved path is outside the artifact
+    directory"): they are packed as files, under the snapshot's name, and nothing is left beside the snapshot."""
+    snapshot = _hugging_face_snapshot(tiny_model_dir, tmp_path / "models--org--tiny")
+    with mlflow.start_run():
+        info = log_model(REPO / "configs" / "tiny-cpu.yaml", flavor=flavor, model_path=snapshot)
+    packed = _files(info) / "artifacts" / snapshot.name
+    names = sorted(path.name for path in tiny_model_dir.iterdir())
+    assert sorted(path.name for path in packed.iterdir()) == names
+    for name in names:
+        assert not (packed / name).is_symlink() and (packed / name).read_bytes() == (tiny_model_dir / name).read_bytes()
+    assert [path.name for path in snapshot.parent.iterdir()] == [snapshot.name]  # the mirror is gone
+    assert all((snapshot / name).is_symlink() for name in names)  # the snapshot is as it was
