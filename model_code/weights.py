@@ -21,10 +21,11 @@ _MIRROR_PREFIX = ".sglang-gateway-pack-"
 
 
 def links_out_of(folder: Path) -> list[Path]:
-    """The symbolic links under ``folder`` (followed into linked folders) that resolve outside it."""
+    """The symbolic links under ``folder`` that resolve outside it (a linked folder counts as one; links are not
+    followed, so a link back into the folder cannot loop the walk)."""
     root = folder.resolve()
     escaping = []
-    for parent, dirs, files in os.walk(folder, followlinks=True):
+    for parent, dirs, files in os.walk(folder):
         for name in [*dirs, *files]:
             path = Path(parent, name)
             if path.is_symlink() and not path.resolve().is_relative_to(root):

@@ -39,3 +39,11 @@ def test_a_folder_with_nothing_linked_out_is_packed_as_it_is(tmp_path: Path) -> 
     (model / "model.safetensors").unlink()
     with packable(model) as packed:
         assert packed == model
+
+
+def test_a_link_back_into_the_folder_does_not_loop_and_a_linked_folder_out_counts_once(tmp_path: Path) -> None:
+    model, blobs = _folder(tmp_path)
+    (model / "model.safetensors").unlink()
+    (model / "again").symlink_to(".")
+    (model / "shards").symlink_to(blobs)
+    assert links_out_of(model) == [model / "shards"]
