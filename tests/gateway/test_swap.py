@@ -350,7 +350,8 @@ def test_a_engine_change_swaps_blue_green_without_failed_requests(rig: SwapRig) 
         t0 = time.monotonic()
         with ThreadPoolExecutor(2) as pool:
             first = pool.submit(rig.admin, "POST", "/admin/reload")
-            time.sleep(1.0)
+            # the first holds the model (a fixed 1 s pause was not enough on a loaded machine: the second came first)
+            wait_until(lambda: rig.model()["state"] == "swapping", "the first reload to start its swap", timeout_s=60, every_s=0.05)
             second = pool.submit(rig.admin, "POST", "/admin/reload")  # arrives while the first one works
             response, again = first.result(), second.result()
         swapped_at = time.monotonic()
