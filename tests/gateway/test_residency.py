@@ -221,7 +221,7 @@ def test_a_member_kept_busy_past_its_turn_is_stopped_between_requests_and_the_wa
             holders = [pool.submit(keep_busy)]
             time.sleep(stream_s / 2)
             holders.append(pool.submit(keep_busy))  # overlapping: a is never idle between two requests
-            time.sleep(0.5)
+            wait_until(lambda: rig.models()["a"]["in_flight"] == 2, "both of a's streams upstream", every_s=0.02)
             asked = time.monotonic()
             answer = httpx.post(rig.server.url + "/v1/chat/completions", headers=auth(), timeout=60,
                                 json={"model": "b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})  # fmt: skip

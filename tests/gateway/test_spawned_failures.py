@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -46,7 +45,7 @@ def test_a_start_nobody_waits_for_fails_without_an_unretrieved_task_exception(
         assert rig.chat("a")
         with ThreadPoolExecutor(1) as pool:
             running = pool.submit(lambda: rig.sdk.chat.completions.create(model="a", messages=[{"role": "user", "content": "hi"}], max_tokens=8))
-            time.sleep(0.5)
+            wait_until(lambda: rig.models()["a"]["in_flight"] == 1, "a's request upstream", every_s=0.02)
             with pytest.raises(httpx.ReadTimeout):  # b's start waits for room; its only request leaves (the client gives up)
                 httpx.post(rig.server.url + "/v1/chat/completions", headers=auth(), timeout=0.5,
                            json={"model": "b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})  # fmt: skip
