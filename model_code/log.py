@@ -156,11 +156,12 @@ def log_model(
         )
     )
     requirements += list(extra_pip_requirements)
+    if flavor == ENTRYPOINT_FLAVOR:  # before any weights are mirrored (a copy, across filesystems)
+        check_options(merged_settings, input_example, registered_model_name, metadata)
     with contextlib.ExitStack() as packing:
         if artifacts:  # a Hugging Face cache snapshot links out of its folder, which MLflow refuses: model_code.weights
             artifacts = {WEIGHTS_ARTIFACT: str(packing.enter_context(packable(Path(artifacts[WEIGHTS_ARTIFACT]))))}
         if flavor == ENTRYPOINT_FLAVOR:
-            check_options(merged_settings, input_example, registered_model_name, metadata)
             weights = Path(artifacts[WEIGHTS_ARTIFACT]) if artifacts else None
             return log_entrypoint_model(
                 model_config, target, weights=weights, name=name, requirements=requirements, metadata=metadata, **log_kwargs
