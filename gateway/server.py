@@ -35,7 +35,7 @@ from gateway.control.controller import StartAborted
 from gateway.control.workers import ADMIN_SOCKET, METRICS_DIR, WorkerPlan
 from gateway.core.endpoints import listening_note
 from gateway.edge.connection import guarded_protocol
-from gateway.edge.listener import ManyAcceptServer
+from gateway.edge.listener import ManyAcceptServer, bind_unix_socket
 from launch.config import ConfigError, load_config
 from launch.ports import pick_free_port, port_is_free
 
@@ -254,7 +254,7 @@ def serve_app(
     app: FastAPI, settings: GatewaySettings, *, verbose: bool = False, source: str = "gateway", uds: str | None = None
 ) -> None:
     """Run ``app`` under uvicorn until SIGTERM / Ctrl-C (graceful, exit 0); SIGHUP asks for a reload. With ``uds``,
-    uvicorn serves on that socket (the control process: its workers hold the port)."""
+    uvicorn serves on that socket (the control process: its workers hold the port), bound before the engines start."""
     if uds is None:
         check_port_free(settings, source)
     settings = with_open_file_budget(settings)
@@ -263,6 +263,10 @@ def serve_app(
     server.exit_watch.daemon = True
     if uds is None:  # the control process of workers has no port: its supervisor says where they listen
         server.on_started = lambda: _log_listening(server, app)
+    # the control's socket is bound before the lifespan (which starts the workers): see bind_unix_socket
+    listening = [bind_unix_socket(uds, server.config.backlog)] if uds is not None else None
+    if uds is not None:  # uvicorn names no socket it is handed
+        logger.info("gateway: the control process serves its workers' admin requests on unix socket {} (owner only)", uds)
     hide = _HideStartupTraceback(app)
     logging.getLogger("uvicorn.error").addFilter(hide)
     # uvicorn re-raises the signal that stopped it once it has shut down; with these handlers in
@@ -275,12 +279,14 @@ def serve_app(
         # uvicorn binds the port after the lifespan has started the engines: until then connections are refused
         if uds is None:
             logger.info("gateway: will listen on http://{}:{} once the engines are ready", settings.host, settings.port)
-        server.run()
+        server.run(sockets=listening)
     except SystemExit:  # uvicorn exits 3 when the lifespan (engine start-up) failed
         if app.state.startup_error is None:
             raise
     finally:
         server.exit_watch.cancel()
+        for sock in listening or ():
+            sock.close()
         logging.getLogger("uvicorn.error").removeFilter(hide)
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import os
 import socket
 import sys
 from collections.abc import Callable
@@ -126,6 +127,21 @@ def bind_listening_sockets(host: str, port: int, backlog: int) -> list[socket.so
             sock.close()
         raise
     return sockets
+
+
+def bind_unix_socket(path: str, backlog: int) -> socket.socket:
+    """A listening Unix socket at ``path``, owner-only. Bound before the lifespan runs (the control process of
+    workers): a worker's admin request that comes while the lifespan ends waits in the accept queue for the
+    control's answer instead of finding no socket (uvicorn binds its own only after the lifespan)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+        os.chmod(path, 0o600)
+        sock.listen(backlog)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 class ManyAcceptServer(uvicorn.Server):

@@ -3,7 +3,8 @@
 Under uvloop's own server each pass of the loop accepts one connection, so a gateway whose passes are long
 (relaying a thousand streams) leaves new streams in the listen queue. These tests count loop passes on real
 sockets under uvloop, and check what a server needs of its listener: it stops when closed, leaves a socket it
-was handed to its owner, and waits (not fails) while the process is out of file descriptors.
+was handed to its owner, and waits (not fails) while the process is out of file descriptors; the control process's
+Unix socket takes connections before its lifespan ends.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ import asyncio
 import os
 import resource
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import uvloop
@@ -144,3 +148,41 @@ def test_out_of_descriptors_the_connection_waits_and_is_served_once_they_are_fre
         return answer
 
     assert uvloop.run(main()) == b"ok"
+
+
+_CONTROL_APP = """
+import contextlib, os, signal, socket, sys, threading
+from fastapi import FastAPI
+from gateway.config import GatewaySettings
+from gateway.server import serve_app
+
+path = sys.argv[1]
+answer: list[bytes] = []
+
+def read_then_stop(client: socket.socket) -> None:
+    answer.append(client.makefile("rb").read())
+    os.kill(os.getpid(), signal.SIGTERM)
+
+@contextlib.asynccontextmanager
+async def lifespan(app: FastAPI):
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    client.connect(path)  # a worker asking while the control's lifespan still runs
+    client.sendall(b"GET /ping HTTP/1.1\\r\\nhost: control\\r\\nconnection: close\\r\\n\\r\\n")
+    threading.Thread(target=read_then_stop, args=(client,), daemon=True).start()
+    yield
+
+app = FastAPI(lifespan=lifespan)
+app.state.startup_error = None
+app.get("/ping")(lambda: "pong")
+serve_app(app, GatewaySettings(), uds=path)
+print(answer[0].decode(errors="replace").splitlines()[0], os.stat(path).st_mode & 0o777 if os.path.exists(path) else "-")
+"""
+
+
+def test_the_control_socket_takes_connections_while_the_lifespan_runs(tmp_path: Path) -> None:
+    """The control process of workers serves its admin API on a Unix socket; its workers listen (and forward
+    admin requests) before its lifespan ends. The socket is bound first: such a request waits and is answered,
+    where uvicorn's own binding, after the lifespan, made it fail (503 control_unavailable in a loaded CI run)."""
+    done = subprocess.run([sys.executable, "-c", _CONTROL_APP, str(tmp_path / "admin.sock")], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["HTTP/1.1", "200", "OK", "384"], (done.stdout, done.stderr[-2000:])  # 0o600
