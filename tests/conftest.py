@@ -29,6 +29,11 @@ TINY_MODEL = Path(os.environ.get("SGLANG_GATEWAY_TINY_MODEL", REPO / ".cache" / 
 DEFAULT_CONFIG = REPO / "configs" / "smollm2-cpu.yaml"
 DEFAULT_MODEL = Path(os.environ.get("SGLANG_GATEWAY_DEFAULT_MODEL", REPO / ".cache" / "smollm2-instruct"))
 ENGINE_FIXTURE = "starts_engine"
+if os.environ.get("PYTEST_XDIST_WORKER") is not None:  # make test: three workers share two cores
+    # Each CPU engine's torch would run one OpenMP thread per core, whose spin-waits take the cores from the other
+    # workers' engines: one thread per engine (inherited by every engine the tests start). The tiny engine's 1,800
+    # tokens took 10.0 s of CPU with two threads (5.2 s wall) and 5.9 s with one (5.9 s wall), measured quiet.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 SLOWEST_MODULES = (
     "tests/gateway/test_tools_engine.py",
     "tests/model_code/test_tools_mlflow.py",
