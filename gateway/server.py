@@ -263,9 +263,9 @@ def serve_app(
     server.exit_watch.daemon = True
     if uds is None:  # the control process of workers has no port: its supervisor says where they listen
         server.on_started = lambda: _log_listening(server, app)
-    # the control's socket is bound before the lifespan (which starts the workers): see bind_unix_socket
-    listening = [bind_unix_socket(uds, server.config.backlog)] if uds is not None else None
-    if uds is not None:  # uvicorn names no socket it is handed
+    listening: list[socket.socket] | None = None
+    if uds is not None:  # bound before the lifespan, which starts the workers (bind_unix_socket); logged: uvicorn names no socket it is handed
+        listening = [bind_unix_socket(uds, server.config.backlog)]
         logger.info("gateway: the control process serves its workers' admin requests on unix socket {} (owner only)", uds)
     hide = _HideStartupTraceback(app)
     logging.getLogger("uvicorn.error").addFilter(hide)

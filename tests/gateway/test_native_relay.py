@@ -196,13 +196,13 @@ def test_an_engine_error_mid_stream_is_sanitized_alike_through_either_relay() ->
     the route's framing with the engine's internals taken out, as it does for an error the Python relay reads."""
     error = b'data: {"error":{"message":"CUDA out of memory at /opt/engine/secret.py line 7","code":500}}\n\n'
 
-    boxes: dict[bool, dict[str, GatewayServer]] = {False: {}, True: {}}
+    def script(box: dict[str, GatewayServer]) -> Script:  # tokens 1-3 are sent once the stream is the native thread's (a gate)
+        return [*_handed_over_chat(box), *_chat_script()[3:6], (0.003, http_chunk(error)), (0.003, http_chunk(DONE)), (0.0, b"0\r\n\r\n")]
 
-    def script(native: bool) -> Script:  # tokens 1-3 are sent once the stream is the native thread's (a gate)
-        return [*_handed_over_chat(boxes[native]), *_chat_script()[3:6], (0.003, http_chunk(error)), (0.003, http_chunk(DONE)), (0.0, b"0\r\n\r\n")]
-
-    python, _, _ = _through(False, lambda _: script(False), _chat(), box=boxes[False])
-    native, _, relayed = _through(True, lambda _: script(True), _chat(), box=boxes[True])
+    python_box: dict[str, GatewayServer] = {}
+    native_box: dict[str, GatewayServer] = {}
+    python, _, _ = _through(False, lambda _: script(python_box), _chat(), box=python_box)
+    native, _, relayed = _through(True, lambda _: script(native_box), _chat(), box=native_box)
     assert native == python
     assert b"/opt/engine/secret.py" not in native and b'"error"' in native
     assert relayed >= 3  # tokens 1-3, read by the thread after the hand-over (a loaded run once handed over late: 2)
