@@ -6,6 +6,7 @@ wrapper's ``predict`` calls (``model_code``). It imports neither (pyproject's ``
   ``fields``          the engine's request fields: allowed, dropped, refused, and the extensions off unless enabled
   ``schemas``         each route's request schema (the allowlist, types, static bounds); ``parse_body``/``check_body``
   ``bounds``          configurable bounds of one request (fan-out, grammar sizes): ``RequestBounds``, ``check_bounds``
+  ``compile_budget``  what a request's grammars cost the engine to compile, measured (a probe) and refused past a budget
   ``grammar_checks``  grammar inputs the engine would crash or freeze on (unbounded ``stop_regex``, bad schemas)
   ``empty_inputs``    inputs that become a forward pass over no token (an empty score item with no query...)
   ``token_ids``       token ids outside the model's vocabulary (they crash SGLang 0.5.23's scheduler)

@@ -46,6 +46,10 @@ class RequestBounds(BaseModel):
     max_grammar_bytes: int = Field(32768, ge=256, description="Bytes of each grammar input: regex, ebnf, JSON schema, structural tag.")
     max_schema_depth: int = Field(32, ge=1, description="Nesting of a JSON schema.")
     max_enum_values: int = Field(1024, ge=1, description="Values of one enum in a JSON schema.")
+    max_grammar_compile_s: float | None = Field(
+        2.0, gt=0, description="CPU seconds a request's grammars may cost the engine to compile, measured before it sees "
+        "them with its grammar backend and tokenizer (400 grammar_too_costly past it; unset: not measured).",
+    )  # fmt: skip
 
 
 # path -> the fields whose list items each become engine work

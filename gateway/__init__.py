@@ -47,7 +47,8 @@ import none of each other). Every module is named under its folder (a test check
 
 ``data/`` (every request)
   ``routes``         the FastAPI routes made from the route table, stored responses by id, models, health, ready
-  ``proxy``          a request's stages in order*: ``admission`` (checks, its model's slot), ``exchange`` (a replica,
+  ``proxy``          a request's stages in order*: ``admission`` (checks, ``grammar_costs`` what its grammars cost
+                     the engine to compile, its model's slot), ``exchange`` (a replica,
                      one retry elsewhere; ``upstream_send`` the bytes there and back), ``answer`` (plain JSON or the
                      relay); ``lease`` what a request holds*; ``waking`` a stream for an asleep model, kept alive while
                      its engine starts

@@ -32,6 +32,7 @@ from gateway.core.shared_responses import SharedResponses
 from gateway.core.shared_store import SharedStore, replica_name
 from gateway.core.state import GatewayState
 from gateway.core.tracing import Tracing
+from gateway.data.grammar_costs import GrammarCosts
 from gateway.data.native_streams import BUILT as NATIVE_BUILT
 from gateway.data.proxy import Proxy
 from gateway.data.stream_pool import StreamPool
@@ -98,11 +99,15 @@ async def data_plane(app: FastAPI, parts: AppParts) -> AsyncIterator[None]:
         await parts.ledger.start()  # one row per request, written off the hot path (a database down fails no request)
         async with session:
             waker = parts.controller.residency if parts.link is None else None  # residency runs in one process (gateway.config)
-            state.proxy = Proxy(session, state.metrics, state.quarantine, state.responses, streams, waker, parts.tracing, state.registry)
+            grammar_costs = GrammarCosts(lambda: state.settings, state.probes.learn_version)
+            state.proxy = Proxy(
+                session, state.metrics, state.quarantine, state.responses, streams, waker, parts.tracing, state.registry, grammar_costs
+            )  # fmt: skip
             try:
                 yield
             finally:
                 await streams.close()
+                await asyncio.to_thread(grammar_costs.close)
     finally:
         await state.probes.aclose()
         await asyncio.to_thread(state.responses.close)  # writes what is pending

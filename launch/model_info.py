@@ -45,3 +45,18 @@ def vocab_size(model_path: str) -> int | None:
         if isinstance(section, dict) and isinstance(section.get("vocab_size"), int) and section["vocab_size"] > 0:
             return int(section["vocab_size"])
     return None
+
+
+def tokenizer_dir(path: str) -> str | None:
+    """A local directory holding the tokenizer of ``path`` (a model or tokenizer directory, or a hub id already in the
+    local cache), or None: the grammar compile budget (:mod:`launch.grammar_cost`) measures against it."""
+    local = Path(path).expanduser()
+    if local.is_dir():
+        return str(local) if any((local / name).is_file() for name in _TOKENIZER_FILES) else None
+    found = model_config_file(path)
+    if found is None or not any((found.parent / name).is_file() for name in _TOKENIZER_FILES):
+        return None
+    return str(found.parent)
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

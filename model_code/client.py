@@ -77,7 +77,8 @@ class EngineClient:
         target = resolve_target(model_config, artifacts)
         if in_log_time():
             logger.info("model {}: loaded by MLflow's log/save step: no engine is started", target.name)
-            return LogTimeClient(target.served_name, target.settings, target.adapters, RequestGuard.from_target(target))
+            guard = RequestGuard.from_target(target, measure_grammars=False)  # the engine's costs are measured where it runs
+            return LogTimeClient(target.served_name, target.settings, target.adapters, guard)
         api_key = target.api_key or "EMPTY"
         if target.settings.api_key_env:
             api_key = os.environ.get(target.settings.api_key_env, api_key)
@@ -284,6 +285,7 @@ class EngineClient:
         """Stop (or stop using) every replica's engine and close the HTTP clients. Idempotent."""
         self._closed = True
         self.replicas.close()
+        self.guard.close()
 
 
 class LogTimeClient:

@@ -18,14 +18,17 @@ from typing import Any
 from pydantic import ValidationError
 
 from engine_guard.bounds import RequestBounds, check_bounds
+from engine_guard.compile_budget import GrammarBudget, ProbeStalled, compiled_grammars
 from engine_guard.fields import DROPPED, EXTENSIONS
 from engine_guard.refusal import Refused
 from engine_guard.schemas import ChatCompletionRequest, check_body, check_extensions
 from engine_guard.token_ids import CHAT_TOKEN_ID_FIELDS, token_id_problem
 from engine_guard.tool_calls import guard_tools
-from launch.config import ConfigError, format_validation_error
+from launch.config import ConfigError, EngineConfig, format_validation_error
+from launch.grammar_cost import CompileCostProbe, ProbeUnavailable
+from launch.model_info import tokenizer_dir
 from launch.model_info import vocab_size as model_vocab_size
-from model_code.errors import BadRequestError
+from model_code.errors import BadRequestError, OverloadedError
 from model_code.target import Target
 
 CHAT_PATH = "/v1/chat/completions"
@@ -45,9 +48,10 @@ class RequestGuard:
     vocab_size: int | None = None  # None: only negative token ids are refused
     tool_call_parser: str | None = None  # the managed engine's --tool-call-parser (tools refused without one)
     knows_tool_parser: bool = False  # False for a URL: its engine's parser is not known here
+    grammar_budget: GrammarBudget | None = None  # what grammars cost the engine to compile (None: not measured)
 
     @classmethod
-    def from_target(cls, target: Target) -> RequestGuard:
+    def from_target(cls, target: Target, *, measure_grammars: bool = True) -> RequestGuard:
         """The guard of the served model: its switch and bounds from the ``gateway:`` section (the gateway's own
         keys), its vocabulary from the weights the engine loads (the logged copy when there is one) or the
         entry's ``vocab_size`` (a URL)."""
@@ -66,7 +70,8 @@ class RequestGuard:
         engine = target.engine
         vocab = model_vocab_size(engine.model_path) if engine is not None else deployment.models[name].vocab_size
         parser = engine.tool_call_parser if engine is not None else None
-        return cls(name, frozenset(enabled), bounds, vocab, parser, engine is not None)
+        budget = grammar_budget(engine, vocab) if measure_grammars and bounds.max_grammar_compile_s is not None else None
+        return cls(name, frozenset(enabled), bounds, vocab, parser, engine is not None, budget)
 
     def check(self, messages: list[dict[str, Any]], kwargs: dict[str, Any], *, stream: bool = False) -> None:
         """Raise BadRequestError naming the field when the request ``kwargs`` (``chat.completions.create``'s,
@@ -87,6 +92,7 @@ class RequestGuard:
                 raise Refused(problem, code="invalid_token_ids", param=problem.split(":", 1)[0])
             sent = {name: body.get(name) for name in HELD_FIELDS}
             guard_tools(CHAT_PATH, body, self.model, self.tool_call_parser, parser_known=self.knows_tool_parser)
+            self._check_grammar_cost(body)
         except Refused as refusal:
             raise BadRequestError(refusal.message, param=refusal.param, code=refusal.code) from None
         extra = kwargs.get("extra_body") or {}
@@ -98,6 +104,37 @@ class RequestGuard:
         for name in DROPPED[CHAT_PATH]:
             kwargs.pop(name, None)
             extra.pop(name, None)
+
+
+    def _check_grammar_cost(self, body: dict[str, Any]) -> None:
+        """Refused when the request's grammars cost the engine more than the budget to compile (after the tool
+        rewrite: a forced call's tools are compiled); OverloadedError when they cannot be measured now."""
+        budget_s = self.bounds.max_grammar_compile_s
+        if self.grammar_budget is None or budget_s is None:
+            return
+        grammars = compiled_grammars(body)
+        if not grammars:
+            return
+        try:
+            self.grammar_budget.check(grammars, budget_s, "request_bounds in model_config")
+        except (ProbeStalled, ProbeUnavailable) as error:
+            raise OverloadedError(f"the request's grammar cost cannot be measured now: {error}") from None
+
+    def close(self) -> None:
+        """End the grammar cost probe's process, if one was started."""
+        if self.grammar_budget is not None:
+            self.grammar_budget.probe.close()  # type: ignore[attr-defined]
+
+
+def grammar_budget(engine: EngineConfig | None, vocab_size: int | None) -> GrammarBudget | None:
+    """The grammar compile budget of a managed engine (its tokenizer local, its grammar backend xgrammar); None for a
+    URL, whose tokenizer is not known here (docs/security.md). Its probe process starts at the first measurement."""
+    if engine is None or engine.grammar_backend not in (None, "xgrammar"):
+        return None
+    found = tokenizer_dir(engine.tokenizer_path or engine.model_path)
+    if found is None:
+        return None
+    return GrammarBudget(CompileCostProbe(found, vocab_size), any_whitespace=not engine.json_disable_any_whitespace)
 
 
 def engine_body(messages: list[dict[str, Any]], kwargs: Mapping[str, Any], *, stream: bool = False) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gateway.config import GatewaySettings
-from gateway.core.backends import Backend
+from gateway.core.backends import Backend, GrammarTokenizer
 from gateway.core.limits import ConcurrencyLimiter
 from gateway.core.poison import Quarantine, Suspect
 from gateway.core.registry import ModelRoute, Registry
@@ -39,6 +39,8 @@ class BackendView:
     sglang_version: str | None = None
     tool_call_parser: str | None = None
     knows_tool_parser: bool = False
+    grammar_tokenizer: GrammarTokenizer | None = None
+    grammar_tokenizer_missing: str = ""
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,7 @@ class RemoteBackend(Backend):
         self.failure, self.retry_after_s = view.unavailable, view.retry_after_s
         self.sglang_version = view.sglang_version
         self._tool_parser = (view.knows_tool_parser, view.tool_call_parser)
+        self._grammar_tokenizer, self.grammar_tokenizer_missing = view.grammar_tokenizer, view.grammar_tokenizer_missing
         if view.context_length is not None:
             self.context_length = view.context_length
         self._headers = dict(view.headers)
@@ -117,7 +120,8 @@ def backend_view(backend: Backend) -> BackendView:
         retry_after_s=backend.retry_after_s, managed=backend.managed, is_router=backend.is_router,
         sends_at_once=backend.sends_at_once, schedules_by_priority=backend.schedules_by_priority,
         sglang_version=backend.engine_version.sglang, tool_call_parser=backend.tool_call_parser,
-        knows_tool_parser=backend.knows_tool_parser,
+        knows_tool_parser=backend.knows_tool_parser, grammar_tokenizer=backend.grammar_tokenizer,
+        grammar_tokenizer_missing=backend.grammar_tokenizer_missing,
     )  # fmt: skip
 
 

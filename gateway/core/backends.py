@@ -15,12 +15,25 @@ from __future__ import annotations
 import collections
 import secrets
 import time
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from launch.model_info import tokenizer_dir
 from launch.model_info import vocab_size as model_vocab_size
 from launch.process import EngineProcess, bearer
 from launch.router import RouterProcess
 from launch.sglang_versions import NEWEST, VERSIONS, EngineVersion, installed_sglang
+
+
+@dataclass(frozen=True)
+class GrammarTokenizer:
+    """What the grammar compile budget measures a model's grammars against (gateway.data.grammar_costs): its
+    tokenizer's local directory, its vocabulary size, and whether its engine lets JSON carry free whitespace."""
+
+    path: str
+    vocab_size: int | None
+    any_whitespace: bool
+
 
 COMPLETED_SHAPES = 4096  # per backend: a steady client's shape stays among them however many others complete between
 
@@ -60,6 +73,10 @@ class Backend:
         # The requests upstream now (their leases): the suspects if the engine freezes.
         self.active: set[Any] = set()
         self._token = secrets.token_hex(8)
+        # What its grammars are measured against (an external engine's: once its /get_server_info said), else why not.
+        self._grammar_tokenizer: GrammarTokenizer | None = None
+        self.grammar_tokenizer_missing = "the engine's tokenizer is not known to the gateway"
+        self.server_info_asked = False  # /get_server_info was asked (an external engine's facts: HealthProbes.learn_version)
 
     def note_completed(self, shape: str) -> None:
         """A request of ``shape`` was answered in full (the newest ``COMPLETED_SHAPES`` are kept)."""
@@ -129,6 +146,27 @@ class Backend:
         self._tool_parser = (True, parser)
 
     @property
+    def grammar_tokenizer(self) -> GrammarTokenizer | None:
+        """The tokenizer its grammars' compile cost is measured against (None: not measured, for the reason in
+        :attr:`grammar_tokenizer_missing`)."""
+        return self._grammar_tokenizer
+
+    def learn_grammar_backend(self, info: dict[str, Any]) -> None:
+        """What an SGLang server's ``/get_server_info`` says of its grammar backend and tokenizer: measured against
+        the tokenizer when it is on this machine and the backend is xgrammar (SGLang's default)."""
+        backend = info.get("grammar_backend") or "xgrammar"
+        path = info.get("tokenizer_path") or info.get("model_path")
+        found = tokenizer_dir(path) if isinstance(path, str) and path else None
+        if backend != "xgrammar":
+            self.grammar_tokenizer_missing = f"its grammar backend is {backend}, not xgrammar"
+        elif found is None:
+            self.grammar_tokenizer_missing = f"its tokenizer ({path}) is not on this machine"
+        else:
+            vocab = self._vocab_size or model_vocab_size(found)
+            whitespace = not info.get("constrained_json_disable_any_whitespace", False)
+            self._grammar_tokenizer = GrammarTokenizer(found, vocab, whitespace)
+
+    @property
     def engine_version(self) -> EngineVersion:
         """The version table's entry for :attr:`sglang_version` (the newest's for an unknown or unlisted one)."""
         return VERSIONS.get(self.sglang_version or NEWEST) or VERSIONS[NEWEST]
@@ -179,6 +217,22 @@ class EngineBackend(Backend):
         if self.sglang_version is None:
             self.sglang_version = installed_sglang(self.engine.config.python_executable)
         return super().engine_version
+
+    @property
+    def grammar_tokenizer(self) -> GrammarTokenizer | None:
+        """Its config's tokenizer (or model) directory, when it is local and the grammar backend xgrammar (looked up
+        once found: a hub model's files are in the local cache only after the engine downloaded them)."""
+        if self._grammar_tokenizer is None:
+            config = self.engine.config
+            path = config.tokenizer_path or config.model_path
+            found = tokenizer_dir(path) if config.grammar_backend in (None, "xgrammar") else None
+            if config.grammar_backend not in (None, "xgrammar"):
+                self.grammar_tokenizer_missing = f"its grammar backend is {config.grammar_backend}, not xgrammar"
+            elif found is None:
+                self.grammar_tokenizer_missing = f"its tokenizer ({path}) is not on this machine"
+            else:
+                self._grammar_tokenizer = GrammarTokenizer(found, self.vocab_size, not config.json_disable_any_whitespace)
+        return self._grammar_tokenizer
 
     @property
     def url(self) -> str:

@@ -38,6 +38,7 @@ class HealthProbes:
     async def learn_version(self, backend: Backend) -> None:
         """Ask an SGLang server its version and tool-call parser (``/get_server_info``), for the fields its version takes
         and whether it returns tool calls; a server that does not say (not SGLang, or a router) keeps the newest's."""
+        backend.server_info_asked = True
         try:
             response = await self.client.get(backend.url + "/get_server_info", headers=backend.upstream_headers())
             info = response.json() if response.status_code == 200 else {}
@@ -47,6 +48,7 @@ class HealthProbes:
         if isinstance(version, str) and version and "tool_call_parser" in info:  # SGLang's server args, said
             parser = info["tool_call_parser"]
             backend.learn_tool_parser(parser if isinstance(parser, str) and parser else None)
+            backend.learn_grammar_backend(info)
         if isinstance(version, str) and version:
             backend.sglang_version = version
             if version not in VERSIONS:

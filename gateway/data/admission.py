@@ -15,15 +15,19 @@ from engine_guard.tool_calls import guard_tools
 from gateway.core.call import Call
 from gateway.core.errors import GatewayError, StreamKind, refused, unknown_model
 from gateway.core.registry import Registry
+from gateway.data.grammar_costs import GrammarCosts
 from gateway.data.lease import Lease
 from gateway.data.usage_request import ask_for_usage, cost_bound
 
 
-async def admit(call: Call, registry: Registry | None) -> Lease:
-    """Check ``call`` (:func:`check`), wait for its model's slot, and hold it in a lease; GatewayError when it may not run.
+async def admit(call: Call, registry: Registry | None, grammar_costs: GrammarCosts | None = None) -> Lease:
+    """Check ``call`` (:func:`check`, then what its grammars cost to compile: ``grammar_costs``), wait for its model's
+    slot, and hold it in a lease; GatewayError when it may not run.
 
     ``registry``: the routes now, for an adapter unloaded while the request waited (None: not checked)."""
     check(call)
+    if grammar_costs is not None:  # after check: a forced call's tools are compiled too
+        await grammar_costs.check(call)
     limiter = call.route.limiter
     since = time.perf_counter()
     await limiter.acquire(call.route.name, call.priority or 0)

@@ -26,6 +26,7 @@ from gateway.core.tracing import Tracing
 from gateway.data.admission import admit
 from gateway.data.answer import answer
 from gateway.data.exchange import exchange
+from gateway.data.grammar_costs import GrammarCosts
 from gateway.data.relay import SSEProxyResponse
 from gateway.data.stream_pool import StreamPool
 from gateway.data.upstream_errors import UPSTREAM_ERRORS, transport_error
@@ -47,8 +48,10 @@ class Proxy:
         waker: Waker | None = None,
         tracing: Tracing | None = None,
         registry: Registry | None = None,
+        grammar_costs: GrammarCosts | None = None,
     ) -> None:
         self.session = session
+        self.grammar_costs = grammar_costs  # the grammar compile budget (None: grammars are not measured)
         self.registry = registry  # the routes now: an adapter unloaded while a request queued is not sent
         self.tracing = tracing  # OpenTelemetry spans (gateway.core.tracing); None: off, and nothing noted
         self.waker = waker  # models whose engines start on demand: a request for one asleep waits for it
@@ -80,7 +83,7 @@ class Proxy:
 
     async def _forward(self, call: Call) -> Response:
         """The stages: admission, the exchange, the answer. The lease goes with a stream to its relay; else it ends here."""
-        lease = await admit(call, self.registry)
+        lease = await admit(call, self.registry, self.grammar_costs)
         try:
             exchanged = await exchange(call, lease, self.sender, self.quarantine, self.metrics)
             response = await answer(call, lease, exchanged, self.session, self.metrics, self.responses)
