@@ -25,6 +25,7 @@ from engine_guard.grammar_checks import (
     check_structural_tag,
 )
 from engine_guard.refusal import Refused
+from engine_guard.tool_calls import is_strict
 
 
 class RequestBounds(BaseModel):
@@ -143,7 +144,7 @@ def grammar_inputs(body: dict[str, Any]) -> Iterator[tuple[str, str, Any]]:
         # A forced call is held to every tool's parameter schema (engine_guard.tool_calls marks them strict), a strict
         # tool's always: the engine compiles each into its grammar.
         function = tool.get("function") if isinstance(tool, dict) and isinstance(tool.get("function"), dict) else tool
-        if not isinstance(function, dict) or not (forced or function.get("strict") is True):
+        if not isinstance(function, dict) or not (forced or is_strict(function)):
             continue
         schema = function.get("parameters", function.get("input_schema"))
         if isinstance(schema, dict):

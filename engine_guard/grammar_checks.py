@@ -106,6 +106,39 @@ def check_regex(pattern: str) -> None:
         raise GrammarProblem(f"invalid regular expression: {error}") from None
 
 
+_QUOTE, _BACKSLASH = ord('"'), ord("\\")
+
+
+def _special(code: int) -> bool:
+    """A character that JSON writes only escaped: the quote, the backslash, a control character."""
+    return code in (_QUOTE, _BACKSLASH) or code < 0x20
+
+
+def pattern_problem(pattern: str) -> str | None:
+    """Why the engine cannot hold a JSON-schema string to ``pattern`` (it requires a character JSON writes only
+    escaped: see :mod:`engine_guard.json_strings`), or None. A pattern that does not parse is :func:`check_regex`'s."""
+    try:
+        parsed = _sre_parse.parse(pattern)
+    except (re.error, RecursionError, OverflowError):
+        return None
+    pending = [parsed]
+    while pending:
+        for op, value in pending.pop():
+            if op == _sre.LITERAL and _special(value):
+                return f"it requires the character {chr(value)!r}, which the engine's grammar writes unescaped into the JSON string"
+            if op == _sre.IN and value and all(kind == _sre.LITERAL and _special(code) for kind, code in value):
+                return "a character class of only quotes, backslashes or control characters, which the engine's grammar cannot write in a JSON string"
+            if op in (_sre.MAX_REPEAT, _sre.MIN_REPEAT, getattr(_sre, "POSSESSIVE_REPEAT", _sre.MAX_REPEAT)):
+                pending.append(value[2])
+            elif op == _sre.SUBPATTERN:
+                pending.append(value[-1])
+            elif op == _sre.BRANCH:
+                pending.extend(value[1])
+            elif op in (_sre.ASSERT, _sre.ASSERT_NOT):
+                pending.append(value[1])
+    return None
+
+
 def check_json_schema(schema: Any, *, max_depth: int, max_enum: int) -> None:
     """A JSON schema the grammar backend can compile: an object (or boolean), nested at most ``max_depth``
     deep, enums of at most ``max_enum`` values, ``pattern`` regexes that parse, local ``$ref``s that
@@ -126,6 +159,9 @@ def check_json_schema(schema: Any, *, max_depth: int, max_enum: int) -> None:
                 check_regex(pattern)
             except GrammarProblem as problem:
                 raise GrammarProblem(f"pattern {pattern[:40]!r}: {problem}") from None
+            problem = pattern_problem(pattern)
+            if problem is not None:
+                raise GrammarProblem(f"pattern {pattern[:40]!r}: {problem}; match it with a class such as [^a] or drop it")
         ref = node.get("$ref")
         if ref is not None:
             _check_ref(schema, node, ref)

@@ -24,11 +24,15 @@ One table says, per route, where the tools, their schemas and the choice live (:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import TypeAdapter, ValidationError
+
 from engine_guard.grammar_checks import schema_nodes
+from engine_guard.json_strings import hold_json_strings, hold_string_lengths
 from engine_guard.refusal import Refused
 
 
@@ -106,6 +110,24 @@ ANNOTATIONS = frozenset({
 })  # fmt: skip
 """Keywords that describe and do not constrain (``format`` is an annotation by the JSON Schema spec)."""
 
+TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+"""A tool's name as OpenAI and Anthropic require it: the engine's tool-call grammar writes it raw, so a quote, a
+backslash or a newline in it breaks the call's JSON (the call then vanishes), and an empty one matches nothing."""
+
+_LAX_BOOL: TypeAdapter[bool] = TypeAdapter(bool)
+
+
+def is_strict(function: dict[str, Any]) -> bool:
+    """Whether the engine reads ``function``'s ``strict`` as true: SGLang's pydantic models take it laxly (``true``,
+    ``"true"``, ``1``, ``"yes"``...), so the guard reads it the same way, not as the JSON value ``true`` alone."""
+    value = function.get("strict")
+    if value is None or value is False:
+        return False
+    try:
+        return _LAX_BOOL.validate_python(value)
+    except ValidationError:
+        return False  # not a boolean the engine takes: its own 400
+
 
 def offers_tools(path: str, body: dict[str, Any]) -> bool:
     """Whether ``body`` offers the model function tools it may call (tools given, and not turned off)."""
@@ -135,7 +157,7 @@ def check_strict_schemas(path: str, body: dict[str, Any]) -> None:
         return
     for index, (_, function) in enumerate(dialect.functions(body)):
         schema = function.get(dialect.schema_key)
-        if function.get("strict") is not True or not isinstance(schema, dict):
+        if not is_strict(function) or not isinstance(schema, dict):
             continue
         for node, _ in schema_nodes(schema):
             unknown = sorted(set(node) - ENFORCED_KEYWORDS - ANNOTATIONS)
@@ -149,6 +171,41 @@ def check_strict_schemas(path: str, body: dict[str, Any]) -> None:
                     f"use {', '.join(sorted(ENFORCED_KEYWORDS))}, and a pattern without length bounds); drop it or strict",
                     code="invalid_grammar", param="tools",
                 )
+
+
+def check_tool_names(path: str, body: dict[str, Any]) -> None:
+    """Refuse a function tool whose name is not :data:`TOOL_NAME` (naming the tool): the engine would write it raw into
+    the call, and a forced call of it would vanish (a name that is not a string is the engine's own 400)."""
+    dialect = TOOL_DIALECTS.get(path)
+    if dialect is None:
+        return
+    for index, (_, function) in enumerate(dialect.functions(body)):
+        name = function.get("name")
+        if isinstance(name, str) and not TOOL_NAME.fullmatch(name):
+            field = f"tools[{index}]" + (f".{dialect.function_key}" if dialect.function_key else "") + ".name"
+            raise Refused(
+                f"{field}: {name[:80]!r} is not a valid tool name: use 1 to 64 letters, digits, '_' or '-' (as OpenAI and "
+                "Anthropic require; the engine writes the name into the call as it is)",
+                code="invalid_tool_name", param="tools",
+            )  # fmt: skip
+
+
+def hold_strict_strings(path: str, body: dict[str, Any]) -> None:
+    """Rewrite ``body`` in place so that every schema the engine compiles holds its strings to JSON content
+    (:func:`engine_guard.json_strings.hold_string_lengths`): the answer format's and each strict tool's parameters
+    (after :func:`hold_forced_calls`, which marks forced tools strict). Changed tools are copies."""
+    hold_json_strings(body)
+    dialect = TOOL_DIALECTS.get(path)
+    if dialect is None or not isinstance(body.get("tools"), list):
+        return
+    held: dict[int, dict[str, Any]] = {}
+    for tool, function in dialect.functions(body):
+        schema = function.get(dialect.schema_key)
+        if is_strict(function) and (rewritten := hold_string_lengths(schema)) is not schema:
+            new_function = {**function, dialect.schema_key: rewritten}
+            held[id(tool)] = new_function if dialect.function_key is None else {**tool, dialect.function_key: new_function}
+    if held:
+        body["tools"] = [held.get(id(tool), tool) for tool in body["tools"]]
 
 
 def hold_forced_calls(path: str, body: dict[str, Any]) -> None:
@@ -206,12 +263,46 @@ def end_forced_call(path: str, body: dict[str, Any], parser: str | None) -> None
 
 
 def guard_tools(path: str, body: dict[str, Any], model: str, parser: str | None, *, parser_known: bool) -> None:
-    """What both paths (the gateway, the MLflow wrapper) do with a request's tools, in order: refused for an engine
-    known to run no tool-call parser, a strict schema the grammar cannot hold refused (Refused), then a forced call
-    held (:func:`hold_forced_calls`, after the strict check: it marks forced tools strict) and ended after its call
-    (:func:`end_forced_call`)."""
+    """What both paths (the gateway, the MLflow wrapper) do with a request's tools and answer format, in order: refused
+    for an engine known to run no tool-call parser, a tool name the call cannot carry refused, a forced call held
+    (:func:`hold_forced_calls`: it marks forced tools strict), then the check of strict schemas on what is sent (a
+    keyword the grammar cannot hold refused, forced tools included), every compiled schema's strings held to JSON
+    content (:func:`hold_strict_strings`), and a call that must come alone ended after it (:func:`end_forced_call`)."""
     if parser_known:
         check_tool_parser(path, body, model, parser)
-    check_strict_schemas(path, body)
+    check_tool_names(path, body)
     hold_forced_calls(path, body)
+    check_strict_schemas(path, body)
+    hold_strict_strings(path, body)
     end_forced_call(path, body, parser)
+
+
+def forced_call_problem(path: str, body: dict[str, Any], answer: Any) -> str | None:
+    """Why ``answer`` (the engine's plain answer to ``body``, parsed) fails a forced tool choice: it holds no call
+    (the engine's parser dropped a call it could not read, or the answer was cut at its token limit before the call
+    ended), or None. A forced choice promises a call: a 200 with nothing would leave an agent loop with no step."""
+    dialect = TOOL_DIALECTS.get(path)
+    if dialect is None or dialect.choice(body)[0] not in ("forced", "named") or not isinstance(answer, dict):
+        return None
+    if not any(True for _ in dialect.functions(body)):
+        return None  # no tool to call: the engine's own answer stands
+    cut = False
+    if path == "/v1/chat/completions":
+        choices = answer.get("choices") if isinstance(answer.get("choices"), list) else []
+        missing = [c for c in choices if isinstance(c, dict) and not ((c.get("message") or {}).get("tool_calls"))]
+        cut = any(choice.get("finish_reason") == "length" for choice in missing)
+        if not missing:
+            return None
+    elif path == "/v1/responses":
+        output = answer.get("output") if isinstance(answer.get("output"), list) else []
+        if any(isinstance(item, dict) and item.get("type") == "function_call" for item in output):
+            return None
+        cut = answer.get("status") == "incomplete"
+    else:
+        content = answer.get("content") if isinstance(answer.get("content"), list) else []
+        if any(isinstance(block, dict) and block.get("type") == "tool_use" for block in content):
+            return None
+        cut = answer.get("stop_reason") == "max_tokens"
+    if cut:
+        return "the answer reached its token limit before the forced tool call ended: no complete call to return (raise the limit)"
+    return "the engine returned no tool call for the forced tool choice (the model's call could not be read as JSON)"

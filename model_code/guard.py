@@ -32,9 +32,10 @@ from model_code.errors import BadRequestError, OverloadedError
 from model_code.target import Target
 
 CHAT_PATH = "/v1/chat/completions"
-HELD_FIELDS = ("tools", "stop", "no_stop_trim")
-"""What :func:`engine_guard.tool_calls.guard_tools` may rewrite in a request (a forced call held and ended)."""
-CLIENT_PARAMS = frozenset({"tools", "stop"})
+HELD_FIELDS = ("tools", "stop", "no_stop_trim", "response_format")
+"""What :func:`engine_guard.tool_calls.guard_tools` may rewrite in a request (a forced call held and ended, strings of
+a compiled schema held to JSON content)."""
+CLIENT_PARAMS = frozenset({"tools", "stop", "response_format"})
 """Of those, the ones ``chat.completions.create`` takes by name; the others go in ``extra_body``."""
 
 

@@ -13,8 +13,9 @@ import aiohttp
 import orjson
 from starlette.responses import Response
 
+from engine_guard.tool_calls import forced_call_problem
 from gateway.core.call import Call
-from gateway.core.errors import StreamKind, upstream_error
+from gateway.core.errors import GatewayError, StreamKind, upstream_error
 from gateway.core.metrics import Metrics
 from gateway.core.responses_index import ResponseIndex
 from gateway.data.exchange import Exchanged
@@ -50,6 +51,9 @@ async def answer(
     data = _parsed_if(content or b"", b'"usage"' if not endpoint.response_ids else b'"id"')
     if data is not None:
         info.set_usage(data.get("usage"))
+        problem = forced_call_problem(path, body, data)
+        if problem is not None:  # a forced choice promises a call: never a 200 without one
+            raise GatewayError(502, problem, code="forced_call_missing")
         if endpoint.response_ids and isinstance(data.get("id"), str):
             await responses.publish(data["id"], model, backend.identity, call.owner)
     if endpoint.renames_model:  # SGLang names an embedding model by its path (a file path on this host)

@@ -4,15 +4,17 @@
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 import pytest
 
-from engine_guard.bounds import grammar_bytes
+from engine_guard.bounds import RequestBounds, check_bounds, grammar_bytes
 from engine_guard.tool_calls import (
     CALL_ENDS,
     check_strict_schemas,
     end_forced_call,
+    forced_call_problem,
     guard_tools,
     hold_forced_calls,
     offers_tools,
@@ -113,3 +115,106 @@ def test_other_requests_keep_their_stops(path: str, parser: str | None, extra: d
     before = copy.deepcopy(body)
     end_forced_call(path, body, parser)
     assert body == before
+
+
+UNHELD = {"type": "object", "properties": {"v": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}}}
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [(CHAT, {"tools": [{"type": "function", "function": {"name": "a", "parameters": UNHELD}}], "tool_choice": "required"}),
+     (CHAT, {"tools": [{"type": "function", "function": {"name": "a", "parameters": UNHELD}}], "tool_choice": NAMED}),
+     (CHAT, {"tools": [{"type": "function", "function": {"name": "a", "parameters": UNHELD, "strict": "true"}}]}),
+     (CHAT, {"tools": [{"type": "function", "function": {"name": "a", "parameters": UNHELD, "strict": 1}}]}),
+     ("/v1/responses", {"tools": [{"type": "function", "name": "a", "parameters": UNHELD}], "tool_choice": "required"}),
+     ("/v1/messages", {"tools": [{"name": "a", "input_schema": UNHELD}], "tool_choice": {"type": "any"}}),
+     ("/v1/messages", {"tools": [{"name": "a", "input_schema": UNHELD}], "tool_choice": {"type": "tool", "name": "a"}})],
+)  # fmt: skip
+def test_what_is_sent_strict_is_checked_forced_and_laxly_strict_tools_included(path: str, body: dict[str, Any]) -> None:
+    """A forced call is made strict by the guard, and SGLang reads ``"true"`` and ``1`` as strict: each is held to
+    its schema by the grammar, so a keyword the grammar cannot hold is refused on what is sent."""
+    with pytest.raises(ValueError, match="'uniqueItems'"):
+        guard_tools(path, body, "m", "qwen25", parser_known=True)
+
+
+@pytest.mark.parametrize("strict", [False, "false", 0, None])
+def test_a_tool_the_engine_reads_as_not_strict_is_not_checked(strict: Any) -> None:
+    body = {"tools": [{"type": "function", "function": {"name": "a", "parameters": UNHELD, "strict": strict}}]}
+    guard_tools(CHAT, body, "m", "qwen25", parser_known=True)
+
+
+@pytest.mark.parametrize("name", ['a"b', "a\\b", "a\nb", "", "x" * 65, "get weather", "ça"])
+@pytest.mark.parametrize("path", [CHAT, "/v1/responses", "/v1/messages"])
+def test_a_tool_name_the_call_cannot_carry_is_refused_naming_it(path: str, name: str) -> None:
+    def tool(called: str) -> dict[str, Any]:
+        if path == "/v1/messages":
+            return {"name": called, "input_schema": SCHEMA}
+        return {"type": "function", "name": called, "parameters": SCHEMA} if path == "/v1/responses" else _chat_tool(called)
+
+    with pytest.raises(ValueError, match="not a valid tool name") as refused:
+        guard_tools(path, {"tools": [tool(name)]}, "m", "qwen25", parser_known=True)
+    assert refused.value.code == "invalid_tool_name"  # type: ignore[attr-defined]
+    guard_tools(path, {"tools": [tool("get_weather-2")]}, "m", "qwen25", parser_known=True)
+
+
+def test_length_bounded_strings_of_what_is_compiled_are_held_by_a_pattern_on_copies() -> None:
+    """xgrammar lets raw control characters into a length-bounded string: its bounds become ``^.{min,max}$``,
+    which it holds to JSON string content, in every schema the engine compiles (and in those only)."""
+    bounded = {"type": "object", "properties": {"s": {"type": "string", "minLength": 2, "maxLength": 9}, "t": {"type": "string", "maxLength": 4}}}
+    held = {"type": "object", "properties": {"s": {"type": "string", "pattern": "^.{2,9}$"}, "t": {"type": "string", "pattern": "^.{0,4}$"}}}
+    tools = [{"type": "function", "function": {"name": "a", "parameters": bounded}}, {"type": "function", "function": {"name": "b", "parameters": bounded}}]
+    original = copy.deepcopy(tools)
+    body = {"tools": tools, "tool_choice": NAMED, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": bounded}}}
+    guard_tools(CHAT, body, "m", "qwen25", parser_known=True)
+    assert body["tools"][0]["function"]["parameters"] == held and body["response_format"]["json_schema"]["schema"] == held
+    assert tools == original  # the caller's objects are left as they were
+    auto = {"tools": copy.deepcopy(original)}  # offered, not forced and not strict: not compiled, not changed
+    guard_tools(CHAT, auto, "m", "qwen25", parser_known=True)
+    assert auto["tools"] == original
+    for untouched in ({"type": "string", "maxLength": 3, "enum": ["ab"]}, {"type": "string", "pattern": "^a$"}, {"type": "integer", "maximum": 3}):
+        body = {"json_schema": json.dumps(untouched)}
+        guard_tools("/v1/completions", body, "m", None, parser_known=False)
+        assert json.loads(body["json_schema"]) == untouched
+    body = {"json_schema": json.dumps({"type": "string", "maxLength": 3})}
+    guard_tools("/v1/completions", body, "m", None, parser_known=False)
+    assert json.loads(body["json_schema"]) == {"type": "string", "pattern": "^.{0,3}$"}
+    body = {"text": {"format": {"type": "json_schema", "name": "x", "schema": bounded}}}
+    guard_tools("/v1/responses", body, "m", None, parser_known=False)
+    assert body["text"]["format"]["schema"] == held
+
+
+@pytest.mark.parametrize(
+    ("pattern", "refused"),
+    [('^x", "is_admin": true, "t": "y$', True), ('^a"b$', True), ("^\n</tool_call>$", True), ("^a\\\\b$", True),
+     ('^q"[a-z]{1,3}$', True), ("^(ab|\\t)$", True), ('["]', True),
+     ("^[a-z]{1,8}$", False), ('^[^"]{1,8}$', False), ("^\\s\\w$", False), ("^(on|off)$", False), ("^[0-9]{2}-[0-9]{2}$", False)],
+)  # fmt: skip
+def test_a_pattern_that_needs_a_character_json_escapes_is_refused(pattern: str, refused: bool) -> None:
+    """The engine's grammar writes a pattern's literal characters raw into the JSON string (a quote closes it)."""
+    schema = {"type": "object", "properties": {"s": {"type": "string", "pattern": pattern}}, "additionalProperties": False}
+    body = {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+    if refused:
+        with pytest.raises(ValueError, match="pattern") as problem:
+            check_bounds(CHAT, body, RequestBounds())
+        assert problem.value.code == "invalid_grammar"  # type: ignore[attr-defined]
+    else:
+        check_bounds(CHAT, body, RequestBounds())
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "answer", "problem"),
+    [(CHAT, {"tool_choice": "required"}, {"choices": [{"message": {"content": "x"}, "finish_reason": "stop"}]}, "no tool call"),
+     (CHAT, {"tool_choice": NAMED}, {"choices": [{"message": {"tool_calls": None}, "finish_reason": "length"}]}, "token limit"),
+     (CHAT, {"tool_choice": NAMED}, {"choices": [{"message": {"tool_calls": [{"id": "1"}]}, "finish_reason": "tool_calls"}]}, None),
+     (CHAT, {"tool_choice": "auto"}, {"choices": [{"message": {"content": "x"}, "finish_reason": "stop"}]}, None),
+     ("/v1/responses", {"tool_choice": "required"}, {"output": [], "status": "completed"}, "no tool call"),
+     ("/v1/responses", {"tool_choice": "required"}, {"output": [{"type": "message"}], "status": "incomplete"}, "token limit"),
+     ("/v1/responses", {"tool_choice": "required"}, {"output": [{"type": "function_call"}], "status": "completed"}, None),
+     ("/v1/messages", {"tool_choice": {"type": "any"}}, {"content": [{"type": "text"}], "stop_reason": "end_turn"}, "no tool call"),
+     ("/v1/messages", {"tool_choice": {"type": "any"}}, {"content": [{"type": "tool_use"}], "stop_reason": "tool_use"}, None)],
+)  # fmt: skip
+def test_a_forced_choice_answered_without_a_call_is_named(path: str, body: dict[str, Any], answer: dict[str, Any], problem: str | None) -> None:
+    tool = {"name": "a", "input_schema": SCHEMA} if path == "/v1/messages" else (
+        {"type": "function", "name": "a", "parameters": SCHEMA} if path == "/v1/responses" else _chat_tool("a"))  # fmt: skip
+    found = forced_call_problem(path, {**body, "tools": [tool]}, answer)
+    assert (found is None) if problem is None else (found is not None and problem in found)
