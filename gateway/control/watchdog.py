@@ -1,7 +1,12 @@
 """Supervise the engines the gateway launched: notice a dead or hung engine and restart it.
 
 Every ``interval_s`` each owned engine (each replica of each model) is checked: a process that exited is down at once; a running
-one that fails ``unhealthy_after`` ``/health`` probes in a row is down too. A down model answers 503
+one that fails ``unhealthy_after`` ``/health`` probes in a row is down too. A busy engine is not a frozen one: SGLang's
+``/health`` runs a one-token generation that waits behind the batch, so a loaded CPU engine can miss it while it works.
+Beside each probe the watchdog reads the engine's work counters (:meth:`~gateway.core.health.HealthProbes.progress`:
+tokens its scheduler ran, requests it finished); a failed probe while they moved since the last check does not count.
+A frozen engine (SIGSTOP, a scheduler stuck) moves none, so it is down after the same probes as before, and the read
+runs at the same time as the probe, so a check takes no longer. A down model answers 503
 (its backend carries the reason; ``/ready`` and ``gateway_engine_up`` follow), and a fresh engine
 with the same config is started after an exponential backoff, capped at ``backoff_max_s``.
 
@@ -27,6 +32,7 @@ from engine_guard.shapes import fields_of as _fields
 from gateway.config import GatewaySettings, WatchdogSettings
 from gateway.control.swap import SwapError, SwapExecutor
 from gateway.core.backends import Backend, EngineBackend, RouterBackend
+from gateway.core.health import ProgressMark
 from gateway.core.state import GatewayState
 
 
@@ -40,7 +46,9 @@ class ModelHealth:
     """What the watchdog knows about one model's engine (reset when a swap installs a new one)."""
 
     backend: Backend | None = None
-    failures: int = 0  # failed /health probes in a row
+    failures: int = 0  # failed /health probes in a row (with no progress meanwhile)
+    progress: ProgressMark | None = None  # the engine's work counters at the last check (None: unknown)
+    busy: bool = False  # the last check's probe failed but the engine had made progress
     attempts: int = 0  # restarts in the current streak
     restarts: int = 0  # restarts ever made for this model
     gave_up: bool = False
@@ -117,10 +125,10 @@ class Watchdog:
         reason = None
         if not backend.engine.running:
             reason = f"engine exited with code {backend.engine.returncode}"
-        elif backend.failure is None and not await self._healthy(backend, settings.health_timeout_s):
+        elif backend.failure is None and not await self._alive(name, backend, health, settings):
             health.failures += 1
             if health.failures >= settings.watchdog.unhealthy_after:
-                reason = f"engine failed {health.failures} /health probes in a row"
+                reason = f"engine failed {health.failures} /health probes in a row with no progress"
         else:
             health.failures = 0
         config = settings.watchdog
@@ -206,9 +214,28 @@ class Watchdog:
             fields = ", ".join(_fields(shape)) or "none"
             logger.error("allowlist gap: a request with fields [{}] {} the engine of model {}; its shape is quarantined: {}", fields, what, name, shape[:500])
 
-    async def _healthy(self, backend: Backend, timeout_s: float) -> bool:
+    async def _alive(self, name: str, backend: Backend, health: ModelHealth, settings: GatewaySettings) -> bool:
+        """One ``/health`` probe and, at the same time, one read of the engine's work counters: alive when the probe
+        passed, or when it failed but the counters moved since the last check (busy: the probe waited behind the batch)."""
         probes = self.state.probes
-        return True if probes is None else await probes.healthy(backend, timeout_s)
+        if probes is None:
+            return True
+        healthy, progress = await asyncio.gather(
+            probes.healthy(backend, settings.health_timeout_s), probes.progress(backend, settings.watchdog.progress_timeout_s)
+        )
+        moved = progress is not None and health.progress is not None and progress != health.progress
+        health.progress = progress
+        if healthy or not moved:
+            health.busy = False
+            return healthy
+        self.metrics.engine_busy_probes.labels(name).inc()
+        if not health.busy:  # once per busy stretch: under a long overload this would repeat every check
+            health.busy = True
+            logger.warning(
+                "model {}: {} missed its /health probe but its work counters moved since the last check: busy, not frozen"
+                " (missed probes are not counted while it makes progress)", name, backend.describe(),
+            )  # fmt: skip
+        return True
 
     async def _restart(self, name: str, backend: EngineBackend, delay: float, health: ModelHealth) -> None:
         await asyncio.sleep(delay)
