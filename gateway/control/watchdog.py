@@ -3,10 +3,9 @@
 Every ``interval_s`` each owned engine (each replica of each model) is checked: a process that exited is down at once; a running
 one that fails ``unhealthy_after`` ``/health`` probes in a row is down too. A busy engine is not a frozen one: SGLang's
 ``/health`` runs a one-token generation that waits behind the batch, so a loaded CPU engine can miss it while it works.
-Beside each probe the watchdog reads the engine's work counters (:meth:`~gateway.core.health.HealthProbes.progress`:
-tokens its scheduler ran, requests it finished); a failed probe while they moved since the last check does not count.
-A frozen engine (SIGSTOP, a scheduler stuck) moves none, so it is down after the same probes as before, and the read
-runs at the same time as the probe, so a check takes no longer. A down model answers 503
+When a probe fails, the watchdog reads the engine's work counters (:meth:`~gateway.core.health.HealthProbes.progress`:
+tokens its scheduler ran, requests it finished): if they moved since the previous check, the probe does not count.
+A frozen engine (SIGSTOP, a scheduler stuck) moves none, so it is down after as many failed probes as before. A down model answers 503
 (its backend carries the reason; ``/ready`` and ``gateway_engine_up`` follow), and a fresh engine
 with the same config is started after an exponential backoff, capped at ``backoff_max_s``.
 
@@ -215,17 +214,21 @@ class Watchdog:
             logger.error("allowlist gap: a request with fields [{}] {} the engine of model {}; its shape is quarantined: {}", fields, what, name, shape[:500])
 
     async def _alive(self, name: str, backend: Backend, health: ModelHealth, settings: GatewaySettings) -> bool:
-        """One ``/health`` probe and, at the same time, one read of the engine's work counters: alive when the probe
-        passed, or when it failed but the counters moved since the last check (busy: the probe waited behind the batch)."""
+        """One ``/health`` probe, and beside it one read of the engine's work counters: alive when the probe passed,
+        or when it failed but a second read, once it failed, finds the counters moved since the previous check (busy:
+        the probe waited behind the batch). The second read comes after the failure so that an engine that froze
+        while the probe waited is not excused by the work it did before; it is skipped when the first read got no
+        answer either (frozen for the whole check), so a frozen engine's checks take no longer than the probe."""
         probes = self.state.probes
         if probes is None:
             return True
-        healthy, progress = await asyncio.gather(
-            probes.healthy(backend, settings.health_timeout_s), probes.progress(backend, settings.watchdog.progress_timeout_s)
-        )
-        moved = progress is not None and health.progress is not None and progress != health.progress
+        timeout_s = settings.watchdog.progress_timeout_s
+        healthy, progress = await asyncio.gather(probes.healthy(backend, settings.health_timeout_s), probes.progress(backend, timeout_s))
+        before = health.progress if health.progress is not None else progress
+        if not healthy and progress is not None:
+            progress = await probes.progress(backend, timeout_s)
         health.progress = progress
-        if healthy or not moved:
+        if healthy or progress is None or progress == before:
             health.busy = False
             return healthy
         self.metrics.engine_busy_probes.labels(name).inc()

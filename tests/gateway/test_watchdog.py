@@ -375,7 +375,8 @@ def test_a_busy_engine_missing_its_health_probes_is_not_restarted_a_frozen_one_i
         missed, failure = asyncio.run(scenario())
     assert all(missed), missed  # every probe of the busy engine failed
     sample = state.metrics.registry.get_sample_value
-    assert sample("gateway_engine_busy_probes_total", {"model": "m"}) == checks - 1  # the first check had no counters before it
+    # Each check after the first saw tokens made since the one before (the first, only those made while its probe waited).
+    assert sample("gateway_engine_busy_probes_total", {"model": "m"}) >= checks - 1
     assert failure is not None and "failed 2 /health probes in a row with no progress; restarting (attempt 1)" in failure, failure
     assert watchdog.model("m").restarts == 0  # scheduled, then cancelled by close(): the backoff is long
 
