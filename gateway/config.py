@@ -63,7 +63,7 @@ class WatchdogSettings(_Strict):
         3, ge=1, description="Consecutive failed /health probes before a restart; a probe failed while the engine's work counters advanced does not count (busy, not frozen)."
     )
     progress_timeout_s: float = Field(
-        5.0, gt=0, description="Timeout of the read of the engine's work counters (its /metrics) made beside each /health probe."
+        5.0, gt=0, description="Timeout of each read of the engine's work counters (its /metrics): beside each /health probe, and once more after a failed one."
     )
     backoff_initial_s: float = Field(1.0, ge=0, description="Delay before the first restart attempt.")
     backoff_max_s: float = Field(60.0, ge=0, description="Longest delay between two restart attempts.")
