@@ -5,7 +5,8 @@ whatever the batch is doing: on a loaded CPU it misses the gateway's probe while
 here, not hoped for: while slow streams keep the engine busy and two processes spin on the cores, the probe's timeout
 is reloaded to 0.5 s, under the second SGLang's ``/health`` always takes, so every probe fails. The engine is never
 restarted (its work counters move) and every request is answered. Then, probes as usual again and the engine idle,
-the engine's process group is SIGSTOPped: it is restarted after ``unhealthy_after`` failed probes, as before.
+the engine's process group is SIGSTOPped: it is down after ``unhealthy_after`` failed probes, as before, and its
+restart scheduled (after a backoff longer than the test: starting the next engine is shown in test_swap.py's ``test_h``).
 (The same on the FAKE engine, check by check: tests/gateway/test_watchdog.py.)
 """
 
@@ -27,7 +28,7 @@ import yaml
 
 from gateway.app import app_from_config
 from launch.config import load_config
-from launch.procgroup import group_pids, signal_group
+from launch.procgroup import signal_group
 from tests.admin_client import AdminClient
 from tests.gateway_server import KEY, GatewayServer
 from tests.leaks import LeakCheck
@@ -35,7 +36,7 @@ from tests.load import ThreadedLoad
 from tests.waiting import wait_until
 
 ADMIN = "watchdog-admin-key"
-WATCHDOG = {"interval_s": 1.0, "unhealthy_after": 2, "backoff_initial_s": 0.5, "stable_after_s": 5, "progress_timeout_s": 10}
+WATCHDOG = {"interval_s": 1.0, "unhealthy_after": 2, "backoff_initial_s": 600, "progress_timeout_s": 10}
 USUAL = {"health_timeout_s": 10, "watchdog": WATCHDOG}  # a loaded 2-core machine's idle engine answers within 10 s
 MISSED = {"health_timeout_s": 0.5, "watchdog": WATCHDOG}  # under SGLang's 1 s: every /health probe fails
 STREAMS = 6
@@ -160,15 +161,15 @@ def test_a_busy_engine_missing_every_probe_is_not_restarted_a_stopped_one_is(rig
     signal_group(pid, signal.SIGSTOP)
     stopped = time.monotonic()
     try:
-        back = wait_until(
-            lambda: (model := rig.engine())["state"] == "ready" and model["engine"]["pid"] != pid and model,
-            lambda: f"the stopped engine was not restarted: {rig.engine()}", 300, every_s=0.25,
+        down = wait_until(
+            lambda: (model := rig.engine())["state"] == "restarting" and model,
+            lambda: f"the stopped engine was not taken down: {rig.engine()}", 300, every_s=0.25,
         )  # fmt: skip
+        noticed_s = time.monotonic() - stopped
     finally:
-        signal_group(pid, signal.SIGCONT)  # the restart stopped it; this only matters if it did not
-    assert not group_pids(pid), "the stopped engine is still there after the restart"
-    assert rig.counters()["restarts"] == before["restarts"] + 1
+        signal_group(pid, signal.SIGCONT)  # the gateway's stop ends it (its restart waits for a backoff longer than the test)
+    assert "failed 2 /health probes in a row with no progress; restarting (attempt 1)" in down["reason"], down
     print(
         f"\n[watchdog-engine] {len(load.outcomes)} streams answered, {busy['busy_probes'] - before['busy_probes']:.0f} missed probes"
-        f" excused; the SIGSTOPped engine was back as pid {back['engine']['pid']} {time.monotonic() - stopped:.1f}s after the stop"
+        f" excused; the SIGSTOPped engine was taken down {noticed_s:.1f}s after the stop"
     )
