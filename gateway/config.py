@@ -59,7 +59,12 @@ class WatchdogSettings(_Strict):
 
     enabled: bool = Field(True, description="Watch managed engines and restart them.")
     interval_s: float = Field(5.0, gt=0, description="Seconds between two checks of each engine.")
-    unhealthy_after: int = Field(3, ge=1, description="Consecutive failed /health probes before a restart.")
+    unhealthy_after: int = Field(
+        3, ge=1, description="Consecutive failed /health probes before a restart; a probe failed while the engine's work counters advanced does not count (busy, not frozen)."
+    )
+    progress_timeout_s: float = Field(
+        5.0, gt=0, description="Timeout of each read of the engine's work counters (its /metrics): beside each /health probe, and once more after a failed one."
+    )
     backoff_initial_s: float = Field(1.0, ge=0, description="Delay before the first restart attempt.")
     backoff_max_s: float = Field(60.0, ge=0, description="Longest delay between two restart attempts.")
     max_restarts: int | None = Field(
@@ -418,7 +423,7 @@ class GatewaySettings(_Strict):
         "extension (the gateway says so at startup): every event through the Python relay "
         "(restart to change; see [Serving](serving.md#the-native-relay-relay_native)).",
     )
-    health_timeout_s: float = Field(5.0, gt=0, description="Timeout of each /health probe made by /ready.")
+    health_timeout_s: float = Field(5.0, gt=0, description="Timeout of each /health probe made by /ready and the watchdog.")
     cors_allow_origins: list[str] = Field(default_factory=list, description="CORS origins (empty: CORS off).")
     shutdown_grace_s: float = Field(30.0, ge=0, description="In-flight requests may finish this long on SIGTERM or Ctrl-C.")
     shutdown_delay_s: float = Field(

@@ -9,7 +9,10 @@ SIGKILL, a SIGSTOP, a stop and a restart hit a real process; only the model is m
 
 What it does, SGLang's way (what the gateway relies on, nothing more):
 
-- ``GET /health`` 200 (no key); ``GET /metrics`` the two gauges the gateway reads (no key);
+- ``GET /health`` 200 (no key); with ``FAKE_ENGINE_HEALTH_BEHIND`` set, it answers only once no request runs (as
+  SGLang's, a generation queued behind the batch, waits while a loaded CPU engine works);
+- ``GET /metrics`` (no key): the two gauges the gateway reads, and the counter of work done the watchdog reads
+  (``sglang:realtime_tokens_total``: one per piece generated, as SGLang's scheduler counts decode tokens);
 - it listens ``FAKE_ENGINE_START_S`` (default 0) after its start: a start takes time;
 - every other route needs ``Authorization: Bearer <api-key>`` from the ``--config`` file (401 otherwise);
 - ``GET /v1/models``: the served model name with ``max_model_len``; ``GET /get_server_info``: the SGLang ``version``
@@ -69,6 +72,7 @@ TOKEN_S = float(os.environ.get("FAKE_ENGINE_TOKEN_S", "0.01"))  # time per gener
 START_S = float(os.environ.get("FAKE_ENGINE_START_S", "0"))  # how long it takes to listen
 CALLS = os.environ.get("FAKE_ENGINE_CALLS")  # a file the memory calls and chat requests are appended to
 ANSWERS = os.environ.get("FAKE_ENGINE_ANSWERS")  # a file each plain chat answer's last message content is appended to, once answered
+HEALTH_BEHIND = bool(os.environ.get("FAKE_ENGINE_HEALTH_BEHIND"))  # /health waits until no request runs
 SGLANG_VERSION = os.environ.get("FAKE_ENGINE_SGLANG_VERSION", "0.5.23")  # what GET /get_server_info says
 HERE = Path(__file__).resolve()
 
@@ -148,6 +152,7 @@ def build_app(
     responses: dict[str, dict[str, Any]] = {}
     loaded = set(adapters)  # LoRA adapters served now: those of --lora-paths, then as loaded and unloaded
     running = [0]
+    generated = [0]  # pieces generated so far (its sglang:realtime_tokens_total)
     released = [False]
 
     def refused(request: Request) -> Response | None:
@@ -156,11 +161,20 @@ def build_app(
         return None
 
     async def health(request: Request) -> Response:
+        while HEALTH_BEHIND and running[0]:
+            await asyncio.sleep(0.01)
         return Response(b"", 200)
 
     async def metrics(request: Request) -> Response:
         text = f'sglang:num_running_reqs{{model_name="{model}"}} {running[0]}\nsglang:num_queue_reqs{{model_name="{model}"}} 0\n'
+        text += f'sglang:realtime_tokens_total{{model_name="{model}",mode="decode"}} {float(generated[0])}\n'
         return Response(text, media_type="text/plain")
+
+    async def generate(tokens: int) -> None:
+        """The time ``tokens`` pieces take, counted as they are made."""
+        for _ in range(tokens):
+            await asyncio.sleep(TOKEN_S)
+            generated[0] += 1
 
     async def server_info(request: Request) -> Response:
         if (no := refused(request)) is not None:
@@ -199,7 +213,7 @@ def build_app(
         if not body.get("stream"):
             running[0] += 1
             try:
-                await asyncio.sleep(TOKEN_S * tokens)
+                await generate(tokens)
             finally:
                 running[0] -= 1
             content = piece * tokens
@@ -221,7 +235,7 @@ def build_app(
             try:
                 yield _chunk(model, created, cid, {"role": "assistant", "content": ""})
                 for _ in range(tokens):
-                    await asyncio.sleep(TOKEN_S)
+                    await generate(1)
                     yield _chunk(model, created, cid, {"content": piece})
                 yield _chunk(model, created, cid, {}, "length")
                 yield b"data: [DONE]\n\n"
@@ -241,7 +255,7 @@ def build_app(
         tokens = int(body.get("max_tokens") or 16)
         running[0] += 1
         try:
-            await asyncio.sleep(TOKEN_S * tokens)
+            await generate(tokens)
         finally:
             running[0] -= 1
         if ANSWERS:

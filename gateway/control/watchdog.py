@@ -1,7 +1,11 @@
 """Supervise the engines the gateway launched: notice a dead or hung engine and restart it.
 
 Every ``interval_s`` each owned engine (each replica of each model) is checked: a process that exited is down at once; a running
-one that fails ``unhealthy_after`` ``/health`` probes in a row is down too. A down model answers 503
+one that fails ``unhealthy_after`` ``/health`` probes in a row is down too. A busy engine is not a frozen one: SGLang's
+``/health`` runs a one-token generation that waits behind the batch, so a loaded CPU engine can miss it while it works.
+When a probe fails, the watchdog reads the engine's work counters (:meth:`~gateway.core.health.HealthProbes.progress`:
+tokens its scheduler ran, requests it finished): if they moved since the previous check, the probe does not count.
+A frozen engine (SIGSTOP, a scheduler stuck) moves none, so it is down after as many failed probes as before. A down model answers 503
 (its backend carries the reason; ``/ready`` and ``gateway_engine_up`` follow), and a fresh engine
 with the same config is started after an exponential backoff, capped at ``backoff_max_s``.
 
@@ -27,6 +31,7 @@ from engine_guard.shapes import fields_of as _fields
 from gateway.config import GatewaySettings, WatchdogSettings
 from gateway.control.swap import SwapError, SwapExecutor
 from gateway.core.backends import Backend, EngineBackend, RouterBackend
+from gateway.core.health import ProgressMark
 from gateway.core.state import GatewayState
 
 
@@ -40,7 +45,9 @@ class ModelHealth:
     """What the watchdog knows about one model's engine (reset when a swap installs a new one)."""
 
     backend: Backend | None = None
-    failures: int = 0  # failed /health probes in a row
+    failures: int = 0  # failed /health probes in a row (with no progress meanwhile)
+    progress: ProgressMark | None = None  # the engine's work counters at the last check (None: unknown)
+    busy: bool = False  # the last check's probe failed but the engine had made progress
     attempts: int = 0  # restarts in the current streak
     restarts: int = 0  # restarts ever made for this model
     gave_up: bool = False
@@ -117,10 +124,10 @@ class Watchdog:
         reason = None
         if not backend.engine.running:
             reason = f"engine exited with code {backend.engine.returncode}"
-        elif backend.failure is None and not await self._healthy(backend, settings.health_timeout_s):
+        elif backend.failure is None and not await self._alive(name, backend, health, settings):
             health.failures += 1
             if health.failures >= settings.watchdog.unhealthy_after:
-                reason = f"engine failed {health.failures} /health probes in a row"
+                reason = f"engine failed {health.failures} /health probes in a row with no progress"
         else:
             health.failures = 0
         config = settings.watchdog
@@ -206,9 +213,32 @@ class Watchdog:
             fields = ", ".join(_fields(shape)) or "none"
             logger.error("allowlist gap: a request with fields [{}] {} the engine of model {}; its shape is quarantined: {}", fields, what, name, shape[:500])
 
-    async def _healthy(self, backend: Backend, timeout_s: float) -> bool:
+    async def _alive(self, name: str, backend: Backend, health: ModelHealth, settings: GatewaySettings) -> bool:
+        """One ``/health`` probe, and beside it one read of the engine's work counters: alive when the probe passed,
+        or when it failed but a second read, once it failed, finds the counters moved since the previous check (busy:
+        the probe waited behind the batch). The second read comes after the failure so that an engine that froze
+        while the probe waited is not excused by the work it did before; it is skipped when the first read got no
+        answer either (frozen for the whole check), so a frozen engine's checks take no longer than the probe."""
         probes = self.state.probes
-        return True if probes is None else await probes.healthy(backend, timeout_s)
+        if probes is None:
+            return True
+        timeout_s = settings.watchdog.progress_timeout_s
+        healthy, progress = await asyncio.gather(probes.healthy(backend, settings.health_timeout_s), probes.progress(backend, timeout_s))
+        before = health.progress if health.progress is not None else progress
+        if not healthy and progress is not None:
+            progress = await probes.progress(backend, timeout_s)
+        health.progress = progress
+        if healthy or progress is None or progress == before:
+            health.busy = False
+            return healthy
+        self.metrics.engine_busy_probes.labels(name).inc()
+        if not health.busy:  # once per busy stretch: under a long overload this would repeat every check
+            health.busy = True
+            logger.warning(
+                "model {}: {} missed its /health probe but its work counters moved since the last check: busy, not frozen"
+                " (missed probes are not counted while it makes progress)", name, backend.describe(),
+            )  # fmt: skip
+        return True
 
     async def _restart(self, name: str, backend: EngineBackend, delay: float, health: ModelHealth) -> None:
         await asyncio.sleep(delay)

@@ -1,7 +1,8 @@
 """Every probe the gateway makes of its backends, over one HTTP client of their own (off the request path).
 
 ``/ready`` and the ``gateway_engine_up`` metric ask :meth:`HealthProbes.not_ready`; the watchdog asks
-:meth:`HealthProbes.healthy`; ``/v1/models`` asks :meth:`HealthProbes.context_length` once per backend.
+:meth:`HealthProbes.healthy` and :meth:`HealthProbes.progress`; ``/v1/models`` asks :meth:`HealthProbes.context_length`
+once per backend.
 Requests themselves go through :class:`gateway.data.proxy.Proxy`'s pooled aiohttp session.
 """
 
@@ -15,6 +16,32 @@ from loguru import logger
 
 from gateway.core.backends import Backend
 from launch.sglang_versions import NEWEST, VERSIONS
+
+ProgressMark = tuple[float, ...]
+"""What an engine has done so far, as its counters say: a new value means it worked since the last one."""
+
+PROGRESS_COUNTERS = ("sglang:realtime_tokens_total", "sglang:num_requests_total")
+"""SGLang's counters of work done (0.5.23): its scheduler adds each forward pass's tokens to the first (decode steps
+as they run, prefill batches as they end; written straight to the metrics files, so ``/metrics`` answers without
+waiting for the batch); its HTTP process counts each finished request in the second."""
+
+
+def progress_mark(metrics_text: str) -> ProgressMark | None:
+    """The sum of each of :data:`PROGRESS_COUNTERS`' samples in a Prometheus text page (None: it has none of them)."""
+    sums = [0.0] * len(PROGRESS_COUNTERS)
+    seen = False
+    for line in metrics_text.splitlines():
+        if not line.startswith("sglang:"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        for index, counter in enumerate(PROGRESS_COUNTERS):
+            if name == counter:
+                try:
+                    sums[index] += float(line.rsplit(" ", 1)[-1])
+                except ValueError:
+                    continue
+                seen = True
+    return tuple(sums) if seen else None
 
 
 class HealthProbes:
@@ -34,6 +61,15 @@ class HealthProbes:
         except httpx.HTTPError:
             return False
         return response.status_code == 200
+
+    async def progress(self, backend: Backend, timeout_s: float | None = None) -> ProgressMark | None:
+        """The engine's work counters now (:func:`progress_mark` of its ``/metrics``), or None when it does not say:
+        no answer in time, not 200 (``enable_metrics`` off), or none of the counters."""
+        try:
+            response = await self.client.get(backend.url + "/metrics", headers=backend.upstream_headers(), timeout=timeout_s or self.timeout_s)
+        except httpx.HTTPError:
+            return None
+        return progress_mark(response.text) if response.status_code == 200 else None
 
     async def learn_version(self, backend: Backend) -> None:
         """Ask an SGLang server its version and tool-call parser (``/get_server_info``), for the fields its version takes

@@ -43,6 +43,9 @@ class Metrics:
         self.tokens = Counter("gateway_tokens", "Tokens reported by the engines' usage.", ["model", "kind"], registry=r)
         self.stream_errors = Counter("gateway_stream_errors", "Streams ended by an upstream failure after 200.", ["model"], registry=r)
         self.engine_restarts = Counter("gateway_engine_restarts", "Engine restarts by the gateway.", ["model"], registry=r)
+        self.engine_busy_probes = Counter(
+            "gateway_engine_busy_probes", "Failed /health probes of an engine whose work counters moved meanwhile: busy, not counted as frozen.", ["model"], registry=r
+        )  # fmt: skip
         self.engine_restart_failures = Counter("gateway_engine_restart_failures", "Engine restarts that did not come up.", ["model"], registry=r)
         self.swaps = Counter("gateway_model_swaps", "Backend swaps by model and result (ok / failed).", ["model", "result"], registry=r)
         self.reloads = Counter("gateway_config_reloads", "Config reloads by result (ok / invalid / partial).", ["result"], registry=r)

@@ -1,17 +1,22 @@
-"""The watchdog's backoff and its give-up rule, without an SGLang engine.
+"""The watchdog's backoff, its give-up rule and its rule that a busy engine is not a frozen one, without an SGLang engine.
 
-The engine here can never start: its model directory has no ``config.json``, so each restart attempt
+The engine here mostly can never start: its model directory has no ``config.json``, so each restart attempt
 fails at the start-up preflight in milliseconds, the way a broken engine fails in seconds (and were the
-preflight passed, ``python: /bin/false`` exits 1 at once). The restart of a real SGLang engine after
-SIGKILL is tested in ``test_swap.py``.
+preflight passed, ``python: /bin/false`` exits 1 at once). The busy engine is the FAKE engine
+(tests/fake_engine.py), whose ``/health`` waits behind its requests on demand. The restart of a real SGLang engine
+after SIGKILL is tested in ``test_swap.py``; a real engine busy under load and then SIGSTOPped in
+``test_watchdog_engine.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
+import signal
+from collections.abc import AsyncIterator
 from pathlib import Path
 
+import httpx
 import orjson
 import pytest
 from loguru import logger
@@ -22,12 +27,15 @@ from gateway.control.swap import SwapExecutor
 from gateway.control.watchdog import Watchdog, backoff_delay
 from gateway.core.backends import EngineBackend
 from gateway.core.errors import GatewayError
+from gateway.core.health import HealthProbes, progress_mark
 from gateway.core.metrics import Metrics
 from gateway.core.poison import Quarantine
 from gateway.core.registry import ModelRoute, Registry
 from gateway.core.state import GatewayState
 from launch.config import EngineConfig
 from launch.process import EngineProcess, crash_cause
+from launch.procgroup import signal_group
+from tests.fake_engine import fake_engine_python
 
 
 def test_backoff_doubles_and_is_capped() -> None:
@@ -294,3 +302,85 @@ def test_a_crash_counts_the_suspects_whose_broken_connections_are_noted_late(tmp
         logger.remove(sink)
     assert any("with 2 request(s) in flight" in line for line in lines), lines
     assert not backend.lost  # both counted, none left for the next crash
+
+
+def test_progress_is_read_from_sglangs_work_counters() -> None:
+    page = """# HELP sglang:realtime_tokens_total Total number of tokens processed
+sglang:realtime_tokens_total{engine_type="unified",mode="decode",model_name="m"} 40.0
+sglang:realtime_tokens_total{engine_type="unified",mode="prefill_compute",model_name="m"} 12.0
+sglang:num_requests_total{is_streaming="true",model_name="m"} 3.0
+sglang:num_requests_total_other 9.0
+sglang:num_running_reqs{model_name="m"} 2.0
+"""
+    assert progress_mark(page) == (52.0, 3.0)
+    assert progress_mark('sglang:num_running_reqs{model_name="m"} 2.0\n') is None  # none of the counters: cannot tell
+
+
+def test_a_busy_engine_missing_its_health_probes_is_not_restarted_a_frozen_one_is(tmp_path: Path) -> None:
+    """An engine whose ``/health`` waits behind the batch while it works (SGLang's on a loaded CPU) fails probe
+    after probe; its work counters move between the checks, so those misses do not count and it is never
+    restarted. The same engine SIGSTOPped with the request still in flight moves nothing: down after
+    ``unhealthy_after`` checks, as before."""
+    model = tmp_path / "fake-model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    env = {"FAKE_ENGINE_HEALTH_BEHIND": "1", "FAKE_ENGINE_TOKEN_S": "0.02"}  # /health never answers while a request runs
+    config = EngineConfig(model_path=str(model), device="cpu", python=str(fake_engine_python(tmp_path)), env=env)
+    # The probe's timeout is what a busy engine misses; the restart's backoff is long: a restart is only scheduled.
+    settings = GatewaySettings(health_timeout_s=0.2, watchdog=WatchdogSettings(unhealthy_after=2, backoff_initial_s=600))
+    checks = settings.watchdog.unhealthy_after + 3
+
+    with EngineProcess("m", config, log_dir=tmp_path) as engine:
+        backend = EngineBackend("m", engine)
+        registry = Registry([ModelRoute("m", backend)])
+        state = GatewayState(settings, registry, Metrics(registry))
+        watchdog = Watchdog(state, SwapExecutor(state, owned=[engine], log_dir=tmp_path))
+
+        async def moved_since_the_last_check(probes: HealthProbes) -> None:
+            seen = watchdog.model("m").progress
+            assert seen is not None, "the watchdog read no work counters"
+            while (now := await probes.progress(backend)) is None or now <= seen:
+                await asyncio.sleep(0.02)
+
+        async def scenario() -> tuple[list[bool], str | None]:
+            state.probes = probes = HealthProbes(5.0, 5.0)
+            body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100_000, "stream": True}
+            client = httpx.AsyncClient(timeout=60, trust_env=False)
+            try:
+                async with client.stream("POST", engine.url + "/v1/chat/completions", json=body, headers=backend.upstream_headers()) as stream:
+                    lines = stream.aiter_lines()
+                    reading = asyncio.ensure_future(_drain(lines))
+                    while await probes.engine_requests(backend) != 1:  # until the stream runs
+                        await asyncio.sleep(0.02)
+                    missed = []
+                    for _ in range(checks):
+                        missed.append(not await probes.healthy(backend, settings.health_timeout_s))  # waits behind the stream
+                        await watchdog.check_all(settings)
+                        assert backend.failure is None, f"a busy engine was taken for a frozen one: {backend.failure}"
+                        await moved_since_the_last_check(probes)  # tokens flowed after the check: the next one sees them
+                    signal_group(engine.pid, signal.SIGSTOP)  # frozen with the request in flight
+                    try:
+                        for _ in range(settings.watchdog.unhealthy_after):
+                            await watchdog.check_all(settings)
+                    finally:
+                        signal_group(engine.pid, signal.SIGCONT)
+                    reading.cancel()
+                    await asyncio.gather(reading, return_exceptions=True)
+            finally:
+                await client.aclose()
+                await watchdog.close()  # the scheduled restart
+                await probes.aclose()
+            return missed, backend.failure
+
+        missed, failure = asyncio.run(scenario())
+    assert all(missed), missed  # every probe of the busy engine failed
+    sample = state.metrics.registry.get_sample_value
+    # Each check after the first saw tokens made since the one before (the first, only those made while its probe waited).
+    assert sample("gateway_engine_busy_probes_total", {"model": "m"}) >= checks - 1
+    assert failure is not None and "failed 2 /health probes in a row with no progress; restarting (attempt 1)" in failure, failure
+    assert watchdog.model("m").restarts == 0  # scheduled, then cancelled by close(): the backoff is long
+
+
+async def _drain(lines: AsyncIterator[str]) -> None:
+    async for _ in lines:
+        pass
