@@ -34,7 +34,8 @@ decode step (linear per step, as SGLang's own stop strings are over the decoded 
 
 Refused whatever the bounds: backreferences and conditionals (matching them is not a regular language), a quantifier
 inside a quantifier, an unbounded quantifier over more than one character or inside a repeated group, a lookaround
-or an alternation that is not the pattern's end. Character sets are computed with ``re``'s own categories; under
+or an alternation that is not the pattern's end. An atomic group ``(?>...)`` is costed as a plain group (atomicity
+only removes backtracking), never as one character: ``(?>(x+x+)+y)`` is exponential inside it. Character sets are computed with ``re``'s own categories; under
 IGNORECASE a set holding a cased character is widened to every cased character (case folding stays among them).
 """
 

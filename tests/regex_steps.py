@@ -86,6 +86,11 @@ class Matcher:
             sys.setrecursionlimit(limit)
         return self.steps
 
+    def found(self, text: str) -> bool:
+        """Whether the search finds a match (to check this matcher against ``re``)."""
+        self.text = text
+        return any(self._sequence(list(self.parsed), 0, start, lambda _: True) for start in range(len(text) + 1))
+
     def _step(self, count: int = 1) -> None:
         self.steps += count
         if self.steps > self.budget:
@@ -160,6 +165,8 @@ class Matcher:
         def stop() -> bool:
             return done >= low and then(at)
 
-        if op == _POSSESSIVE:
-            raise NotImplementedError("possessive group")
+        if op == _POSSESSIVE:  # the greedy repeat's first match only, as an atomic group around it
+            ends: list[int] = []
+            found = self._iterate(_sre.MAX_REPEAT, low, high, body, done, at, lambda end: ends.append(end) is None)
+            return found and then(ends[0])
         return (stop() or another()) if op == _sre.MIN_REPEAT else (another() or stop())

@@ -10,6 +10,7 @@ loaded machine: ``python -m benchmarks.stop_regex`` reports the wall of it inste
 from __future__ import annotations
 
 import bisect
+import random
 import re
 
 import pytest
@@ -87,6 +88,16 @@ def _growth(pattern: str, short: int = 100) -> tuple[float, int, str]:
         small_steps = Matcher(pattern).search(small)
         worst = max(worst, (large_steps / max(small_steps, 1), large_steps, large[:40]))
     return worst
+
+
+def test_the_step_matcher_finds_what_re_finds() -> None:
+    """The oracle matches like ``re`` (so its steps are those of the same search) on the generated patterns it runs
+    (those accepted) and random texts."""
+    rng = random.Random(SEED)
+    for source in [source for source in patterns(SEED, 400) if stop_regex_problem(source) is None]:
+        for _ in range(4):
+            text = "".join(rng.choice("ab x.\n1!#_") for _ in range(rng.randint(0, 12)))
+            assert Matcher(source).found(text) == bool(re.search(source, text)), (source, text, replay())
 
 
 @pytest.mark.parametrize("pattern", [r"x+y", r"\s*$", r"[.!?]\s*x.*y", r"c[ab]*c*d", r"(?>x+)y", r"\n\s*x"])
