@@ -3,13 +3,11 @@ would freeze the engine's scheduler are refused.
 
 Two engines run a request's patterns, with different failure modes:
 
-- ``stop_regex`` runs in Python's backtracking ``re`` on the scheduler thread, at every decode step, over
-  the output's tail (the whole output when the pattern's match length is unbounded). A pattern such as
-  ``(x+x+)+y`` takes exponential time there, and even ``x+y`` is quadratic in the output length at every
-  step: the scheduler stops answering and every request on the engine fails. The policy is therefore
-  **bounded patterns only**: every quantifier has an upper bound (no ``*``, ``+``, ``{n,}``), no
-  quantifier inside another quantifier, no backreferences or conditionals, a bounded longest match and a
-  bounded backtracking product. Everything SGLang's stop strings do, a bounded pattern can do.
+- ``stop_regex`` runs in Python's backtracking ``re`` on the scheduler thread, at every decode step, over the
+  output's tail (the whole output when the pattern's match length is unbounded). A pattern such as ``(x+x+)+y``
+  takes exponential time there, and ``x+y`` is quadratic in the output length at every step: the scheduler stops
+  answering and every request on the engine fails. Accepted are bounded patterns and patterns whose search stays
+  linear in the text (``[.!?]\\s*$``): :mod:`engine_guard.stop_regex` has the rule and why it holds.
 - ``regex``, ``ebnf``, JSON schemas and structural tags are compiled by the grammar backend (xgrammar)
   into an automaton, which does not backtrack; their cost is compile time and memory, bounded by size
   (:mod:`engine_guard.bounds`) and by the per-model grammar concurrency limit. Here the gateway refuses what
@@ -28,18 +26,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from engine_guard.grammar_start import dead_rule
-
-try:  # re's parser (stable since 3.11 as re._parser; sre_parse before)
-    from re import _constants as _sre  # type: ignore[attr-defined]
-    from re import _parser as _sre_parse  # type: ignore[attr-defined]
-except ImportError:  # pragma: no cover - Python < 3.11
-    import sre_constants as _sre  # type: ignore[no-redef]
-    import sre_parse as _sre_parse  # type: ignore[no-redef]
-
-STOP_REGEX_MAX_MATCH = 256  # longest text a stop_regex may match (the engine searches a tail this long)
-STOP_REGEX_MAX_WORK = 4096  # product of the quantifier bounds along the pattern (a backtracking budget)
-_REPEATS = (_sre.MAX_REPEAT, _sre.MIN_REPEAT, getattr(_sre, "POSSESSIVE_REPEAT", _sre.MAX_REPEAT))
-_REFUSED_OPS = {_sre.GROUPREF: "a backreference", _sre.GROUPREF_EXISTS: "a conditional group"}
+from engine_guard.stop_regex import stop_regex_problem
 
 
 class GrammarProblem(ValueError):
@@ -47,55 +34,11 @@ class GrammarProblem(ValueError):
 
 
 def check_stop_regex(pattern: str) -> None:
-    """Raise GrammarProblem unless ``pattern`` is safe for Python's backtracking engine (see the module doc)."""
-    try:
-        parsed = _sre_parse.parse(pattern)
-    except (re.error, RecursionError, OverflowError) as error:
-        raise GrammarProblem(f"invalid regular expression: {error}") from None
-    longest, work = _bounded_cost(parsed, inside_repeat=False)
-    if longest > STOP_REGEX_MAX_MATCH:
-        raise GrammarProblem(
-            f"matches up to {longest} characters; a stop_regex must match at most {STOP_REGEX_MAX_MATCH} "
-            "(it is searched at every decode step by a backtracking engine)"
-        )
-    if work > STOP_REGEX_MAX_WORK:
-        raise GrammarProblem(f"its quantifiers allow {work} ways to match; at most {STOP_REGEX_MAX_WORK} (use smaller bounds)")
-
-
-def _bounded_cost(pattern: Any, *, inside_repeat: bool) -> tuple[int, int]:
-    """(longest match, product of quantifier choices) of a parsed pattern; GrammarProblem for what is refused."""
-    longest, work = 0, 1
-    for op, value in pattern:
-        if op in _REFUSED_OPS:
-            raise GrammarProblem(f"{_REFUSED_OPS[op]} is not allowed in a stop_regex (it makes matching backtrack)")
-        if op in _REPEATS:
-            low, high, body = value
-            if high == _sre.MAXREPEAT:
-                raise GrammarProblem(
-                    "unbounded quantifiers (*, +, {n,}) are not allowed in a stop_regex: use a bounded one such as {1,20}"
-                )
-            if inside_repeat and high > 1:
-                raise GrammarProblem("a quantifier inside another quantifier is not allowed in a stop_regex (exponential backtracking)")
-            body_longest, body_work = _bounded_cost(body, inside_repeat=True)
-            longest += high * body_longest
-            work *= (high - low + 1) * body_work
-        elif op == _sre.SUBPATTERN:
-            inner_longest, inner_work = _bounded_cost(value[-1], inside_repeat=inside_repeat)
-            longest += inner_longest
-            work *= inner_work
-        elif op == _sre.BRANCH:
-            costs = [_bounded_cost(branch, inside_repeat=inside_repeat) for branch in value[1]]
-            longest += max(cost[0] for cost in costs)
-            work *= sum(cost[1] for cost in costs)
-        elif op in (_sre.ASSERT, _sre.ASSERT_NOT):
-            inner_longest, inner_work = _bounded_cost(value[1], inside_repeat=True)
-            work *= inner_work
-        elif op == _sre.AT:
-            continue
-        else:  # one character: LITERAL, NOT_LITERAL, IN, ANY, CATEGORY
-            longest += 1
-        work = min(work, STOP_REGEX_MAX_WORK + 1)  # enough to refuse; no huge integers
-    return longest, work
+    """Raise GrammarProblem unless Python's backtracking ``re`` searches ``pattern`` in linear time
+    (:mod:`engine_guard.stop_regex`)."""
+    problem = stop_regex_problem(pattern)
+    if problem is not None:
+        raise GrammarProblem(problem)
 
 
 def check_regex(pattern: str) -> None:

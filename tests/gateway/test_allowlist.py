@@ -87,15 +87,16 @@ def test_extension_fields_need_the_deployment_and_are_typed_when_on() -> None:
 
 @pytest.mark.parametrize(
     "pattern",
-    ["(x+x+)+y", "x+y", "a*", "(a{1,3}){1,3}", r"(a)\1", "x{1,}", "(", "[a-" , "a{1,300}"],
+    ["(x+x+)+y", "x+y", r"\s*$", "(a{1,3}){1,3}", r"(a)\1", "x{1,}y", "(", "[a-" , "a{1,300}"],
 )
 def test_stop_regexes_that_backtrack_or_do_not_parse_are_refused(pattern: str) -> None:
     with pytest.raises(GrammarProblem):
         check_stop_regex(pattern)
 
 
-@pytest.mark.parametrize("pattern", ["END", r"\n\n", r"\d{1,3}\.", "(foo|bar)", "[A-Z]{2,4}!", "^Answer:"])
-def test_bounded_stop_regexes_pass(pattern: str) -> None:
+# bounded, or searched in linear time (engine_guard.stop_regex: a final run like "a*" matches or fails at once)
+@pytest.mark.parametrize("pattern", ["END", r"\n\n", r"\d{1,3}\.", "(foo|bar)", "[A-Z]{2,4}!", "^Answer:", r"[.!?]\s*$", "a*", "x{1,}"])
+def test_bounded_or_linear_stop_regexes_pass(pattern: str) -> None:
     check_stop_regex(pattern)
 
 

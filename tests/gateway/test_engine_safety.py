@@ -117,6 +117,9 @@ def test_requests_that_crashed_or_froze_the_engine_are_refused_and_the_model_kee
         assert enabled.status_code == 200, enabled.text  # enabled and in the vocabulary: served
         bounded = http.post("/v1/chat/completions", json={"model": "tiny", "messages": HELLO, "stop_regex": r"\d{1,3}\.", "max_tokens": 4})
         assert bounded.status_code == 200, bounded.text
+        for linear in (r"[.!?]\s*$", r"and|or"):  # SGLang's own stop_regex tests: unbounded, yet searched in linear time
+            sentence = http.post("/v1/chat/completions", json={"model": "tiny", "messages": HELLO, "stop_regex": linear, "max_tokens": 4})
+            assert sentence.status_code == 200, sentence.text
         ok = http.post("/v1/score", json={**score, "query": "q", "items": ["a", "b"]})
         assert ok.status_code == 200, ok.text
         joined = http.post("/v1/score", json={**score, "query": "q", "items": [""]})  # the prompt scored is "q"
