@@ -58,6 +58,7 @@ import none of each other). Every module is named under its folder (a test check
   ``native_streams`` a stream past its first events relayed by a native thread (``_relay_loop.c``: read, cut,
                      scan, write in C), handing back to Python what must be read, a slow client and the end
   ``upstream_session`` plain requests' pooled aiohttp session; ``upstream_errors`` transport failures -> errors
+  ``answer_extensions`` SGLang's fields in a plain answer that the SDKs' response models refuse, taken out
   ``prompt_count``   a cut stream's prompt, counted by the engine's tokenizer; ``usage_request`` what a request may
                      cost, and the usage asked of every stream
   ``balancer``       which replica takes a request (least in flight, or prompt-prefix affinity)*

@@ -32,6 +32,7 @@ from gateway.core.metrics import Metrics
 from gateway.core.registry import Registry
 from gateway.core.state import GatewayState
 from gateway.core.tracing import Tracing
+from gateway.data.answer_extensions import HEADER as EXTENSIONS_HEADER
 from gateway.data.routes import add_proxied_route, api_routes, note_error, proxied_endpoint, unexpected_error_response
 from gateway.edge.auth import AuthMiddleware, KeyHolder, key_policy
 from gateway.edge.middleware import BodyLimitMiddleware, JSONCORSMiddleware, RequestContextMiddleware
@@ -156,7 +157,7 @@ def _middleware_chain(app: GatewayAPI, parts: AppParts, quotas: Quotas) -> Any:
         cors = {
             "allow_origins": settings.cors_allow_origins,
             "allow_methods": ["GET", "POST", "OPTIONS"],
-            "allow_headers": ["authorization", "content-type", "x-request-id", "x-api-key", "anthropic-version", "anthropic-beta"],
+            "allow_headers": ["authorization", "content-type", "x-request-id", "x-api-key", "anthropic-version", "anthropic-beta", EXTENSIONS_HEADER],
             "expose_headers": ["x-request-id", "retry-after"],
         }
         layers.append((JSONCORSMiddleware, cors))

@@ -67,3 +67,4 @@ class Call:
     adapter: str | None = None  # the LoRA adapter its model name selects ("<model>:<adapter>")
     streamed: bool = False  # an SSE stream was asked for on a route that streams
     hide_usage: bool = False  # the gateway asked for the stream's usage event; the client did not
+    keep_extensions: bool = False  # the client asked for the engine's answer as written (gateway.data.answer_extensions)

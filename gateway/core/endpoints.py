@@ -40,6 +40,8 @@ class ProxiedRoute:
     response_ids: bool = False  # records the ids of the responses it creates (GET /v1/responses/{id}...)
     upstream: str | None = None  # the engine's path, when not ``path``
     renames_model: bool = False  # the engine's answer names the model by its weights' path: the served name instead
+    # the engine's plain answer carries SGLang fields the SDKs' models refuse: taken out (gateway.data.answer_extensions)
+    sdk_strict: bool = False
 
     @property
     def upstream_path(self) -> str:
@@ -52,8 +54,12 @@ MESSAGES = "/v1/messages"  # the Anthropic Messages route's path (and the prefix
 PROXIED: tuple[ProxiedRoute, ...] = (
     ProxiedRoute(
         CHAT_COMPLETIONS, schemas.ChatCompletionRequest, "Chat completions (OpenAI)", "generation", token_ids=CHAT_TOKEN_ID_FIELDS,
+        sdk_strict=True,
     ),
-    ProxiedRoute("/v1/completions", schemas.CompletionRequest, "Text completions (OpenAI)", "generation", token_ids=("prompt", "logit_bias")),
+    ProxiedRoute(
+        "/v1/completions", schemas.CompletionRequest, "Text completions (OpenAI)", "generation", token_ids=("prompt", "logit_bias"),
+        sdk_strict=True,
+    ),
     ProxiedRoute(
         "/v1/responses", schemas.ResponsesRequest, "Responses API (OpenAI), stateful with the engine's response store",
         "generation", stream=StreamKind.RESPONSES, response_ids=True,
@@ -93,7 +99,7 @@ PROXIED_BY_PATH: dict[str, ProxiedRoute] = {route.path: route for route in PROXI
 # (absent, or the endpoint's name) does not choose the model.
 INVOCATIONS = ProxiedRoute(
     "/invocations", schemas.InvocationsRequest, "Chat completions of the default model (a serving platform's route)",
-    "generation", model=ModelChoice.DEFAULT, upstream=CHAT_COMPLETIONS, token_ids=CHAT_TOKEN_ID_FIELDS,
+    "generation", model=ModelChoice.DEFAULT, upstream=CHAT_COMPLETIONS, token_ids=CHAT_TOKEN_ID_FIELDS, sdk_strict=True,
 )  # fmt: skip
 
 # Responses stored by the engine, reached through the engine that created them (see gateway.core.responses_index).

@@ -1,5 +1,6 @@
 """The last stage of a proxied request: the upstream's answer made the client's. A plain answer goes back with its
-usage noted (and an embedding model's ``model`` set to the client's name); a stream is handed to the relay
+usage noted (an embedding model's ``model`` set to the client's name; SGLang's fields that the SDKs' models refuse
+taken out, :mod:`gateway.data.answer_extensions`); a stream is handed to the relay
 (:class:`gateway.data.relay.SSEProxyResponse`), which then holds the request's lease; an error is the route's
 dialect's; a client that left before the answer is noted (499) with the prompt the engine took."""
 
@@ -18,6 +19,7 @@ from gateway.core.call import Call
 from gateway.core.errors import GatewayError, StreamKind, upstream_error
 from gateway.core.metrics import Metrics
 from gateway.core.responses_index import ResponseIndex
+from gateway.data.answer_extensions import drop_schema_breaking
 from gateway.data.exchange import Exchanged
 from gateway.data.lease import Lease
 from gateway.data.prompt_count import count_prompt
@@ -48,7 +50,11 @@ async def answer(
         kind = endpoint.stream or StreamKind.DATA
         return SSEProxyResponse(lease, info, metrics, model, kind, on_created, body, call.hide_usage, counter)
     info.ttft_s = time.perf_counter() - info.started
-    data = _parsed_if(content or b"", b'"usage"' if not endpoint.response_ids else b'"id"')
+    strict = endpoint.sdk_strict and not call.keep_extensions
+    markers = (b'"id"',) if endpoint.response_ids else (b'"usage"', b'"metadata"') if strict else (b'"usage"',)
+    data = _parsed_if(content or b"", *markers)
+    if strict and data is not None and drop_schema_breaking(data):
+        content = orjson.dumps(data)  # (SGLang's chat and text completions: every one; one dump, no second parse)
     if data is not None:
         info.set_usage(data.get("usage"))
         problem = forced_call_problem(path, body, data)
@@ -73,9 +79,9 @@ def _with_model(content: bytes, data: dict[str, Any] | None, name: str) -> bytes
     return orjson.dumps(data)
 
 
-def _parsed_if(content: bytes, marker: bytes) -> dict[str, Any] | None:
-    """The JSON object in ``content`` when it mentions ``marker`` (most answers need no parsing)."""
-    if marker not in content:
+def _parsed_if(content: bytes, *markers: bytes) -> dict[str, Any] | None:
+    """The JSON object in ``content`` when it mentions one of ``markers`` (most answers need no parsing)."""
+    if not any(marker in content for marker in markers):
         return None
     try:
         data = orjson.loads(content)

@@ -30,6 +30,8 @@ from gateway.core.registry import ModelRoute
 from gateway.core.responses_index import StoredResponse
 from gateway.core.shared_store import StoreUnavailable
 from gateway.core.state import GatewayState
+from gateway.data.answer_extensions import DROP, KEEP, keeps_extensions
+from gateway.data.answer_extensions import HEADER as EXTENSIONS_HEADER
 from gateway.edge.auth import OPEN_OWNER, request_owner
 from gateway.tenants.keys import TENANT_SCOPE_KEY, Tenant
 from gateway.tenants.priority import request_priority
@@ -61,12 +63,18 @@ async def _proxied(request: Request, endpoint: ProxiedRoute) -> Response:
     body, route, grammar_size = guard_request(state, endpoint, raw, tenant, info)
     owner = request_owner(request.scope)
     pinned = await _continued_response(state, body, route, owner) if endpoint.response_ids else None
+    keep_extensions = keeps_extensions(request.headers.get(EXTENSIONS_HEADER))
+    if keep_extensions is None:
+        raise GatewayError(
+            400, f"the header {EXTENSIONS_HEADER} takes {KEEP!r} or {DROP!r}", code="invalid_header", param=EXTENSIONS_HEADER
+        )
     call = Call(
         route, endpoint, body, info, owner, info.key_name or (None if owner == OPEN_OWNER else owner), request.receive,
         balancing=state.settings.balancing_for(route.name),
         pinned=pinned,
         grammar_size=grammar_size,
         priority=priority,
+        keep_extensions=keep_extensions,
     )  # fmt: skip
     assert state.proxy is not None, "the app's lifespan did not run"
     return await state.proxy.forward(call)

@@ -13,9 +13,12 @@ import anthropic
 import httpx
 import openai
 import pytest
+from anthropic.types.messages import MessageBatchIndividualResponse
+from openai.types.chat import ChatCompletion
 
 from tests.batches.helpers import results, upload, wait_ended
 from tests.gateway_server import serve
+from tests.sdk_models import assert_sdk_valid
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.engine
@@ -55,6 +58,8 @@ def test_json_schema_lines_against_the_real_engine(tiny_engine: Any, tmp_path: P
         assert [line["custom_id"] for line in out] == [f"review-{i}" for i in range(LINES)]
         bodies = [line["response"]["body"] for line in out]
         assert all(_valid(body["choices"][0]["message"]["content"]) for body in bodies), [b["choices"][0]["message"]["content"] for b in bodies]
+        for body in bodies:  # each line's answer as the SDK's model takes it (tests/sdk_models.py)
+            assert_sdk_valid(ChatCompletion, body)
         prompt = sum(body["usage"]["prompt_tokens"] for body in bodies)
         completion = sum(body["usage"]["completion_tokens"] for body in bodies)
 
@@ -77,6 +82,9 @@ def test_a_message_batch_against_the_real_engine(tiny_engine: Any, tmp_path: Pat
         batch = client.messages.batches.create(requests=requests)  # type: ignore[arg-type]
         wait_until(lambda: client.messages.batches.retrieve(batch.id).processing_status == "ended", "the message batch ended", 300)
         assert client.messages.batches.retrieve(batch.id).request_counts.succeeded == 3
+        raw = httpx.get(server.url + f"/v1/messages/batches/{batch.id}/results", headers={"x-api-key": KEY}, timeout=30)
+        for line in raw.text.splitlines():  # each result line as the SDK's model takes it (tests/sdk_models.py)
+            assert_sdk_valid(MessageBatchIndividualResponse, json.loads(line))
         results = list(client.messages.batches.results(batch.id))
         assert [line.custom_id for line in results] == ["m-0", "m-1", "m-2"]
         messages = [line.result.message for line in results if line.result.type == "succeeded"]

@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from openai.types import CreateEmbeddingResponse
 
 from launch.config import EngineConfig
 from launch.process import EngineProcess
@@ -17,6 +18,7 @@ from tests.admin_client import prometheus_value
 from tests.gateway.helpers import assert_openai_error
 from tests.gateway_server import KEY, GatewayServer, serve
 from tests.leaks import leaves_nothing
+from tests.sdk_models import assert_sdk_valid
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +46,17 @@ def test_embeddings_through_the_sdk(embedding_gateway: GatewayServer, tiny_model
     assert result.model == "embed"  # SGLang answers with the weights' path: never shown to clients
     again = client.embeddings.create(model="embed", input="hello")  # one string; the same text, the same vector
     assert again.data[0].embedding == pytest.approx(vectors[1], abs=1e-5)
+
+
+def test_embeddings_validate_against_the_sdk_model(embedding_gateway: GatewayServer) -> None:
+    """The answer as ``CreateEmbeddingResponse`` takes it, strictly (tests/sdk_models.py), for a list and a string."""
+    for text in (["Databricks is built on Apache Spark.", "hello"], "hello"):
+        response = httpx.post(
+            embedding_gateway.url + "/v1/embeddings", json={"model": "embed", "input": text},
+            headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+        )  # fmt: skip
+        assert response.status_code == 200, response.text
+        assert_sdk_valid(CreateEmbeddingResponse, response.json())
 
 
 def test_embeddings_need_a_key_and_are_counted(embedding_gateway: GatewayServer) -> None:
