@@ -71,6 +71,10 @@ class WatchdogSettings(_Strict):
         None, ge=0, description="Failed restarts in a row before giving up (unset: never give up, retry every backoff_max_s)."
     )
     stable_after_s: float = Field(60.0, ge=0, description="Healthy this long after a restart resets the backoff.")
+    suspect_linger_s: float = Field(
+        60.0, ge=0, description="How long a request that left before its answer stays a suspect of a freeze when its engine "
+        "work can outlive it (a grammar compile, a long prompt's prefill).",
+    )  # fmt: skip
 
 
 class BalancingSettings(_Strict):

@@ -34,7 +34,9 @@ What it does, SGLang's way (what the gateway relies on, nothing more):
   ``cancelled``): responses stored in memory;
 - a chat message whose content is :data:`CRASH`: it logs a traceback and exits 70 while the request is in
   flight, as an engine a request crashes does; one whose content is :data:`FREEZE`: it blocks its event loop
-  (nothing answers, ``/health`` included, until it is killed), as an engine stuck on a request does;
+  (nothing answers, ``/health`` included, until it is killed), as an engine stuck on a request does; one whose content
+  is :data:`FREEZE_LATER`: it never answers, and blocks its event loop ``FAKE_ENGINE_FREEZE_AFTER_S`` (default 1) later,
+  as an engine does whose work for a request (a grammar compile) goes on after the client gave up;
 - with ``--enable-memory-saver``: ``POST /release_memory_occupation`` and ``/resume_memory_occupation`` (key needed),
   as SGLang's; while released, a chat request answers 500 (SGLang's engine has no weights then). Each of
   these calls and each chat request is appended to the file ``FAKE_ENGINE_CALLS`` names (``release``,
@@ -67,6 +69,7 @@ from typing import Any
 TOKEN = "tok "
 CRASH = "FAKE_ENGINE_CRASH"  # a chat message with this content makes the fake die under the request (a poison request)
 FREEZE = "FAKE_ENGINE_FREEZE"  # ... makes it freeze under the request: its event loop blocked, /health unanswered
+FREEZE_LATER = "FAKE_ENGINE_FREEZE_LATER"  # ... makes it freeze FAKE_ENGINE_FREEZE_AFTER_S later, the request long gone
 REFUSE = "FAKE_ENGINE_REFUSE"  # a Messages request whose last message says this is refused (400)
 TOKEN_S = float(os.environ.get("FAKE_ENGINE_TOKEN_S", "0.01"))  # time per generated piece
 START_S = float(os.environ.get("FAKE_ENGINE_START_S", "0"))  # how long it takes to listen
@@ -206,6 +209,10 @@ def build_app(
             os._exit(70)
         if any(message.get("content") == FREEZE for message in body.get("messages", ())):
             time.sleep(3600)  # blocks the event loop: a frozen engine (SIGTERM's handler never gets to run either)
+        if any(message.get("content") == FREEZE_LATER for message in body.get("messages", ())):
+            # work that outlives its client (a grammar compile goes on after the client left): the engine freezes later
+            asyncio.get_running_loop().call_later(float(os.environ.get("FAKE_ENGINE_FREEZE_AFTER_S", "1")), time.sleep, 3600)
+            await asyncio.sleep(3600)  # no answer: the client gives up first
         tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
         piece = f"{asked.split(':', 1)[1]} " if isinstance(asked, str) and ":" in asked else TOKEN  # an adapter's own words
         created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"

@@ -192,9 +192,10 @@ class Watchdog:
     async def _note_freeze_suspects(self, name: str, backend: Backend, reason: str) -> None:
         """An engine that stopped answering /health while running froze on something (a pattern that
         backtracks forever, a fan-out it cannot get through): every request upstream on it is a suspect,
-        streams that already produced tokens included (a freeze can come at any decode step), in this
-        process and in the worker processes."""
-        suspects = [shape for lease in list(backend.active) if (shape := lease.suspect()) is not None]
+        streams that already produced tokens included (a freeze can come at any decode step), and those that left
+        in the last ``watchdog.suspect_linger_s`` while the engine could still be working for them (a grammar compile
+        goes on after its client gave up), in this process and in the worker processes."""
+        suspects = backend.suspects(self.state.settings.watchdog.suspect_linger_s)  # those that left while their work goes on too
         if self.state.peers is not None:
             suspects += await self.state.peers.upstream_shapes(name, backend.identity, 2.0)
         if not suspects:

@@ -133,9 +133,10 @@ class WorkerLink:
                     in_flight[key] = in_flight.get(key, 0) + 1
             while backend.lost:
                 lost.append((name, backend.identity, backend.lost.popleft()))
+        linger_s = self.state.settings.watchdog.suspect_linger_s
         upstream = [
-            (name, backend.identity, shape) for name, backend in (*routed, *self._retired) if (name, backend.identity) == upstream_on
-            for lease in list(backend.active) if (shape := lease.suspect()) is not None
+            (name, backend.identity, suspicion) for name, backend in (*routed, *self._retired) if (name, backend.identity) == upstream_on
+            for suspicion in backend.suspects(linger_s)
         ]  # fmt: skip
         usage = self.quotas.report()
         if not force and not lost and usage is None and in_flight == self._last_in_flight:

@@ -72,6 +72,9 @@ class Backend:
         self.completed: collections.OrderedDict[str, None] = collections.OrderedDict()
         # The requests upstream now (their leases): the suspects if the engine freezes.
         self.active: set[Any] = set()
+        # Requests that left before their answer while their engine work could go on (a grammar compile, a long
+        # prompt's prefill), with when they left: suspects of a freeze for LINGER_S after (gateway.core.poison).
+        self.lingering: collections.deque[tuple[float, tuple[str, str | None, bool]]] = collections.deque(maxlen=64)
         self._token = secrets.token_hex(8)
         # What its grammars are measured against (an external engine's: once its /get_server_info said), else why not.
         self._grammar_tokenizer: GrammarTokenizer | None = None
@@ -87,6 +90,17 @@ class Backend:
         completed[shape] = None
         if len(completed) > COMPLETED_SHAPES:
             completed.popitem(last=False)
+
+    def note_lingering(self, suspicion: tuple[str, str | None, bool]) -> None:
+        """A request whose engine work may outlive it left before its answer (see :attr:`lingering`)."""
+        self.lingering.append((time.monotonic(), suspicion))
+
+    def suspects(self, linger_s: float) -> list[tuple[str, str | None, bool]]:
+        """The suspects if this engine froze now: every request upstream, and those that left in the last ``linger_s``
+        seconds while their engine work could go on."""
+        now = time.monotonic()
+        active = [suspicion for lease in list(self.active) if (suspicion := lease.suspect()) is not None]
+        return active + [suspicion for left, suspicion in self.lingering if now - left <= linger_s]
 
     def adapters_in_flight(self) -> list[str]:
         """The LoRA adapter of each request upstream now that selects one (an unload waits for them)."""

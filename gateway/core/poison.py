@@ -97,9 +97,14 @@ class Quarantine:
         flight when ``model``'s engine crashed or froze; returns the shapes newly refused (for anyone).
 
         The evidence is the suspects whose shape the engine had not answered in full before (:func:`evidence`)."""
-        pairs = evidence([(item, None, False) if isinstance(item, str) else (item[0], item[1], len(item) > 2 and bool(item[2])) for item in suspects])
+        suspicions = [(item, None, False) if isinstance(item, str) else (item[0], item[1], len(item) > 2 and bool(item[2])) for item in suspects]
+        pairs = evidence(suspicions)
         implicated = implicated_keys(pairs)
         alone = len({shape for shape, _ in pairs}) == 1
+        # A shape the engine had answered in full (every suspicion of it says so) took no engine down by itself: one
+        # failure never condemns it, for its key or for everyone (a steady client's plain request, the only one in
+        # flight when another key's aborted work froze the engine); a second failure with it in flight does.
+        never_answered = {shape for shape, _, answered in suspicions if not answered}
         newly = []
         for shape in dict.fromkeys(shape for shape, _ in pairs):
             record = self._records.get((model, shape))
@@ -110,7 +115,7 @@ class Quarantine:
             was_refusing, was_blocked = record.refusing, record.blocked
             for key in {key for s, key in pairs if s == shape} & implicated:
                 record.keys[key] = record.keys.get(key, 0) + 1
-                if alone or record.keys[key] >= 2:
+                if (alone and shape in never_answered) or record.keys[key] >= 2:
                     record.refused_for.add(key)
             if not record.blocked and (None in record.refused_for or len(record.refused_for) >= 2):
                 record.blocked = True

@@ -34,6 +34,7 @@ async def admit(call: Call, registry: Registry | None, grammar_costs: GrammarCos
     call.notes.queued(since)
     lease = Lease(limiter)
     lease.adapter, lease.key = call.adapter, call.key
+    lease.lingers = bool(call.grammar_size if call.grammar_size is not None else grammar_bytes(call.body))
     try:
         if call.adapter is not None and not _still_served(registry, call.route.name, call.adapter):
             raise unknown_model(call.body["model"])  # unloaded while the request waited for its slot

@@ -17,6 +17,10 @@ from gateway.data.stream_pool import (
 )
 
 
+LONG_PROMPT_BYTES = 64 * 1024
+"""A request body this large holds a prompt whose prefill can take the engine seconds on a CPU, after its client left."""
+
+
 class Lease:
     """What one admitted request holds, given back by :meth:`close` (once, in reverse order of taking).
 
@@ -25,7 +29,7 @@ class Lease:
     is what tells the engine that nobody listens any more (it aborts the request).
     """
 
-    __slots__ = ("limiter", "backend", "gauge", "upstream", "request", "shape", "grammar", "adapter", "key")
+    __slots__ = ("limiter", "backend", "gauge", "upstream", "request", "shape", "grammar", "adapter", "key", "lingers")
 
     def __init__(self, limiter: ConcurrencyLimiter) -> None:
         self.limiter: ConcurrencyLimiter | None = limiter
@@ -37,6 +41,7 @@ class Lease:
         self.shape: str | None = None  # the request shape of that body (engine_guard.shapes): the quarantine's unit
         self.adapter: str | None = None  # the LoRA adapter it selects: an unload waits for it (gateway.control.adapters)
         self.key: str | None = None  # the client key that sent it (name or hash; None: open gateway): whose evidence it is
+        self.lingers = False  # its engine work can outlive it (a grammar to compile): a suspect for a while if it leaves early
 
     def take(self, backend: Backend, gauge: Any) -> None:
         """Count this request on ``backend`` (and in the model's in-flight gauge)."""
@@ -75,6 +80,11 @@ class Lease:
         shape = self.shape if self.shape is not None else payload_shape(*self.request)  # type: ignore[misc]
         return (shape, self.key, shape in backend.completed)
 
+    def _lingers(self) -> bool:
+        """Whether the engine may still be working for this request after it left: a grammar to compile (the engine
+        compiles on after the client has gone), or a prompt long enough for a prefill of seconds."""
+        return self.lingers or (self.request is not None and len(self.request[1]) >= LONG_PROMPT_BYTES)
+
     def release_grammar(self) -> None:
         """Give back the grammar slot: the engine has compiled the grammar (a stream's first bytes came)."""
         if self.grammar and self.limiter is not None:
@@ -84,13 +94,17 @@ class Lease:
     def close(self) -> None:
         self.release_grammar()
         upstream, self.upstream = self.upstream, None
+        answered = False
         if upstream is not None:
             if isinstance(upstream, StreamExchange) or upstream.content.at_eof():
-                if self.shape is not None and self.backend is not None and _answered_in_full(upstream):
+                answered = _answered_in_full(upstream)
+                if self.shape is not None and self.backend is not None and answered:
                     self.backend.note_completed(self.shape)
                 upstream.release()  # a stream cut short is closed by it (the engine aborts the request)
             else:
                 upstream.close()
+        if not answered and self.backend is not None and self.request is not None and self._lingers():
+            self.backend.note_lingering(self._suspicion(self.backend))  # gone, but its engine work may not be
         gauge, self.gauge = self.gauge, None
         if gauge is not None:
             gauge.dec()

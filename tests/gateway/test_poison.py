@@ -392,3 +392,35 @@ def test_when_every_suspect_was_answered_before_all_are_evidence() -> None:
     assert quarantine.engine_failed("m", [(a, "k1", True), (b, "k2", True)], "crashed") == []
     assert quarantine.engine_failed("m", [(a, "k1", True), (b, "k2", True)], "crashed") == [a, b]
     assert {(entry["shape"], tuple(entry["refused_for"])) for entry in quarantine.report()} == {(a, ("k1",)), (b, ("k2",))}
+
+
+def test_one_freeze_never_condemns_a_shape_the_engine_had_answered() -> None:
+    """A bystander's plain chat, answered in full many times, the only request in flight when the engine froze under
+    work another key had left behind: not refused for it on that one failure; and a plain shape sent by two keys at a
+    freeze is never refused for everyone on one failure (an attacker keeping one in flight beside a bystander's)."""
+    plain = request_shape("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 16})
+    alone = Quarantine()
+    assert alone.engine_failed("m", [(plain, "bystander", True)], "froze") == []
+    alone.check("m", plain, "bystander")
+    assert alone.engine_failed("m", [(plain, "bystander", True)], "froze") == [plain]  # its second failure: for its key
+    with pytest.raises(GatewayError):
+        alone.check("m", plain, "bystander")
+    alone.check("m", plain, "someone")
+    shared = Quarantine()
+    assert shared.engine_failed("m", [(plain, "attacker", True), (plain, "bystander", True)], "froze") == []
+    for key in ("attacker", "bystander", "someone"):
+        shared.check("m", plain, key)
+
+
+def test_work_left_behind_is_the_evidence_not_the_plain_requests_beside_it() -> None:
+    """The attacker's aborted request (a grammar the engine went on compiling) lingers as a suspect: it is the only
+    shape never answered, so it alone is held against the attacker, whatever plain requests were in flight."""
+    quarantine = Quarantine()
+    plain = request_shape("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 16})
+    costly = request_shape("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}})
+    suspects = [(plain, "attacker", True), (plain, "bystander", True), (costly, "attacker", False)]
+    assert quarantine.engine_failed("m", suspects, "froze") == [costly]
+    with pytest.raises(GatewayError):
+        quarantine.check("m", costly, "attacker")
+    quarantine.check("m", plain, "bystander")
+    quarantine.check("m", plain, "attacker")
