@@ -27,6 +27,7 @@ from launch.config import parse_config
 from tests.fake_upstreams import SSE_HEAD, fake_answering_upstream, http_chunk, read_request
 from tests.gateway_server import GatewayServer
 from tests.loop_count import COUNTING_LOOP, TALLY
+from tests.waiting import wait_until
 
 EVENTS = 40
 STEP_S = 0.05  # between two of the fake's events
@@ -106,8 +107,10 @@ def test_an_idle_gateway_with_batches_and_a_ledger_schedules_no_poll_of_theirs(t
     gateway = {"state_dir": str(tmp_path), "batches": {"poll_interval_s": 0.1}, "usage": {"flush_interval_s": 0.1}}
     with fake_answering_upstream(_paced) as url, _counted_gateway({"m": {"url": url}}, gateway) as server:
         assert server.app.state.batches is not None and server.app.state.batches.runner is not None
-        assert server.state.ledger.enabled
-        time.sleep(0.3)  # the start's own work done (the ledger's schema, the runner's first look)
+        ledger = server.state.ledger
+        assert ledger.enabled
+        wait_until(lambda: ledger._ready, "the ledger's writer did not open its database")  # the start's own work done
+        time.sleep(0.1)  # (the writer from its first write to its wait; the runner's first look finds no database)
         TALLY.start()
         time.sleep(0.5)
         TALLY.stop()
