@@ -239,7 +239,7 @@ class UsageSettings(_Strict):
         description="SQLAlchemy URL of the usage database: sqlite:///path or postgresql+psycopg://user:pass@host/db "
         "(unset: usage.sqlite3 under state_dir). Every worker process writes its own rows to it; a password is never logged.",
     )
-    flush_interval_s: float = Field(1.0, gt=0, le=3600, description="Seconds between two writes of the buffered rows.")
+    flush_interval_s: float = Field(1.0, gt=0, le=3600, description="Seconds a row waits for others before they are written together (the writer sleeps while none waits).")
     batch_rows: int = Field(500, ge=1, le=100_000, description="Rows written in one transaction; a buffer this full is written at once.")
     max_buffer_rows: int = Field(
         100_000, ge=1, description="Rows kept in memory while the database is unreachable; beyond, the oldest are dropped (counted)."
@@ -305,7 +305,7 @@ class BatchSettings(_Strict):
     max_queued_lines_per_key: int = Field(200_000, ge=1, description="Lines one key may have waiting over all its batches (429 beyond).")
     max_active_batches_per_key: int = Field(20, ge=1, description="Batches of one key not yet finished (429 beyond).")
     retry_backoff_s: float = Field(1.0, gt=0, description="First wait before a line that met a passing failure (429, 502, 503, 504) is sent again.")
-    poll_interval_s: float = Field(1.0, gt=0, description="How often the runner looks for batches created elsewhere (worker processes) or cancelled.")
+    poll_interval_s: float = Field(1.0, gt=0, description="How often the runner looks for batches created elsewhere (worker processes, replicas) or cancelled; a lone process on SQLite looks only when a batch is created or cancelled there, or while one is unfinished.")
     min_free_bytes: int = Field(
         256 * 1024 * 1024, ge=0,
         description="Free space the state_dir's disk keeps: an upload that would leave less is refused (507), so that batches "

@@ -149,8 +149,16 @@ class GatewayServer(ManyAcceptServer):
                 self._captured_signals.append(sig)  # re-raised once stopped, as uvicorn does with the ones it handles
                 self.drain_until = time.monotonic() + delay_s
                 state.draining = True  # logged by on_tick: no logging inside a signal handler (its lock may be held)
+                self.wake()
                 return
         super().handle_exit(sig, frame)
+
+    def next_tick_s(self) -> float:
+        """A drain ends on time: the tick after a SIGTERM comes at its end, not up to a second past it."""
+        tick_s = super().next_tick_s()
+        if self.drain_until is not None and not self.should_exit:
+            return min(tick_s, self.drain_until - time.monotonic())
+        return tick_s
 
     async def on_tick(self, counter: int) -> bool:
         if self.drain_until is not None and not self._drain_noted:

@@ -1,7 +1,9 @@
 """Runs batches: their queued lines through the data plane, a bounded number at a time, then their result files.
 
 One runner per gateway (the control process's; worker processes only create batches, which it finds in the
-database every ``batches.poll_interval_s``, or at once when created in its own process). At start it takes up every
+database every ``batches.poll_interval_s``, or at once when created in its own process). A runner ``alone`` with its
+database (one process, a local SQLite file: every batch is created and cancelled where it runs) looks only when told
+or while batches are unfinished there: an idle gateway without batches never polls. At start it takes up every
 unfinished batch: the lines still ``queued`` in the database are exactly those whose end was never recorded, so a
 restart after SIGKILL neither loses a line nor runs again one whose answer was recorded (each answer is recorded as
 it arrives, in its own transaction). A line whose answer arrived but was not yet recorded when the process died (a
@@ -64,7 +66,7 @@ class BatchRunner:
     def __init__(
         self, connect: Callable[[bool], Awaitable[BatchStore | None]], db: Callable[..., Awaitable[Any]], files: FileStorage,
         sender: LineSender, settings: BatchSettings, metrics: Metrics, holder: str = "local", lease_s: float = 30.0,
-        db_big: Callable[..., Awaitable[Any]] | None = None,
+        db_big: Callable[..., Awaitable[Any]] | None = None, alone: bool = False,
     ) -> None:
         self.connect = connect  # the database, or None while none exists yet (``Batches.store_now``)
         self.db = db  # runs one call of the open database, bounded (``Batches.run``: DeadlineExceeded is the store down)
@@ -75,6 +77,7 @@ class BatchRunner:
         self.metrics = metrics
         self.holder = holder
         self.lease_s = lease_s
+        self.alone = alone  # no other process creates or cancels batches in this database: no poll while none is unfinished
         self._lost: set[str] = set()  # batches whose lease this runner held and lost
         self._held: dict[str, dict[int, tuple[LineEnd, str]]] = {}  # answers whose record failed: (end, model) by line
         self._store_up = True  # the database answered the last call (a change is logged once, in one line)
@@ -119,6 +122,7 @@ class BatchRunner:
 
     async def _loop(self) -> None:
         while not self._stop.is_set():
+            quiet = False  # nothing to look for until woken (a create, a cancel, the stop)
             try:
                 store = await self.connect(False)  # None: no database yet, so no batch
                 if store is not None:
@@ -136,9 +140,13 @@ class BatchRunner:
                 self.metrics.batch_queued.set(waiting)
                 if not unfinished:
                     self._store_state(None)  # (with batches to run, a claim's write says whether it is back)
+                    quiet = self.alone
             except Exception as error:  # noqa: BLE001 - a database down: try again at the next poll
                 self._store_state(error)
             self._wake.clear()
+            if quiet:
+                await self._wake.wait()
+                continue
             try:
                 await asyncio.wait_for(self._wake.wait(), self.settings.poll_interval_s)
             except TimeoutError:

@@ -74,7 +74,8 @@ class Batches:
             sender = LineSender(run, app, keys, self.settings, self.state.settings.priority_classes)
             lease_s = self.state.settings.replicas.lease_s
             self.runner = BatchRunner(
-                self.store_now, self.run, self.files, sender, self.settings, metrics, holder=self.holder, lease_s=lease_s, db_big=self.run_big
+                self.store_now, self.run, self.files, sender, self.settings, metrics, holder=self.holder, lease_s=lease_s, db_big=self.run_big,
+                alone=self._alone(),
             )
             self.runner.start()
 
@@ -198,6 +199,13 @@ class Batches:
         if self.store is None:
             raise RuntimeError("the batch database is not open yet")
         return self.store.engine
+
+    def _alone(self) -> bool:
+        """No other process creates or cancels batches in this database: one process (no workers), not a replica of a
+        shared store, on a local SQLite file. Its runner is then told of every batch and needs no poll to find them."""
+        settings = self.state.settings
+        sqlite = make_url(self.url).get_backend_name() == "sqlite"
+        return sqlite and not settings.replicas.shared and settings.worker_count() == 1
 
     def _exists(self) -> bool:
         url = make_url(self.url)

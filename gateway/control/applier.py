@@ -41,9 +41,36 @@ class DeploymentApplier:
         self.state = state
         self.registry = state.registry
         self.executor = executor
-        self.deployment = deployment  # in force: what the last apply achieved (failed models keep their old source)
+        self._deployment = deployment  # in force: what the last apply achieved (failed models keep their old source)
+        self._changed = asyncio.Event()  # set (and replaced) each time another deployment is in force
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop of those waiting for a change
         self._spawn = spawn  # the controller's: a client hanging up cannot cut an apply in half
         self._keys: dict[str, str] = {}  # one engine key per model (see model_key)
+
+    @property
+    def deployment(self) -> DeploymentConfig | None:
+        """The deployment in force."""
+        return self._deployment
+
+    @deployment.setter
+    def deployment(self, deployment: DeploymentConfig | None) -> None:
+        self._deployment = deployment
+        changed, self._changed = self._changed, asyncio.Event()
+        loop = self._loop
+        try:
+            here = asyncio.get_running_loop()
+        except RuntimeError:  # set from a thread without a loop (a test's): the waiters are told in their loop
+            here = None
+        if loop is None or here is loop:
+            changed.set()
+        elif not loop.is_closed():
+            loop.call_soon_threadsafe(changed.set)
+
+    async def deployment_changed(self) -> None:
+        """Until another deployment is in force (a boot's or a reload's apply): what watches the deployment sleeps
+        on this, not on a timer."""
+        self._loop = asyncio.get_running_loop()
+        await self._changed.wait()
 
     async def apply(
         self, new: DeploymentConfig, settings: GatewaySettings, plan: ReloadPlan, *, fail_fast: bool = False

@@ -54,6 +54,8 @@ class Applier(Protocol):
     @property
     def deployment(self) -> DeploymentConfig | None: ...
 
+    async def deployment_changed(self) -> None: ...
+
     def builds(self, name: str, entry: ModelEntry) -> list[BackendFactory]: ...
 
 
@@ -339,8 +341,12 @@ class Residency:
         self.state.events.record("sleep", name, True, why)
 
     async def run(self) -> None:
-        """Stop models idle for their ``idle_stop_s`` (the controller runs this for the gateway's lifetime)."""
+        """Stop models idle for their ``idle_stop_s`` (the controller runs this for the gateway's lifetime). While no
+        model has one, it sleeps until a reload brings another deployment, instead of looking twice a second."""
         while True:
+            if not any(config.idle_stop_s is not None for config in self._configs().values()):
+                await self.applier.deployment_changed()
+                continue
             await asyncio.sleep(CHECK_INTERVAL_S)
             now = time.monotonic()
             for name, config in list(self._configs().items()):

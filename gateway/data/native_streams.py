@@ -97,6 +97,11 @@ class NativeStreams:
         if totals is not None and owner is not None:
             owner.native_totals(NativeTotals(*totals))
 
+    @property
+    def live(self) -> int:
+        """Streams attached and not yet ended or detached."""
+        return len(self._owners)
+
     def last_read(self, stream: int) -> float | None:
         return self._engine.last_read(stream)
 

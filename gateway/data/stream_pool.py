@@ -506,7 +506,7 @@ class StreamPool:
         # resting exchanges by wake-up tick: one timer per tick, not per rest, and the streams woken together are
         # read in one turn of the loop
         self._wakeups: dict[float, list[StreamExchange]] = {}
-        self.lag: LagGauge = lag or LoopLag(lambda: self._busy > 0)  # probed while streams run
+        self.lag: LagGauge = lag or LoopLag(self._may_rest)  # probed while a stream may rest
         # gateway.relay_native, where the extension is built: streams go to a native relay thread once their head passed
         self.native_enabled = native and NATIVE_BUILT
         self._native: NativeStreams | None = None
@@ -546,6 +546,13 @@ class StreamPool:
     def _wake(self, at: float) -> None:
         for exchange in self._wakeups.pop(at, ()):
             exchange.rested(at)
+
+    def _may_rest(self) -> bool:
+        """Whether a stream may rest now (what the loop's lag is measured for): one is relayed in Python (a stream's
+        first reads, or every read where the native relay is off), rests are on, and enough streams run. Streams the
+        native thread relays never rest: a gateway whose streams are all there wakes its loop only for their reports."""
+        native = self._native.live if self._native is not None else 0
+        return self.coalesce_s > 0 and self._busy > native and self._busy >= self.coalesce_min_streams
 
     def rest_for(self) -> float:
         """How long a stream rests after a read now: 0 while the process keeps up (its loop's mean lag under 5 ms),

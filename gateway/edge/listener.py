@@ -22,9 +22,10 @@ import socket
 import sys
 from collections.abc import Callable
 
-import uvicorn
 from loguru import logger
 from uvicorn.server import STARTUP_FAILURE
+
+from gateway.edge.ticks import TickServer
 
 ACCEPTS_PER_PASS = 512  # the most connections taken per readiness callback: a full queue drains in a few passes
 _OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
@@ -144,10 +145,10 @@ def bind_unix_socket(path: str, backlog: int) -> socket.socket:
     return sock
 
 
-class ManyAcceptServer(uvicorn.Server):
+class ManyAcceptServer(TickServer):
     """uvicorn's server listening through :class:`ManyAcceptListener` on its host and port, or on the sockets it is
     handed (a worker process's); on a Unix socket or a descriptor (the control process of workers, which serves
-    no streams) it listens as uvicorn does."""
+    no streams) it listens as uvicorn does. Its housekeeping ticks once a second (:class:`TickServer`)."""
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         if self.config.uds is not None or self.config.fd is not None:

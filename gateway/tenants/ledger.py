@@ -1,8 +1,8 @@
 """The usage ledger: one row per request (key, model, route, tokens, status, latency), kept in a database.
 
 Off the hot path: :meth:`Ledger.record` appends the row to an in-memory buffer (no I/O, no await); a background
-task writes the buffer in batches (every ``usage.flush_interval_s``, or as soon as ``usage.batch_rows`` wait),
-with SQLAlchemy in a thread, so the event loop never waits on the database. A database that is down never fails
+task writes the buffer in batches (``usage.flush_interval_s`` after the first row of a batch came, or as soon as
+``usage.batch_rows`` wait; while no row waits it sleeps: an idle gateway's writer never wakes), with SQLAlchemy in a thread, so the event loop never waits on the database. A database that is down never fails
 a request: rows stay buffered (at most ``usage.max_buffer_rows``; beyond, the oldest are dropped, counted in
 ``gateway_usage_rows_dropped_total`` and logged once per incident) and the writes are retried with backoff.
 Every call of the database is bounded by ``usage.database_timeout_s`` on the gateway's side
@@ -22,7 +22,7 @@ import asyncio
 import functools
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from itertools import chain
@@ -101,6 +101,7 @@ class Ledger:
         self._refused_metric = refused
         self._rows: deque[UsageRow] = deque()
         self._wake = asyncio.Event()
+        self._arrived = asyncio.Event()  # a row came into an empty buffer (the writer sleeps on this while none waits)
         self._stopping = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._engine: Engine | None = None
@@ -153,6 +154,8 @@ class Ledger:
             if self._dropped_metric is not None:
                 self._dropped_metric.inc()
         rows.append(row)
+        if len(rows) == 1:
+            self._arrived.set()
         if len(rows) == self.batch_rows:
             self._wake.set()
 
@@ -224,7 +227,12 @@ class Ledger:
         delay = BACKOFF_INITIAL_S
         ok = await self._write_all()
         while not self._stopping.is_set():
-            if ok:  # wait for the interval, or for a full batch
+            if ok:  # wait for a first row (an idle gateway writes nothing, so wakes for nothing), then the interval or a full batch
+                if not self._rows:
+                    self._arrived.clear()
+                    await _first(self._arrived.wait(), self._stopping.wait())
+                    if self._stopping.is_set():
+                        return
                 waiters = [asyncio.ensure_future(self._wake.wait()), asyncio.ensure_future(self._stopping.wait())]
                 await asyncio.wait(waiters, timeout=self.flush_interval_s, return_when=asyncio.FIRST_COMPLETED)
                 for waiter in waiters:
@@ -366,6 +374,16 @@ _COLUMNS = (
 
 
 @functools.lru_cache(maxsize=8)
+async def _first(*waits: Coroutine[Any, Any, Any]) -> None:
+    """Until the first of ``waits`` is done (the others are cancelled)."""
+    tasks = [asyncio.ensure_future(wait) for wait in waits]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
 def _sqlite_insert(rows: int) -> str:
     one = "(" + ", ".join("?" * len(_COLUMNS)) + ")"
     return f"INSERT INTO {usage_rows.name} ({', '.join(_COLUMNS)}) VALUES " + ", ".join([one] * rows)
