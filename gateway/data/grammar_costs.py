@@ -65,9 +65,16 @@ class GrammarCosts:
         if budget.decided(grammars, budget_s):
             self._decide(budget, grammars, budget_s)
             return
-        turn = self._turns.get(call.key)
+        # A task of its own holds the key's turn until the measurement ends, even when the client leaves meanwhile (its
+        # request is cancelled, the probe's compile is not): a key that drops its requests still measures one at a time.
+        measuring = asyncio.ensure_future(self._measure_in_turn(call.key, budget, grammars, budget_s))
+        measuring.add_done_callback(_retrieved)  # its refusal, when nobody waits for it any more, is not an error to log
+        await asyncio.shield(measuring)
+
+    async def _measure_in_turn(self, key: str | None, budget: GrammarBudget, grammars: list, budget_s: float) -> None:
+        turn = self._turns.get(key)
         if turn is None:
-            turn = self._turns[call.key] = _KeyTurn(asyncio.Lock())
+            turn = self._turns[key] = _KeyTurn(asyncio.Lock())
         turn.users += 1
         try:
             async with turn.lock:  # one measurement at a time per key
@@ -75,7 +82,7 @@ class GrammarCosts:
         finally:
             turn.users -= 1
             if not turn.users:
-                self._turns.pop(call.key, None)
+                self._turns.pop(key, None)
 
     def _decide(self, budget: GrammarBudget, grammars: list, budget_s: float) -> None:
         try:
@@ -117,3 +124,8 @@ class GrammarCosts:
         for budget in self._budgets.values():
             budget.probe.close()  # type: ignore[attr-defined]
         self._budgets.clear()
+
+
+def _retrieved(task: asyncio.Task[None]) -> None:
+    if not task.cancelled():
+        task.exception()

@@ -16,7 +16,6 @@ from gateway.data.stream_pool import (
     UpstreamUnreachable,
 )
 
-
 LONG_PROMPT_BYTES = 64 * 1024
 """A request body this large holds a prompt whose prefill can take the engine seconds on a CPU, after its client left."""
 
