@@ -28,6 +28,13 @@ from typing import Any
 from engine_guard.grammar_start import dead_rule
 from engine_guard.stop_regex import stop_regex_problem
 
+try:  # re's parser (stable since 3.11 as re._parser; sre_parse before)
+    from re import _constants as _sre  # type: ignore[attr-defined]
+    from re import _parser as _sre_parse  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover - Python < 3.11
+    import sre_constants as _sre  # type: ignore[no-redef]
+    import sre_parse as _sre_parse  # type: ignore[no-redef]
+
 
 class GrammarProblem(ValueError):
     """Why a grammar input cannot go to the engine (the message names what to change)."""
