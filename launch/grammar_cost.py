@@ -14,6 +14,8 @@ The child leads its own process group and dies with its parent (:mod:`launch.pro
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
 import json
 import os
 import select
@@ -24,6 +26,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import IO, Any
 
 from launch.procgroup import popen_group, signal_group, wait_group
@@ -48,6 +51,28 @@ class CompileCost:
     stalled: bool = False
 
 
+def tokenizer_info_file(tokenizer_dir: str, vocab_size: int) -> Path:
+    """Where the child keeps the xgrammar ``TokenizerInfo`` of a tokenizer once read (a later child, of this process or
+    another, loads it without importing transformers: half its start), under the user's cache directory, named by the
+    tokenizer's files (path, sizes, times), the vocabulary size and xgrammar's version."""
+    folder = Path(tokenizer_dir).resolve()
+    stamp = [str(folder), str(vocab_size), _xgrammar_version()]
+    for name in sorted(os.listdir(folder)) if folder.is_dir() else ():
+        if name.startswith(("tokenizer", "vocab", "merges", "special_tokens", "added_tokens")):
+            info = (folder / name).stat()
+            stamp.append(f"{name}:{info.st_size}:{info.st_mtime_ns}")
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sglang-gateway" / "grammar-cost"
+    cache.mkdir(parents=True, exist_ok=True)
+    return cache / (hashlib.sha256("\n".join(stamp).encode()).hexdigest()[:24] + ".json")
+
+
+def _xgrammar_version() -> str:
+    try:
+        return importlib.metadata.version("xgrammar")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def process_cpu_s(pid: int) -> float:
     """User and system CPU seconds used so far by process ``pid`` (all its threads), from ``/proc``."""
     with open(f"/proc/{pid}/stat", "rb") as stat:
@@ -70,7 +95,6 @@ class CompileCostProbe:
         self._proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
         self._buffer = b""
-        self._scratch = tempfile.TemporaryDirectory(prefix="sglang-gateway-grammar-cost-")  # the tokenizer info, once read
         self.kills = 0  # children killed at a budget (a count for the metrics and the tests)
         self.closed = False
 
@@ -122,7 +146,6 @@ class CompileCostProbe:
         self.closed = True
         with self._lock:
             self._stop()
-            self._scratch.cleanup()
 
     def _ensure_started(self) -> subprocess.Popen[bytes]:
         if self.closed:
@@ -131,7 +154,7 @@ class CompileCostProbe:
             return self._proc
         self._stop()
         self._log = tempfile.TemporaryFile()
-        info_file = os.path.join(self._scratch.name, "tokenizer_info.json")
+        info_file = str(tokenizer_info_file(self.tokenizer_dir, self.vocab_size))
         argv = [self.python, "-m", "launch.grammar_cost_worker", self.tokenizer_dir, str(self.vocab_size), info_file]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
         proc = popen_group(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=env)

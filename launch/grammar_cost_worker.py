@@ -12,6 +12,7 @@ cost; a grammar that costs too much is never finished here: the parent kills the
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ def _compiler(tokenizer_dir: str, vocab_size: int, info_file: str) -> Any:
 
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
         info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size or None)
-        partial = saved.with_suffix(".partial")
+        partial = saved.with_suffix(f".{os.getpid()}.partial")
         partial.write_text(info.serialize_json())
         partial.replace(saved)  # whole or absent: a child killed while writing leaves no half file
     return xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
