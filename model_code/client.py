@@ -27,8 +27,9 @@ from loguru import logger
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from engine_guard.shapes import request_shape
+from engine_guard.tool_calls import forced_call_problem
 from model_code.engine_owner import Engine, acquire_engines
-from model_code.errors import BadRequestError, EngineUnavailableError, from_openai_error
+from model_code.errors import BadRequestError, EngineInternalError, EngineUnavailableError, from_openai_error
 from model_code.guard import CHAT_PATH, RequestGuard, engine_body
 from model_code.params import create_kwargs
 from model_code.quarantine import CallQuarantine, took_engine_down
@@ -136,13 +137,18 @@ class EngineClient:
             create = replica.openai().chat.completions.create
             return create(messages=messages, extra_headers=outgoing_headers(), **kwargs)
 
-        return self._completion(engine_body(messages, kwargs), send)
+        body = engine_body(messages, kwargs)
+        completion = self._completion(body, send)
+        _check_forced_call(body, completion.model_dump(exclude_unset=True))
+        return completion
 
     def chat_json(self, messages: list[dict[str, Any]], params: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """One non-streaming completion as the engine's JSON (a dict), through the lean transport
         (:mod:`model_code.lean`: no pydantic models); the same request, retries and typed errors as :meth:`chat`."""
         body = engine_body(messages, self.request(params, messages))
-        return self._completion(body, lambda replica: replica.lean().post(body, outgoing_headers()))
+        answer = self._completion(body, lambda replica: replica.lean().post(body, outgoing_headers()))
+        _check_forced_call(body, answer)
+        return answer
 
     def stream(
         self, messages: list[dict[str, Any]], params: Mapping[str, Any] | None = None
@@ -359,6 +365,14 @@ class LogTimeClient:
 
     def close(self) -> None:
         pass
+
+
+def _check_forced_call(body: dict[str, Any], answer: dict[str, Any]) -> None:
+    """A forced tool choice answered without a call is an error (as the gateway's 502 ``forced_call_missing``), never
+    an answer with nothing for the agent to do."""
+    problem = forced_call_problem(CHAT_PATH, body, answer)
+    if problem is not None:
+        raise EngineInternalError(f"forced_call_missing: {problem}", body=answer)
 
 
 def _log_file(replica: Replica) -> Path | None:

@@ -260,3 +260,21 @@ def test_the_mlflow_guard_holds_strings_and_checks_forced_tools_as_the_gateway_d
     named = {"model": "tiny", "tools": [{"type": "function", "function": {"name": 'a"b', "parameters": bounded}}]}
     with pytest.raises(BadRequestError, match="not a valid tool name"):
         guard.check(QUESTION, named)
+
+
+def test_a_forced_call_cut_by_its_token_limit_is_an_error_on_the_mlflow_path(tiny_engine: EngineProcess) -> None:
+    """As on the gateway (502 ``forced_call_missing``): a forced choice answered without a call raises, naming why."""
+    from model_code.client import EngineClient
+    from model_code.errors import EngineInternalError
+    from model_code.replica_set import Replica, ReplicaSet
+    from model_code.target import ModelCodeSettings
+
+    settings = ModelCodeSettings()
+    client = EngineClient("tiny", ReplicaSet([Replica(0, tiny_engine.url, tiny_engine.api_key or "EMPTY", settings)]), settings)
+    named = {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "max_tokens": 3}
+    try:
+        for ask in (client.chat, client.chat_json):
+            with pytest.raises(EngineInternalError, match="forced_call_missing: the answer reached its token limit"):
+                ask(QUESTION, named)
+    finally:
+        client.close()
