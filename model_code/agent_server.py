@@ -15,8 +15,8 @@ worker loads that copy: the weights path, part of the shared engine's key, is th
 What ``AgentServer`` (MLflow 3.17) does on its own and this adapts:
 
 - it calls a plain ``@invoke`` function on its event loop, so a worker would serve one call at a time (its
-  ``/health`` blocked meanwhile): the flavour's ``predict`` runs in the thread pool, and ``predict_stream`` is
-  iterated there, one event at a time;
+  ``/health`` blocked meanwhile): the flavour's ``predict`` runs in the thread pool, and ``predict_stream`` in a
+  thread of its own per stream (:func:`in_one_thread`);
 - it answers any failure of ``@invoke`` with 500: a flavour error keeps its own status here (400 for a request the
   guard refuses, 503 while the engine is unavailable...), as ``mlflow models serve`` answers it.
   A stream that fails sends ``AgentServer``'s ``{"error": ...}`` event (its status is 200 by then);
@@ -27,15 +27,18 @@ What ``AgentServer`` (MLflow 3.17) does on its own and this adapts:
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextvars
 import os
 import shutil
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Sequence
+import threading
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, TypeVar
 
 from mlflow.genai.agent_server import AgentServer, get_invoke_function, get_stream_function, invoke, stream
 from mlflow.types.responses import ResponsesAgentRequest, ResponsesAgentResponse, ResponsesAgentStreamEvent
@@ -43,6 +46,7 @@ from mlflow.types.responses import ResponsesAgentRequest, ResponsesAgentResponse
 from model_code.errors import EngineRequestError
 from model_code.flavors.responses_agent import SGLangResponsesAgent, _ResponsesAgentMethods
 
+T = TypeVar("T")
 SOURCE_ENV = "SGLANG_GATEWAY_AGENT_SOURCE"
 """What the workers load: the YAML file or local model folder the command resolved its SOURCE to."""
 PORT_ENV = "DATABRICKS_APP_PORT"
@@ -109,11 +113,55 @@ async def predict(request: ResponsesAgentRequest) -> ResponsesAgentResponse:
 
 
 async def predict_stream(request: ResponsesAgentRequest) -> AsyncIterator[ResponsesAgentStreamEvent]:
-    """The flavour's ``predict_stream``, each event fetched off the event loop as the engine writes it."""
-    from starlette.concurrency import iterate_in_threadpool
-
-    async for event in iterate_in_threadpool(current_agent().predict_stream(request)):
+    """The flavour's ``predict_stream``, iterated in a thread of its own, each event handed over as it comes."""
+    async for event in in_one_thread(current_agent().predict_stream(request)):
         yield event
+
+
+async def in_one_thread(items: Iterator[T]) -> AsyncIterator[T]:
+    """Iterate a blocking generator in ONE thread, in a copy of the caller's context, and yield its items here.
+
+    Not a thread-pool hop per ``next()`` (starlette's ``iterate_in_threadpool``): each hop costs a round trip between
+    threads, and runs the generator in a fresh copy of the context each time (a context variable set inside it
+    could not be reset). The caller's context carries AgentServer's span and ``get_request_headers()``. Leaving
+    early (the client went away) stops the thread at its next item and closes the generator (the engine's stream).
+    """
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[tuple[bool, Any]] = asyncio.Queue()
+    stop = threading.Event()
+
+    def put(more: bool, value: Any) -> None:
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, (more, value))
+        except RuntimeError:  # the loop has closed: nobody is waiting any more
+            stop.set()
+
+    def produce() -> None:
+        try:
+            for item in items:
+                if stop.is_set():
+                    break
+                put(True, item)
+            put(False, None)
+        except BaseException as error:  # handed to the consumer, who raises it where AgentServer reports it
+            put(False, error)
+        finally:
+            close = getattr(items, "close", None)
+            if close is not None:
+                close()
+
+    context = contextvars.copy_context()
+    threading.Thread(target=context.run, args=(produce,), name="agent-stream", daemon=True).start()
+    try:
+        while True:
+            more, value = await queue.get()
+            if not more:
+                if value is not None:
+                    raise value
+                return
+            yield value
+    finally:
+        stop.set()
 
 
 def register_functions() -> None:
