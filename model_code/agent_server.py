@@ -41,6 +41,7 @@ from types import SimpleNamespace
 from typing import Any, TypeVar
 
 from mlflow.genai.agent_server import AgentServer, get_invoke_function, get_stream_function, invoke, stream
+from mlflow.pyfunc import ResponsesAgent
 from mlflow.types.responses import ResponsesAgentRequest, ResponsesAgentResponse, ResponsesAgentStreamEvent
 
 from model_code.errors import EngineRequestError
@@ -89,7 +90,7 @@ def load_agent(source: str) -> _ResponsesAgentMethods:
 
     model = mlflow.pyfunc.load_model(source)
     agent = python_model_of(model)
-    if not isinstance(agent, _ResponsesAgentMethods):
+    if not isinstance(agent, ResponsesAgent):  # the model's class comes from its own packed code: not ours by identity
         close_model(model)
         raise ValueError(
             f"{source}: AgentServer serves the responses_agent flavour; this model is {type(agent).__name__} "

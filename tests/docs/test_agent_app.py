@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
 from collections.abc import Iterator
@@ -148,3 +149,22 @@ def test_a_call_waiting_for_the_engine_leaves_the_worker_answering(
             call.result()
     finally:
         server.stop()
+
+
+def test_an_engine_that_cannot_start_ends_the_command_with_the_reason(tmp_path: Path) -> None:
+    """The preflight refuses the weights: the command exits 1 naming why, and never listens."""
+    config = tmp_path / "agent.yaml"
+    config.write_text(
+        yaml.safe_dump({"models": {"m": {"engine": {"model_path": str(tmp_path / "no-weights"), "device": "cpu"}}}})
+    )
+    port = pick_free_port()
+    env = {**os.environ, "DATABRICKS_APP_PORT": str(port), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"}
+    done = subprocess.run(
+        [sys.executable, "-m", "model_code.agent_server", str(config)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "no-weights: no such directory" in done.stderr and "Uvicorn running" not in done.stderr
