@@ -37,6 +37,17 @@ MODEL = "bench"
 GATEWAY, AGENT, UNTRACED = "gateway /v1/responses", "AgentServer /responses", "AgentServer, traces off"
 
 
+def experiment(out: Path) -> str:
+    """An experiment of the run's sqlite store whose artifacts stay in ``out`` (experiment 0's would be ./mlruns)."""
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
+    found = client.get_experiment_by_name("agent-server-bench")
+    if found is not None:
+        return found.experiment_id
+    return client.create_experiment("agent-server-bench", artifact_location=str(out / "mlflow-artifacts"))
+
+
 @contextmanager
 def agent_server(upstream: str, out: Path, workers: int, traced: bool = True) -> Iterator[tuple[str, processes.Child]]:
     """``python -m model_code.agent_server`` on a YAML whose model is ``upstream`` (URL mode: it starts no engine);
@@ -45,7 +56,11 @@ def agent_server(upstream: str, out: Path, workers: int, traced: bool = True) ->
     config.write_text(yaml.safe_dump({"models": {MODEL: {"url": upstream}}}))
     port = pick_free_port()
     argv = [sys.executable, "-m", "model_code.agent_server", str(config), "--host", "127.0.0.1", "--port", str(port)]
-    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{out / 'mlflow.db'}"}
+    env = {
+        **os.environ,
+        "MLFLOW_TRACKING_URI": f"sqlite:///{out / 'mlflow.db'}",
+        "MLFLOW_EXPERIMENT_ID": experiment(out),
+    }
     if not traced:
         env["MLFLOW_TRACE_SAMPLING_RATIO"] = "0"
     log = out / f"agent-server{'' if traced else '-untraced'}.log"

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import mlflow
 import psutil
 import pytest
 from openai import OpenAI
@@ -55,7 +56,8 @@ def app(starts_engine: None, default_model_dir: Path, mlflow_store: Path) -> Ite
         [sys.executable, "-m", "model_code.agent_server", "configs/smollm2-cpu.yaml", "--host", "127.0.0.1", "--workers", "2"],
         log_path=mlflow_store / "agent-server.log",
         env={**os.environ, "DATABRICKS_APP_PORT": str(port), "SGLANG_GATEWAY_DEFAULT_MODEL": str(default_model_dir),
-             "MLFLOW_TRACKING_URI": f"sqlite:///{mlflow_store}/mlflow.db", TAG_ENV: tag},
+             "MLFLOW_TRACKING_URI": f"sqlite:///{mlflow_store}/mlflow.db", TAG_ENV: tag,
+             "MLFLOW_EXPERIMENT_ID": mlflow.get_experiment_by_name("model_code-tests").experiment_id},
         cwd=REPO, port=port,
     )  # fmt: skip
     try:

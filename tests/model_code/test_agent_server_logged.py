@@ -28,6 +28,7 @@ def _env(mlflow_store: Path, port: int) -> dict[str, str]:
         **os.environ,
         "DATABRICKS_APP_PORT": str(port),
         "MLFLOW_TRACKING_URI": f"sqlite:///{mlflow_store}/mlflow.db",
+        "MLFLOW_EXPERIMENT_ID": mlflow.get_experiment_by_name("model_code-tests").experiment_id,
     }
 
 
