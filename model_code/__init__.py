@@ -14,6 +14,8 @@ models-from-code files load only what they need. A map:
 ``log``             ``log_model``: a deployment YAML -> a logged model (``requirements``: its pinned GPU stack;
                     ``weights``: a weights folder that links out of itself, a Hugging Face snapshot, made packable)
 ``entrypoint``      the ``entrypoint`` flavour (the gateway as the model's server; ``entrypoint_model`` its placeholder)
+``agent_server``    the ResponsesAgent flavour behind MLflow's ``AgentServer`` (a Databricks App): ``python -m
+                    model_code.agent_server SOURCE``, N workers on one engine
 ``serving``         ``load_for_serving``: a logged model that takes serving request bodies; ``batch`` many prompts
                     (``batch_job``: as one job of a gateway's batch API, ``via="batch"``, which survives the kernel)
 ``loaded``          the flavour instance behind a loaded model (``python_model_of``), ``close_model``
