@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from engine_guard.bounds import RequestBounds, check_bounds, grammar_bytes
+from engine_guard.json_strings import ANY_CHARACTER
 from engine_guard.tool_calls import (
     CALL_ENDS,
     check_strict_schemas,
@@ -158,10 +159,10 @@ def test_a_tool_name_the_call_cannot_carry_is_refused_naming_it(path: str, name:
 
 
 def test_length_bounded_strings_of_what_is_compiled_are_held_by_a_pattern_on_copies() -> None:
-    """xgrammar lets raw control characters into a length-bounded string: its bounds become ``^.{min,max}$``,
+    """xgrammar lets raw control characters into a length-bounded string: its bounds become ``^[^\\ud800-\\udfff]{min,max}$``,
     which it holds to JSON string content, in every schema the engine compiles (and in those only)."""
     bounded = {"type": "object", "properties": {"s": {"type": "string", "minLength": 2, "maxLength": 9}, "t": {"type": "string", "maxLength": 4}}}
-    held = {"type": "object", "properties": {"s": {"type": "string", "pattern": "^.{2,9}$"}, "t": {"type": "string", "pattern": "^.{0,4}$"}}}
+    held = {"type": "object", "properties": {"s": {"type": "string", "pattern": f"^{ANY_CHARACTER}{{2,9}}$"}, "t": {"type": "string", "pattern": f"^{ANY_CHARACTER}{{0,4}}$"}}}
     tools = [{"type": "function", "function": {"name": "a", "parameters": bounded}}, {"type": "function", "function": {"name": "b", "parameters": bounded}}]
     original = copy.deepcopy(tools)
     body = {"tools": tools, "tool_choice": NAMED, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": bounded}}}
@@ -177,7 +178,7 @@ def test_length_bounded_strings_of_what_is_compiled_are_held_by_a_pattern_on_cop
         assert json.loads(body["json_schema"]) == untouched
     body = {"json_schema": json.dumps({"type": "string", "maxLength": 3})}
     guard_tools("/v1/completions", body, "m", None, parser_known=False)
-    assert json.loads(body["json_schema"]) == {"type": "string", "pattern": "^.{0,3}$"}
+    assert json.loads(body["json_schema"]) == {"type": "string", "pattern": f"^{ANY_CHARACTER}{{0,3}}$"}
     body = {"text": {"format": {"type": "json_schema", "name": "x", "schema": bounded}}}
     guard_tools("/v1/responses", body, "m", None, parser_known=False)
     assert body["text"]["format"]["schema"] == held

@@ -244,6 +244,7 @@ def test_the_guard_ends_a_forced_call_where_the_client_sends_it() -> None:
 def test_the_mlflow_guard_holds_strings_and_checks_forced_tools_as_the_gateway_does() -> None:
     """A length-bounded string of a response format is sent held by a pattern (raw control characters otherwise), a
     forced tool's schema is checked as sent (a keyword the grammar cannot hold refused), a tool name checked."""
+    from engine_guard.json_strings import ANY_CHARACTER
     from model_code.guard import RequestGuard
 
     guard = RequestGuard("tiny", tool_call_parser="qwen25", knows_tool_parser=True)
@@ -251,7 +252,7 @@ def test_the_mlflow_guard_holds_strings_and_checks_forced_tools_as_the_gateway_d
     response_format = {"type": "json_schema", "json_schema": {"name": "x", "schema": bounded}}
     kwargs: dict[str, Any] = {"model": "tiny", "response_format": response_format}
     guard.check(QUESTION, kwargs)
-    assert kwargs["response_format"]["json_schema"]["schema"]["properties"]["s"] == {"type": "string", "pattern": "^.{0,5}$"}
+    assert kwargs["response_format"]["json_schema"]["schema"]["properties"]["s"] == {"type": "string", "pattern": f"^{ANY_CHARACTER}{{0,5}}$"}
     assert response_format["json_schema"]["schema"] is bounded and bounded["properties"]["s"] == {"type": "string", "maxLength": 5}
     unheld = {"type": "object", "properties": {"v": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}}}
     forced = {"model": "tiny", "tools": [{"type": "function", "function": {"name": "act", "parameters": unheld}}], "tool_choice": "required"}
