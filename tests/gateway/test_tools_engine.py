@@ -343,6 +343,7 @@ def test_the_default_models_named_responses_call_is_complete_within_60_tokens(st
     (call,) = [item for item in response.output if item.type == "function_call"]
     assert call.name == "get_time" and json.loads(call.arguments)["city"] == "Paris", call
     assert response.usage.output_tokens < 60, response.usage
+    print("named Responses call:", response.status, response.usage.output_tokens, "output tokens of 60")
 
 
 def _messages_tool_call(client: anthropic.Anthropic, stream: bool, max_tokens: int) -> Any:
@@ -367,4 +368,5 @@ def test_the_default_models_forced_tool_use_ends_as_tool_use(stream: bool, real_
     (block,) = [block for block in message.content if block.type == "tool_use"]
     assert block.name == "get_time" and block.input["city"] == "Paris", block
     assert message.usage.output_tokens < 60, message.usage
+    print("forced Messages tool_use:", message.stop_reason, message.usage.output_tokens, "output tokens of 60")
 
