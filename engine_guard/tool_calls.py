@@ -12,12 +12,16 @@ request before it is sent: only the named tool is offered, and each forced tool 
 engine's grammar holds the name and the parameters' JSON schema (the guard has checked that schema compiles:
 :func:`engine_guard.bounds.grammar_inputs`). A tool the client marked ``strict`` is held by the engine as it is.
 
-The grammar holds the call but does not end the answer: after the call's closing marker SGLang 0.5.23 lets the model
-write on (text its parser drops) until ``max_tokens``, so the client got ``finish_reason: "length"`` for a complete
-call, and waited for the useless tokens. Where one call is all the answer may hold (a named function; ``required``
-with ``parallel_tool_calls: false``) on chat completions, :func:`end_forced_call` adds the parser's end-of-call text
+The grammar holds the call but, as SGLang 0.5.23 builds it, does not end the answer: after the call's closing marker
+it lets the model write on (text its parser drops) until ``max_tokens``, so a complete call came back cut short
+(``finish_reason: "length"``, Responses ``status: "incomplete"``, Messages ``stop_reason: "max_tokens"``). Where one
+call is all the answer may hold (a named function; ``required`` with ``parallel_tool_calls: false``), an engine the
+gateway launches runs its SGLang plugin, whose grammar ends the answer right after the call on every route and with
+every parser (``launch/engine_plugin/.../forced_calls_end.py``; parallel calls keep SGLang's grammar: its note says
+why). For an engine without it (one given by URL), on chat completions, :func:`end_forced_call` adds the parser's end-of-call text
 (:data:`CALL_ENDS`) as a stop string, kept in the output (``no_stop_trim``) so the parser still reads the call: the
-engine stops right after it and answers ``tool_calls``.
+engine stops right after it and answers ``tool_calls``. SGLang's Responses and Messages requests have no
+``no_stop_trim`` (a trimmed marker leaves the parser no call): there, only the plugin ends the call.
 
 One table says, per route, where the tools, their schemas and the choice live (:data:`TOOL_DIALECTS`).
 """
@@ -88,13 +92,17 @@ TOOL_PARSER_SETTING = "tool_call_parser"
 CALL_ENDS: dict[str, str] = {
     "qwen25": "\n</tool_call>",  # Qwen25Detector.eot_token; its grammar closes each call with '}\n</tool_call>'
     "qwen": "\n</tool_call>",  # the same detector: the name an engine started with qwen25 reports (/get_server_info)
+    "trinity": "\n</tool_call>",  # TrinityDetector: the same format
 }
-"""Per ``--tool-call-parser``, the text that closes one call in its format (the detector's end-of-call marker),
-for the parsers checked on the engine; another parser's requests are left as they are. The marker cannot occur
-earlier in a grammar-held call: a raw newline is not allowed inside a JSON string."""
+"""Per ``--tool-call-parser``, the text that closes one call in its format (the detector's ``eot_token``, ending
+its grammar's end of a call), for every parser SGLang 0.5.23 ships whose marker cannot occur earlier in a
+grammar-held call: it holds a newline, which a JSON string cannot hold raw (tests check the table against SGLang's
+detectors). Others' markers (``</tool_call>``, ``<|END_ACTION|>``, ``}``, ``]``...) could be written inside an
+argument's string, where a stop would cut the call: their requests are left as they are (the plugin ends them)."""
 ENDS_ON_STOP_PATHS = ("/v1/chat/completions",)
 """Routes whose engine request can keep a matched stop string (``no_stop_trim``): SGLang's Responses and Messages
-requests have no such field, and a trimmed marker would leave the parser no call to read."""
+requests have no such field, and a trimmed marker would leave the parser no call to read (there, the engine plugin's
+grammar ends the call)."""
 
 ENFORCED_KEYWORDS = frozenset({
     "type", "properties", "required", "additionalProperties", "items", "prefixItems", "enum", "const", "anyOf",

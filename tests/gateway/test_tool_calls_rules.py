@@ -219,3 +219,33 @@ def test_a_forced_choice_answered_without_a_call_is_named(path: str, body: dict[
         {"type": "function", "name": "a", "parameters": SCHEMA} if path == "/v1/responses" else _chat_tool("a"))  # fmt: skip
     found = forced_call_problem(path, {**body, "tools": [tool]}, answer)
     assert (found is None) if problem is None else (found is not None and problem in found)
+
+
+def test_the_call_ends_are_sglangs_own_markers_for_every_parser_whose_marker_no_held_call_can_write_early() -> None:
+    """CALL_ENDS as SGLang's detectors define it: each shipped parser's ``eot_token`` where its grammar ends a call
+    with it and it holds a newline (a JSON string cannot hold one raw, so the stop cannot cut a call early); every
+    other parser (``</tool_call>``, ``<|action_end|>``... could be written inside an argument) absent."""
+    from sglang.srt.function_call.function_call_parser import FunctionCallParser
+
+    expected = {}
+    for name, detector_class in FunctionCallParser.ToolCallParserEnum.items():
+        try:
+            detector = detector_class()
+            info = detector.structure_info()("f")
+        except Exception:  # noqa: BLE001 - no call grammar of its own (a JSON schema, a template's, a model's tag)
+            continue
+        marker = detector.eot_token
+        if marker and "\n" in marker and info.end.endswith(marker) and marker not in info.begin:
+            expected[name] = marker
+    assert CALL_ENDS == expected
+
+
+@pytest.mark.parametrize(("parser", "ends"), [("trinity", True), ("hermes", False), ("llama3", False), (None, False)])
+def test_a_call_that_must_come_alone_stops_at_its_parsers_marker_where_it_has_a_safe_one(parser: str | None, ends: bool) -> None:
+    """Trinity's calls end as Qwen's do ('\\n</tool_call>'); hermes' '</tool_call>' and llama3's '}' could come inside
+    an argument, so no stop is added for them (the engine plugin's grammar ends their calls instead)."""
+    body = {"tools": [_chat_tool("a")], "tool_choice": NAMED}
+    guard_tools(CHAT, body, "m", parser, parser_known=False)
+    assert ("stop" in body) == ends and body.get("no_stop_trim", False) == ends, body
+    if ends:
+        assert body["stop"] == ["\n</tool_call>"]

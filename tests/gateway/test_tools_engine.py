@@ -317,3 +317,56 @@ def test_a_tool_result_reaches_the_model_in_each_dialect(real_gateway: GatewaySe
                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": result}]}],
     )
     assert "snow" in "".join(block.text for block in message.content if block.type == "text").lower(), message.content
+
+
+def _responses_named_call(client: openai.OpenAI, stream: bool) -> Any:
+    """What openai-agents sends for a named function tool at ``max_output_tokens: 60`` (its final Response)."""
+    kwargs = dict(model="default", input=QUESTION, temperature=0, max_output_tokens=60, store=False,
+                  tools=[{"type": "function", "strict": True, **tool} for tool in (WEATHER, TIME)],
+                  tool_choice={"type": "function", "name": "get_time"})  # fmt: skip
+    if not stream:
+        return client.responses.create(**kwargs)
+    final = [event.response for event in client.responses.create(**kwargs, stream=True)
+             if event.type in ("response.completed", "response.incomplete")]  # fmt: skip
+    assert len(final) == 1, final
+    return final[0]
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_the_default_models_named_responses_call_is_complete_within_60_tokens(stream: bool, real_gateway: GatewayServer) -> None:
+    """openai-agents' check: a Response that is not ``completed`` is a ModelBehaviorError, even with its call whole. The
+    engine ends the answer at the call (before: the model wrote on after it, ``incomplete`` at 60 tokens)."""
+    openai_client, _ = _clients(real_gateway)
+    response = _responses_named_call(openai_client, stream)
+    assert response.status == "completed" and response.incomplete_details is None, (response.status, response.usage)
+    (call,) = [item for item in response.output if item.type == "function_call"]
+    assert call.name == "get_time" and json.loads(call.arguments)["city"] == "Paris", call
+    assert response.usage.output_tokens < 60, response.usage
+    print("named Responses call:", response.status, response.usage.output_tokens, "output tokens of 60")
+
+
+def _messages_tool_call(client: anthropic.Anthropic, stream: bool, max_tokens: int) -> Any:
+    """What instructor's ANTHROPIC_TOOLS mode sends: the named tool forced, one call (its final Message)."""
+    kwargs = dict(model="default", messages=[{"role": "user", "content": QUESTION}], max_tokens=max_tokens, extra_body={"temperature": 0},
+                  tools=[{"name": TIME["name"], "description": TIME["description"], "input_schema": TIME["parameters"]}],
+                  tool_choice={"type": "tool", "name": "get_time", "disable_parallel_tool_use": True})  # fmt: skip
+    if not stream:
+        return client.messages.create(**kwargs)
+    with client.messages.stream(**kwargs) as events:
+        return events.get_final_message()
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_the_default_models_forced_tool_use_ends_as_tool_use(stream: bool, real_gateway: GatewayServer) -> None:
+    """instructor's check: ``stop_reason: "max_tokens"`` is an IncompleteOutputException, even with the tool_use block
+    whole. The engine ends the answer at the call (before: it ran on to max_tokens)."""
+    _, anthropic_client = _clients(real_gateway)
+    message = _messages_tool_call(anthropic_client, stream, max_tokens=60)
+    assert message.stop_reason == "tool_use", (message.stop_reason, message.usage)
+    (block,) = [block for block in message.content if block.type == "tool_use"]
+    assert block.name == "get_time" and block.input["city"] == "Paris", block
+    assert message.usage.output_tokens < 60, message.usage
+    print("forced Messages tool_use:", message.stop_reason, message.usage.output_tokens, "output tokens of 60")
+

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import json
 import multiprocessing
 import os
 import socket
@@ -181,3 +182,101 @@ def test_the_launcher_asks_for_plain_memory_only_for_a_cpu_engine_with_lora() ->
     env = lambda **keys: build_env(EngineConfig(model_path="/m", **keys), base={}).variables  # noqa: E731
     assert env(device="cpu", enable_lora=True)[CPU_LORA_ENV] == "1"
     assert CPU_LORA_ENV not in env(device="cpu") and CPU_LORA_ENV not in env(enable_lora=True)
+
+
+def _forced_constraints(parser_name: str) -> dict[str, Any] | None:
+    """SGLang's constraint for each forced choice with parser ``parser_name``, through the plugin's hook: {choice: the
+    constraint's (kind, JSON form)}; None where the parser cannot be built without a model."""
+    from sglang.srt.entrypoints.openai.protocol import Tool, ToolChoice
+    from sglang.srt.function_call.function_call_parser import FunctionCallParser
+    from sglang_gateway_engine_plugin.forced_calls_end import end_forced_calls
+
+    tools = [Tool(type="function", function={"name": "f", "parameters": CALL_SCHEMA, "strict": True})]
+    try:
+        parser = FunctionCallParser(tools, parser_name)
+    except Exception:  # noqa: BLE001 - a template parser needs its model's tokenizer
+        return None
+    found = {}
+    for choice, parallel in (("named", True), ("required_one", False), ("required", True)):
+        tool_choice: Any = ToolChoice(type="function", function={"name": "f"}) if choice == "named" else "required"
+        constraint = end_forced_calls(FunctionCallParser.get_structure_constraint, parser, tool_choice, parallel_tool_calls=parallel)
+        kind, value = constraint or (None, None)  # None: SGLang could build none for this format (it logs why)
+        found[choice] = (kind, value.model_dump(by_alias=True) if hasattr(value, "model_dump") else value)
+    return found
+
+
+CALL_SCHEMA = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+
+
+def _accepts(tag: dict[str, Any], text: str) -> bool:
+    from xgrammar import Grammar
+    from xgrammar.testing import _is_grammar_accept_string
+
+    return _is_grammar_accept_string(Grammar.from_structural_tag(json.dumps(tag)), text)
+
+
+@pytest.mark.parametrize("parser_name", ["qwen25", "hermes", "llama3", "mistral", "interns1", "deepseekv3"])
+def test_a_forced_calls_grammar_ends_after_the_calls_in_the_parsers_own_format(plugin: ModuleType, parser_name: str) -> None:
+    """SGLang's grammar let the model write on after a forced call (to max_tokens, the answer cut short); the plugin's
+    ends a call that must come alone (named, or required with parallel calls off) right after it (a newline allowed,
+    as models write one), in SGLang's own detector's tags (begin, schema, end). Parallel calls keep SGLang's grammar."""
+    from sglang.srt.function_call.function_call_parser import FunctionCallParser
+
+    info = FunctionCallParser.ToolCallParserEnum[parser_name]().structure_info()("f")
+    one = info.begin + '{"a": "x"}' + info.end
+    found = _forced_constraints(parser_name)
+    assert found is not None
+    for choice in ("named", "required_one"):
+        kind, tag = found[choice]
+        assert kind == "structural_tag", (choice, kind)
+        assert _accepts(tag, one) and _accepts(tag, one + "\n"), (choice, tag)
+        assert not _accepts(tag, one + " and more text") and not _accepts(tag, one + "\n\n"), (choice, tag)
+        assert not _accepts(tag, one + "\n" + one) and not _accepts(tag, "text first " + one), choice
+    assert "structures" in found["required"][1]  # parallel calls: SGLang's own (legacy) tag, as it was
+
+
+def test_sglangs_own_forced_grammar_lets_the_model_write_on_after_the_call() -> None:
+    """Why the hook exists (SGLang 0.5.23, without it): text after a complete forced call is in the grammar."""
+    from sglang.srt.entrypoints.openai.protocol import Tool
+    from sglang.srt.function_call.function_call_parser import FunctionCallParser
+    from xgrammar import StructuralTag, StructuralTagItem
+
+    tools = [Tool(type="function", function={"name": "f", "parameters": CALL_SCHEMA, "strict": True})]
+    kind, legacy = FunctionCallParser(tools, "qwen25").get_structure_constraint("required", parallel_tool_calls=False)
+    structures = legacy.model_dump(by_alias=True)["structures"]
+    tag = StructuralTag.from_legacy_structural_tag(
+        [StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"]) for s in structures], legacy.triggers
+    )
+    tag.format.at_least_one = True  # as SGLang's grammar backend compiles it
+    one = structures[0]["begin"] + '{"a": "x"}' + structures[0]["end"]
+    assert kind == "structural_tag" and _accepts(tag.model_dump(by_alias=True), one + " and more text")
+
+
+def _format_types(node: Any) -> set[str]:
+    if isinstance(node, list):
+        return set().union(*(_format_types(item) for item in node))
+    if not isinstance(node, dict):
+        return set()
+    return ({node["type"]} if isinstance(node.get("type"), str) else set()).union(*(_format_types(v) for v in node.values()))
+
+
+def test_every_shipped_parsers_forced_grammar_leaves_no_free_text_after_a_lone_call(plugin: ModuleType) -> None:
+    """For every tool-call parser SGLang ships (any may be set as engine.tool_call_parser): a lone forced call's
+    constraint holds no triggered tags (free text after a call) once the plugin has it: the plugin's own form, a
+    built-in tag that ends after the calls, or a JSON schema / whole-turn grammar (ending with its value); or none,
+    where SGLang builds none for the format (muse, spark25, hunyuan: SGLang logs why)."""
+    from sglang.srt.function_call.function_call_parser import FunctionCallParser
+
+    unbuilt = []
+    for name in FunctionCallParser.ToolCallParserEnum:
+        found = _forced_constraints(name)
+        if found is None:
+            unbuilt.append(name)
+            continue
+        for choice, (kind, value) in found.items():
+            if choice == "required":
+                continue  # parallel calls keep SGLang's grammar (forced_calls_end's note)
+            assert kind in ("structural_tag", "json_schema", "full_assistant_ebnf", "ebnf", None), (name, choice, kind)
+            if kind == "structural_tag":
+                assert "structures" not in value and "triggered_tags" not in _format_types(value), (name, choice, value)
+    assert unbuilt == ["response_template"], unbuilt  # needs its model's own chat template
