@@ -10,9 +10,9 @@ xgrammar (SGLang's grammar backend) writes a JSON string's characters raw, and t
   escaped, so it either breaks the JSON or can never be matched.
 - a string with ``minLength``/``maxLength`` (and no pattern) lets raw control characters in (a tab, a NUL), which no
   JSON parser takes: the engine's tool-call parser drops the call, a client's ``json.loads`` fails.
-  :func:`hold_string_lengths` rewrites such a string's bounds as the equivalent pattern ``^[^\\ud800-\\udfff]{min,max}$``
-  (any character but a surrogate, :data:`ANY_CHARACTER`), which the grammar holds to JSON string content (no quote,
-  backslash or control character; each character one of the length) and which costs no more to compile.
+  :func:`hold_string_lengths` rewrites such a string's bounds as the equivalent pattern ``^.{min,max}$``
+  (:data:`ANY_CHARACTER`), which the grammar holds to JSON string content (no quote, backslash or control
+  character; each character one of the length) and which costs no more to compile.
 
 :func:`hold_json_strings` applies the rewrite to the JSON schema of a request's answer format, and
 :func:`engine_guard.tool_calls.hold_strict_strings` to its strict (or forced) tools' parameters, on copies: the
@@ -28,11 +28,12 @@ import orjson
 
 from engine_guard.grammar_checks import schema_nodes
 
-ANY_CHARACTER = r"[^\ud800-\udfff]"
-"""One character of a JSON string as the grammar must count it: any code point but a surrogate. xgrammar's ``.``
-admits a surrogate's bytes (``ED A0 80``), which are not UTF-8: they decode as three replacement characters, and a
-string the grammar counted as 12 characters came back as 14 (the grammar still excludes quotes, backslashes and
-control characters from the class: it holds it to JSON string content)."""
+ANY_CHARACTER = "."
+"""One character of a JSON string, as the grammar holds it: xgrammar's ``.`` in a string's pattern is held to JSON
+string content (no quote, backslash or control character). What it does not hold: bytes that are not UTF-8 (a
+surrogate's, ``ED A0 80``), which random weights write and which decode as replacement characters, one to three per
+character the grammar counted; a real model writes UTF-8. (A class that leaves surrogates out,
+``[^\\ud800-\\udfff]``, dead-ends in xgrammar after the byte ``ED``: the engine answers 500.)"""
 
 
 def _length_bounded(node: dict[str, Any]) -> bool:
@@ -45,7 +46,7 @@ def _length_bounded(node: dict[str, Any]) -> bool:
 
 def hold_string_lengths(schema: Any) -> Any:
     """``schema`` with each length-bounded string (``minLength``/``maxLength``, no pattern) held by the equivalent
-    pattern ``^[^\\ud800-\\udfff]{min,max}$`` instead (a copy; ``schema`` itself when there is none)."""
+    pattern ``^.{min,max}$`` instead (a copy; ``schema`` itself when there is none)."""
     if not isinstance(schema, dict) or not any(_length_bounded(node) for node, _ in schema_nodes(schema)):
         return schema
     held = copy.deepcopy(schema)
