@@ -21,6 +21,7 @@ from common import (
     assert_snow,
     cell,
     get_weather,
+    model_limited,
 )
 from pydantic_ai import Agent, RunContext
 from pydantic_ai.capabilities import AbstractCapability
@@ -88,6 +89,10 @@ def test_tool_loop(gateway_url: str, api: str, request: pytest.FixtureRequest) -
 
 
 @pytest.mark.parametrize("api", ["chat", "responses"])
+@model_limited(
+    "the output tool (final_result) is called with arguments of City's schema, but the 135M model writes the tool's "
+    "name or the country into the city's name field"
+)
 def test_structured_output(gateway_url: str, api: str, request: pytest.FixtureRequest) -> None:
     """``output_type=City``: pydantic-ai's default, an output tool the model must call (``tool_choice: required``)."""
     request.applymarker(cell(ROWS[api], "structured output"))
