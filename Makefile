@@ -8,7 +8,7 @@ TINY_MODEL := .cache/tiny-model
 DEFAULT_MODEL := .cache/smollm2-instruct
 PYTEST_ARGS ?=
 
-.PHONY: env tiny-model default-model models serve launch check test test-real-model test-random test-sglang-0.5.10.post1 screenshots mutation lint bench clean
+.PHONY: env tiny-model default-model models serve launch check test test-real-model test-frameworks test-random test-sglang-0.5.10.post1 screenshots mutation lint bench clean
 
 env:
 	@scripts/bootstrap.sh
@@ -53,6 +53,14 @@ test: models
 test-real-model: models
 	$(PY) -m pytest --durations=10 -p no:xdist -m real_model $(PYTEST_ARGS)
 
+# The agent frameworks' matrix: openai-agents, pydantic-ai, LangGraph, instructor, smolagents, LlamaIndex, AutoGen and
+# DSPy, each a chat, a stream, a forced tool loop and a structured output, against the real default model. The
+# frameworks run in an environment of their own (scripts/bootstrap_frameworks.sh: their pins never move the
+# gateway's), talking HTTP to one `sglang-gateway serve configs/smollm2-cpu.yaml` that this environment runs for the
+# session (tests_frameworks/conftest.py); it prints the frameworks x capabilities table with its counts.
+test-frameworks: models
+	$$(scripts/bootstrap_frameworks.sh) -m pytest -c tests_frameworks/pytest.ini tests_frameworks $(PYTEST_ARGS)
+
 # The same tests in a random order (pytest-randomly): no test may depend on another having run first.
 # The seed is printed at the top; PYTEST_ARGS='--randomly-seed=N' replays an order.
 test-random: models
@@ -90,7 +98,7 @@ bench: env
 	$(PY) -m benchmarks compare --upstream stub -c 1,16,64,256 -n 1200 --rounds 4
 
 lint: env
-	$(VENV)/bin/ruff check launch gateway model_code benchmarks tests
+	$(VENV)/bin/ruff check launch gateway model_code benchmarks tests tests_frameworks
 
 clean:
 	rm -rf .cache .pytest_cache .venv
