@@ -288,7 +288,8 @@ def guard_tools(path: str, body: dict[str, Any], model: str, parser: str | None,
 def forced_call_problem(path: str, body: dict[str, Any], answer: Any) -> str | None:
     """Why ``answer`` (the engine's plain answer to ``body``, parsed) fails a forced tool choice: it holds no call
     (the engine's parser dropped a call it could not read, or the answer was cut at its token limit before the call
-    ended), or None. A forced choice promises a call: a 200 with nothing would leave an agent loop with no step."""
+    ended), or None. A forced choice promises a call: a 200 with nothing would leave an agent loop with no step. An
+    answer the caller's own stop string ended is what the caller asked for, call or not."""
     dialect = TOOL_DIALECTS.get(path)
     if dialect is None or dialect.choice(body)[0] not in ("forced", "named") or not isinstance(answer, dict):
         return None
@@ -297,7 +298,7 @@ def forced_call_problem(path: str, body: dict[str, Any], answer: Any) -> str | N
     cut = False
     if path == "/v1/chat/completions":
         choices = answer.get("choices") if isinstance(answer.get("choices"), list) else []
-        missing = [c for c in choices if isinstance(c, dict) and not ((c.get("message") or {}).get("tool_calls"))]
+        missing = [c for c in choices if isinstance(c, dict) and not ((c.get("message") or {}).get("tool_calls")) and not _callers_stop(c)]
         cut = any(choice.get("finish_reason") == "length" for choice in missing)
         if not missing:
             return None
@@ -310,7 +311,15 @@ def forced_call_problem(path: str, body: dict[str, Any], answer: Any) -> str | N
         content = answer.get("content") if isinstance(answer.get("content"), list) else []
         if any(isinstance(block, dict) and block.get("type") == "tool_use" for block in content):
             return None
+        if answer.get("stop_reason") == "stop_sequence":
+            return None  # the caller's own stop sequence ended it: what it asked for
         cut = answer.get("stop_reason") == "max_tokens"
     if cut:
         return "the answer reached its token limit before the forced tool call ended: no complete call to return (raise the limit)"
     return "the engine returned no tool call for the forced tool choice (the model's call could not be read as JSON)"
+
+
+def _callers_stop(choice: dict[str, Any]) -> bool:
+    """Whether a chat choice was ended by one of the caller's stop strings (not the end-of-call marker the gateway adds)."""
+    matched = choice.get("matched_stop")
+    return choice.get("finish_reason") == "stop" and isinstance(matched, str) and matched not in CALL_ENDS.values()
