@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from tests.gateway_server import GatewayServer, auth
+from launch.process import EngineProcess
+from tests.gateway_server import KEY, GatewayServer, auth, serve
 
 
 def _raw_stream(gateway: GatewayServer, path: str, body: dict) -> tuple[httpx.Response, bytes]:
@@ -38,12 +40,23 @@ def test_sse_framing(gateway: GatewayServer, path: str, body: dict) -> None:
         assert payloads[-1]["usage"]["completion_tokens"] <= 6
 
 
-def test_stream_error_event_is_sanitized(gateway: GatewayServer) -> None:
-    """An error the engine reports inside a 200 stream reaches the client in OpenAI's shape, without paths."""
+@pytest.fixture(scope="module")
+def unmeasured(tiny_engine: EngineProcess) -> Iterator[GatewayServer]:
+    """A gateway that does not measure grammars (``max_grammar_compile_s`` unset): a schema the engine cannot compile
+    reaches it, and fails there after the stream's 200, as it does on an engine the gateway cannot measure."""
+    with serve({"tiny": {"url": tiny_engine.url}}, {"api_keys": [KEY], "request_bounds": {"max_grammar_compile_s": None}}) as server:
+        yield server
+
+
+def test_stream_error_event_is_sanitized(gateway: GatewayServer, unmeasured: GatewayServer) -> None:
+    """An error the engine reports inside a 200 stream reaches the client in OpenAI's shape, without paths. (Where
+    grammars are measured, the same schema is refused before the stream: 400 invalid_grammar.)"""
     schema = {"name": "bad", "schema": {"type": "bogus"}}  # SGLang fails compiling it, after the 200
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 4,
             "response_format": {"type": "json_schema", "json_schema": schema}}
-    response, raw = _raw_stream(gateway, "/v1/chat/completions", body)
+    refused, said = _raw_stream(gateway, "/v1/chat/completions", body)
+    assert refused.status_code == 400 and json.loads(said)["error"]["code"] == "invalid_grammar", said
+    response, raw = _raw_stream(unmeasured, "/v1/chat/completions", body)
     assert response.status_code == 200
     events = raw.strip().split(b"\n\n")
     errors = [json.loads(e[6:]) for e in events if e.startswith(b'data: {"error"')]
