@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from launch.model_info import tokenizer_dir
 from launch.procgroup import popen_group, signal_group, wait_group
 
 _TICKS = os.sysconf("SC_CLK_TCK")
@@ -49,6 +50,15 @@ class CompileCost:
     finished: bool
     error: str | None = None
     stalled: bool = False
+
+
+def measurable_tokenizer(grammar_backend: str | None, path: str | None) -> tuple[str | None, str]:
+    """(the local tokenizer directory an engine's grammars are measured against, "") for an engine of
+    ``grammar_backend`` (None: SGLang's default, xgrammar) whose tokenizer or model is ``path``; else (None, why not)."""
+    if grammar_backend not in (None, "xgrammar"):
+        return None, f"its grammar backend is {grammar_backend}, not xgrammar"
+    found = tokenizer_dir(path) if path else None
+    return (found, "") if found is not None else (None, f"its tokenizer ({path}) is not on this machine")
 
 
 def tokenizer_info_file(tokenizer_dir: str, vocab_size: int) -> Path:

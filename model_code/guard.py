@@ -25,8 +25,7 @@ from engine_guard.schemas import ChatCompletionRequest, check_body, check_extens
 from engine_guard.token_ids import CHAT_TOKEN_ID_FIELDS, token_id_problem
 from engine_guard.tool_calls import guard_tools
 from launch.config import ConfigError, EngineConfig, format_validation_error
-from launch.grammar_cost import CompileCostProbe, ProbeUnavailable
-from launch.model_info import tokenizer_dir
+from launch.grammar_cost import CompileCostProbe, ProbeUnavailable, measurable_tokenizer
 from launch.model_info import vocab_size as model_vocab_size
 from model_code.errors import BadRequestError, OverloadedError
 from model_code.target import Target
@@ -130,9 +129,9 @@ class RequestGuard:
 def grammar_budget(engine: EngineConfig | None, vocab_size: int | None) -> GrammarBudget | None:
     """The grammar compile budget of a managed engine (its tokenizer local, its grammar backend xgrammar); None for a
     URL, whose tokenizer is not known here (docs/security.md). Its probe process starts at the first measurement."""
-    if engine is None or engine.grammar_backend not in (None, "xgrammar"):
+    if engine is None:
         return None
-    found = tokenizer_dir(engine.tokenizer_path or engine.model_path)
+    found, _ = measurable_tokenizer(engine.grammar_backend, engine.tokenizer_path or engine.model_path)
     if found is None:
         return None
     return GrammarBudget(CompileCostProbe(found, vocab_size), any_whitespace=not engine.json_disable_any_whitespace)

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from launch.model_info import tokenizer_dir
+from launch.grammar_cost import measurable_tokenizer
 from launch.model_info import vocab_size as model_vocab_size
 from launch.process import EngineProcess, bearer
 from launch.router import RouterProcess
@@ -168,14 +168,9 @@ class Backend:
     def learn_grammar_backend(self, info: dict[str, Any]) -> None:
         """What an SGLang server's ``/get_server_info`` says of its grammar backend and tokenizer: measured against
         the tokenizer when it is on this machine and the backend is xgrammar (SGLang's default)."""
-        backend = info.get("grammar_backend") or "xgrammar"
         path = info.get("tokenizer_path") or info.get("model_path")
-        found = tokenizer_dir(path) if isinstance(path, str) and path else None
-        if backend != "xgrammar":
-            self.grammar_tokenizer_missing = f"its grammar backend is {backend}, not xgrammar"
-        elif found is None:
-            self.grammar_tokenizer_missing = f"its tokenizer ({path}) is not on this machine"
-        else:
+        found, self.grammar_tokenizer_missing = measurable_tokenizer(info.get("grammar_backend"), path if isinstance(path, str) else None)
+        if found is not None:
             vocab = self._vocab_size or model_vocab_size(found)
             whitespace = not info.get("constrained_json_disable_any_whitespace", False)
             self._grammar_tokenizer = GrammarTokenizer(found, vocab, whitespace)
@@ -238,13 +233,8 @@ class EngineBackend(Backend):
         once found: a hub model's files are in the local cache only after the engine downloaded them)."""
         if self._grammar_tokenizer is None:
             config = self.engine.config
-            path = config.tokenizer_path or config.model_path
-            found = tokenizer_dir(path) if config.grammar_backend in (None, "xgrammar") else None
-            if config.grammar_backend not in (None, "xgrammar"):
-                self.grammar_tokenizer_missing = f"its grammar backend is {config.grammar_backend}, not xgrammar"
-            elif found is None:
-                self.grammar_tokenizer_missing = f"its tokenizer ({path}) is not on this machine"
-            else:
+            found, self.grammar_tokenizer_missing = measurable_tokenizer(config.grammar_backend, config.tokenizer_path or config.model_path)
+            if found is not None:
                 self._grammar_tokenizer = GrammarTokenizer(found, self.vocab_size, not config.json_disable_any_whitespace)
         return self._grammar_tokenizer
 

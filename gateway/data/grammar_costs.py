@@ -115,10 +115,6 @@ class GrammarCosts:
             budget = self._budgets[target] = GrammarBudget(probe, any_whitespace=target.any_whitespace)
         return budget
 
-    def probes(self) -> list[CompileCostProbe]:
-        """The probes started so far (one per tokenizer)."""
-        return [budget.probe for budget in self._budgets.values()]  # type: ignore[misc]
-
     def close(self) -> None:
         """End every probe process."""
         for budget in self._budgets.values():
