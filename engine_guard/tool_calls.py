@@ -17,8 +17,8 @@ it lets the model write on (text its parser drops) until ``max_tokens``, so a co
 (``finish_reason: "length"``, Responses ``status: "incomplete"``, Messages ``stop_reason: "max_tokens"``). Where one
 call is all the answer may hold (a named function; ``required`` with ``parallel_tool_calls: false``), an engine the
 gateway launches runs its SGLang plugin, whose grammar ends the answer right after the call on every route and with
-every parser (``launch/engine_plugin/.../forced_calls_end.py``; parallel calls keep SGLang's grammar: its note says
-why). For an engine without it (one given by URL), on chat completions, :func:`end_forced_call` adds the parser's end-of-call text
+every parser (``launch/engine_plugin/.../forced_calls_end.py``; parallel calls keep SGLang's grammar and the plugin's
+scheduler hook ends the turn where text that is no call begins: ``parallel_calls_end.py``). For an engine without it (one given by URL), on chat completions, :func:`end_forced_call` adds the parser's end-of-call text
 (:data:`CALL_ENDS`) as a stop string, kept in the output (``no_stop_trim``) so the parser still reads the call: the
 engine stops right after it and answers ``tool_calls``. SGLang's Responses and Messages requests have no
 ``no_stop_trim`` (a trimmed marker leaves the parser no call): there, only the plugin ends the call.

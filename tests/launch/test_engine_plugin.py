@@ -24,6 +24,7 @@ from launch.config import EngineConfig
 from launch.engine_net import ENGINE_PLUGIN_DIR
 from launch.ports import pick_free_port
 from launch.proc_sockets import listening_sockets
+from tests.conftest import DEFAULT_MODEL
 
 REPO = ENGINE_PLUGIN_DIR.parent.parent
 
@@ -34,6 +35,12 @@ def plugin(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     import sglang_gateway_engine_plugin
 
     return sglang_gateway_engine_plugin
+
+
+def call_markers(structural_tag: str) -> Any:
+    from sglang_gateway_engine_plugin.parallel_calls_end import call_markers as markers
+
+    return markers(structural_tag)
 
 
 def _store_binds(port: int) -> list[str]:
@@ -91,6 +98,7 @@ from sglang.srt.entrypoints import engine
 print("start method hooked:", hasattr(engine._set_envs_and_config, "__wrapped__"))
 import torch.distributed as dist
 from launch.proc_sockets import listening_sockets
+from tests.conftest import DEFAULT_MODEL
 port = int(sys.argv[1])
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 print(sorted({(s.address, s.port == port) for s in listening_sockets({os.getpid()})}))
@@ -219,7 +227,8 @@ def _accepts(tag: dict[str, Any], text: str) -> bool:
 def test_a_forced_calls_grammar_ends_after_the_calls_in_the_parsers_own_format(plugin: ModuleType, parser_name: str) -> None:
     """SGLang's grammar let the model write on after a forced call (to max_tokens, the answer cut short); the plugin's
     ends a call that must come alone (named, or required with parallel calls off) right after it (a newline allowed,
-    as models write one), in SGLang's own detector's tags (begin, schema, end). Parallel calls keep SGLang's grammar."""
+    as models write one), in SGLang's own detector's tags (begin, schema, end). Parallel calls keep SGLang's grammar,
+    marked for the scheduler's hook."""
     from sglang.srt.function_call.function_call_parser import FunctionCallParser
 
     info = FunctionCallParser.ToolCallParserEnum[parser_name]().structure_info()("f")
@@ -232,7 +241,11 @@ def test_a_forced_calls_grammar_ends_after_the_calls_in_the_parsers_own_format(p
         assert _accepts(tag, one) and _accepts(tag, one + "\n"), (choice, tag)
         assert not _accepts(tag, one + " and more text") and not _accepts(tag, one + "\n\n"), (choice, tag)
         assert not _accepts(tag, one + "\n" + one) and not _accepts(tag, "text first " + one), choice
-    assert "structures" in found["required"][1]  # parallel calls: SGLang's own (legacy) tag, as it was
+    kind, tag = found["required"]  # parallel calls: SGLang's grammar, in the form the scheduler's hook recognises
+    markers = call_markers(json.dumps(tag))
+    assert kind == "structural_tag" and markers is not None, tag
+    assert any(one.endswith(end) for end in markers.ends) and any(one.startswith(t) for t in markers.triggers), markers
+    assert _accepts(tag, one + "\n" + one) and _accepts(tag, one + " and more text"), tag  # the scheduler ends the text
 
 
 def test_sglangs_own_forced_grammar_lets_the_model_write_on_after_the_call() -> None:
@@ -264,7 +277,8 @@ def test_every_shipped_parsers_forced_grammar_leaves_no_free_text_after_a_lone_c
     """For every tool-call parser SGLang ships (any may be set as engine.tool_call_parser): a lone forced call's
     constraint holds no triggered tags (free text after a call) once the plugin has it: the plugin's own form, a
     built-in tag that ends after the calls, or a JSON schema / whole-turn grammar (ending with its value); or none,
-    where SGLang builds none for the format (muse, spark25, hunyuan: SGLang logs why)."""
+    where SGLang builds none for the format (muse, spark25, hunyuan: SGLang logs why). Parallel calls whose grammar
+    allows free text after them are marked for the scheduler's hook, which ends the turn there."""
     from sglang.srt.function_call.function_call_parser import FunctionCallParser
 
     unbuilt = []
@@ -274,9 +288,59 @@ def test_every_shipped_parsers_forced_grammar_leaves_no_free_text_after_a_lone_c
             unbuilt.append(name)
             continue
         for choice, (kind, value) in found.items():
-            if choice == "required":
-                continue  # parallel calls keep SGLang's grammar (forced_calls_end's note)
+            if choice == "required":  # parallel calls: SGLang's grammar, free text after the calls ended by the scheduler
+                free_text = kind == "structural_tag" and ("structures" in value or "triggered_tags" in _format_types(value))
+                assert not free_text or call_markers(json.dumps(value)) is not None, (name, value)
+                continue
             assert kind in ("structural_tag", "json_schema", "full_assistant_ebnf", "ebnf", None), (name, choice, kind)
             if kind == "structural_tag":
                 assert "structures" not in value and "triggered_tags" not in _format_types(value), (name, choice, value)
     assert unbuilt == ["response_template"], unbuilt  # needs its model's own chat template
+
+
+@pytest.mark.parametrize(
+    ("after", "kept"),
+    [
+        ("\nThe weather in Lima is", "\n"),  # prose: cut before it, the newline kept
+        ("The answer", ""),
+        ("\n<b>bold</b>", "\n"),  # a '<' that starts no call
+        ("\n\n", None),  # whitespace: maybe another call to come
+        ("\n<tool", None),  # a call starting
+        ('\n<tool_call>\n{"name":"f", "arguments":{"a": "y', None),  # another call under way
+    ],
+)
+def test_the_scheduler_ends_forced_parallel_calls_where_text_that_is_no_call_begins(
+    plugin: ModuleType, after: str, kept: str | None
+) -> None:
+    """``cut_before_text`` on the default model's own tokens: the tokens to keep (the calls and the whitespace after
+    them) once the text after the last call is neither whitespace nor the start of another call; None before."""
+    from sglang_gateway_engine_plugin.parallel_calls_end import CallMarkers, cut_before_text
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+    call = '<tool_call>\n{"name":"f", "arguments":{"a": "x"}}\n</tool_call>'
+    markers = CallMarkers(ends=("}\n</tool_call>",), triggers=("<tool_call>",))
+    ids = tokenizer.encode(call + after)
+    keep = cut_before_text(ids, tokenizer.decode, markers)
+    if kept is None:
+        assert keep is None, tokenizer.decode(ids[:keep])
+    else:
+        assert keep is not None and tokenizer.decode(ids[:keep]) == call + kept, keep
+
+
+def test_only_the_plugins_marked_form_is_ended_by_the_scheduler(plugin: ModuleType) -> None:
+    """A structural tag a client sends (triggered tags, at least one) is not the plugin's form: the scheduler's hook
+    leaves it alone; the marked form gives the tags' end markers and triggers."""
+    from sglang_gateway_engine_plugin.parallel_calls_end import CallMarkers, marked_parallel_tag
+
+    form = {"type": "triggered_tags", "triggers": ["<t>"], "at_least_one": True, "stop_after_first": False,
+            "tags": [{"type": "tag", "begin": "<t>", "content": {"type": "any_text"}, "end": "</t>"}]}  # fmt: skip
+    assert call_markers(json.dumps({"type": "structural_tag", "format": form})) is None
+    marked = marked_parallel_tag({"type": "structural_tag", "format": form})
+    assert call_markers(json.dumps(marked)) == CallMarkers(ends=("</t>",), triggers=("<t>",))
+    assert (
+        marked_parallel_tag({"type": "structural_tag", "format": {**form, "at_least_one": False}}) is None
+    )  # not forced
+    assert (
+        marked_parallel_tag({"type": "structural_tag", "format": {**form, "stop_after_first": True}}) is None
+    )  # one call

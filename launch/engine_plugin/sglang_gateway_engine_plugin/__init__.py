@@ -16,7 +16,8 @@ processes (``sglang.srt.plugins.load_plugins``: server, scheduler, detokenizer, 
 
 The same entry point also makes the engine act on SIGTERM at once (:mod:`.prompt_sigterm`), lets LoRA run on a
 CPU engine (:mod:`.cpu_pinned_memory`), has a CPU engine fork its children instead of spawning them
-(:mod:`.fork_children`) and ends a forced tool call's answer at the call (:mod:`.forced_calls_end`).
+(:mod:`.fork_children`) and ends a forced tool call's answer at the call (:mod:`.forced_calls_end`; parallel calls:
+:mod:`.parallel_calls_end`).
 """
 
 from __future__ import annotations
@@ -36,16 +37,24 @@ TARGET = "torch.distributed.rendezvous._create_c10d_store"
 def register() -> None:
     """The entry point SGLang calls: wrap torch's store factory, SGLang's SIGTERM watchdog (:mod:`.prompt_sigterm`)
     and, on a CPU engine, its choice of start method (:mod:`.fork_children`), and ends a forced tool call's grammar after
-    the call (:mod:`.forced_calls_end`); SGLang applies the hooks right after."""
+    the call (:mod:`.forced_calls_end`) and forced parallel calls' turn after them (:mod:`.parallel_calls_end`); SGLang
+    applies the hooks right after."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sglang_gateway_engine_plugin import cpu_pinned_memory, forced_calls_end, fork_children, prompt_sigterm
+    from sglang_gateway_engine_plugin import (
+        cpu_pinned_memory,
+        forced_calls_end,
+        fork_children,
+        parallel_calls_end,
+        prompt_sigterm,
+    )
 
     HookRegistry.register(TARGET, serve_store_on_its_address, HookType.AROUND)
     prompt_sigterm.register()
     cpu_pinned_memory.register()
     fork_children.register()
     forced_calls_end.register()
+    parallel_calls_end.register()
 
 
 def listen_address(hostname: str, port: int) -> tuple[socket.AddressFamily, tuple[Any, ...]]:

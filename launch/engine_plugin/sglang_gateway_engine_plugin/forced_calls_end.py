@@ -15,13 +15,12 @@ end the turn (its stop token) once the call is written; the grammar's end finish
 route reports as a call (``tool_calls``, ``completed``, ``tool_use``). Constraints of other kinds (JSON schemas,
 whole-turn EBNF, built-in tags already ending after the calls) are left as SGLang builds them.
 
-Parallel calls (``required`` with ``parallel_tool_calls`` true, Anthropic ``any``) keep SGLang's grammar. The same
-rewrite without ``stop_after_first`` (calls, newline-separated, then the end) is what :func:`ended_tag` builds with
+Parallel calls (``required`` with ``parallel_tool_calls`` true, Anthropic ``any``) keep SGLang's grammar, marked for
+the scheduler, which ends the turn where text that is no call begins (:mod:`.parallel_calls_end`). The same rewrite
+without ``stop_after_first`` (calls, newline-separated, then the end) is what :func:`ended_tag` builds with
 ``single=False`` and holds, but measured on the real default model (SmolLM2-135M, greedy) the model then never
 chooses the end: held to "another call or the end of the turn", it writes call after call to ``max_tokens`` on every
-route, where SGLang's grammar let it write text after its calls and end (chat) or run on (Responses, Messages). The
-turn should end where text that is no call begins, which is a stop on the text after a call (a regular expression,
-``stop_regex``): SGLang 0.5.23 takes it on chat completions only, and keeps the matched text in the answer.
+route.
 """
 
 from __future__ import annotations
@@ -29,6 +28,8 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from typing import Any
+
+from sglang_gateway_engine_plugin.parallel_calls_end import marked_parallel_tag
 
 TARGET = "sglang.srt.function_call.function_call_parser.FunctionCallParser.get_structure_constraint"
 SEPARATOR = "\n"
@@ -54,16 +55,18 @@ def end_forced_calls(original: Callable[..., Any], parser: Any, *args: Any, **kw
     tool_choice = bound.arguments.get("tool_choice")
     parallel = bound.arguments.get("parallel_tool_calls", True)
     named = tool_choice is not None and not isinstance(tool_choice, str)  # that one call is the answer
-    if not named and not (tool_choice == "required" and parallel is False):
-        return constraint  # several calls may come: see the module's note on parallel calls
+    alone = named or (tool_choice == "required" and parallel is False)
+    if not (alone or tool_choice == "required"):
+        return constraint
     if not isinstance(constraint, tuple) or len(constraint) != 2 or constraint[0] != "structural_tag":
         return constraint
-    ended = ended_tag(_as_dict(constraint[1]), single=True)
-    if ended is None:
+    # several calls may come: SGLang's grammar, marked for the scheduler to end the turn after them (module note)
+    rewritten = ended_tag(_as_dict(constraint[1]), single=True) if alone else marked_parallel_tag(_as_dict(constraint[1]))
+    if rewritten is None:
         return constraint
     from xgrammar import StructuralTag  # the object SGLang's request conversion dumps (a model of the tag's JSON)
 
-    return ("structural_tag", StructuralTag.model_validate(ended))
+    return ("structural_tag", StructuralTag.model_validate(rewritten))
 
 
 def ended_tag(tag: dict[str, Any] | None, *, single: bool) -> dict[str, Any] | None:
