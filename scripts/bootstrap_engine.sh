@@ -17,20 +17,12 @@ if [ ! -f "$requirements" ]; then
   echo "bootstrap_engine: no $requirements: SGLang $version has no CPU engine recipe (see launch/sglang_versions.py)" >&2
   exit 2
 fi
-python=${PYTHON:-python3}
-key=$( { echo "engine 1 $version"; "$python" --version; cat "$requirements"; } | sha256sum | cut -c1-16)
-cache=${SGLANG_GATEWAY_VENV_CACHE:-$HOME/.cache/sglang-gateway}
-venv="$cache/engine-sglang-$version-$key"
+venv=$(requirements_venv "engine-sglang-$version" "engine 1 $version" "$requirements")
 if [ ! -f "$venv/.complete" ]; then
   echo "bootstrap_engine: building the SGLang $version engine environment in $venv (first run: minutes)" >&2
   start=$(date +%s)
-  rm -rf "$venv"
-  mkdir -p "$cache"
-  "$python" -m venv "$venv"
-  pip() { pip_quiet "$venv/bin/python" -m pip --disable-pip-version-check -q "$@"; }
-  pip install --upgrade "pip>=24"
-  pip install -r "$requirements"
-  pip install --no-deps "sglang==$version"
+  build_requirements_venv "$venv" "$requirements"
+  pip_quiet "$venv/bin/python" -m pip --disable-pip-version-check -q install --no-deps "sglang==$version"
   "$venv/bin/python" -c "from importlib.metadata import version; assert version('sglang') == '$version'" \
     || { echo "bootstrap_engine: sglang $version did not install" >&2; exit 1; }
   touch "$venv/.complete"

@@ -14,21 +14,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/lib.sh
 requirements=requirements/frameworks/frameworks.txt
-python=${PYTHON:-python3}
 # Bump FRAMEWORKS_RECIPE when a change to the install steps below must rebuild existing environments.
 FRAMEWORKS_RECIPE=1
-key=$( { echo "frameworks $FRAMEWORKS_RECIPE"; "$python" --version; cat "$requirements"; } | sha256sum | cut -c1-16)
-cache=${SGLANG_GATEWAY_VENV_CACHE:-$HOME/.cache/sglang-gateway}
-venv="$cache/frameworks-$key"
+venv=$(requirements_venv frameworks "frameworks $FRAMEWORKS_RECIPE" "$requirements")
 if [ ! -f "$venv/.complete" ]; then
   echo "bootstrap_frameworks: building the agent frameworks' environment in $venv (first run: about a minute)" >&2
   start=$(date +%s)
-  rm -rf "$venv"
-  mkdir -p "$cache"
-  "$python" -m venv "$venv"
-  pip() { pip_quiet "$venv/bin/python" -m pip --disable-pip-version-check -q "$@"; }
-  pip install --upgrade "pip>=24"
-  pip install -r "$requirements"
+  build_requirements_venv "$venv" "$requirements"
   "$venv/bin/python" -m pip --disable-pip-version-check check >&2 \
     || { echo "bootstrap_frameworks: the environment has broken requirements (pip check above)" >&2; exit 1; }
   touch "$venv/.complete"
