@@ -29,7 +29,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from sglang_gateway_engine_plugin.parallel_calls_end import marked_parallel_tag
+from sglang_gateway_engine_plugin.parallel_calls_end import forced_triggered_tags, marked_parallel_tag
 
 TARGET = "sglang.srt.function_call.function_call_parser.FunctionCallParser.get_structure_constraint"
 SEPARATOR = "\n"
@@ -61,7 +61,9 @@ def end_forced_calls(original: Callable[..., Any], parser: Any, *args: Any, **kw
     if not isinstance(constraint, tuple) or len(constraint) != 2 or constraint[0] != "structural_tag":
         return constraint
     # several calls may come: SGLang's grammar, marked for the scheduler to end the turn after them (module note)
-    rewritten = ended_tag(_as_dict(constraint[1]), single=True) if alone else marked_parallel_tag(_as_dict(constraint[1]))
+    rewritten = (
+        ended_tag(_as_dict(constraint[1]), single=True) if alone else marked_parallel_tag(_as_dict(constraint[1]))
+    )
     if rewritten is None:
         return constraint
     from xgrammar import StructuralTag  # the object SGLang's request conversion dumps (a model of the tag's JSON)
@@ -72,28 +74,17 @@ def end_forced_calls(original: Callable[..., Any], parser: Any, *args: Any, **kw
 def ended_tag(tag: dict[str, Any] | None, *, single: bool) -> dict[str, Any] | None:
     """The structural tag ``tag`` (JSON form) as ``tags_with_separator``: its forced tags and nothing after them; None
     where ``tag`` is not a forced triggered-tags constraint (then SGLang's stands)."""
-    if not isinstance(tag, dict):
-        return None
-    if isinstance(tag.get("structures"), list):  # SGLang's legacy form: begin / schema / end per tool
-        if not tag.get("at_least_one"):
-            return None
-        tags = [
-            {
-                "type": "tag",
-                "begin": structure["begin"],
-                "content": {"type": "json_schema", "json_schema": structure.get("schema") or {}},
-                "end": structure["end"],
-            }
-            for structure in tag["structures"]
-        ]
-    else:
-        form = tag.get("format")
-        if not isinstance(form, dict) or form.get("type") != "triggered_tags" or not form.get("at_least_one"):
-            return None
-        tags = form.get("tags")
+    form = forced_triggered_tags(tag)
+    tags = form.get("tags") if form is not None else None
     if not tags:
         return None
-    calls = {"type": "tags_with_separator", "tags": tags, "separator": SEPARATOR, "at_least_one": True, "stop_after_first": single}
+    calls = {
+        "type": "tags_with_separator",
+        "tags": tags,
+        "separator": SEPARATOR,
+        "at_least_one": True,
+        "stop_after_first": single,
+    }
     trailing = {"type": "optional", "content": {"type": "const_string", "value": SEPARATOR}}
     return {"type": "structural_tag", "format": {"type": "sequence", "elements": [calls, trailing]}}
 

@@ -48,13 +48,13 @@ def register() -> None:
     HookRegistry.register(TARGET, end_after_calls, HookType.AROUND)
 
 
-def marked_parallel_tag(tag: dict[str, Any] | None) -> dict[str, Any] | None:
-    """SGLang's forced triggered-tags constraint (JSON form; its legacy ``structures`` form too) as the same grammar in
-    the form :func:`call_markers` recognises; None where ``tag`` is no forced triggered-tags constraint."""
+def forced_triggered_tags(tag: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The ``triggered_tags`` format of SGLang's forced-call constraint ``tag`` (JSON form; its legacy ``structures``
+    form converted as xgrammar converts it), or None where ``tag`` is no forced triggered-tags constraint."""
     if not isinstance(tag, dict):
         return None
     if isinstance(tag.get("structures"), list):  # SGLang's legacy form: begin / schema / end per tool, and triggers
-        if not tag.get("at_least_one") or not tag.get("triggers"):
+        if not tag.get("at_least_one"):
             return None
         tags = [
             {
@@ -65,22 +65,25 @@ def marked_parallel_tag(tag: dict[str, Any] | None) -> dict[str, Any] | None:
             }
             for s in tag["structures"]
         ]
-        form = {
+        return {
             "type": "triggered_tags",
-            "triggers": list(tag["triggers"]),
+            "triggers": list(tag.get("triggers") or ()),
             "tags": tags,
             "at_least_one": True,
             "stop_after_first": False,
         }
-    else:
-        form = tag.get("format")
-        if (
-            not isinstance(form, dict)
-            or form.get("type") != "triggered_tags"
-            or not form.get("at_least_one")
-            or form.get("stop_after_first")
-        ):
-            return None
+    form = tag.get("format")
+    if not isinstance(form, dict) or form.get("type") != "triggered_tags" or not form.get("at_least_one"):
+        return None
+    return form
+
+
+def marked_parallel_tag(tag: dict[str, Any] | None) -> dict[str, Any] | None:
+    """SGLang's forced triggered-tags constraint as the same grammar in the form :func:`call_markers` recognises; None
+    where ``tag`` is no forced triggered-tags constraint that allows several calls."""
+    form = forced_triggered_tags(tag)
+    if form is None or form.get("stop_after_first") or not form.get("triggers"):
+        return None
     return {"type": "structural_tag", "format": {"type": "sequence", "elements": [form]}}
 
 
