@@ -18,16 +18,11 @@ from common import (
     assert_city,
     assert_paris,
     cell,
-    gateway_pending,
     model_limited,
 )
 from openai import OpenAI
 
 ROWS = {"openai": "instructor (OpenAI)", "anthropic": "instructor (Anthropic)"}
-FORCED_END = (
-    "a forced call on Messages ends at max_tokens (the engine writes on after the call): stop_reason max_tokens, "
-    "IncompleteOutputException; the change that ends forced calls at the call fixes it"
-)
 PROMPTED_JSON = (
     "ANTHROPIC_JSON asks for the JSON in the system prompt only (Messages has no response_format to hold it to): "
     "the 135M model writes the schema back instead of an instance"
@@ -91,7 +86,7 @@ def test_stream(gateway_url: str, api: str, request: pytest.FixtureRequest) -> N
     assert_city(City.model_validate(partials[-1].model_dump()))
 
 
-@pytest.mark.parametrize("api", ["openai", pytest.param("anthropic", marks=gateway_pending(FORCED_END))])
+@pytest.mark.parametrize("api", ["openai", "anthropic"])
 def test_tool_loop(gateway_url: str, api: str, request: pytest.FixtureRequest) -> None:
     request.applymarker(cell(ROWS[api], "tool loop"))
     assert_city(_ask(_client(gateway_url, api, "tools"), api, CITY_QUESTION, City, max_tokens=60))  # type: ignore[arg-type]

@@ -27,7 +27,6 @@ from common import (
     assert_paris,
     assert_snow,
     cell,
-    gateway_pending,
     get_weather,
 )
 from openai import AsyncOpenAI
@@ -36,10 +35,6 @@ from openai.types.responses import ResponseTextDeltaEvent
 set_tracing_disabled(True)  # its traces go to OpenAI's servers otherwise
 
 ROWS = {"responses": "openai-agents (Responses)", "chat": "openai-agents (chat)"}
-FORCED_END = (
-    "a forced call on Responses ends at max_output_tokens (the engine writes on after the call): "
-    "status incomplete, ModelBehaviorError; the change that ends forced calls at the call fixes it"
-)
 
 
 def _model(url: str, api: str, max_tokens: int = MAX_TOKENS) -> tuple[object, ModelSettings]:
@@ -80,7 +75,7 @@ def test_stream(gateway_url: str, api: str, request: pytest.FixtureRequest) -> N
     assert_paris("".join(deltas))
 
 
-@pytest.mark.parametrize("api", [pytest.param("responses", marks=gateway_pending(FORCED_END)), "chat"])
+@pytest.mark.parametrize("api", ["responses", "chat"])
 def test_tool_loop(gateway_url: str, api: str, request: pytest.FixtureRequest) -> None:
     """The named tool forced (``tool_choice``; the SDK resets it to auto after the call), run, then the answer."""
     request.applymarker(cell(ROWS[api], "tool loop"))
