@@ -204,8 +204,10 @@ class _Connection(asyncio.Protocol):
             self.exchange.body(body)
 
     def on_message_complete(self) -> None:
-        self._deliver(rest=False)  # the last events before the end
         exchange = self.exchange
+        if exchange is not None:
+            exchange.ending = True  # (the relay may keep these last events to write them with the end)
+        self._deliver(rest=False)  # the last events before the end
         if exchange is not None:
             exchange.complete()
 
@@ -232,7 +234,7 @@ class StreamExchange:
 
     __slots__ = (
         "connection", "status", "keep_alive", "last_read", "received", "_head", "_buffer", "_end",
-        "_complete", "_error", "_done", "_timer", "_read_timeout_s", "_released", "_holds", "_rest_until", "native",
+        "_complete", "_error", "_done", "_timer", "_read_timeout_s", "_released", "_holds", "_rest_until", "native", "ending",
     )  # fmt: skip
 
     def __init__(self, connection: _Connection, read_timeout_s: float) -> None:
@@ -247,6 +249,7 @@ class StreamExchange:
         self._buffer: list[bytes] = []
         self._end: EndSink | None = None
         self._complete = False
+        self.ending = False  # the response's end has been read: what is delivered now is its last (set before it)
         self._error: BaseException | None = None
         self._read_timeout_s = read_timeout_s
         self._timer: asyncio.TimerHandle | None = loop.call_later(read_timeout_s, self._check_silence)
