@@ -78,7 +78,7 @@ class QuickAck:
     What sends the kernel back to delayed ACKs ("pingpong" mode) is the gateway sending data soon after it
     received some: the request written on a reused connection. Nothing the gateway does while it reads a
     response does, so the flag is set once per response, at its first read (which also sends an ACK still
-    pending); from then on the kernel acknowledges each small segment as it is read. (Set at every read, it cost
+    pending), unless that read held the whole response (nothing is left to acknowledge early); from then on the kernel acknowledges each small segment as it is read. (Set at every read, it cost
     a system call per relayed event.) The calls go through a duplicate of the socket made once: uvloop's
     ``get_extra_info("socket")`` builds and discards a socket object on every call."""
 
@@ -149,10 +149,8 @@ class _Connection(asyncio.Protocol):
             self._raw_size += len(data)
             if self._raw_size > _MAX_RAW:
                 self.raw = None
-        if not exchange.received:
-            exchange.received = True
-            if self._ack is not None:  # once per response: see QuickAck
-                self._ack.rearm()
+        first = not exchange.received
+        exchange.received = True
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as error:
@@ -160,6 +158,8 @@ class _Connection(asyncio.Protocol):
             exchange.failed(UpstreamConnectionLost(f"malformed response from the engine: {error}"))
             self.abort()
             return
+        if first and self._ack is not None and not exchange.is_complete:  # once per response: see QuickAck
+            self._ack.rearm()  # (an answer whole in its first read leaves nothing to acknowledge at once)
         self._deliver(rest=True)
 
     def _deliver(self, rest: bool) -> None:
