@@ -167,8 +167,10 @@ class SSEProxyResponse(Response):
                 gone = True
                 task.cancel()
 
-        watch = asyncio.ensure_future(wait_disconnect(receive))
-        watch.add_done_callback(on_watch_done)
+        # An answer that came whole (a short one) is relayed and ended without waiting on anything: nothing to watch.
+        watch = None if self.upstream.is_complete else asyncio.ensure_future(wait_disconnect(receive))
+        if watch is not None:
+            watch.add_done_callback(on_watch_done)
         head: _HeadWithFirstWrite | None = None
         try:
             cycle = scope.get("extensions", {}).get(HTTP_CYCLE)
@@ -193,8 +195,9 @@ class SSEProxyResponse(Response):
             if gone:
                 self._charge_unreported()
             relaying = False
-            watch.remove_done_callback(on_watch_done)
-            watch.cancel()
+            if watch is not None:
+                watch.remove_done_callback(on_watch_done)
+                watch.cancel()
             if head is not None:
                 head.release()  # (a stream cut before any write: what the client gets is as before, the head alone)
             self.lease.close()  # a stream cut short closes the upstream connection: the engine aborts the request
