@@ -4,7 +4,8 @@ Both proxies (and ``--baseline``'s gateway, another checkout's) stand in front o
 printed as a ratio to the router's, measured in the same rounds (the targets alternate):
 
 - over the paced fake (:mod:`benchmarks.paced_upstream`, one event per stream every ``--step-ms``): the process CPU
-  per event of one sparse stream (:func:`benchmarks.sparse.measure_stream`), of ``--streams`` streams at once
+  per event of one sparse stream (:func:`benchmarks.sparse.measure_stream`; every round of it, and of the idle CPU,
+  before any crowd of streams), of ``--streams`` streams at once
   (:func:`benchmarks.paced.run_paced`; 16 and 1,024 by default) and, at the largest count, its TTFT and gap p99;
   the CPU per second of an idle process (:func:`benchmarks.sparse.measure_idle`); and the gateway's main-loop
   wake-ups per event (its event loop's voluntary context switches; the router has no Python loop to count);
@@ -65,28 +66,42 @@ def _many_streams(loop: Any, url: str, pid: int, count: int, tokens: int, timeou
 
 
 def paced_figures(targets: Targets, streams: list[int], tokens: int, step_ms: float, idle_s: float, rounds: int) -> dict[str, list[dict[str, Any]]]:
-    """Per target, one row per round: idle CPU, one sparse stream, then each count of streams."""
+    """Per target, one row per round: idle CPU and one sparse stream (every round of them first, on processes that
+    have carried no crowd yet, as :mod:`benchmarks.sparse` measures them), then each count of streams."""
     timeout_s = tokens * step_ms / 1000 * 3 + 60
-    rows: dict[str, list[dict[str, Any]]] = {name: [] for name in targets}
+    rows: dict[str, list[dict[str, Any]]] = {name: [{"errors": 0} for _ in range(rounds)] for name in targets}
     loop = new_event_loop()
+
+    def each(measure: Callable[[str, str, int], dict[str, Any]], what: str) -> None:
+        for round_ in range(rounds):
+            for name in list(targets) if round_ % 2 == 0 else list(reversed(targets)):
+                url, pid = targets[name]
+                row, figures = rows[name][round_], measure(name, url, pid)
+                row["errors"] += figures.pop("errors")
+                row.update(figures)
+                console.print(f"{what} round {round_ + 1} {name:<16} " + "  ".join(f"{k} {v:,.2f}" for k, v in figures.items()))
+
+    def quiet(name: str, url: str, pid: int) -> dict[str, Any]:
+        idle = measure_idle(pid, idle_s)
+        sparse = measure_stream(loop, url, pid, tokens, idle, timeout_s)
+        return {"idle_ms_per_s": idle["idle_ms_per_s"], "sparse_us_per_event": sparse["process_us_per_event"],
+                "sparse_wakeups_per_event": sparse["wakeups_per_event"], "errors": sparse["errors"]}  # fmt: skip
+
+    def crowds(name: str, url: str, pid: int) -> dict[str, Any]:
+        figures: dict[str, Any] = {"errors": 0}
+        for count in streams:
+            many = _many_streams(loop, url, pid, count, tokens, timeout_s)
+            figures["errors"] += many.pop("errors")
+            figures.update({f"{key}@{count}": value for key, value in many.items()})
+            time.sleep(0.5)  # closed connections settle
+        return figures
+
     try:
         for url, _ in targets.values():  # warm: connections, lazy imports, the relay thread
             loop.run_until_complete(run_paced(url, APIS["chat"], 4, 4, 0.0, timeout_s))
         time.sleep(1.0)
-        for round_ in range(rounds):
-            for name in list(targets) if round_ % 2 == 0 else list(reversed(targets)):
-                url, pid = targets[name]
-                idle = measure_idle(pid, idle_s)
-                sparse = measure_stream(loop, url, pid, tokens, idle, timeout_s)
-                row: dict[str, Any] = {"idle_ms_per_s": idle["idle_ms_per_s"], "sparse_us_per_event": sparse["process_us_per_event"],
-                                       "sparse_wakeups_per_event": sparse["wakeups_per_event"], "errors": sparse["errors"]}  # fmt: skip
-                for count in streams:
-                    many = _many_streams(loop, url, pid, count, tokens, timeout_s)
-                    row["errors"] += many.pop("errors")
-                    row.update({f"{key}@{count}": value for key, value in many.items()})
-                    time.sleep(0.5)  # closed connections settle
-                rows[name].append(row)
-                console.print(f"paced round {round_ + 1} {name:<16} " + "  ".join(f"{k} {v:,.2f}" for k, v in row.items()))
+        each(quiet, "idle + sparse")
+        each(crowds, "streams")
     finally:
         loop.close()
     return rows
