@@ -499,6 +499,38 @@ def paced_command(
     paced_cli.save({"kind": "paced", "api": api, "tokens": tokens, "step_ms": step_ms, "ramp_s": ramp_s, "gateway_settings": settings, **result}, out_dir)
 
 
+@app.command("costs")
+def costs_command(
+    streams: Annotated[str, typer.Option("--streams", "-s", help="Comma-separated counts of paced streams at once.")] = "16,1024",
+    tokens: Annotated[int, typer.Option(help="Events of each paced stream (the sparse one too).")] = 100,
+    step_ms: Annotated[float, typer.Option(help="The paced fake's decode step: one event per stream per step.")] = 50.0,
+    idle_s: Annotated[float, typer.Option(help="Seconds of idle measured per target per round.")] = 5.0,
+    rounds: Annotated[int, typer.Option(help="Rounds over the paced figures (targets alternating).")] = 3,
+    concurrency: Levels = "1,64",
+    requests: Requests = 2400,
+    short_rounds: Annotated[int, typer.Option(help="Alternating rounds of the short requests per level.")] = 4,
+    baseline: Baseline = None,
+    out: Out = None,
+) -> None:
+    """The gateway's costs as ratios to SGLang's router, one run: CPU per event (one sparse stream, many streams),
+    per short request, per idle second, and the main loop's wake-ups per event."""
+    from benchmarks.costs import run_costs
+
+    if sglang_router_missing():
+        raise typer.BadParameter("costs measures against SGLang's router: pip install sglang-router")
+    base_env = _baseline_env({}, baseline)
+    run_costs(
+        _out_dir(out, "costs"), streams=_levels(streams), tokens=tokens, step_ms=step_ms, idle_s=idle_s, rounds=rounds,
+        levels=_levels(concurrency), requests=requests, short_rounds=short_rounds, baseline_env=base_env,
+    )  # fmt: skip
+
+
+def sglang_router_missing() -> bool:
+    from importlib.util import find_spec
+
+    return find_spec("sglang_router") is None
+
+
 @app.command("mlflow")
 def mlflow_command(
     upstream: Annotated[

@@ -167,8 +167,10 @@ class SSEProxyResponse(Response):
                 gone = True
                 task.cancel()
 
-        watch = asyncio.ensure_future(wait_disconnect(receive))
-        watch.add_done_callback(on_watch_done)
+        # An answer that came whole (a short one) is relayed and ended without waiting on anything: nothing to watch.
+        watch = None if self.upstream.is_complete else asyncio.ensure_future(wait_disconnect(receive))
+        if watch is not None:
+            watch.add_done_callback(on_watch_done)
         head: _HeadWithFirstWrite | None = None
         try:
             cycle = scope.get("extensions", {}).get(HTTP_CYCLE)
@@ -193,8 +195,9 @@ class SSEProxyResponse(Response):
             if gone:
                 self._charge_unreported()
             relaying = False
-            watch.remove_done_callback(on_watch_done)
-            watch.cancel()
+            if watch is not None:
+                watch.remove_done_callback(on_watch_done)
+                watch.cancel()
             if head is not None:
                 head.release()  # (a stream cut before any write: what the client gets is as before, the head alone)
             self.lease.close()  # a stream cut short closes the upstream connection: the engine aborts the request
@@ -235,6 +238,7 @@ class SSEProxyResponse(Response):
         self._native_tries = isinstance(writer, _TransportWriter) and self.upstream.can_go_native
         self.upstream.relay(self._on_data, writer.finish, self._says_finishing)
         error = await writer.wait()
+        held = writer.take_held() if isinstance(writer, _TransportWriter) else b""
         failure: GatewayError | None = None
         if isinstance(error, _RelayFailed):
             failure = GatewayError(500, "the gateway failed relaying the stream", code="internal_error")
@@ -263,7 +267,7 @@ class SSEProxyResponse(Response):
             self.info.error_code = failure.code
             self.metrics.child(self.metrics.stream_errors, self.model).inc()
             tail += sse_error_event(failure, self.kind, self._next_sequence_number(tail))
-        await send({"type": "http.response.body", "body": tail, "more_body": False})
+        await send({"type": "http.response.body", "body": held + tail if held else tail, "more_body": False})
 
     def _next_sequence_number(self, tail: bytes = b"") -> int:
         """Responses: the number after the highest one the engine gave the events sent last (they count from 0), for
@@ -562,19 +566,35 @@ class _TransportWriter:
     ``cycle`` is uvicorn's request-response cycle, handed over by :class:`gateway.edge.connection.GuardedHttpProtocol`.
     When the client's socket buffer is full (its flow control paused writing), reading from the engine pauses
     until it drains: a slow client slows its own stream, never the gateway's memory.
+
+    ``held``: the events of the read that brought the answer's end (all of a short answer, which came whole before
+    the relay began), kept, not written: they go out with the body's end (:meth:`take_held`), in the same write as
+    its closing chunk (and the head, for a short answer): one system call and one segment less, and the client
+    wakes once.
     """
 
-    __slots__ = ("cycle", "upstream", "draining", "done")
+    __slots__ = ("cycle", "upstream", "draining", "done", "held")
 
     def __init__(self, cycle: Any, upstream: StreamExchange) -> None:
         self.cycle = cycle
         self.upstream = upstream
         self.draining: asyncio.Future[None] | None = None
         self.done: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+        self.held: list[bytes] | None = None
+
+    def take_held(self) -> bytes:
+        """The events kept for the end (unframed), no longer kept."""
+        held, self.held = self.held, None
+        return b"".join(held) if held else b""
 
     def write(self, events: bytes) -> None:
         cycle = self.cycle
         if cycle.disconnected:  # the watcher task ends the stream
+            return
+        if self.upstream.ending:  # these are the answer's last events: they go out with its end, in one write
+            if self.held is None:
+                self.held = []
+            self.held.append(events)
             return
         cycle.transport.write(b"%x\r\n%b\r\n" % (len(events), events) if cycle.chunked_encoding else events)
         if cycle.flow.write_paused and self.draining is None:

@@ -78,7 +78,7 @@ class QuickAck:
     What sends the kernel back to delayed ACKs ("pingpong" mode) is the gateway sending data soon after it
     received some: the request written on a reused connection. Nothing the gateway does while it reads a
     response does, so the flag is set once per response, at its first read (which also sends an ACK still
-    pending); from then on the kernel acknowledges each small segment as it is read. (Set at every read, it cost
+    pending), unless that read held the whole response (nothing is left to acknowledge early); from then on the kernel acknowledges each small segment as it is read. (Set at every read, it cost
     a system call per relayed event.) The calls go through a duplicate of the socket made once: uvloop's
     ``get_extra_info("socket")`` builds and discards a socket object on every call."""
 
@@ -149,10 +149,8 @@ class _Connection(asyncio.Protocol):
             self._raw_size += len(data)
             if self._raw_size > _MAX_RAW:
                 self.raw = None
-        if not exchange.received:
-            exchange.received = True
-            if self._ack is not None:  # once per response: see QuickAck
-                self._ack.rearm()
+        first = not exchange.received
+        exchange.received = True
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as error:
@@ -160,6 +158,8 @@ class _Connection(asyncio.Protocol):
             exchange.failed(UpstreamConnectionLost(f"malformed response from the engine: {error}"))
             self.abort()
             return
+        if first and self._ack is not None and not exchange.is_complete:  # once per response: see QuickAck
+            self._ack.rearm()  # (an answer whole in its first read leaves nothing to acknowledge at once)
         self._deliver(rest=True)
 
     def _deliver(self, rest: bool) -> None:
@@ -204,8 +204,10 @@ class _Connection(asyncio.Protocol):
             self.exchange.body(body)
 
     def on_message_complete(self) -> None:
-        self._deliver(rest=False)  # the last events before the end
         exchange = self.exchange
+        if exchange is not None:
+            exchange.ending = True  # (the relay may keep these last events to write them with the end)
+        self._deliver(rest=False)  # the last events before the end
         if exchange is not None:
             exchange.complete()
 
@@ -232,7 +234,7 @@ class StreamExchange:
 
     __slots__ = (
         "connection", "status", "keep_alive", "last_read", "received", "_head", "_buffer", "_end",
-        "_complete", "_error", "_done", "_timer", "_read_timeout_s", "_released", "_holds", "_rest_until", "native",
+        "_complete", "_error", "_done", "_timer", "_read_timeout_s", "_released", "_holds", "_rest_until", "native", "ending",
     )  # fmt: skip
 
     def __init__(self, connection: _Connection, read_timeout_s: float) -> None:
@@ -247,6 +249,7 @@ class StreamExchange:
         self._buffer: list[bytes] = []
         self._end: EndSink | None = None
         self._complete = False
+        self.ending = False  # the response's end has been read: what is delivered now is its last (set before it)
         self._error: BaseException | None = None
         self._read_timeout_s = read_timeout_s
         self._timer: asyncio.TimerHandle | None = loop.call_later(read_timeout_s, self._check_silence)

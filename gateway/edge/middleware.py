@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import secrets
 import time
 from typing import Any
 
@@ -19,7 +18,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.core.context import BATCH_SCOPE_KEY, SCOPE_KEY, RequestInfo
+from gateway.core.context import BATCH_SCOPE_KEY, SCOPE_KEY, RequestInfo, new_request_id
 from gateway.core.endpoints import dialect_for_path, route_label
 from gateway.core.errors import GatewayError, error_response
 from gateway.core.metrics import Metrics
@@ -61,7 +60,7 @@ class RequestContextMiddleware:
         traced = self.tracing is not None and scope["path"] not in UNTRACED_PATHS
         found = _headers(scope, _TRACED_HEADERS if traced else _ID_HEADER)
         incoming = found.get(b"x-request-id")
-        request_id = incoming if incoming and _GOOD_ID.match(incoming) else secrets.token_hex(16)
+        request_id = incoming if incoming and _GOOD_ID.match(incoming) else new_request_id()
         info = RequestInfo(request_id=request_id, method=scope["method"], path=scope["path"])
         info.batch_id = scope.get(BATCH_SCOPE_KEY)
         if traced:

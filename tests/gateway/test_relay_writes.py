@@ -8,6 +8,7 @@ call and one segment less per stream, and the client is woken once.
 from __future__ import annotations
 
 import socket
+import struct
 import threading
 import time
 from contextlib import AbstractContextManager
@@ -82,3 +83,59 @@ def test_done_reaches_the_client_before_the_engine_closes_its_body() -> None:
                 more = client.recv(65536)
                 assert more, received
                 received += more
+
+
+def _data_segments_in(sock: socket.socket) -> int:
+    """TCP segments carrying data that ``sock`` received (Linux ``tcp_info.tcpi_data_segs_in``): one per write
+    of the gateway's, each well under the loopback's MSS here."""
+    info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+    return struct.unpack_from("I", info, 152)[0]
+
+
+def _read_to_the_end(client: socket.socket) -> bytes:
+    received = b""
+    while not received.endswith(b"0\r\n\r\n"):
+        more = client.recv(65536)
+        assert more, received
+        received += more
+    return received
+
+
+def test_a_short_answer_reaches_the_client_in_one_write() -> None:
+    """An answer that came whole from the engine (in one read) goes out whole: head, events and the body's closing
+    chunk in one write (one segment), not the closing chunk in a write of its own."""
+
+    def answer(conn: socket.socket) -> None:
+        read_request(conn)
+        conn.sendall(SSE_HEAD + http_chunk(EVENT) + http_chunk(END) + b"0\r\n\r\n")  # one segment: one read
+
+    with fake_answering_upstream(answer) as url, serve({"m": {"url": url}}) as gateway:
+        with _streamed_chat(gateway.url) as client:
+            received = _read_to_the_end(client)
+            assert received.startswith(b"HTTP/1.1 200") and EVENT in received and b"data: [DONE]" in received, received
+            assert _data_segments_in(client) == 1
+
+
+def test_the_last_events_of_a_stream_go_out_with_its_end() -> None:
+    """The read that brings the engine's end (its last events and the body's close, together) costs the client one
+    write: the events and the closing chunk in one segment."""
+    seen_event = threading.Event()
+
+    def answer(conn: socket.socket) -> None:
+        read_request(conn)
+        conn.sendall(SSE_HEAD + http_chunk(EVENT))
+        seen_event.wait(30)
+        conn.sendall(http_chunk(END) + b"0\r\n\r\n")  # one segment: one read
+
+    with fake_answering_upstream(answer) as url, serve({"m": {"url": url}}) as gateway:
+        with _streamed_chat(gateway.url) as client:
+            received = b""
+            while EVENT not in received:
+                more = client.recv(65536)
+                assert more, received
+                received += more
+            assert _data_segments_in(client) == 1 and b"[DONE]" not in received
+            seen_event.set()
+            received += _read_to_the_end(client)
+            assert b"data: [DONE]" in received
+            assert _data_segments_in(client) == 2  # the head with the first event; the last events with the end
