@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import httpx
 import uvicorn
 from fastapi import FastAPI
 
@@ -76,3 +77,12 @@ def serve(
         yield server
     finally:
         server.stop()
+
+
+@contextmanager
+def serve_engine(name: str, engine: EngineProcess) -> Iterator[GatewayServer]:
+    """A gateway serving ``engine`` by URL as model ``name`` (alias ``default``), once ready: its first probe has
+    learnt the engine's tool-call parser, which the guard needs before a request with tools."""
+    with serve({name: {"url": engine.url, "aliases": ["default"]}}) as server:
+        assert httpx.get(server.url + "/ready", timeout=60).status_code == 200
+        yield server

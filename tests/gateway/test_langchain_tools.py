@@ -13,14 +13,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Literal
 
-import httpx
 import pytest
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, HumanMessage, ToolMessage
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 
 from launch.process import EngineProcess
-from tests.gateway_server import GatewayServer, serve
+from tests.gateway_server import GatewayServer, serve_engine
 
 pytestmark = pytest.mark.real_model
 
@@ -36,8 +35,7 @@ def get_weather(city: Literal["Paris", "Tokyo", "Lima"]) -> str:
 
 @pytest.fixture(scope="module")
 def gateway(smollm2_engine: EngineProcess) -> Iterator[GatewayServer]:
-    with serve({"smollm2": {"url": smollm2_engine.url, "aliases": ["default"]}}) as server:
-        assert httpx.get(server.url + "/ready", timeout=60).status_code == 200  # its first probe learns the engine's parser
+    with serve_engine("smollm2", smollm2_engine) as server:
         yield server
 
 

@@ -27,7 +27,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 
 from launch.process import EngineProcess
 from tests.gateway.helpers import assert_openai_error
-from tests.gateway_server import GatewayServer, serve
+from tests.gateway_server import GatewayServer, serve_engine
 from tests.sdk_models import assert_sdk_valid
 
 CITY = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo"]}}, "required": ["city"]}
@@ -53,20 +53,16 @@ CASES: dict[str, tuple[str, dict[str, Any], Any, Any]] = {
 }  # fmt: skip
 
 
-def _gateway(name: str, engine: EngineProcess) -> Iterator[GatewayServer]:
-    with serve({name: {"url": engine.url, "aliases": ["default"]}}) as server:
-        assert httpx.get(server.url + "/ready", timeout=60).status_code == 200  # its first probe learns the engine's parser
+@pytest.fixture(scope="module")
+def gateway(tiny_engine: EngineProcess) -> Iterator[GatewayServer]:
+    with serve_engine("tiny", tiny_engine) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
-def gateway(tiny_engine: EngineProcess) -> Iterator[GatewayServer]:
-    yield from _gateway("tiny", tiny_engine)
-
-
-@pytest.fixture(scope="module")
 def real_gateway(smollm2_engine: EngineProcess) -> Iterator[GatewayServer]:
-    yield from _gateway("smollm2", smollm2_engine)
+    with serve_engine("smollm2", smollm2_engine) as server:
+        yield server
 
 
 def _body(case: str, stream: bool, sampling: dict[str, Any]) -> dict[str, Any]:

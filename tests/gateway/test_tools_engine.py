@@ -26,7 +26,7 @@ import openai
 import pytest
 
 from launch.process import EngineProcess
-from tests.gateway_server import GatewayServer, serve
+from tests.gateway_server import GatewayServer, serve, serve_engine
 
 CITY = {"type": "string", "enum": ["Paris", "Tokyo", "Lima"]}  # bounded: random weights would write a string forever
 WEATHER = {
@@ -43,20 +43,16 @@ QUESTION = "What's the weather like in Paris today?"
 CHOICES = ("auto", "required", "named", "none")
 
 
-def _gateway(name: str, engine: EngineProcess) -> Iterator[GatewayServer]:
-    with serve({name: {"url": engine.url, "aliases": ["default"]}}) as server:
-        assert httpx.get(server.url + "/ready", timeout=60).status_code == 200  # its first probe learns the engine's parser
+@pytest.fixture(scope="module")
+def gateway(tiny_engine: EngineProcess) -> Iterator[GatewayServer]:
+    with serve_engine("tiny", tiny_engine) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
-def gateway(tiny_engine: EngineProcess) -> Iterator[GatewayServer]:
-    yield from _gateway("tiny", tiny_engine)
-
-
-@pytest.fixture(scope="module")
 def real_gateway(smollm2_engine: EngineProcess) -> Iterator[GatewayServer]:
-    yield from _gateway("smollm2", smollm2_engine)
+    with serve_engine("smollm2", smollm2_engine) as server:
+        yield server
 
 
 def _clients(gateway: GatewayServer) -> tuple[openai.OpenAI, anthropic.Anthropic]:
