@@ -31,7 +31,7 @@ from gateway.data.stream_pool import (
 )
 from gateway.data.upstream_errors import transport_error
 from gateway.data.usage_request import prompt_bound
-from gateway.edge.connection import HTTP_CYCLE
+from gateway.edge.connection import HTTP_CYCLE, on_disconnect
 
 _MAX_PENDING = 4 * 1024 * 1024  # an SSE event larger than this is forwarded unsplit, unscanned
 
@@ -161,19 +161,29 @@ class SSEProxyResponse(Response):
         relaying = True
         gone = False
 
-        def on_watch_done(watch: asyncio.Task[None]) -> None:
+        def on_gone() -> None:
             nonlocal gone
-            if relaying and not watch.cancelled() and watch.exception() is None:
+            if relaying:
                 gone = True
                 task.cancel()
 
+        def on_watch_done(watch: asyncio.Task[None]) -> None:
+            if not watch.cancelled() and watch.exception() is None:
+                on_gone()
+
+        cycle = scope.get("extensions", {}).get(HTTP_CYCLE)
         # An answer that came whole (a short one) is relayed and ended without waiting on anything: nothing to watch.
-        watch = None if self.upstream.is_complete else asyncio.ensure_future(wait_disconnect(receive))
-        if watch is not None:
+        # Under the gateway's own protocol its connection says when the client leaves; elsewhere a task waits for it.
+        watch = None
+        if self.upstream.is_complete:
+            pass
+        elif cycle is not None:
+            on_disconnect(cycle, on_gone)
+        else:
+            watch = asyncio.ensure_future(wait_disconnect(receive))
             watch.add_done_callback(on_watch_done)
         head: _HeadWithFirstWrite | None = None
         try:
-            cycle = scope.get("extensions", {}).get(HTTP_CYCLE)
             if cycle is not None:  # the start's bytes go out with the first events, in one write
                 head = _HeadWithFirstWrite(cycle)
             await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
@@ -195,6 +205,8 @@ class SSEProxyResponse(Response):
             if gone:
                 self._charge_unreported()
             relaying = False
+            if cycle is not None:
+                on_disconnect(cycle, None)
             if watch is not None:
                 watch.remove_done_callback(on_watch_done)
                 watch.cancel()

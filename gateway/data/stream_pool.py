@@ -178,7 +178,9 @@ class _Connection(asyncio.Protocol):
                 sink(body)
                 exchange = self.exchange
                 if rest and exchange is not None and exchange.native is None:
-                    seconds = self.pool.rest_for()
+                    pool = self.pool
+                    pool.lag.start()  # a stream still coming in: its rests follow the loop's lag (an answer whole in its first read never asks)
+                    seconds = pool.rest_for()
                     finishing = self.finishing
                     if seconds and not (finishing is not None and finishing(body)):
                         exchange.rest(seconds)
@@ -580,7 +582,6 @@ class StreamPool:
         head += [f"{name}: {value}\r\n" for name, value in headers.items()]
         request = "".join(head).encode("latin-1") + b"\r\n" + payload
         await self._take_slot()
-        self.lag.start()
         for attempt in (1, 2):
             try:
                 connection = self._idle_connection(key) or await self._connect(key, quickack)
