@@ -16,6 +16,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from gateway.core.registry import Registry
+from gateway.core.request_tally import Finished, RequestTally
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -69,6 +70,12 @@ class Metrics:
         r.register(_Resident(registry))
         self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
         self._shared_store_up: Gauge | None = None
+        # the per-request series, added in batches (at once with worker processes, whose scrapes read each other's)
+        self.tally = RequestTally(self, at_once=bool(self.multiprocess_dir))
+
+    def finished(self, request: Finished) -> None:
+        """Count one finished request in the per-request series (:mod:`gateway.core.request_tally`)."""
+        self.tally.note(request)
 
     def shared_store_gauge(self) -> Gauge:
         """``gateway_shared_store_up``, registered by replicas sharing a store only (elsewhere it would say 0)."""
@@ -81,6 +88,7 @@ class Metrics:
 
     def exposition(self) -> bytes:
         """The scrape: this process's series, or with worker processes the sum over all of them."""
+        self.tally.flush()
         if not self.multiprocess_dir:
             return generate_latest(self.registry)
         summed = CollectorRegistry()

@@ -59,7 +59,7 @@ async def _proxied(request: Request, endpoint: ProxiedRoute) -> Response:
     info: RequestInfo = request_info(request.scope) or RequestInfo("-", request.method, endpoint.path)
     tenant: Tenant | None = request.scope.get(TENANT_SCOPE_KEY)
     priority = request_priority(request.scope, tenant)  # a proxied route is never an open path: None is no client keys
-    raw = await request.body()
+    raw = await _body(request)
     body, route, grammar_size = guard_request(state, endpoint, raw, tenant, info)
     owner = request_owner(request.scope)
     pinned = await _continued_response(state, body, route, owner) if endpoint.response_ids else None
@@ -78,6 +78,23 @@ async def _proxied(request: Request, endpoint: ProxiedRoute) -> Response:
     )  # fmt: skip
     assert state.proxy is not None, "the app's lifespan did not run"
     return await state.proxy.forward(call)
+
+
+async def _body(request: Request) -> bytes:
+    """``await request.body()`` without Starlette's async generator (registered with the loop and closed per
+    request): the body's messages read in a loop, kept on the request as Starlette keeps it."""
+    receive = request.receive
+    chunks: list[bytes] = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        if piece := message.get("body", b""):
+            chunks.append(piece)
+        if not message.get("more_body", False):
+            break
+    raw = request._body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    return raw
 
 
 def guard_request(

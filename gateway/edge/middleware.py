@@ -22,6 +22,7 @@ from gateway.core.context import BATCH_SCOPE_KEY, SCOPE_KEY, RequestInfo, new_re
 from gateway.core.endpoints import dialect_for_path, route_label
 from gateway.core.errors import GatewayError, error_response
 from gateway.core.metrics import Metrics
+from gateway.core.request_tally import Finished
 from gateway.core.tracing import Tracing
 from gateway.edge.connection import HTTP_CYCLE
 from gateway.tenants.keys import UNNAMED
@@ -32,9 +33,6 @@ _GOOD_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 # Probes and scrapes (a Kubernetes probe every few seconds) would bury the requests' traces.
 UNTRACED_PATHS = frozenset({"/health", "/ready", "/metrics"})
-
-_STATUS_CLASSES = ("other", "1xx", "2xx", "3xx", "4xx", "5xx")
-
 
 class RequestContextMiddleware:
     """Gives every response an ``X-Request-Id`` and records one log line, the metrics and a usage ledger row per request."""
@@ -91,26 +89,14 @@ class RequestContextMiddleware:
         elapsed = ended - info.started
         if self.tracing is not None:
             self.tracing.finish(info, ended)
-        model = info.model or "-"
-        route = route_label(info.path)
-        m = self.metrics
-        m.child(m.requests, model, route, str(info.status or 0)).inc()
-        m.child(m.latency, model, route).observe(elapsed)
-        if info.ttft_s is not None:
-            m.child(m.ttft, model).observe(info.ttft_s)
-        if info.prompt_tokens:
-            m.child(m.tokens, model, "prompt").inc(info.prompt_tokens)
-        if info.completion_tokens:
-            m.child(m.tokens, model, "completion").inc(info.completion_tokens)
-        if info.replica is not None:
-            m.child(m.replica_requests, model, str(info.replica)).inc()
         status = info.status or 0
         key = info.key_name or UNNAMED
-        m.child(m.key_requests, key, model, _STATUS_CLASSES[status // 100 if status < 600 else 0]).inc()
-        if info.prompt_tokens:
-            m.child(m.key_tokens, key, model, "prompt").inc(info.prompt_tokens)
-        if info.completion_tokens:
-            m.child(m.key_tokens, key, model, "completion").inc(info.completion_tokens)
+        self.metrics.finished(
+            Finished(
+                info.model or "-", route_label(info.path), status, elapsed, info.ttft_s, info.prompt_tokens, info.completion_tokens,
+                info.replica, key,
+            )
+        )  # fmt: skip
         if self.ledger is not None:
             ttft = info.ttft_s
             self.ledger.record(

@@ -1,0 +1,68 @@
+"""The per-request series are added in batches: a scrape is never behind what the process answered, a batch adds what
+its requests would have added one by one, and with worker processes every request is added as it ends."""
+
+from __future__ import annotations
+
+import asyncio
+
+from gateway.core.metrics import Metrics
+from gateway.core.registry import Registry
+from gateway.core.request_tally import Finished
+
+
+def _sample(metrics: Metrics, name: str, **labels: str) -> float | None:
+    return metrics.registry.get_sample_value(name, labels)
+
+
+def _requests() -> list[Finished]:
+    return [
+        Finished("m", "/v1/chat/completions", 200, 0.02, 0.004, 10, 5, None, "unnamed"),
+        Finished("m", "/v1/chat/completions", 200, 0.3, None, 7, None, 1, "alice"),
+        Finished("m", "/v1/chat/completions", 503, 0.001, None, None, None, None, "alice"),
+        Finished("other", "/v1/responses", 200, 2.0, 0.2, 3, 4, None, "unnamed"),
+    ]
+
+
+def test_a_scrape_adds_what_waits_and_counts_it_as_one_by_one() -> None:
+    metrics = Metrics(Registry(), multiprocess_dir="")
+
+    async def scenario() -> str:  # requests end in the server's loop
+        for request in _requests():
+            metrics.finished(request)
+        assert _sample(metrics, "gateway_requests_total", model="m", route="/v1/chat/completions", status="200") is None  # waiting
+        return metrics.exposition().decode()
+
+    text = asyncio.run(scenario())
+    assert 'gateway_requests_total{model="m",route="/v1/chat/completions",status="200"} 2.0' in text
+    assert _sample(metrics, "gateway_requests_total", model="m", route="/v1/chat/completions", status="503") == 1
+    assert _sample(metrics, "gateway_key_requests_total", key="alice", model="m", status_class="2xx") == 1
+    assert _sample(metrics, "gateway_key_requests_total", key="alice", model="m", status_class="5xx") == 1
+    assert _sample(metrics, "gateway_tokens_total", model="m", kind="prompt") == 17
+    assert _sample(metrics, "gateway_tokens_total", model="m", kind="completion") == 5
+    assert _sample(metrics, "gateway_key_tokens_total", key="unnamed", model="other", kind="completion") == 4
+    assert _sample(metrics, "gateway_replica_requests_total", model="m", replica="1") == 1
+    latency = "gateway_request_duration_seconds"
+    assert _sample(metrics, latency + "_count", model="m", route="/v1/chat/completions") == 3
+    assert _sample(metrics, latency + "_bucket", model="m", route="/v1/chat/completions", le="0.025") == 2
+    assert abs(_sample(metrics, latency + "_sum", model="m", route="/v1/chat/completions") - 0.321) < 1e-9  # type: ignore[operator]
+    assert _sample(metrics, "gateway_time_to_first_token_seconds_count", model="m") == 1
+    assert _sample(metrics, "gateway_time_to_first_token_seconds_bucket", model="other", le="0.1") == 0
+
+
+def test_waiting_requests_are_added_within_the_flush_interval_without_a_scrape(monkeypatch) -> None:
+    monkeypatch.setattr("gateway.core.request_tally.FLUSH_S", 0.05)
+    metrics = Metrics(Registry(), multiprocess_dir="")
+
+    async def scenario() -> None:
+        metrics.finished(_requests()[0])
+        assert _sample(metrics, "gateway_requests_total", model="m", route="/v1/chat/completions", status="200") is None
+        await asyncio.sleep(0.2)
+
+    asyncio.run(scenario())
+    assert _sample(metrics, "gateway_requests_total", model="m", route="/v1/chat/completions", status="200") == 1
+
+
+def test_with_worker_processes_every_request_is_added_as_it_ends(tmp_path) -> None:
+    metrics = Metrics(Registry(), multiprocess_dir=str(tmp_path))  # (their scrapes read each other's series)
+    metrics.finished(_requests()[1])
+    assert _sample(metrics, "gateway_requests_total", model="m", route="/v1/chat/completions", status="200") == 1
