@@ -111,9 +111,15 @@ def check_bounds(path: str, body: dict[str, Any], bounds: RequestBounds, setting
     return _check_grammars(body, bounds, setting)
 
 
+# Every field grammar_inputs looks into.
+_GRAMMAR_FIELDS = frozenset({"regex", "ebnf", "json_schema", "stop_regex", "response_format", "text", "output_config", "tools"})
+
+
 def grammar_inputs(body: dict[str, Any]) -> Iterator[tuple[str, str, Any]]:
     """(field, kind, value) of every grammar the engine would compile for ``body``: kind is ``regex``,
     ``ebnf``, ``json_schema``, ``structural_tag`` or ``stop_regex`` (matched by Python's re, not compiled)."""
+    if _GRAMMAR_FIELDS.isdisjoint(body):  # most requests carry none: one set operation, not a look at each field
+        return
     for field in ("regex", "ebnf"):
         if isinstance(body.get(field), str):
             yield field, field, body[field]

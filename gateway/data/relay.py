@@ -130,7 +130,9 @@ class SSEProxyResponse(Response):
         hide_usage: bool = False,
         count_prompt: PromptCounter | None = None,
     ) -> None:
-        super().__init__(status_code=200, media_type="text/event-stream")
+        # (not Response.__init__: its body and headers are never sent, __call__ sends the start itself)
+        self.status_code, self.media_type, self.background, self.body = 200, "text/event-stream", None, b""
+        self.raw_headers = list(SSE_HEADERS)
         assert isinstance(lease.upstream, StreamExchange)
         self.upstream: StreamExchange = lease.upstream
         self.lease = lease

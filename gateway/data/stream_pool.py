@@ -124,6 +124,8 @@ class _Connection(asyncio.Protocol):
         self.sink: Sink | None = None  # the exchange's relay, called once per read with what the read brought
         self.finishing: Finishing | None = None  # the relay's: does a read say the stream is finishing (no rest then)
         self._pieces: list[bytes] = []  # the body pieces (HTTP chunks) of the read being parsed
+        # httptools' body callback, the list's own append: no Python runs per HTTP chunk (a streamed answer's every event)
+        self.on_body = self._pieces.append
         self.parser: Any = None
         self.raw: list[bytes] | None = None  # the response's bytes so far, while it may still go native
         self._raw_size = 0
@@ -174,7 +176,10 @@ class _Connection(asyncio.Protocol):
             body = pieces[0] if len(pieces) == 1 else b"".join(pieces)
             pieces.clear()
             sink = self.sink
-            if sink is not None:
+            if sink is None:  # before the relay (an error answer, or what came with a stream's head): kept for it
+                if self.exchange is not None:
+                    self.exchange.body(body)
+            else:
                 sink(body)
                 exchange = self.exchange
                 if rest and exchange is not None and exchange.native is None:
@@ -198,12 +203,6 @@ class _Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         if self.exchange is not None:
             self.exchange.headers_done(self.parser.get_status_code(), self.parser.should_keep_alive())
-
-    def on_body(self, body: bytes) -> None:
-        if self.sink is not None:
-            self._pieces.append(body)  # delivered once the read is parsed (_deliver)
-        elif self.exchange is not None:
-            self.exchange.body(body)
 
     def on_message_complete(self) -> None:
         exchange = self.exchange
