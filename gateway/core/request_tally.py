@@ -12,6 +12,7 @@ no worker's scrape misses what another answered.
 from __future__ import annotations
 
 import asyncio
+from bisect import bisect_left
 from collections import Counter, defaultdict
 from typing import Any, NamedTuple
 
@@ -89,6 +90,17 @@ class RequestTally:
                 child(metric, *labels).inc(count)
         for histogram, observed in ((m.latency, latencies), (m.ttft, ttfts)):
             for labels, values in observed.items():
-                series = child(histogram, *labels) if isinstance(labels, tuple) else child(histogram, labels)
-                for value in values:
-                    series.observe(value)
+                _observe_all(child(histogram, *labels) if isinstance(labels, tuple) else child(histogram, labels), values)
+
+
+def _observe_all(series: Any, values: list[float]) -> None:
+    """``series.observe(value)`` for each of ``values`` (a prometheus_client histogram child), as one update per bucket
+    that got values: each value in the first bucket whose upper bound it does not exceed, as ``observe`` puts it."""
+    bounds = series._upper_bounds
+    counts = [0] * len(bounds)
+    for value in values:
+        counts[bisect_left(bounds, value)] += 1
+    series._sum.inc(sum(values))
+    for bucket, count in zip(series._buckets, counts, strict=True):
+        if count:
+            bucket.inc(count)

@@ -66,3 +66,24 @@ def test_with_worker_processes_every_request_is_added_as_it_ends(tmp_path) -> No
     metrics = Metrics(Registry(), multiprocess_dir=str(tmp_path))  # (their scrapes read each other's series)
     metrics.finished(_requests()[1])
     assert _sample(metrics, "gateway_requests_total", model="m", route="/v1/chat/completions", status="200") == 1
+
+
+def test_a_batch_fills_each_histogram_bucket_as_observing_one_by_one_does() -> None:
+    values = [0.0, 0.005, 0.0051, 0.01, 0.3, 0.5, 0.50001, 29.9, 30.0, 601.0, 1e9, 0.025, 0.025000001]
+    one_by_one, batched = Metrics(Registry(), multiprocess_dir=""), Metrics(Registry(), multiprocess_dir="")
+    for value in values:
+        one_by_one.latency.labels("m", "/v1/responses").observe(value)
+
+    async def batch() -> None:  # in a loop: kept, then added together
+        for value in values:
+            batched.tally.note(Finished("m", "/v1/responses", 200, value, None, None, None, None, "unnamed"))
+        assert len(batched.tally._pending) == len(values)
+        batched.tally.flush()
+
+    asyncio.run(batch())
+
+    def latency_samples(metrics: Metrics) -> dict[tuple[str, str], float]:
+        family = next(f for f in metrics.registry.collect() if f.name == "gateway_request_duration_seconds")
+        return {(sample.name, sample.labels.get("le", "")): sample.value for sample in family.samples if not sample.name.endswith("_created")}
+
+    assert latency_samples(batched) == latency_samples(one_by_one)
