@@ -92,7 +92,8 @@ import none of each other). Every module is named under its folder (a test check
   ``errors``         errors in the route's dialect (OpenAI or Anthropic), sanitized (``client_mistakes``: engine
                      500s that are the request's fault)
   ``health``         every probe of a backend, on a client of its own; ``metrics`` the Prometheus series
-                     (``metrics_scope``: what of ``/metrics`` a client key may read)
+                     (``metrics_scope``: what of ``/metrics`` a client key may read; ``request_tally``: the
+                     per-request series, added in batches)
   ``events``         the last reloads, swaps and restarts, for people to read (status page, admin API)
   ``responses_index`` which engine stored which Responses API response, and which key owns it (in ``state_dir``)
   ``call``           one proxied request as its stages carry it, and the hook they note its trace in*;

@@ -6,7 +6,7 @@ an engine they already run; ``app_from_config`` builds all of it (engines includ
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -61,19 +61,19 @@ class GatewayAPI(FastAPI):
     chain: Any = None
     proxied_routes: Mapping[str, ProxiedRoute] = PROXIED_BY_PATH  # path -> route, served by the fast path
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:  # (a coroutine function: ASGI 3)
         if self.chain is not None and scope["type"] == "http":
             scope["app"] = self
             await self.chain(scope, receive, send)
             return
         await super().__call__(scope, receive, send)
 
-    async def dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """The innermost step of the chain: the fast path, or FastAPI."""
+    def dispatch(self, scope: Scope, receive: Receive, send: Send) -> Coroutine[Any, Any, None]:
+        """The innermost step of the chain: the fast path, or FastAPI (the awaitable of either, not a coroutine of its
+        own around it, which each of the request's awaits would resume)."""
         if self.proxied is not None and scope["method"] == "POST" and scope["path"] in self.proxied_routes:
-            await self.proxied(scope, receive, send)
-            return
-        await super().__call__(scope, receive, send)
+            return self.proxied(scope, receive, send)  # type: ignore[no-any-return]
+        return super().__call__(scope, receive, send)
 
 
 def create_app(

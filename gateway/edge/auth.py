@@ -19,7 +19,7 @@ owner, :data:`OPEN_OWNER`.
 from __future__ import annotations
 
 import hmac
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,27 +81,25 @@ class AuthMiddleware:
         self.app = app
         self.holder = holder or KeyHolder(KeyPolicy(tuple(keys), (), frozenset(open_paths)))
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    def __call__(self, scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
+        """The awaitable of the next step (a request let through: no coroutine of its own around it, which each of
+        the request's awaits would resume) or of the refusal: every check here is decided without waiting."""
         if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+            return self.app(scope, receive, send)
         policy = self.holder.policy
         path = scope["path"]
         admin = path.startswith(ADMIN_PREFIX) or path == ADMIN_PREFIX.rstrip("/")
         if admin and not policy.admin:
             message = "the admin API is off: configure gateway.admin_keys (or admin_keys_env / admin_keys_file)"
-            await error_response(GatewayError(403, message, code="admin_api_disabled"))(scope, receive, send)
-            return
+            return error_response(GatewayError(403, message, code="admin_api_disabled"))(scope, receive, send)
         if path == METRICS_PATH and policy.client and path not in policy.open_paths:
             presented = _bearer(scope)
             if presented is not None and _matching(presented, policy.admin + policy.metrics) >= 0:
-                await self.app(scope, receive, send)  # no tenant in the scope: the whole scrape
-                return
+                return self.app(scope, receive, send)  # no tenant in the scope: the whole scrape
         if not admin and (not policy.client or path in policy.open_paths or is_status_page(path)):
             if not policy.client:
                 scope[OWNER_SCOPE_KEY] = OPEN_OWNER
-            await self.app(scope, receive, send)
-            return
+            return self.app(scope, receive, send)
         dialect = dialect_for_path(path)
         presented = _bearer(scope)
         if presented is None and dialect is Dialect.ANTHROPIC:
@@ -111,20 +109,18 @@ class AuthMiddleware:
             error = GatewayError(401, f"missing API key: send {how}", code="missing_api_key")
         elif admin:
             if _matching(presented, policy.admin) >= 0:
-                await self.app(scope, receive, send)
-                return
+                return self.app(scope, receive, send)
             error = GatewayError(401, "invalid admin key", code="invalid_api_key")
         elif (tenant := policy.client.get(digest_of(presented))) is not None:
             scope[OWNER_SCOPE_KEY], scope[TENANT_SCOPE_KEY] = tenant.owner, tenant
             info = request_info(scope)
             if info is not None:
                 info.key_name = tenant.name
-            await self.app(scope, receive, send)
-            return
+            return self.app(scope, receive, send)
         else:
             error = GatewayError(401, "invalid API key", code="invalid_api_key")
         error.headers["WWW-Authenticate"] = "Bearer"
-        await error_response(error, dialect)(scope, receive, send)
+        return error_response(error, dialect)(scope, receive, send)
 
 
 def _matching(presented: bytes, keys: tuple[bytes, ...]) -> int:

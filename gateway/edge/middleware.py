@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+from collections.abc import Awaitable
 from typing import Any
 
 from loguru import logger
@@ -162,25 +163,30 @@ class BodyLimitMiddleware:
         self.timeout_s = timeout_s
         self.deadline_s = deadline_s
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    def __call__(self, scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
+        """The refusal of a declared length over the cap, the request as it is when its whole body (within the cap, as
+        declared) is in already (the next step's awaitable: no coroutine of its own around it), or the request with
+        its body counted and timed as it comes (:meth:`_counted`)."""
         if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+            return self.app(scope, receive, send)
         max_bytes = self.larger.get(scope["path"], self.max_bytes) if self.larger else self.max_bytes
         declared = _headers(scope, _LENGTH_HEADER).get(b"content-length")
+        cycle = scope.get("extensions", {}).get(HTTP_CYCLE)
         if declared is not None:
             if not declared.isdigit():
                 error = GatewayError(400, "invalid Content-Length header", code="invalid_header")
-                await error_response(error, dialect_for_path(scope["path"]))(scope, receive, send)
-                return
+                return error_response(error, dialect_for_path(scope["path"]))(scope, receive, send)
             if int(declared) > max_bytes:
-                await error_response(self._too_large(max_bytes), dialect_for_path(scope["path"]))(scope, receive, send)
-                return
+                return error_response(self._too_large(max_bytes), dialect_for_path(scope["path"]))(scope, receive, send)
+            if cycle is not None and not cycle.more_body:  # all of it came, as long as declared: nothing to count or time
+                return self.app(scope, receive, send)
+        return self._counted(scope, receive, send, max_bytes, cycle)
+
+    async def _counted(self, scope: Scope, receive: Receive, send: Send, max_bytes: int, cycle: Any) -> None:
         seen = 0
         complete = False
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.deadline_s  # the app is called once the headers are complete
-        cycle = scope.get("extensions", {}).get(HTTP_CYCLE)
 
         async def counting_receive() -> Message:
             nonlocal seen, complete

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import datetime as dt
 import math
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -34,11 +34,14 @@ class QuotaMiddleware:
         self.quotas = quotas
         self._management: dict[str, Bucket] = {}  # key name -> its bucket of batch and file calls
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    def __call__(self, scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
+        """A key without limits is handed on as it is (the next step's awaitable, no coroutine of its own around it)."""
         tenant: Tenant | None = scope.get(TENANT_SCOPE_KEY) if scope["type"] == "http" else None
         if tenant is None or tenant.name is None or not tenant.limited:
-            await self.app(scope, receive, send)
-            return
+            return self.app(scope, receive, send)
+        return self._limited(tenant, scope, receive, send)
+
+    async def _limited(self, tenant: Tenant, scope: Scope, receive: Receive, send: Send) -> None:
         if is_batch_management(scope["path"]):
             await self._management_call(tenant.name, scope, receive, send)
             return
