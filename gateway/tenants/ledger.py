@@ -217,11 +217,14 @@ class Ledger:
             self._stopping.set()
             await self._task
             self._task = None
-        if self.enabled and self._rows:
-            delay = BACKOFF_INITIAL_S
-            while not await self._write_all() and time.monotonic() + delay < deadline:
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, BACKOFF_MAX_S)
+        delay = BACKOFF_INITIAL_S
+        while self.enabled and self._rows:  # (rows of requests that ended during a write: written next)
+            if await self._write_all():
+                continue
+            if time.monotonic() + delay >= deadline:
+                return
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, BACKOFF_MAX_S)
 
     async def _run(self) -> None:
         delay = BACKOFF_INITIAL_S
@@ -250,7 +253,7 @@ class Ledger:
             ok = await self._write_all()
 
     async def _write_all(self) -> bool:
-        """Write the buffer, one batch per transaction; False (rows kept) at the first failure."""
+        """Write the buffer as it is now, one batch per transaction; False (rows kept) at the first failure."""
         async with self._lock:
             return await self._write_all_locked()
 
@@ -259,8 +262,13 @@ class Ledger:
         try:
             if not self._ready:
                 await self._open()
-            while self._rows:
-                await self._write_batch([self._rows.popleft() for _ in range(min(len(self._rows), self.batch_rows))])
+            # What is buffered now, not what comes meanwhile: a writer that also took the rows arriving during its
+            # writes wrote them a few at a time, one transaction each, for as long as requests came faster than a write.
+            left = len(self._rows)
+            while left and self._rows:
+                batch = [self._rows.popleft() for _ in range(min(left, len(self._rows), self.batch_rows))]
+                left -= len(batch)
+                await self._write_batch(batch)
         except Exception as error:  # any failure of the database: the rows wait, the gateway serves on
             self._note_failure(error)
             return False

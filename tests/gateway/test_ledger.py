@@ -656,3 +656,44 @@ def test_a_sigkilled_worker_loses_at_most_the_rows_of_its_requests_in_flight(usa
     missing = [rid for rid in answered if rid not in written]
     assert len(answered) > 100, len(answered)
     assert len(missing) <= len(failed), (len(missing), len(failed), len(answered))
+
+
+def test_rows_that_arrive_while_a_batch_is_written_wait_for_the_next_one(tmp_path: Path) -> None:
+    """A request ends during every write (as at a steady rate): the writer still writes whole batches, each of the
+    rows buffered when its write began, then waits the interval, not a transaction per row or two that came
+    meanwhile. Every row is written by the close."""
+    url = f"sqlite:///{tmp_path / 'usage.sqlite3'}"
+    written: list[int] = []
+
+    async def run() -> None:
+        ledger = Ledger(UsageSettings(flush_interval_s=0.2, batch_rows=50), url)
+        write_batch = ledger._write_batch
+
+        async def a_request_ends_meanwhile(batch: list[UsageRow]) -> None:
+            written.append(len(batch))
+            if len(written) <= 8:  # (not forever: the close writes until nothing is left)
+                ledger.record(_row(f"meanwhile-{len(written)}"))
+            await write_batch(batch)
+
+        ledger._write_batch = a_request_ends_meanwhile  # type: ignore[method-assign]
+        await ledger.start()
+        began = time.monotonic()
+        for index in range(120):
+            ledger.record(_row(f"steady-{index}"))
+            if index % 10 == 9:
+                await asyncio.sleep(0.05)
+        elapsed.append(time.monotonic() - began)
+        steady.extend(written)
+        await ledger.close()
+
+    steady: list[int] = []
+    elapsed: list[float] = []
+    asyncio.run(run())
+    # One write per interval (the first is the start's, which opens the database: what came by then), each of the rows
+    # of that interval; the old writer: after each write, one more transaction for the row or two that came meanwhile.
+    assert 2 <= len(steady) <= elapsed[0] / 0.2 + 2 and min(steady[1:]) >= 5, (steady, elapsed)
+    reader = UsageReader(url)
+    try:
+        assert reader.read(parse_query("team-a", None, None, None, None))[0]["requests"] == 120 + min(len(written), 8)
+    finally:
+        reader.close()
