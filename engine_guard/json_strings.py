@@ -57,11 +57,16 @@ def hold_string_lengths(schema: Any) -> Any:
     return held
 
 
+_FORMAT_FIELDS = frozenset({"response_format", "text", "output_config", "json_schema"})  # what hold_json_strings looks into
+
+
 def hold_json_strings(body: dict[str, Any]) -> None:
     """Rewrite ``body`` in place so that the JSON schema of its answer's format holds its strings to JSON content
     (:func:`hold_string_lengths`): ``response_format``, ``text.format``, ``output_config.format``, a completions
     ``json_schema`` (strict and forced tools: :func:`engine_guard.tool_calls.hold_strict_strings`). Changed objects are
     copies; the caller's stay as they were."""
+    if _FORMAT_FIELDS.isdisjoint(body):  # most requests ask for no format: one set operation
+        return
     for field in ("response_format", "text", "output_config"):
         container = body.get(field)
         spec = container if field == "response_format" else container.get("format") if isinstance(container, dict) else None

@@ -43,6 +43,7 @@ from gateway.config import HttpSettings
 from gateway.core.endpoints import dialect_for_path
 from gateway.core.errors import Dialect, GatewayError
 from gateway.core.state import GatewayState
+from gateway.edge.cycle import GatewayCycle
 
 LINGER_S = 2.0  # after a rejection, how long what the client still sends is read and dropped before the socket closes
 LINGER_BYTES = 1 << 20  # ... and how much of it (a request body; a head that never ends is cut off sooner)
@@ -181,6 +182,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         super().on_headers_complete()
         cycle = getattr(self, "cycle", None)
         if cycle is not None and cycle.scope is self.scope:
+            cycle.__class__ = GatewayCycle  # uvicorn's, with a cheaper response start (its task has not run yet)
             self.scope.setdefault("extensions", {})[HTTP_CYCLE] = cycle
             if self.gateway is not None and self.gateway.draining:
                 cycle.keep_alive = False  # uvicorn answers with "connection: close" and closes after the response

@@ -66,12 +66,12 @@ class RequestContextMiddleware:
             info.trace = self.tracing.begin(found.get(b"traceparent"), found.get(b"tracestate"), info.started)  # type: ignore[union-attr]
         scope[SCOPE_KEY] = info
 
-        async def send_with_id(message: Message) -> None:
+        def send_with_id(message: Message) -> Awaitable[None]:  # (the server's send itself: no coroutine around it)
             if message["type"] == "http.response.start":
                 info.status = message["status"]
                 headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
                 message = {**message, "headers": [*headers, (b"x-request-id", request_id.encode()), *self._extra, *info.extra_headers]}
-            await send(message)
+            return send(message)
 
         try:
             await self.app(scope, receive, send_with_id)
