@@ -188,7 +188,16 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                 cycle.keep_alive = False  # uvicorn answers with "connection: close" and closes after the response
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()
+        # uvicorn's, less its keep-alive timer: the head timer armed below closes an idle connection (the same
+        # keepalive_timeout_s), so a second timer armed and cancelled per request bought nothing
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        self._unset_keepalive_if_required()
+        self.flow.resume_reading()
+        if self.pipeline:
+            cycle, app = self.pipeline.pop()
+            self._start_asgi_task(cycle, app)
         if not self.transport.is_closing():
             self._awaiting_head = True
             self._head_bytes = 0
