@@ -507,7 +507,7 @@ def costs_command(
     idle_s: Annotated[float, typer.Option(help="Seconds of idle measured per target per round.")] = 5.0,
     rounds: Annotated[int, typer.Option(help="Rounds over the paced figures (targets alternating).")] = 3,
     concurrency: Levels = "1,64",
-    # (rounds of 300 requests at c=1 last ~0.4 s: the figure then moved by a quarter between runs of the same code)
+    # (the old 2,400 over 4 rounds: 600 requests, ~0.5 s at c=1, a round; the figure moved by a quarter between runs of the same code)
     requests: Requests = 12000,
     short_rounds: Annotated[int, typer.Option(help="Alternating rounds of the short requests per level.")] = 8,
     baseline: Baseline = None,

@@ -70,7 +70,8 @@ import none of each other). Every module is named under its folder (a test check
   ``listener``       the listening socket: every waiting connection accepted per pass of the loop (uvloop takes one)
   ``ticks``          uvicorn's server ticking once a second (not ten times), woken at once to stop
   ``connection``     uvicorn's HTTP protocol with connection/header limits and timeouts*; ``cycle`` its request-response
-                     cycle, the response start checked in two searches, not two per header
+                     cycle, the response start checked in two searches, not two per header, and the client's leaving
+                     told to a stream's relay without a task
   ``middleware``     request id + log line + metrics, body size/time cap, CORS*; ``auth`` the key check (and which key)*
   ``quota``          a named key over its limits gets 429 with the rate-limit headers; charges its tokens*
 

@@ -31,7 +31,7 @@ from gateway.data.stream_pool import (
 )
 from gateway.data.upstream_errors import transport_error
 from gateway.data.usage_request import prompt_bound
-from gateway.edge.connection import HTTP_CYCLE, on_disconnect
+from gateway.edge.connection import HTTP_CYCLE
 
 _MAX_PENDING = 4 * 1024 * 1024  # an SSE event larger than this is forwarded unsplit, unscanned
 
@@ -177,13 +177,12 @@ class SSEProxyResponse(Response):
         # An answer that came whole (a short one) is relayed and ended without waiting on anything: nothing to watch.
         # Under the gateway's own protocol its connection says when the client leaves; elsewhere a task waits for it.
         watch = None
-        if self.upstream.is_complete:
-            pass
-        elif cycle is not None:
-            on_disconnect(cycle, on_gone)
-        else:
-            watch = asyncio.ensure_future(wait_disconnect(receive))
-            watch.add_done_callback(on_watch_done)
+        if not self.upstream.is_complete:
+            if cycle is not None:
+                cycle.on_disconnect(on_gone)
+            else:
+                watch = asyncio.ensure_future(wait_disconnect(receive))
+                watch.add_done_callback(on_watch_done)
         head: _HeadWithFirstWrite | None = None
         try:
             if cycle is not None:  # the start's bytes go out with the first events, in one write
@@ -208,7 +207,7 @@ class SSEProxyResponse(Response):
                 self._charge_unreported()
             relaying = False
             if cycle is not None:
-                on_disconnect(cycle, None)
+                cycle.on_disconnect(None)
             if watch is not None:
                 watch.remove_done_callback(on_watch_done)
                 watch.cancel()
@@ -603,7 +602,7 @@ class _TransportWriter:
 
     def write(self, events: bytes) -> None:
         cycle = self.cycle
-        if cycle.disconnected:  # the watcher task ends the stream
+        if cycle.disconnected:  # (the cycle's disconnect callback ends the stream)
             return
         if self.upstream.ending:  # these are the answer's last events: they go out with its end, in one write
             if self.held is None:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -51,27 +50,6 @@ LINGER_BYTES = 1 << 20  # ... and how much of it (a request body; a head that ne
 HTTP_CYCLE = "gateway.http_cycle"
 """``scope["extensions"]`` key of uvicorn's request-response cycle: a stream relay writes its events to the
 client's transport through it (:class:`gateway.data.relay.SSEProxyResponse`) instead of one ASGI message each."""
-
-
-_ON_DISCONNECT = "gateway_on_disconnect"  # the attribute of uvicorn's cycle holding the callback of on_disconnect()
-
-
-def on_disconnect(cycle: Any, callback: Callable[[], None] | None) -> None:
-    """Have ``callback`` called (from the event loop, once) when the client of ``cycle`` (uvicorn's request-response
-    cycle, :data:`HTTP_CYCLE`) goes away before its response is complete; None: no longer. A client gone already is
-    told at the loop's next pass.
-
-    What a task awaiting ``receive()`` for ``http.disconnect`` would learn, without the task: one made, run, cancelled
-    and collected per stream cost more than the rest of a short answer's relay. Reading from the client is resumed,
-    as that ``receive()`` would (a paused socket would not report the client leaving)."""
-    setattr(cycle, _ON_DISCONNECT, callback)
-    if callback is None:
-        return
-    if cycle.disconnected:
-        setattr(cycle, _ON_DISCONNECT, None)
-        asyncio.get_running_loop().call_soon(callback)
-    elif not cycle.response_complete:
-        cycle.flow.resume_reading()
 
 
 class _Rejected(Exception):
@@ -126,11 +104,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._cancel_timers()
         self._count_key(None)
         super().connection_lost(exc)
-        cycle = self.cycle
-        callback = getattr(cycle, _ON_DISCONNECT, None) if cycle is not None and cycle.disconnected else None
-        if callback is not None:
-            setattr(cycle, _ON_DISCONNECT, None)
-            callback()
+        if isinstance(self.cycle, GatewayCycle):
+            self.cycle.client_gone()
 
     def data_received(self, data: bytes) -> None:
         if self._lingering:

@@ -6,11 +6,15 @@ class of single characters, so one search over all the names joined (and one ove
 per-header searches find: a header with a character that would break the response head is refused the same way
 (``RuntimeError``). The head written is uvicorn's, byte for byte; every other message (the body, a start while
 writing is paused or after a disconnect) is uvicorn's own ``send``.
+
+It also tells a stream's relay when its client leaves (:meth:`GatewayCycle.on_disconnect`), from the connection's
+loss, without a task waiting on ``receive()``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Iterator
+import asyncio
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE, STATUS_LINE, RequestResponseCycle
@@ -20,7 +24,33 @@ _SPECIAL = frozenset({b"content-length", b"transfer-encoding", b"connection"})  
 
 class GatewayCycle(RequestResponseCycle):
     """:class:`RequestResponseCycle` (its class replaced once uvicorn made it: the gateway's protocol,
-    :mod:`gateway.edge.connection`) with :meth:`send` writing the response start as uvicorn does, checked in two searches."""
+    :mod:`gateway.edge.connection`) with :meth:`send` writing the response start as uvicorn does, checked in two
+    searches, and a callback for the client leaving (:meth:`on_disconnect`)."""
+
+    _on_disconnect: Callable[[], None] | None = None  # (a class default: uvicorn's __init__ has run, not ours)
+
+    def on_disconnect(self, callback: Callable[[], None] | None) -> None:
+        """Have ``callback`` called (from the event loop, once) when the client goes away before the response is
+        complete; None: no longer. A client gone already is told at the loop's next pass.
+
+        What a task awaiting ``receive()`` for ``http.disconnect`` would learn, without the task: one made, run,
+        cancelled and collected per stream cost more than the rest of a short answer's relay. Reading from the client
+        is resumed, as that ``receive()`` would (a paused socket would not report the client leaving)."""
+        self._on_disconnect = callback
+        if callback is None:
+            return
+        if self.disconnected:
+            self._on_disconnect = None
+            asyncio.get_running_loop().call_soon(callback)
+        elif not self.response_complete:
+            self.flow.resume_reading()
+
+    def client_gone(self) -> None:
+        """The connection was lost (the protocol's ``connection_lost``): the callback, once, if the response was not
+        complete."""
+        callback, self._on_disconnect = self._on_disconnect, None
+        if callback is not None and self.disconnected:
+            callback()
 
     def send(self, message: Any) -> Awaitable[None]:  # type: ignore[override]
         """uvicorn's ``send`` (its coroutine), or for the start written at once: nothing left to wait for."""
