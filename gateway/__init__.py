@@ -72,7 +72,8 @@ import none of each other). Every module is named under its folder (a test check
   ``connection``     uvicorn's HTTP protocol with connection/header limits and timeouts*; ``cycle`` its request-response
                      cycle, the response start checked in two searches, not two per header, and the client's leaving
                      told to a stream's relay without a task
-  ``middleware``     request id + log line + metrics, body size/time cap, CORS*; ``auth`` the key check (and which key)*
+  ``middleware``     request id + log line + metrics, body size/time cap, CORS*; ``auth`` the key check (and which key)*;
+                     ``forwarded`` uvicorn's X-Forwarded-* handling, asked only of a request that carries one*
   ``quota``          a named key over its limits gets 429 with the rate-limit headers; charges its tokens*
 
 ``tenants/`` (keys that mean tenants)
@@ -104,6 +105,7 @@ import none of each other). Every module is named under its folder (a test check
                      miss), ``shared_quarantine`` (refused shapes, pushed on change and pulled each round);
                      ``bounded_calls`` every database call under a deadline, its connections cut past it (a frozen
                      server never stalls a replica)
+  ``headers``        a request's headers as one map, built once, that every layer looks its headers up in*
   ``context``        what is learnt about one request (for its log line, metrics and trace); ``tracing`` its
                      OpenTelemetry spans, built once it is over
 

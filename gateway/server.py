@@ -27,6 +27,7 @@ import uvicorn
 from fastapi import FastAPI
 from loguru import logger
 from prometheus_client import values as prometheus_values
+from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 from gateway import gc_freeze
 from gateway.app import app_from_config
@@ -35,15 +36,26 @@ from gateway.control.controller import StartAborted
 from gateway.control.workers import ADMIN_SOCKET, METRICS_DIR, WorkerPlan
 from gateway.core.endpoints import listening_note
 from gateway.edge.connection import guarded_protocol
+from gateway.edge.forwarded import ForwardedHeaders
 from gateway.edge.listener import ManyAcceptServer, bind_unix_socket
 from launch.config import ConfigError, load_config
 from launch.ports import pick_free_port, port_is_free
 
 
+class GatewayConfig(uvicorn.Config):
+    """uvicorn's settings, with its proxy-headers middleware asked only of a request that carries such a header
+    (:class:`ForwardedHeaders`; which proxies are trusted is uvicorn's ``forwarded_allow_ips``, as before)."""
+
+    def load(self) -> None:
+        super().load()
+        if type(self.loaded_app) is ProxyHeadersMiddleware:
+            self.loaded_app.__class__ = ForwardedHeaders  # (a subclass adding nothing but its __call__)
+
+
 def uvicorn_config(app: FastAPI, settings: GatewaySettings, *, log_level: str = "info", uds: str | None = None) -> uvicorn.Config:
     """The uvicorn settings the gateway runs with (also used by tests that serve on a real socket); ``uds``: serve
     on that Unix socket instead of the host and port (the control process of worker processes)."""
-    return uvicorn.Config(
+    return GatewayConfig(
         app,
         host=settings.host,
         port=settings.port,

@@ -24,6 +24,7 @@ from gateway.core.call import Call
 from gateway.core.context import RequestInfo, request_info
 from gateway.core.endpoints import PROXIED, RESPONSE_BY_ID, RESPONSE_CANCEL, ModelChoice, ProxiedRoute
 from gateway.core.errors import Dialect, GatewayError, error_body, error_response, refused, shaped_for, unknown_model
+from gateway.core.headers import header_text
 from gateway.core.health import HealthProbes
 from gateway.core.metrics_scope import scoped_exposition
 from gateway.core.registry import ModelRoute
@@ -38,6 +39,8 @@ from gateway.tenants.priority import request_priority
 
 api_routes = APIRouter()  # a FastAPI router (not SGLang's router): the data plane's routes
 RESPONSE_ID_PREFIX = "resp_"  # SGLang refuses (400) a stored-response id without it
+
+_EXTENSIONS_NAME = EXTENSIONS_HEADER.encode()
 
 
 def _state(request: Request) -> GatewayState:
@@ -63,7 +66,7 @@ async def _proxied(request: Request, endpoint: ProxiedRoute) -> Response:
     body, route, grammar_size = guard_request(state, endpoint, raw, tenant, info)
     owner = request_owner(request.scope)
     pinned = await _continued_response(state, body, route, owner) if endpoint.response_ids else None
-    keep_extensions = keeps_extensions(request.headers.get(EXTENSIONS_HEADER))
+    keep_extensions = keeps_extensions(header_text(request.scope, _EXTENSIONS_NAME))
     if keep_extensions is None:
         raise GatewayError(
             400, f"the header {EXTENSIONS_HEADER} takes {KEEP!r} or {DROP!r}", code="invalid_header", param=EXTENSIONS_HEADER

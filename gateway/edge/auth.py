@@ -29,6 +29,7 @@ from gateway.config import KeyLimits
 from gateway.core.context import request_info
 from gateway.core.endpoints import dialect_for_path, is_status_page
 from gateway.core.errors import Dialect, GatewayError, error_response
+from gateway.core.headers import header_map
 from gateway.tenants.keys import TENANT_SCOPE_KEY, Tenant, digest_of, key_owner, limited_keys, tenant_table
 
 __all__ = ["OPEN_OWNER", "OWNER_SCOPE_KEY", "TENANT_SCOPE_KEY", "AuthMiddleware", "KeyHolder", "KeyPolicy", "key_owner", "key_policy"]
@@ -133,20 +134,18 @@ def _matching(presented: bytes, keys: tuple[bytes, ...]) -> int:
 
 
 def _bearer(scope: Scope) -> bytes | None:
-    for name, value in scope.get("headers", []):
-        if name.lower() == b"authorization":
-            scheme, _, token = value.strip().partition(b" ")
-            if scheme.lower() == b"bearer" and token.strip():
-                return token.strip()
-            return None
+    value = header_map(scope).get(b"authorization")
+    if value is None:
+        return None
+    scheme, _, token = value.strip().partition(b" ")
+    if scheme.lower() == b"bearer" and token.strip():
+        return token.strip()
     return None
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:
-    for key, value in scope.get("headers", []):
-        if key.lower() == name:
-            return value.strip() or None
-    return None
+    value = header_map(scope).get(name)
+    return None if value is None else value.strip() or None
 
 
 def key_policy(

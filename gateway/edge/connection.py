@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+from itertools import chain
 from typing import Any
 
 import orjson
@@ -41,6 +42,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from gateway.config import HttpSettings
 from gateway.core.endpoints import dialect_for_path
 from gateway.core.errors import Dialect, GatewayError
+from gateway.core.headers import HEADER_MAP, first_values
 from gateway.core.state import GatewayState
 from gateway.edge.cycle import GatewayCycle
 
@@ -81,8 +83,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self._awaiting_head = True  # between requests, or inside a request line / headers
         self._head_bytes = 0  # bytes received while the head is incomplete
-        self._parsed_head_bytes = 0  # request target plus header fields, as the parser hands them over
-        self._header_count = 0
+        self._parsed_head_bytes = 0  # the request target, as the parser hands it over (the fields: counted once whole)
         self._rejection: GatewayError | None = None
         self._head_timer: asyncio.TimerHandle | None = None
         self._write_timer: asyncio.TimerHandle | None = None
@@ -127,7 +128,6 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._awaiting_head = True
-        self._header_count = 0
         self._parsed_head_bytes = 0
 
     def on_url(self, url: bytes) -> None:
@@ -138,22 +138,27 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             raise _Rejected
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._header_count += 1
-        if self._header_count > self.limits.max_headers:
-            self._rejection = GatewayError(431, f"more than {self.limits.max_headers} header fields", code="headers_too_large")
-            raise _Rejected
-        # A head that arrived in one read was parsed whole before data_received could count it: count here.
-        self._parsed_head_bytes += len(name) + len(value) + 4  # ": " and CRLF
-        if self._parsed_head_bytes > self.limits.max_header_bytes:
-            self._rejection = self._head_too_large()
-            raise _Rejected
-        super().on_header(name, value)
+        # uvicorn's, less its Expect check per field: the head's fields are checked once, as it completes (a client
+        # SDK sends 15-20 of them, each through this callback)
+        self.headers.append((name.lower(), value.rstrip(b" \t")))
 
     def on_headers_complete(self) -> None:
         self._awaiting_head = False
         self._head_bytes = 0
         self._cancel_head_timer()
-        self._hold_key_share()
+        headers = self.headers
+        # A head that arrived in one read was parsed whole before data_received could count it: counted here, in C
+        # (a field's trailing whitespace, which its value drops, is not; the read that held it bounds it)
+        if len(headers) > self.limits.max_headers:
+            self._rejection = GatewayError(431, f"more than {self.limits.max_headers} header fields", code="headers_too_large")
+            raise _Rejected
+        if self._parsed_head_bytes + sum(map(len, chain.from_iterable(headers))) + 4 * len(headers) > self.limits.max_header_bytes:
+            self._rejection = self._head_too_large()  # (4: ": " and CRLF)
+            raise _Rejected
+        found = self.scope[HEADER_MAP] = first_values(headers)  # every layer's header lookups (gateway.core.headers)
+        if b"expect" in found:
+            self.expect_100_continue = any(name == b"expect" and value.lower() == b"100-continue" for name, value in headers)
+        self._hold_key_share(found)
         super().on_headers_complete()
         cycle = getattr(self, "cycle", None)
         if cycle is not None and cycle.scope is self.scope:
@@ -204,10 +209,13 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self.transport.abort()  # connection_lost() follows: the app sees http.disconnect
 
     # ------------------------------------------------------------------ a key's share of the connections
-    def _hold_key_share(self) -> None:
+    def _hold_key_share(self, headers: dict[bytes, bytes]) -> None:
         """Count this connection for the key its request presents; refuse the request (503) when that key already
         holds its share of the connections on others. A request without a key is not counted (it is refused later)."""
-        key = next((hash(value) for name, value in self.headers if name in (b"authorization", b"x-api-key")), None)
+        presented = headers.get(b"authorization")
+        if presented is None:
+            presented = headers.get(b"x-api-key")
+        key = None if presented is None else hash(presented)
         if key is None or key == self._key:
             return
         share = self.limits.max_connections_per_key or max(1, self.limits.max_connections // 2)

@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway.core.context import BATCH_SCOPE_KEY, SCOPE_KEY, RequestInfo, new_request_id
 from gateway.core.endpoints import dialect_for_path, route_label
 from gateway.core.errors import GatewayError, error_response
+from gateway.core.headers import header_text
 from gateway.core.metrics import Metrics
 from gateway.core.request_tally import Finished
 from gateway.core.tracing import Tracing
@@ -56,14 +57,13 @@ class RequestContextMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        traced = self.tracing is not None and scope["path"] not in UNTRACED_PATHS
-        found = _headers(scope, _TRACED_HEADERS if traced else _ID_HEADER)
-        incoming = found.get(b"x-request-id")
+        incoming = header_text(scope, b"x-request-id")
         request_id = incoming if incoming and _GOOD_ID.match(incoming) else new_request_id()
         info = RequestInfo(request_id=request_id, method=scope["method"], path=scope["path"])
         info.batch_id = scope.get(BATCH_SCOPE_KEY)
-        if traced:
-            info.trace = self.tracing.begin(found.get(b"traceparent"), found.get(b"tracestate"), info.started)  # type: ignore[union-attr]
+        if self.tracing is not None and scope["path"] not in UNTRACED_PATHS:
+            parent, state = header_text(scope, b"traceparent"), header_text(scope, b"tracestate")
+            info.trace = self.tracing.begin(parent, state, info.started)
         scope[SCOPE_KEY] = info
 
         def send_with_id(message: Message) -> Awaitable[None]:  # (the server's send itself: no coroutine around it)
@@ -170,7 +170,7 @@ class BodyLimitMiddleware:
         if scope["type"] != "http":
             return self.app(scope, receive, send)
         max_bytes = self.larger.get(scope["path"], self.max_bytes) if self.larger else self.max_bytes
-        declared = _headers(scope, _LENGTH_HEADER).get(b"content-length")
+        declared = header_text(scope, b"content-length")
         cycle = scope.get("extensions", {}).get(HTTP_CYCLE)
         if declared is not None:
             if not declared.isdigit():
@@ -238,18 +238,3 @@ class JSONCORSMiddleware(CORSMiddleware):
         )
         headers = {k: v for k, v in response.headers.items() if k.lower() not in ("content-length", "content-type")}
         return error_response(GatewayError(error.status, error.message, code=error.code, headers=headers))
-
-
-_ID_HEADER = frozenset({b"x-request-id"})
-_LENGTH_HEADER = frozenset({b"content-length"})
-_TRACED_HEADERS = frozenset({b"x-request-id", b"traceparent", b"tracestate"})
-
-
-def _headers(scope: Scope, names: frozenset[bytes]) -> dict[bytes, str]:
-    """The first value of each header of ``names`` the request has, in one pass over its headers."""
-    found: dict[bytes, str] = {}
-    for key, value in scope.get("headers", []):
-        key = key.lower()
-        if key in names and key not in found:
-            found[key] = value.decode("latin-1").strip()
-    return found

@@ -11,12 +11,13 @@ exist too (400), each naming the allowed ones, so a misconfigured client finds o
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from gateway.config import class_number
 from gateway.core.errors import GatewayError
+from gateway.core.headers import header_text
 
 PRIORITY_HEADER = "x-gateway-priority"
 PRIORITY_SCOPE_KEY = "gateway.priority"  # a class the gateway itself gives a request (a batch line's), ahead of the header
@@ -81,18 +82,14 @@ def asked_priority(key: str | None, choice: PriorityChoice | None, asked: str, *
     return number
 
 
-def request_priority(scope: Mapping[str, Any], tenant: KeyHolder | None) -> int | None:
+def request_priority(scope: MutableMapping[str, Any], tenant: KeyHolder | None) -> int | None:
     """A request's priority class: the one its header picks (refused as :func:`asked_priority` says), else its key's
     (None: none). ``tenant``: the caller's (None: a gateway without client keys). A class set in the scope by the
     gateway (:data:`PRIORITY_SCOPE_KEY`: a batch line's) wins: no client sends it."""
     given = scope.get(PRIORITY_SCOPE_KEY)
     if given is not None:
         return int(given)
-    asked = None
-    for name, value in scope["headers"]:
-        if name == _HEADER_NAME:  # ASGI servers give header names in lower case
-            asked = value.decode("latin-1").strip()
-            break
+    asked = header_text(scope, _HEADER_NAME)
     if not asked:
         return tenant.priority if tenant is not None else None
     if tenant is None:
