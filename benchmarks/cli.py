@@ -510,6 +510,7 @@ def costs_command(
     # (the old 2,400 over 4 rounds: 600 requests, ~0.5 s at c=1, a round; the figure moved by a quarter between runs of the same code)
     requests: Requests = 12000,
     short_rounds: Annotated[int, typer.Option(help="Alternating rounds of the short requests per level.")] = 8,
+    sdk_headers: Annotated[bool, typer.Option(help="Send the OpenAI Python SDK's 17 headers with each short request (else 4).")] = False,
     baseline: Baseline = None,
     out: Out = None,
 ) -> None:
@@ -522,7 +523,7 @@ def costs_command(
     base_env = _baseline_env({}, baseline)
     run_costs(
         _out_dir(out, "costs"), streams=_levels(streams), tokens=tokens, step_ms=step_ms, idle_s=idle_s, rounds=rounds,
-        levels=_levels(concurrency), requests=requests, short_rounds=short_rounds, baseline_env=base_env,
+        levels=_levels(concurrency), requests=requests, short_rounds=short_rounds, baseline_env=base_env, sdk_headers=sdk_headers,
     )  # fmt: skip
 
 
