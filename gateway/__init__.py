@@ -115,5 +115,6 @@ once the server serves.
 
 **Below the gateway**: ``engine_guard/`` (a package of its own, shared with the MLflow wrapper ``model_code``): the
 allowlist (``fields``, ``schemas``), request bounds and grammar checks, token ids against the vocabulary, and
-request shapes (what the quarantine refuses). ``routes`` and ``proxy`` run it on every request*.
+request shapes (what the quarantine refuses); ``_walk.c`` its two walks over a whole body (nesting depth, shape) in C,
+the Python definitions where it is not built. ``routes`` and ``proxy`` run it on every request*.
 """

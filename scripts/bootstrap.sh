@@ -175,12 +175,19 @@ EOF
   layer_ok || { echo "bootstrap: .venv was built but does not find this checkout's code ($root/gateway)" >&2; exit 1; }
 fi
 
-# The native stream relay (gateway/data/_relay_loop.c) is compiled in place by the editable install above: compile it
-# again when its source is newer than the built module (a pull, a branch switch), or when it is missing and a C
-# compiler is here (an install without one relays in Python, and the gateway says so at startup).
-native_so=$(ls gateway/data/_relay_loop.*.so 2>/dev/null | head -1 || true)
-if { [ -n "$native_so" ] && [ gateway/data/_relay_loop.c -nt "$native_so" ]; } || { [ -z "$native_so" ] && command -v cc >/dev/null 2>&1; }; then
+# The native modules (the stream relay, gateway/data/_relay_loop.c; the request guard's walks, engine_guard/_walk.c) are
+# compiled in place by the editable install above: compile them again when a source is newer than its built module (a
+# pull, a branch switch), or when one is missing and a C compiler is here (an install without one runs their Python
+# definitions, and the gateway says so at startup for the relay).
+native_stale() {  # $1: the module's source, without .c
+  local built
+  built=$(ls "$1".*.so 2>/dev/null | head -1 || true)
+  { [ -n "$built" ] && [ "$1.c" -nt "$built" ]; } || { [ -z "$built" ] && command -v cc >/dev/null 2>&1; }
+}
+if native_stale gateway/data/_relay_loop || native_stale engine_guard/_walk; then
   .venv/bin/python -c 'from setuptools import setup; setup()' -q build_ext --inplace --force >/dev/null 2>&1 || true
-  native_so=$(ls gateway/data/_relay_loop.*.so 2>/dev/null | head -1 || true)
-  [ -n "$native_so" ] || echo "bootstrap: the native stream relay (gateway/data/_relay_loop.c) did not build: streams will be relayed in Python" >&2
+  ls gateway/data/_relay_loop.*.so >/dev/null 2>&1 \
+    || echo "bootstrap: the native stream relay (gateway/data/_relay_loop.c) did not build: streams will be relayed in Python" >&2
+  ls engine_guard/_walk.*.so >/dev/null 2>&1 \
+    || echo "bootstrap: the request guard's native walks (engine_guard/_walk.c) did not build: they run in Python" >&2
 fi
