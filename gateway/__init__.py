@@ -53,11 +53,12 @@ import none of each other). Every module is named under its folder (a test check
                      relay); ``lease`` what a request holds*; ``waking`` a stream for an asleep model, kept alive while
                      its engine starts
   ``relay``          the SSE relay, event by event: usage, errors and Responses ids inspected, endings judged*
-  ``stream_pool``    streams' own keep-alive upstream connections, relayed from the socket's callbacks*;
+  ``stream_pool``    the keep-alive upstream connections, parsed in the socket's callbacks: streams relayed as they
+                     come, plain answers read whole (a pool each)*;
                      while the process falls behind, each stream rests after a read as its lag says (``loop_lag``)
   ``native_streams`` a stream past its first events relayed by a native thread (``_relay_loop.c``: read, cut,
                      scan, write in C), handing back to Python what must be read, a slow client and the end
-  ``upstream_session`` plain requests' pooled aiohttp session; ``upstream_errors`` transport failures -> errors
+  ``upstream_session`` the aiohttp session of calls off the request path; ``upstream_errors`` transport failures -> errors
   ``answer_extensions`` SGLang's fields in a plain answer that the SDKs' response models refuse, taken out
   ``prompt_count``   a cut stream's prompt, counted by the engine's tokenizer; ``usage_request`` what a request may
                      cost, and the usage asked of every stream

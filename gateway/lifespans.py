@@ -82,13 +82,15 @@ async def data_plane(app: FastAPI, parts: AppParts) -> AsyncIterator[None]:
     except RuntimeError as error:
         app.state.startup_error = error
         raise
-    # Plain requests go upstream over aiohttp, streams over the relay's own pool; health and model-card probes over httpx.
+    # Streams and plain requests go upstream over pools of their own (gateway.data.stream_pool); the calls off the
+    # request path (a stored response by id, a prompt counted) over aiohttp; health and model-card probes over httpx.
     session = upstream_session(settings.upstream_connect_timeout_s, settings.upstream_read_timeout_s, settings.upstream_max_connections)
     streams = StreamPool(
         settings.upstream_connect_timeout_s, settings.upstream_read_timeout_s, settings.upstream_max_connections,
         coalesce_s=settings.stream_coalesce_ms / 1000, coalesce_min_streams=settings.stream_coalesce_min_streams,
         native=settings.relay_native,
     )  # fmt: skip
+    plain = StreamPool(settings.upstream_connect_timeout_s, settings.upstream_read_timeout_s, settings.upstream_max_connections, content_type=True)
     if settings.relay_native and not NATIVE_BUILT:
         logger.warning(
             "gateway: relay_native is on but the native relay (gateway/data/_relay_loop.c) is not built in this install "
@@ -101,12 +103,14 @@ async def data_plane(app: FastAPI, parts: AppParts) -> AsyncIterator[None]:
             waker = parts.controller.residency if parts.link is None else None  # residency runs in one process (gateway.config)
             grammar_costs = GrammarCosts(lambda: state.settings, state.probes.learn_version)
             state.proxy = Proxy(
-                session, state.metrics, state.quarantine, state.responses, streams, waker, parts.tracing, state.registry, grammar_costs
+                session, state.metrics, state.quarantine, state.responses, streams, waker, parts.tracing, state.registry, grammar_costs,
+                plain,
             )  # fmt: skip
             try:
                 yield
             finally:
                 await streams.close()
+                await plain.close()
                 await asyncio.to_thread(grammar_costs.close)
     finally:
         await state.probes.aclose()

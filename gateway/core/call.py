@@ -59,6 +59,7 @@ class Call:
     owner: str  # the client key's identity (gateway.edge.auth.request_owner): the owner of what it creates
     key: str | None  # the client key that sent it (its name, else its hash; None on an open gateway): whose evidence it is
     receive: Receive | None = None  # the client's ASGI receive (body read): a plain request notices a client leaving
+    cycle: Any = None  # under the gateway's own protocol, its cycle (gateway.edge.cycle): says when the client leaves
     balancing: BalancingSettings = DEFAULT_BALANCING
     pinned: Backend | None = None  # the backend that must answer: it holds the state the request continues
     grammar_size: int | None = None  # engine_guard.bounds.grammar_bytes of the body, when the guard measured it

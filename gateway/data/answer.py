@@ -64,8 +64,7 @@ async def answer(
             await responses.publish(data["id"], model, backend.identity, call.owner)
     if endpoint.renames_model:  # SGLang names an embedding model by its path (a file path on this host)
         content = _with_model(content or b"", data, backend.served_name)
-    media = upstream.headers.get("Content-Type", "application/json")
-    return Response(content or b"", status_code=200, media_type=media)
+    return Response(content or b"", status_code=200, media_type=upstream.content_type or "application/json")
 
 
 def _with_model(content: bytes, data: dict[str, Any] | None, name: str) -> bytes:

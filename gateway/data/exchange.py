@@ -60,7 +60,7 @@ async def exchange(call: Call, lease: Lease, sender: UpstreamSender, quarantine:
         headers.update(call.notes.attempt(backend.served_name, backend.url, call.info.replica))
         try:
             sending = sender.send(lease, backend, path, payload, headers, call.streamed)
-            finished, answer = await _unless_disconnected(sending, None if call.streamed else call.receive)
+            finished, answer = await _unless_disconnected(sending, None if call.streamed else call.receive, call.cycle)
         except UPSTREAM_ERRORS as error:
             call.notes.attempt_failed(error)
             lease.note_if_lost(error)
@@ -92,15 +92,19 @@ def _another(route: ModelRoute, failed: Backend) -> bool:
     return any(backend is not failed for backend in route.available()) or (route.front is not None and route.front is not failed)
 
 
-async def _unless_disconnected(work: Coroutine[Any, Any, T], receive: Receive | None) -> tuple[bool, T | None]:
+async def _unless_disconnected(work: Coroutine[Any, Any, T], receive: Receive | None, cycle: Any = None) -> tuple[bool, T | None]:
     """Run ``work`` unless the client disconnects first: ``(True, result)``, or ``(False, None)``.
 
     SGLang sends a plain answer's headers only when generation is done, so without this a client
     that gives up would leave the engine generating for nobody. A stream needs no such watch: engines send a
     stream's headers at once, and :class:`gateway.data.relay.SSEProxyResponse` watches the client from then on.
+    Under the gateway's own protocol its ``cycle`` says when the client leaves (:func:`_unless_gone`); elsewhere a
+    task waits for ``receive()`` to say it, beside another running the work.
     """
     if receive is None:
         return True, await work
+    if cycle is not None:
+        return await _unless_gone(work, cycle)
     task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(wait_disconnect(receive))
     try:
@@ -113,3 +117,30 @@ async def _unless_disconnected(work: Coroutine[Any, Any, T], receive: Receive | 
     if task.cancelled():
         return False, None
     return True, task.result()
+
+
+async def _unless_gone(work: Coroutine[Any, Any, T], cycle: Any) -> tuple[bool, T | None]:
+    """:func:`_unless_disconnected` told by the connection (:meth:`gateway.edge.cycle.GatewayCycle.on_disconnect`):
+    the request's own task awaits the work and is cancelled if the client leaves, instead of two tasks made, run and
+    collected per request (the work's and a watcher's)."""
+    task = asyncio.current_task()
+    assert task is not None
+    waiting = True
+    gone = False
+
+    def on_gone() -> None:
+        nonlocal gone
+        if waiting:
+            gone = True
+            task.cancel()
+
+    cycle.on_disconnect(on_gone)
+    try:
+        return True, await work
+    except asyncio.CancelledError:
+        if gone and task.uncancel() == 0:
+            return False, None  # (what the work held is released by its own cleanup, as it unwound)
+        raise
+    finally:
+        waiting = False
+        cycle.on_disconnect(None)

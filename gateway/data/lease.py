@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import aiohttp
-
 from engine_guard.shapes import payload_shape
 from gateway.core.backends import Backend
 from gateway.core.limits import ConcurrencyLimiter
@@ -35,7 +33,7 @@ class Lease:
         self.grammar = False  # holds one of the limiter's grammar slots
         self.backend: Backend | None = None
         self.gauge: Any = None
-        self.upstream: aiohttp.ClientResponse | StreamExchange | None = None
+        self.upstream: StreamExchange | None = None
         self.request: tuple[str, bytes] | None = None  # (path, body) as sent upstream
         self.shape: str | None = None  # the request shape of that body (engine_guard.shapes): the quarantine's unit
         self.adapter: str | None = None  # the LoRA adapter it selects: an unload waits for it (gateway.control.adapters)
@@ -66,7 +64,7 @@ class Lease:
         (not a refused connect, not a timeout): if the engine died, the request is a suspect."""
         if self.backend is None or self.request is None:
             return
-        if isinstance(error, (aiohttp.ClientConnectorError, TimeoutError, UpstreamUnreachable, UpstreamPoolFull)):
+        if isinstance(error, (TimeoutError, UpstreamUnreachable, UpstreamPoolFull)):
             return
         self.backend.lost.append(self._suspicion(self.backend))
 
@@ -95,13 +93,10 @@ class Lease:
         upstream, self.upstream = self.upstream, None
         answered = False
         if upstream is not None:
-            if isinstance(upstream, StreamExchange) or upstream.content.at_eof():
-                answered = _answered_in_full(upstream)
-                if self.shape is not None and self.backend is not None and answered:
-                    self.backend.note_completed(self.shape)
-                upstream.release()  # a stream cut short is closed by it (the engine aborts the request)
-            else:
-                upstream.close()
+            answered = _answered_in_full(upstream)
+            if self.shape is not None and self.backend is not None and answered:
+                self.backend.note_completed(self.shape)
+            upstream.release()  # an answer cut short is closed by it (the engine aborts the request)
         if not answered and self.backend is not None and self.request is not None and self._lingers():
             self.backend.note_lingering(self._suspicion(self.backend))  # gone, but its engine work may not be
         gauge, self.gauge = self.gauge, None
@@ -116,9 +111,7 @@ class Lease:
             limiter.release()
 
 
-def _answered_in_full(upstream: aiohttp.ClientResponse | StreamExchange) -> bool:
+def _answered_in_full(upstream: StreamExchange) -> bool:
     """The engine answered with success and its answer came to its end: it did not die of this request. (Not a 4xx:
     a request the engine refused was not run, so it says nothing of its shape.)"""
-    if not 200 <= upstream.status < 300:
-        return False
-    return upstream.is_complete if isinstance(upstream, StreamExchange) else upstream.content.at_eof()
+    return 200 <= upstream.status < 300 and upstream.is_complete

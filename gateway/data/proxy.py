@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import aiohttp
 from starlette.responses import Response
+from yarl import URL
 
 from gateway.core.backends import Backend
 from gateway.core.call import Call
@@ -35,8 +36,9 @@ from gateway.data.waking import WakingStreamResponse
 
 
 class Proxy:
-    """Forwards requests upstream: plain ones over one shared, pooled ``aiohttp.ClientSession`` (``session``),
-    streams over ``streams`` (relayed from the socket's callbacks, :mod:`gateway.data.stream_pool`)."""
+    """Forwards requests upstream over pooled connections parsed in their socket's callbacks
+    (:mod:`gateway.data.stream_pool`): streams over ``streams`` (relayed as they come), plain requests over ``plain``.
+    ``session`` (aiohttp) serves the calls off the request path: a stored response by id, a prompt counted."""
 
     def __init__(
         self,
@@ -49,6 +51,7 @@ class Proxy:
         tracing: Tracing | None = None,
         registry: Registry | None = None,
         grammar_costs: GrammarCosts | None = None,
+        plain: StreamPool | None = None,
     ) -> None:
         self.session = session
         self.grammar_costs = grammar_costs  # the grammar compile budget (None: grammars are not measured)
@@ -56,7 +59,9 @@ class Proxy:
         self.tracing = tracing  # OpenTelemetry spans (gateway.core.tracing); None: off, and nothing noted
         self.waker = waker  # models whose engines start on demand: a request for one asleep waits for it
         self.streams = streams if streams is not None else StreamPool(5.0, 600.0)
-        self.sender = UpstreamSender(session, self.streams)
+        self.plain = plain if plain is not None else StreamPool(5.0, 600.0, content_type=True)
+        self.sender = UpstreamSender(self.streams, self.plain)
+        self._urls: dict[str, URL] = {}
         self.metrics = metrics
         self.quarantine = quarantine if quarantine is not None else Quarantine()
         self.responses = responses if responses is not None else ResponseIndex()
@@ -101,7 +106,7 @@ class Proxy:
             raise GatewayError(503, f"model {model!r} is unavailable: {reason}", code="engine_unavailable", headers={"Retry-After": "1"})
         headers = {"X-Request-Id": info.request_id, **backend.upstream_headers()}
         try:
-            async with self.session.request(method, self.sender.url(backend.url + path), headers=headers) as upstream:
+            async with self.session.request(method, self._url(backend.url + path), headers=headers) as upstream:
                 content = await upstream.read()
                 media = upstream.headers.get("Content-Type", "application/json")
         except UPSTREAM_ERRORS as error:
@@ -110,3 +115,11 @@ class Proxy:
             raise upstream_error(upstream.status, content)
         return Response(content, status_code=200, media_type=media)
 
+    def _url(self, text: str) -> URL:
+        """``text`` parsed once (a URL per backend and path, reused by every call)."""
+        url = self._urls.get(text)
+        if url is None:
+            if len(self._urls) > 1024:  # backends come and go with swaps; never grow without bound
+                self._urls.clear()
+            url = self._urls[text] = URL(text)
+        return url

@@ -34,6 +34,7 @@ from gateway.core.state import GatewayState
 from gateway.data.answer_extensions import DROP, KEEP, keeps_extensions
 from gateway.data.answer_extensions import HEADER as EXTENSIONS_HEADER
 from gateway.edge.auth import OPEN_OWNER, request_owner
+from gateway.edge.connection import HTTP_CYCLE
 from gateway.tenants.keys import TENANT_SCOPE_KEY, Tenant
 from gateway.tenants.priority import request_priority
 
@@ -78,6 +79,7 @@ async def _proxied(request: Request, endpoint: ProxiedRoute) -> Response:
         grammar_size=grammar_size,
         priority=priority,
         keep_extensions=keep_extensions,
+        cycle=request.scope.get("extensions", {}).get(HTTP_CYCLE),
     )  # fmt: skip
     assert state.proxy is not None, "the app's lifespan did not run"
     return await state.proxy.forward(call)

@@ -1,4 +1,5 @@
-"""Streamed requests to the engines over pooled HTTP/1.1 connections whose body bytes arrive by callback.
+"""Requests to the engines over pooled HTTP/1.1 connections whose body bytes arrive by callback: streams relayed as
+they come, plain answers read whole (a pool of their own, which keeps each answer's ``Content-Type``).
 
 A GPU engine at high batch sends one SSE event per running request per decode step: hundreds of streams,
 each a small write every 10-30 ms. Relaying that through a client library's stream reader costs a task
@@ -230,12 +231,22 @@ class _Connection(asyncio.Protocol):
         return not self.lost and self.transport is not None and not self.transport.is_closing()
 
 
+class _TypedConnection(_Connection):
+    """A connection whose responses keep their ``Content-Type`` (a plain answer goes back with it; a stream's is the
+    relay's own, so stream connections run no Python per header)."""
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self.exchange is not None and name.lower() == b"content-type":
+            self.exchange.content_type = value.decode("latin-1")
+
+
 class StreamExchange:
     """One streamed request: await :meth:`head`, then :meth:`read` (an error answer) or :meth:`relay` (a 200)."""
 
     __slots__ = (
         "connection", "status", "keep_alive", "last_read", "received", "_head", "_buffer", "_end",
         "_complete", "_error", "_done", "_timer", "_read_timeout_s", "_released", "_holds", "_rest_until", "native", "ending",
+        "content_type",
     )  # fmt: skip
 
     def __init__(self, connection: _Connection, read_timeout_s: float) -> None:
@@ -258,6 +269,7 @@ class StreamExchange:
         self._holds: set[str] = set()  # why reading is paused: "client" (its socket is full), "rest" (coalescing)
         self._rest_until: float | None = None  # resting until this loop time (its wake-up tick in the pool)
         self.native: tuple[NativeStreams, int] | None = None  # relayed by the native thread: (its streams, this one)
+        self.content_type: str | None = None  # the response's, where its pool keeps it (plain answers)
 
     @property
     def is_complete(self) -> bool:
@@ -493,8 +505,10 @@ class StreamPool:
         coalesce_min_streams: int = 0,
         lag: LagGauge | None = None,
         native: bool = False,
+        content_type: bool = False,
     ) -> None:
         self.connect_timeout_s = connect_timeout_s
+        self._connection_class = _TypedConnection if content_type else _Connection  # content_type: each response's is kept
         self.coalesce_s = coalesce_s  # gateway.stream_coalesce_ms: the longest rest after a read, while behind
         self.coalesce_min_streams = coalesce_min_streams  # gateway.stream_coalesce_min_streams: from how many streams on
         self.read_timeout_s = read_timeout_s
@@ -655,7 +669,7 @@ class StreamPool:
     async def _connect(self, key: tuple[str, str, int], quickack: bool) -> _Connection:
         scheme, host, port = key
         loop = asyncio.get_running_loop()
-        connection = _Connection(self, key, quickack)
+        connection = self._connection_class(self, key, quickack)
         try:
             # One deadline for the name and the connection, as a scope rather than wait_for: wait_for runs what it
             # waits for as a task of its own, one more pass of the loop per new connection, and a pass of a loop
