@@ -108,12 +108,13 @@ def paced_figures(targets: Targets, streams: list[int], tokens: int, step_ms: fl
 
 
 def short_figures(
-    targets: Targets, levels: list[int], requests: int, rounds: int, headers: dict[str, str] | None = None
+    targets: Targets, levels: list[int], requests: int, rounds: int, headers: dict[str, str] | None = None,
+    workload: Workload | None = None,
 ) -> dict[str, dict[int, float | None]]:
-    """Per target and level: CPU ms per short streamed request (16 tokens), alternating rounds (:func:`drive`);
-    ``headers``: sent with each (the OpenAI SDK's, :data:`benchmarks.loadgen.SDK_HEADERS`)."""
+    """Per target and level: CPU ms per short request (16 tokens; streamed unless ``workload`` says), alternating
+    rounds (:func:`drive`); ``headers``: sent with each (the OpenAI SDK's, :data:`benchmarks.loadgen.SDK_HEADERS`)."""
     measured = drive(
-        {name: url for name, (url, _) in targets.items()}, Workload(), levels, requests, console, rounds=rounds, warmup=16,
+        {name: url for name, (url, _) in targets.items()}, workload or Workload(), levels, requests, console, rounds=rounds, warmup=16,
         cpu_groups={name: {"proxy": pid} for name, (_, pid) in targets.items()}, quickack=True, headers=headers,
     )  # fmt: skip
     return {name: {level: measured[str(level)][name].get("cpu_ms_per_req", {}).get("proxy") for level in levels} for name in targets}
@@ -169,7 +170,7 @@ def _ratio(ours: float | None, theirs: float | None) -> str:
 def run_costs(
     out: Path, *, streams: list[int], tokens: int, step_ms: float, idle_s: float, rounds: int, levels: list[int], requests: int,
     short_rounds: int, baseline_env: dict[str, str] | None = None, on_phase: Callable[[str], None] = console.print,
-    sdk_headers: bool = False,
+    sdk_headers: bool = False, agent: bool = False, plain: bool = False,
 ) -> dict[str, Any]:
     """Every figure for the gateway, ``baseline_env``'s gateway when given, and the router; printed and saved."""
     with ExitStack() as stack:
@@ -182,14 +183,17 @@ def run_costs(
         stub_logs.mkdir(parents=True, exist_ok=True)
         stub_url, _ = stack.enter_context(processes.fake_upstream("starlette", stub_logs))
         targets = _proxies(stack, stub_url, out, baseline_env, "stub")
+        kind = ("plain" if plain else "streamed") + (" agent" if agent else "") + " chat requests"
         sent = " with the OpenAI SDK's headers" if sdk_headers else ""
-        on_phase(f"fast fake at {stub_url}: short streamed chat requests{sent} at c={','.join(map(str, levels))}")
-        short = short_figures(targets, levels, requests, short_rounds, SDK_HEADERS if sdk_headers else None)
+        on_phase(f"fast fake at {stub_url}: short {kind}{sent} at c={','.join(map(str, levels))}")
+        workload = Workload(stream=not plain, agent=agent)
+        short = short_figures(targets, levels, requests, short_rounds, SDK_HEADERS if sdk_headers else None, workload)
     summary = summarize(paced, short)
     print_table(summary, streams, levels)
     result = {
         "kind": "costs", "machine": machine_info(), "streams": streams, "tokens": tokens, "step_ms": step_ms, "idle_s": idle_s,
         "rounds": rounds, "levels": levels, "requests": requests, "short_rounds": short_rounds, "sdk_headers": sdk_headers,
+        "agent": agent, "plain": plain,
         "paced": paced, "short": {name: {str(k): v for k, v in by.items()} for name, by in short.items()}, "summary": summary,
     }  # fmt: skip
     (out / "result.json").write_text(json.dumps(result, indent=2, default=str))

@@ -37,6 +37,7 @@ class Workload:
     output_tokens: int = 16
     timeout_s: float = 60.0
     api: str = "chat"  # a name of benchmarks.apis.APIS: chat, responses, messages
+    agent: bool = False  # chat: the request an agent loop sends (its tools, and the turns of calls so far before the prompt)
 
     @property
     def dialect(self) -> Api:
@@ -53,7 +54,35 @@ class Workload:
         return " ".join(words)  # ~1 token per word; the chat template adds a few tokens
 
     def body(self) -> bytes:
-        return orjson.dumps(self.dialect.body(self.model, self.prompt(), self.output_tokens, self.stream))
+        data = self.dialect.body(self.model, self.prompt(), self.output_tokens, self.stream)
+        if self.agent:
+            if self.api != "chat":
+                raise ValueError("an agent's requests are chat requests (api chat)")
+            data["messages"] = [*AGENT_HISTORY, *data["messages"]]
+            data["tools"] = AGENT_TOOLS
+        return orjson.dumps(data)
+
+
+# An agent loop's request at its sixth step: 8 function tools, a system prompt, and five turns of a call and its result
+# before the user's prompt (17 messages, ~7.6 KB): what LangGraph, openai-agents and the like send.
+AGENT_TOOLS = [
+    {"type": "function", "function": {
+        "name": f"tool_{index}", "description": "Looks something up for the user. " * 3,
+        "parameters": {"type": "object", "properties": {"query": {"type": "string"}, "limit": {"type": "integer"}}, "required": ["query"]},
+    }}
+    for index in range(8)
+]  # fmt: skip
+AGENT_HISTORY = [{"role": "system", "content": "You are a careful assistant that uses tools. " * 40}] + [
+    message
+    for turn in range(5)
+    for message in (
+        {"role": "user", "content": "Find what the docs say about this. " * 8},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": f"call_{turn}", "type": "function", "function": {"name": f"tool_{turn}", "arguments": '{"query": "docs"}'}},
+        ]},
+        {"role": "tool", "tool_call_id": f"call_{turn}", "content": "Nothing more than what you knew. " * 4},
+    )
+]  # fmt: skip
 
 
 @dataclass

@@ -303,3 +303,18 @@ def test_the_fake_upstream_sends_the_engines_event_sequence(tiny_engine: EngineP
             real = http.post(tiny_engine.url + APIS[api].path, json=body).text
             faked = http.post(fake + APIS[api].path, json=body).text
             assert _event_types(faked) == _event_types(real), (api, real[:2000])
+
+
+def test_the_agent_workload_is_a_chat_request_the_gateways_guard_takes() -> None:
+    """The costs benchmark's agent requests (``--agent``) are what an agent loop sends, valid for the gateway: their
+    CPU is the guard's whole work, not a refusal's."""
+    from engine_guard.schemas import parse_body
+    from gateway.core.endpoints import PROXIED_BY_PATH
+
+    for stream in (True, False):
+        raw = Workload(agent=True, stream=stream).body()
+        body = parse_body(raw, PROXIED_BY_PATH["/v1/chat/completions"].schema, "/v1/chat/completions")
+        assert len(body["tools"]) == 8 and len(body["messages"]) == 17
+        assert [m["role"] for m in body["messages"][:4]] == ["system", "user", "assistant", "tool"]
+    with pytest.raises(ValueError, match="chat"):
+        Workload(agent=True, api="messages").body()

@@ -18,7 +18,7 @@ pytest.importorskip("sglang_router")
 def test_a_tiny_run_prints_every_figure_as_a_ratio_to_the_router(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = [
         "costs", "-s", "2,4", "--tokens", "4", "--step-ms", "20", "--idle-s", "0.2", "--rounds", "1", "-c", "1,2", "-n", "8",
-        "--short-rounds", "1", "--sdk-headers", "--out", str(tmp_path),
+        "--short-rounds", "1", "--sdk-headers", "--agent", "--out", str(tmp_path),
     ]  # fmt: skip
     outcome = CliRunner().invoke(app, argv)
     assert outcome.exit_code == 0, outcome.output
@@ -31,7 +31,7 @@ def test_a_tiny_run_prints_every_figure_as_a_ratio_to_the_router(tmp_path: Path,
     ):  # fmt: skip
         assert f"| {title} |" in printed, title
     result = json.loads((tmp_path / "result.json").read_text())
-    assert result["sdk_headers"] is True
+    assert result["sdk_headers"] is True and result["agent"] is True and result["plain"] is False
     summary = result["summary"]
     for name in ("gateway", "router"):
         assert summary[name]["errors"] == 0 and summary[name]["sparse_us_per_event"] > 0, summary[name]
