@@ -513,6 +513,7 @@ def costs_command(
     sdk_headers: Annotated[bool, typer.Option(help="Send the OpenAI Python SDK's 17 headers with each short request (else 4).")] = False,
     agent: Annotated[bool, typer.Option(help="Short requests as an agent loop sends them: 8 tools, 16 messages of calls and results.")] = False,
     plain: Annotated[bool, typer.Option(help="Short requests unstreamed (the answer whole, as a plain chat call).")] = False,
+    short_only: Annotated[bool, typer.Option(help="Only the short requests' figures (no paced streams, no idle).")] = False,
     baseline: Baseline = None,
     out: Out = None,
 ) -> None:
@@ -526,7 +527,7 @@ def costs_command(
     run_costs(
         _out_dir(out, "costs"), streams=_levels(streams), tokens=tokens, step_ms=step_ms, idle_s=idle_s, rounds=rounds,
         levels=_levels(concurrency), requests=requests, short_rounds=short_rounds, baseline_env=base_env, sdk_headers=sdk_headers,
-        agent=agent, plain=plain,
+        agent=agent, plain=plain, short_only=short_only,
     )  # fmt: skip
 
 

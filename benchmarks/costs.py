@@ -122,6 +122,8 @@ def short_figures(
 
 # (title, key in a target's figures, digits); the loop's wake-ups are the gateway's own (the router has no Python loop)
 def _rows(streams: list[int], levels: list[int]) -> list[tuple[str, str, int]]:
+    if not streams:  # (--short-only)
+        return [(f"short request, c={level}: CPU ms per request", f"short_ms@{level}", 3) for level in levels]
     rows = [("one sparse stream: CPU µs per event", "sparse_us_per_event", 1)]
     rows += [(f"{count:,} streams: CPU µs per event", f"us_per_event@{count}", 1) for count in streams]
     rows += [(f"short request, c={level}: CPU ms per request", f"short_ms@{level}", 3) for level in levels]
@@ -137,7 +139,8 @@ def _rows(streams: list[int], levels: list[int]) -> list[tuple[str, str, int]]:
 def summarize(paced: dict[str, list[dict[str, Any]]], short: dict[str, dict[int, float | None]]) -> dict[str, dict[str, float | None]]:
     """Per target: the median over the rounds of every paced figure, and the short requests' CPU per level."""
     summary: dict[str, dict[str, float | None]] = {}
-    for name, runs in paced.items():
+    for name in paced or short:
+        runs = paced.get(name, [])
         figures: dict[str, float | None] = {key: statistics.median(run[key] for run in runs) for key in runs[0]} if runs else {}
         figures.update({f"short_ms@{level}": value for level, value in short.get(name, {}).items()})
         if name == processes.ROUTER_TARGET:
@@ -167,17 +170,30 @@ def _ratio(ours: float | None, theirs: float | None) -> str:
     return f"**{ours / theirs:.2f}x**" if ours is not None and theirs else "-"
 
 
-def run_costs(
-    out: Path, *, streams: list[int], tokens: int, step_ms: float, idle_s: float, rounds: int, levels: list[int], requests: int,
-    short_rounds: int, baseline_env: dict[str, str] | None = None, on_phase: Callable[[str], None] = console.print,
-    sdk_headers: bool = False, agent: bool = False, plain: bool = False,
-) -> dict[str, Any]:
-    """Every figure for the gateway, ``baseline_env``'s gateway when given, and the router; printed and saved."""
+def _paced_run(
+    out: Path, streams: list[int], tokens: int, step_ms: float, idle_s: float, rounds: int, baseline_env: dict[str, str] | None,
+    on_phase: Callable[[str], None],
+) -> dict[str, list[dict[str, Any]]]:
+    """The paced figures, over the paced fake (its own processes, stopped before the short requests)."""
     with ExitStack() as stack:
         upstream_url, _ = stack.enter_context(processes.fake_upstream("paced", out, step_ms))
         targets = _proxies(stack, upstream_url, out, baseline_env, "paced")
         on_phase(f"paced fake at {upstream_url} ({step_ms:g} ms steps, {tokens} events a stream): " + ", ".join(f"{n}: pid {p}" for n, (_, p) in targets.items()))
-        paced = paced_figures(targets, streams, tokens, step_ms, idle_s, rounds)
+        return paced_figures(targets, streams, tokens, step_ms, idle_s, rounds)
+
+
+def run_costs(
+    out: Path, *, streams: list[int], tokens: int, step_ms: float, idle_s: float, rounds: int, levels: list[int], requests: int,
+    short_rounds: int, baseline_env: dict[str, str] | None = None, on_phase: Callable[[str], None] = console.print,
+    sdk_headers: bool = False, agent: bool = False, plain: bool = False, short_only: bool = False,
+) -> dict[str, Any]:
+    """Every figure for the gateway, ``baseline_env``'s gateway when given, and the router; printed and saved.
+    ``short_only``: the short requests' alone (no paced streams, no idle)."""
+    paced: dict[str, list[dict[str, Any]]] = {}
+    if short_only:
+        streams = []
+    else:
+        paced = _paced_run(out, streams, tokens, step_ms, idle_s, rounds, baseline_env, on_phase)
     with ExitStack() as stack:
         stub_logs = out / "stub"
         stub_logs.mkdir(parents=True, exist_ok=True)

@@ -38,3 +38,15 @@ def test_a_tiny_run_prints_every_figure_as_a_ratio_to_the_router(tmp_path: Path,
         assert summary[name]["short_ms@1"] is not None, summary[name]
     assert summary["router"]["sparse_wakeups_per_event"] is None  # no Python loop to count
     assert summary["gateway"]["sparse_wakeups_per_event"] >= 0
+
+
+def test_short_only_measures_the_plain_requests_alone(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["costs", "--short-only", "--plain", "-c", "1", "-n", "8", "--short-rounds", "1", "--out", str(tmp_path)]
+    outcome = CliRunner().invoke(app, argv)
+    assert outcome.exit_code == 0, outcome.output
+    printed = outcome.output + capsys.readouterr().out
+    assert "| short request, c=1: CPU ms per request |" in printed and "sparse" not in printed, printed
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["plain"] is True and result["paced"] == {}
+    for name in ("gateway", "router"):
+        assert result["summary"][name]["short_ms@1"] > 0, result["summary"]
