@@ -150,7 +150,7 @@ def grammar_inputs(body: dict[str, Any]) -> Iterator[tuple[str, str, Any]]:
         # A forced call is held to every tool's parameter schema (engine_guard.tool_calls marks them strict), a strict
         # tool's always: the engine compiles each into its grammar.
         function = tool.get("function") if isinstance(tool, dict) and isinstance(tool.get("function"), dict) else tool
-        if not isinstance(function, dict) or not (forced or is_strict(function)):
+        if not isinstance(function, dict) or not (forced or (function.get("strict") not in (None, False) and is_strict(function))):
             continue
         schema = function.get("parameters", function.get("input_schema"))
         if isinstance(schema, dict):
