@@ -145,13 +145,15 @@ def grammar_inputs(body: dict[str, Any]) -> Iterator[tuple[str, str, Any]]:
         elif kind == "structural_tag":
             yield field, "structural_tag", spec
     tools = body.get("tools")
-    forced = body.get("tool_choice") not in (None, "auto", "none")
-    for tool in tools if isinstance(tools, list) else ():
-        # A forced call is held to every tool's parameter schema (engine_guard.tool_calls marks them strict), a strict
-        # tool's always: the engine compiles each into its grammar.
-        function = tool.get("function") if isinstance(tool, dict) and isinstance(tool.get("function"), dict) else tool
-        if not isinstance(function, dict) or not (forced or (function.get("strict") not in (None, False) and is_strict(function))):
-            continue
+    if not isinstance(tools, list):
+        return
+    # A forced call is held to every tool's parameter schema (engine_guard.tool_calls marks them strict), a strict
+    # tool's always: the engine compiles each into its grammar. (Comprehensions: an agent's request has many tools,
+    # and this runs twice per request.)
+    functions = [tool["function"] if isinstance(tool.get("function"), dict) else tool for tool in tools if isinstance(tool, dict)]
+    if body.get("tool_choice") in (None, "auto", "none"):
+        functions = [function for function in functions if function.get("strict") not in (None, False) and is_strict(function)]
+    for function in functions:
         schema = function.get("parameters", function.get("input_schema"))
         if isinstance(schema, dict):
             yield "tools", "json_schema", schema
