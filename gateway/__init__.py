@@ -72,7 +72,7 @@ import none of each other). Every module is named under its folder (a test check
   ``ticks``          uvicorn's server ticking once a second (not ten times), woken at once to stop
   ``connection``     uvicorn's HTTP protocol with connection/header limits and timeouts*; ``cycle`` its request-response
                      cycle, the response start checked in two searches, not two per header, and the client's leaving
-                     told to a stream's relay without a task
+                     told to what waits on it (a stream's relay, a plain request) without a task
   ``middleware``     request id + log line + metrics, body size/time cap, CORS*; ``auth`` the key check (and which key)*;
                      ``forwarded`` uvicorn's X-Forwarded-* handling, asked only of a request that carries one*
   ``quota``          a named key over its limits gets 429 with the rate-limit headers; charges its tokens*

@@ -24,6 +24,7 @@ from gateway.data.lease import Lease
 from gateway.data.relay import wait_disconnect
 from gateway.data.upstream_errors import UPSTREAM_ERRORS, router_lost_its_worker, transport_error
 from gateway.data.upstream_send import Answer, UpstreamSender
+from gateway.edge.cycle import CancelOnLeave
 
 T = TypeVar("T")
 
@@ -123,24 +124,14 @@ async def _unless_gone(work: Coroutine[Any, Any, T], cycle: Any) -> tuple[bool, 
     """:func:`_unless_disconnected` told by the connection (:meth:`gateway.edge.cycle.GatewayCycle.on_disconnect`):
     the request's own task awaits the work and is cancelled if the client leaves, instead of two tasks made, run and
     collected per request (the work's and a watcher's)."""
-    task = asyncio.current_task()
-    assert task is not None
-    waiting = True
-    gone = False
-
-    def on_gone() -> None:
-        nonlocal gone
-        if waiting:
-            gone = True
-            task.cancel()
-
+    on_gone = CancelOnLeave()
     cycle.on_disconnect(on_gone)
     try:
         return True, await work
     except asyncio.CancelledError:
-        if gone and task.uncancel() == 0:
+        if on_gone.was_the_cause():
             return False, None  # (what the work held is released by its own cleanup, as it unwound)
         raise
     finally:
-        waiting = False
+        on_gone.done()
         cycle.on_disconnect(None)

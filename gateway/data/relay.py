@@ -32,6 +32,7 @@ from gateway.data.stream_pool import (
 from gateway.data.upstream_errors import transport_error
 from gateway.data.usage_request import prompt_bound
 from gateway.edge.connection import HTTP_CYCLE
+from gateway.edge.cycle import CancelOnLeave
 
 _MAX_PENDING = 4 * 1024 * 1024  # an SSE event larger than this is forwarded unsplit, unscanned
 
@@ -157,17 +158,8 @@ class SSEProxyResponse(Response):
         self._first_read_at = 0.0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:  # type: ignore[override]
-        # The response's task waits for the end; a watcher task cancels it if the client disconnects meanwhile.
-        task = asyncio.current_task()
-        assert task is not None
-        relaying = True
-        gone = False
-
-        def on_gone() -> None:
-            nonlocal gone
-            if relaying:
-                gone = True
-                task.cancel()
+        # The response's task waits for the end; the client leaving meanwhile cancels it.
+        on_gone = CancelOnLeave()
 
         def on_watch_done(watch: asyncio.Task[None]) -> None:
             if not watch.cancelled() and watch.exception() is None:
@@ -193,7 +185,7 @@ class SSEProxyResponse(Response):
             writer = _TransportWriter(cycle, self.upstream) if cycle is not None else _MessageWriter(send, self.upstream)
             await self._pump(writer, send)
         except asyncio.CancelledError:
-            if not gone or task.uncancel() > 0:
+            if not on_gone.was_the_cause():
                 raise
             self.upstream.leave_native()  # (what the native relay relayed: the stream's end, when it had come)
             last = self._last_events()
@@ -203,9 +195,9 @@ class SSEProxyResponse(Response):
                 self._end_trace(last)
         finally:
             self.upstream.leave_native()  # (a stream cut here: the events the native relay counted first)
-            if gone:
+            if on_gone.gone:
                 self._charge_unreported()
-            relaying = False
+            on_gone.done()
             if cycle is not None:
                 cycle.on_disconnect(None)
             if watch is not None:

@@ -7,8 +7,9 @@ per-header searches find: a header with a character that would break the respons
 (``RuntimeError``). The head written is uvicorn's, byte for byte; every other message (the body, a start while
 writing is paused or after a disconnect) is uvicorn's own ``send``.
 
-It also tells a stream's relay when its client leaves (:meth:`GatewayCycle.on_disconnect`), from the connection's
-loss, without a task waiting on ``receive()``.
+It also tells what waits on the client's behalf (a stream's relay, a plain request's exchange) when its client leaves
+(:meth:`GatewayCycle.on_disconnect`, :class:`CancelOnLeave`), from the connection's loss, without a task waiting on
+``receive()``.
 """
 
 from __future__ import annotations
@@ -99,3 +100,32 @@ class _Written:
 
 
 _WRITTEN = _Written()
+
+
+class CancelOnLeave:
+    """A client-leaving callback (:meth:`GatewayCycle.on_disconnect`, or a watcher task's end) that cancels the task
+    that made it, while that task still waits on the client's behalf: an answer then stops where it waits, in the
+    request's own task, with no task of its own to make and collect."""
+
+    __slots__ = ("task", "waiting", "gone")
+
+    def __init__(self) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.task = task
+        self.waiting = True
+        self.gone = False  # the client left, and the task was cancelled for it
+
+    def __call__(self) -> None:
+        if self.waiting:
+            self.gone = True
+            self.task.cancel()
+
+    def done(self) -> None:
+        """No longer waiting: a client leaving from now on cancels nothing."""
+        self.waiting = False
+
+    def was_the_cause(self) -> bool:
+        """In an ``except CancelledError``: whether the client's leaving alone cancelled the task (then taken back, and
+        the task goes on to note it); False: another cancellation, which must propagate."""
+        return self.gone and self.task.uncancel() == 0
