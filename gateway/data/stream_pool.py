@@ -506,9 +506,14 @@ class StreamPool:
         lag: LagGauge | None = None,
         native: bool = False,
         content_type: bool = False,
+        resend_on_reuse: bool = True,
     ) -> None:
         self.connect_timeout_s = connect_timeout_s
         self._connection_class = _TypedConnection if content_type else _Connection  # content_type: each response's is kept
+        # A kept-alive connection that breaks before any byte of the answer came is taken for one the engine closed as
+        # it was reused, and the request is sent once more on a new one. Not for plain answers (False): an engine sends
+        # nothing of one before it is whole, so the break may be the engine dying under a request it ran.
+        self.resend_on_reuse = resend_on_reuse
         self.coalesce_s = coalesce_s  # gateway.stream_coalesce_ms: the longest rest after a read, while behind
         self.coalesce_min_streams = coalesce_min_streams  # gateway.stream_coalesce_min_streams: from how many streams on
         self.read_timeout_s = read_timeout_s
@@ -610,7 +615,7 @@ class StreamPool:
             except UpstreamConnectionLost:
                 exchange.close()
                 # A kept-alive connection the engine closed just as it was reused: nothing was processed.
-                if not (reused and attempt == 1 and not exchange.received):
+                if not (self.resend_on_reuse and reused and attempt == 1 and not exchange.received):
                     raise
             except BaseException:
                 exchange.close()

@@ -448,6 +448,29 @@ def test_a_kept_alive_connection_the_engine_closes_on_reuse_is_retried_once_on_a
     asyncio.run(main())
 
 
+def test_a_plain_answers_reused_connection_that_breaks_is_not_sent_again() -> None:
+    """An engine sends nothing of a plain answer before it is whole: a reused connection that breaks before any byte
+    may be the engine dying under a request it ran. The plain pool says so (the request is a suspect of the crash), and
+    the request is not sent again; the stream pool's retry above is for streams alone."""
+
+    async def close_on_second(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> bool:
+        return False if n == 2 else await _two_events(reader, writer, n)
+
+    async def main() -> None:
+        fake = _Server(close_on_second)
+        async with fake as url:
+            pool = StreamPool(5.0, 30.0, content_type=True, resend_on_reuse=False)
+            first = await pool.request(url, "/v1/chat/completions", b"{}", {})
+            assert first.content_type == "text/event-stream" and await first.read()
+            first.release()
+            with pytest.raises(UpstreamConnectionLost):
+                await pool.request(url, "/v1/chat/completions", b"{}", {})
+            assert fake.connections == 1  # not sent again on a new connection
+            await pool.close()
+
+    asyncio.run(main())
+
+
 def test_silence_after_the_headers_is_a_read_timeout_and_a_refused_connect_is_unreachable() -> None:
     async def main() -> None:
         async with _Server(lambda reader, writer, n: _head_then_silence(writer)) as url:
