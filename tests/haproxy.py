@@ -24,6 +24,9 @@ from launch.ports import pick_free_port
 from tests.servers import ServerProcess
 
 CHECK_INTERVAL_MS = 100
+# A check's answer may take up to 2 s (``timeout check``): without it HAProxy allows only ``inter`` (100 ms), and on a
+# loaded machine a replica slow to answer /ready was taken down while its peer restarted, leaving none. A 503 or a
+# refused connection still fails a check at once.
 
 
 def haproxy_missing() -> str | None:
@@ -50,6 +53,7 @@ class HAProxy:
 defaults
   mode http
   timeout connect 2s
+  timeout check 2s
   timeout client 120s
   timeout server 120s
   retries 0
