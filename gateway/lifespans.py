@@ -90,10 +90,7 @@ async def data_plane(app: FastAPI, parts: AppParts) -> AsyncIterator[None]:
         coalesce_s=settings.stream_coalesce_ms / 1000, coalesce_min_streams=settings.stream_coalesce_min_streams,
         native=settings.relay_native,
     )  # fmt: skip
-    plain = StreamPool(
-        settings.upstream_connect_timeout_s, settings.upstream_read_timeout_s, settings.upstream_max_connections,
-        content_type=True, resend_on_reuse=False,
-    )  # fmt: skip
+    plain = StreamPool(settings.upstream_connect_timeout_s, settings.upstream_read_timeout_s, settings.upstream_max_connections, plain=True)
     if settings.relay_native and not NATIVE_BUILT:
         logger.warning(
             "gateway: relay_native is on but the native relay (gateway/data/_relay_loop.c) is not built in this install "

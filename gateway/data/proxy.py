@@ -59,7 +59,7 @@ class Proxy:
         self.tracing = tracing  # OpenTelemetry spans (gateway.core.tracing); None: off, and nothing noted
         self.waker = waker  # models whose engines start on demand: a request for one asleep waits for it
         self.streams = streams if streams is not None else StreamPool(5.0, 600.0)
-        self.plain = plain if plain is not None else StreamPool(5.0, 600.0, content_type=True, resend_on_reuse=False)
+        self.plain = plain if plain is not None else StreamPool(5.0, 600.0, plain=True)
         self.sender = UpstreamSender(self.streams, self.plain)
         self._urls: dict[str, URL] = {}
         self.metrics = metrics

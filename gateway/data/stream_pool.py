@@ -269,7 +269,7 @@ class StreamExchange:
         self._holds: set[str] = set()  # why reading is paused: "client" (its socket is full), "rest" (coalescing)
         self._rest_until: float | None = None  # resting until this loop time (its wake-up tick in the pool)
         self.native: tuple[NativeStreams, int] | None = None  # relayed by the native thread: (its streams, this one)
-        self.content_type: str | None = None  # the response's, where its pool keeps it (plain answers)
+        self.content_type: str | None = None  # the response's, in a pool of plain answers
 
     @property
     def is_complete(self) -> bool:
@@ -505,15 +505,15 @@ class StreamPool:
         coalesce_min_streams: int = 0,
         lag: LagGauge | None = None,
         native: bool = False,
-        content_type: bool = False,
-        resend_on_reuse: bool = True,
+        plain: bool = False,
     ) -> None:
         self.connect_timeout_s = connect_timeout_s
-        self._connection_class = _TypedConnection if content_type else _Connection  # content_type: each response's is kept
-        # A kept-alive connection that breaks before any byte of the answer came is taken for one the engine closed as
-        # it was reused, and the request is sent once more on a new one. Not for plain answers (False): an engine sends
-        # nothing of one before it is whole, so the break may be the engine dying under a request it ran.
-        self.resend_on_reuse = resend_on_reuse
+        # plain: a pool of plain answers, read whole. Each keeps its Content-Type (it goes back with the answer). And a
+        # kept-alive connection that breaks before any byte of the answer came is not taken for one the engine closed as
+        # it was reused (a stream's request is then sent once more on a new one): an engine sends nothing of a plain
+        # answer before it is whole, so the break may be the engine dying under a request it ran.
+        self.plain = plain
+        self._connection_class = _TypedConnection if plain else _Connection
         self.coalesce_s = coalesce_s  # gateway.stream_coalesce_ms: the longest rest after a read, while behind
         self.coalesce_min_streams = coalesce_min_streams  # gateway.stream_coalesce_min_streams: from how many streams on
         self.read_timeout_s = read_timeout_s
@@ -614,8 +614,8 @@ class StreamPool:
                 return exchange
             except UpstreamConnectionLost:
                 exchange.close()
-                # A kept-alive connection the engine closed just as it was reused: nothing was processed.
-                if not (self.resend_on_reuse and reused and attempt == 1 and not exchange.received):
+                # A stream's kept-alive connection the engine closed just as it was reused: nothing was processed.
+                if self.plain or not (reused and attempt == 1 and not exchange.received):
                     raise
             except BaseException:
                 exchange.close()

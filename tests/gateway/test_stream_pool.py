@@ -459,7 +459,7 @@ def test_a_plain_answers_reused_connection_that_breaks_is_not_sent_again() -> No
     async def main() -> None:
         fake = _Server(close_on_second)
         async with fake as url:
-            pool = StreamPool(5.0, 30.0, content_type=True, resend_on_reuse=False)
+            pool = StreamPool(5.0, 30.0, plain=True)
             first = await pool.request(url, "/v1/chat/completions", b"{}", {})
             assert first.content_type == "text/event-stream" and await first.read()
             first.release()
