@@ -152,7 +152,7 @@ def grammar_inputs(body: dict[str, Any]) -> Iterator[tuple[str, str, Any]]:
     # and this runs twice per request.)
     functions = [tool["function"] if isinstance(tool.get("function"), dict) else tool for tool in tools if isinstance(tool, dict)]
     if body.get("tool_choice") in (None, "auto", "none"):
-        functions = [function for function in functions if function.get("strict") not in (None, False) and is_strict(function)]
+        functions = [function for function in functions if is_strict(function)]
     for function in functions:
         schema = function.get("parameters", function.get("input_schema"))
         if isinstance(schema, dict):

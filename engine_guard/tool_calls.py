@@ -127,9 +127,6 @@ backslash or a newline in it breaks the call's JSON (the call then vanishes), an
 _LAX_BOOL: TypeAdapter[bool] = TypeAdapter(bool)
 
 
-_NOT_STRICT = (None, False)  # ``strict`` values read as not strict without a look (most tools: none given)
-
-
 def is_strict(function: dict[str, Any]) -> bool:
     """Whether the engine reads ``function``'s ``strict`` as true: SGLang's pydantic models take it laxly (``true``,
     ``"true"``, ``1``, ``"yes"``...), so the guard reads it the same way, not as the JSON value ``true`` alone."""
@@ -170,7 +167,7 @@ def check_strict_schemas(path: str, body: dict[str, Any]) -> None:
         return
     for index, (_, function) in enumerate(dialect.functions(body)):
         schema = function.get(dialect.schema_key)
-        if function.get("strict") in _NOT_STRICT or not isinstance(schema, dict) or not is_strict(function):
+        if not is_strict(function) or not isinstance(schema, dict):
             continue
         for node, _ in schema_nodes(schema):
             unknown = sorted(set(node) - ENFORCED_KEYWORDS - ANNOTATIONS)
@@ -213,8 +210,6 @@ def hold_strict_strings(path: str, body: dict[str, Any]) -> None:
         return
     held: dict[int, dict[str, Any]] = {}
     for tool, function in dialect.functions(body):
-        if function.get("strict") in _NOT_STRICT:
-            continue
         schema = function.get(dialect.schema_key)
         if is_strict(function) and (rewritten := hold_string_lengths(schema)) is not schema:
             new_function = {**function, dialect.schema_key: rewritten}
