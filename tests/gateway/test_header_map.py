@@ -17,28 +17,14 @@ from gateway.core.headers import HEADER_MAP, header_map, header_text
 from gateway.edge.connection import guarded_protocol
 from gateway.edge.forwarded import ForwardedHeaders
 from gateway.server import GatewayConfig
+from tests.gateway.test_cycle import _Transport as RecordingTransport
 
 
-class _Transport:
-    """The parts of a client's transport a protocol reads while parsing a head (what it writes is dropped)."""
-
-    def __init__(self) -> None:
-        self.closing = False
+class _Transport(RecordingTransport):
+    """The parts of a client's transport a protocol reads while parsing a head (what it writes is recorded)."""
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return {"sockname": ("127.0.0.1", 8000), "peername": ("127.0.0.1", 50000)}.get(name, default)
-
-    def write(self, data: bytes) -> None: ...
-
-    def is_closing(self) -> bool:
-        return self.closing
-
-    def close(self) -> None:
-        self.closing = True
-
-    def pause_reading(self) -> None: ...
-
-    def resume_reading(self) -> None: ...
 
 
 def _parsed(protocol_class: type[HttpToolsProtocol], head: bytes) -> tuple[list[tuple[bytes, bytes]], bool, dict[bytes, bytes], bool]:
