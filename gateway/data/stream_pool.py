@@ -233,11 +233,37 @@ class _Connection(asyncio.Protocol):
 
 class _TypedConnection(_Connection):
     """A connection whose responses keep their ``Content-Type`` (a plain answer goes back with it; a stream's is the
-    relay's own, so stream connections run no Python per header)."""
+    relay's own, so stream connections run no Python per header), and whose body may end where the connection does.
+
+    An answer with neither a length nor chunks (HTTP/1.0's way, still allowed in 1.1) ends when the server closes the
+    connection: that close is its end, not a loss, as for any HTTP client. The parser is never told of the close
+    (``httptools`` has no call for it), so the connection completes such an answer itself."""
+
+    framed = False  # the answer being read declared its length or its chunks
+
+    def send(self, exchange: StreamExchange, request: bytes) -> None:
+        self.framed = False
+        super().send(exchange, request)
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if self.exchange is not None and name.lower() == b"content-type":
-            self.exchange.content_type = value.decode("latin-1")
+        name = name.lower()
+        if name == b"content-type":
+            if self.exchange is not None:
+                self.exchange.content_type = value.decode("latin-1")
+        elif name == b"content-length" or name == b"transfer-encoding":
+            self.framed = True
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        exchange = self.exchange
+        if exc is None and exchange is not None and self._ends_at_close(exchange):
+            self.on_message_complete()  # (what came since the last read, then the exchange completes)
+        super().connection_lost(exc)
+
+    def _ends_at_close(self, exchange: StreamExchange) -> bool:
+        """Whether the answer being read is one whose body the server's close ends: its head came (a status), it declared
+        no length and no chunks, and it may have a body (not 1xx, 204 or 304)."""
+        status = exchange.status
+        return not self.framed and status >= 200 and status not in (204, 304) and not exchange.is_complete
 
 
 class StreamExchange:

@@ -471,6 +471,43 @@ def test_a_plain_answers_reused_connection_that_breaks_is_not_sent_again() -> No
     asyncio.run(main())
 
 
+@pytest.mark.parametrize(
+    ("head", "sent", "expected"),
+    [
+        (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\n\r\n", b'{"ok": true}', b'{"ok": true}'),
+        (b"HTTP/1.0 200 OK\r\ncontent-type: application/json\r\n\r\n", b'{"a": 1}', b'{"a": 1}'),
+        (b"HTTP/1.1 200 OK\r\ncontent-length: 20\r\n\r\n", b'{"cut": "short"}', None),  # 16 of 20 bytes: lost
+    ],
+    ids=["unframed-1.1", "unframed-1.0", "length-cut-short"],
+)
+def test_a_plain_answer_without_length_or_chunks_ends_where_the_engine_closes(head: bytes, sent: bytes, expected: bytes | None) -> None:
+    """An answer that declares neither its length nor chunks ends when the server closes the connection: read whole,
+    as any HTTP client reads it, in pieces as they come; one that declared a length and closed short of it is lost."""
+
+    async def answer_then_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> bool:
+        writer.write(head + sent[:5])
+        await writer.drain()
+        await asyncio.sleep(0.05)  # the rest in a later read
+        writer.write(sent[5:])
+        await writer.drain()
+        return False
+
+    async def main() -> None:
+        async with _Server(answer_then_close) as url:
+            pool = StreamPool(5.0, 30.0, plain=True)
+            exchange = await pool.request(url, "/v1/chat/completions", b"{}", {})
+            if expected is None:
+                with pytest.raises(UpstreamConnectionLost):
+                    await exchange.read()
+            else:
+                assert await exchange.read() == expected
+                assert exchange.content_type == "application/json" and not exchange.keep_alive
+            exchange.release()
+            await pool.close()
+
+    asyncio.run(main())
+
+
 def test_silence_after_the_headers_is_a_read_timeout_and_a_refused_connect_is_unreachable() -> None:
     async def main() -> None:
         async with _Server(lambda reader, writer, n: _head_then_silence(writer)) as url:
