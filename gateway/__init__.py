@@ -52,7 +52,8 @@ import none of each other). Every module is named under its folder (a test check
                      one retry elsewhere; ``upstream_send`` the bytes there and back), ``answer`` (plain JSON or the
                      relay); ``lease`` what a request holds*; ``waking`` a stream for an asleep model, kept alive while
                      its engine starts
-  ``relay``          the SSE relay, event by event: usage, errors and Responses ids inspected, endings judged*
+  ``relay``          the SSE relay, event by event: usage, errors and Responses ids inspected, endings judged*;
+                     ``event_scan`` its byte scans of a read (in C where ``_relay_loop.c`` is built)
   ``stream_pool``    the keep-alive upstream connections, parsed in the socket's callbacks: streams relayed as they
                      come, plain answers read whole (a pool each)*;
                      while the process falls behind, each stream rests after a read as its lag says (``loop_lag``)

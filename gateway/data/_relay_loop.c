@@ -830,8 +830,51 @@ static PyObject *feed_chunks(PyObject *self, PyObject *args) {
     return result;
 }
 
+static PyObject *count_events_py(PyObject *self, PyObject *arg) {
+    /* The relay's count of a read's events (its blank lines), as bytes.count(b"\n\n") counts them. */
+    if (!PyBytes_Check(arg)) {
+        PyErr_SetString(PyExc_TypeError, "count_events takes bytes");
+        return NULL;
+    }
+    return PyLong_FromUnsignedLongLong(count_events(PyBytes_AS_STRING(arg), (size_t)PyBytes_GET_SIZE(arg)));
+}
+
+static PyObject *find_any(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    /* The lowest index at or after start where one of needles (a tuple of bytes) begins in data; -1: none. One memmem
+       per needle, each over what lies before the best match so far. */
+    if (nargs != 3 || !PyBytes_Check(args[0]) || !PyTuple_Check(args[1]) || !PyLong_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "find_any(data: bytes, needles: tuple[bytes, ...], start: int)");
+        return NULL;
+    }
+    const char *data = PyBytes_AS_STRING(args[0]);
+    Py_ssize_t size = PyBytes_GET_SIZE(args[0]);
+    Py_ssize_t start = PyLong_AsSsize_t(args[2]);
+    if (start == -1 && PyErr_Occurred()) return NULL;
+    if (start < 0) start = 0;
+    if (start > size) start = size; /* (as re clamps a search's start) */
+    Py_ssize_t best = -1;
+    Py_ssize_t count = PyTuple_GET_SIZE(args[1]);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *needle = PyTuple_GET_ITEM(args[1], i);
+        if (!PyBytes_Check(needle)) {
+            PyErr_SetString(PyExc_TypeError, "needles must be bytes");
+            return NULL;
+        }
+        Py_ssize_t length = PyBytes_GET_SIZE(needle);
+        Py_ssize_t limit = best < 0 ? size : best - 1 + length; /* a match must begin before the best one */
+        if (limit > size) limit = size;
+        if (limit < start || (limit == start && length > 0)) continue;
+        const char *at = memmem(data + start, (size_t)(limit - start), PyBytes_AS_STRING(needle), (size_t)length);
+        if (at != NULL) best = at - data;
+    }
+    return PyLong_FromSsize_t(best);
+}
+
 static PyMethodDef module_methods[] = {
     {"feed_chunks", feed_chunks, METH_VARARGS, "feed_chunks(pieces) -> (data, 1 ended | 0 not yet | -1 broken)"},
+    {"count_events", count_events_py, METH_O, "count_events(data) -> int: its blank lines, as data.count(b'\\n\\n')."},
+    {"find_any", (PyCFunction)(void (*)(void))find_any, METH_FASTCALL,
+     "find_any(data, needles, start) -> int: where the first of needles begins at or after start; -1: none."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -23,6 +23,7 @@ from gateway.core.context import RequestInfo
 from gateway.core.errors import GatewayError, StreamKind, sanitize_message, sse_error_event, upstream_error
 from gateway.core.metrics import Metrics
 from gateway.core.tracing import finish_reasons
+from gateway.data.event_scan import count_events, find_any
 from gateway.data.lease import Lease
 from gateway.data.native_streams import NativeTotals
 from gateway.data.prompt_count import PromptCounter
@@ -59,16 +60,6 @@ _ENDINGS: dict[StreamKind, tuple[bytes, ...]] = {
 }
 
 
-# One scan per read, by stream framing, for what makes an event worth parsing (a usage object, an engine error, a
-# new Responses id); engines put ``"usage":null`` in every chunk, so only an object counts, and Responses events all
-# carry ``"error":null``. Every alternative starts with a quote, so ``re`` looks for the quote and tries the rest
-# only there: one pass over a read.
-_SCAN: dict[StreamKind, re.Pattern[bytes]] = {
-    StreamKind.DATA: re.compile(rb'"(?:usage": ?\{|error")'),
-    StreamKind.RESPONSES: re.compile(rb'"(?:usage": ?\{|error": ?\{|type": ?"error"|response\.created")'),
-    StreamKind.ANTHROPIC: re.compile(rb'"(?:usage": ?\{|type": ?"error")'),
-}
-
 # What says a stream is finishing: its last events (usage, the end) follow at once, so a read carrying one is not
 # followed by a coalescing rest (``stream_coalesce_ms``) and the end, and the engine's slot, come without the wait.
 # Searched only when a rest would follow the read (the process is behind): a separate pass then, and none while it
@@ -80,8 +71,10 @@ _FINISH: dict[StreamKind, re.Pattern[bytes]] = {
 }
 
 
-# The same scan in the native relay (gateway.data.native_streams): the literal strings the patterns above match,
-# by stream kind (tests/gateway/test_native_relay.py holds the two to the same answers).
+# What makes an event worth parsing (a usage object, an engine error, a new Responses id), by stream framing: one scan
+# of each read for the first of these (gateway.data.event_scan), and the same strings in the native relay
+# (gateway.data.native_streams). Engines put ``"usage":null`` in every chunk, so only an object counts, and Responses
+# events all carry ``"error":null`` (tests/gateway/test_native_relay.py holds them to what they stand for).
 _NEEDLES: dict[StreamKind, tuple[bytes, ...]] = {
     StreamKind.DATA: (b'"usage":{', b'"usage": {', b'"error"'),
     StreamKind.RESPONSES: (
@@ -101,12 +94,6 @@ _NATIVE_AFTER_S = 0.01
 _SEQUENCE_NUMBER = re.compile(rb'"sequence_number": ?(\d+)')
 
 
-def _any_of(needles: tuple[bytes, ...]) -> re.Pattern[bytes]:
-    """One compiled scan for several byte strings."""
-    return re.compile(b"|".join(re.escape(needle) for needle in needles))
-
-
-_ENDING_SCAN = {kind: _any_of(endings) for kind, endings in _ENDINGS.items()}
 
 
 class SSEProxyResponse(Response):
@@ -147,9 +134,9 @@ class SSEProxyResponse(Response):
         self.events = 0  # events relayed: a stream that ends without the engine's usage is charged by them
         self.count_prompt = count_prompt  # ... and its prompt counted by the engine's tokenizer, where it can say
         self._uncounted = False  # the prompt is still to be counted, once the client has what it gets
-        self._scan = _SCAN[kind]
+        self._needles = _NEEDLES[kind]
         self._finish = _FINISH[kind]
-        self._endings = _ENDING_SCAN[kind]
+        self._endings = _ENDINGS[kind]
         self._last = (b"", b"")  # the last two pieces written before [DONE]: where a stream's finish and ending are
         self._done = b""  # the piece that ended with [DONE] (written as it came): kept apart, so _last still names the finish
         self._pending = b""
@@ -189,7 +176,7 @@ class SSEProxyResponse(Response):
                 raise
             self.upstream.leave_native()  # (what the native relay relayed: the stream's end, when it had come)
             last = self._last_events()
-            if self._endings.search(last) is None:
+            if find_any(last, self._endings, 0) < 0:
                 self.info.error = "client disconnected"
             else:  # it left once it had the stream's end (before the body's own end came): a complete stream
                 self._end_trace(last)
@@ -221,7 +208,7 @@ class SSEProxyResponse(Response):
             events = self._complete_events(chunk)
             if not events:
                 return
-            self.events += events.count(b"\n\n")
+            self.events += count_events(events)
             writer.write(events)  # [DONE] too: the client's stream ends when the engine's does, not at its body's close
             if events.endswith(_DONE):
                 self._done = events
@@ -260,7 +247,7 @@ class SSEProxyResponse(Response):
             self._pending = b""
         # Scanned here, not per event: a stream's ending is its last event (a scan per event cost ~1-4 µs).
         last = self._last_events() + tail
-        ended = self._endings.search(last) is not None
+        ended = find_any(last, self._endings, 0) >= 0
         if failure is None and not ended:
             failure = GatewayError(
                 502, f"the stream from the engine of {self.model} stopped before its end", code="upstream_stream_incomplete"
@@ -321,7 +308,7 @@ class SSEProxyResponse(Response):
         assert isinstance(writer, _TransportWriter)
         try:
             out = self._inspect(events)
-            self.events += out.count(b"\n\n")
+            self.events += count_events(out)
             if out:
                 writer.write(out)
         except Exception as error:  # a bug here must end this stream, not the loop's report callback
@@ -412,7 +399,7 @@ class SSEProxyResponse(Response):
         is; otherwise whole lines go out (an event whose closing blank line never came), closed with one, and a
         line cut short is dropped, so that the error event after it starts on an event boundary instead of
         inside a broken JSON line."""
-        if self._endings.search(pending) is not None:
+        if find_any(pending, self._endings, 0) >= 0:
             return self._inspect(pending)  # the stream's own last event, without its closing blank line
         whole = pending[: pending.rfind(b"\n") + 1]
         if not whole.strip():
@@ -437,14 +424,13 @@ class SSEProxyResponse(Response):
 
     def _inspect(self, events: bytes) -> bytes:
         """Byte scans only; JSON is parsed just for the lines carrying a usage object, an error or a new response."""
-        scan = self._scan
-        found = scan.search(events)
-        if found is None:
+        needles = self._needles
+        at = find_any(events, needles, 0)
+        if at < 0:
             return events
         out = []
         start = 0
-        while found is not None:
-            at = found.start()
+        while at >= 0:
             line_start = events.rfind(b"\n", 0, at) + 1
             line_end = events.find(b"\n", at)
             line_end = len(events) if line_end < 0 else line_end
@@ -457,7 +443,7 @@ class SSEProxyResponse(Response):
                 kept = b""
             out.append(kept)
             start = line_end
-            found = scan.search(events, start)
+            at = find_any(events, needles, start)
         out.append(events[start:])
         return b"".join(out)
 

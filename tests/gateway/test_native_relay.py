@@ -28,7 +28,7 @@ from loguru import logger
 from gateway.core.errors import StreamKind
 from gateway.data import _relay_loop
 from gateway.data.native_streams import RELAY_THREAD_NICE, NativeStreams, NativeTotals
-from gateway.data.relay import _KIND_INDEX, _NATIVE_NEEDLES, _NEEDLES, _SCAN
+from gateway.data.relay import _KIND_INDEX, _NATIVE_NEEDLES, _NEEDLES
 from launch.process import EngineProcess
 from tests.admin_client import prometheus_value
 from tests.fake_upstreams import SSE_HEAD, fake_tcp_upstream, http_chunk, read_request
@@ -654,9 +654,18 @@ _EVENT_PARTS = st.sampled_from(
 
 @settings(max_examples=400, deadline=None)
 @given(parts=st.lists(_EVENT_PARTS, max_size=12), kind=st.sampled_from(list(StreamKind)))
-def test_the_native_needles_find_what_the_python_scan_finds(parts: list[bytes], kind: StreamKind) -> None:
-    """Which events go back to Python is decided in C by the literal needles: they must match exactly what the
-    Python relay's scan does, or a usage object or an error would pass unread."""
+def test_the_needles_find_exactly_the_events_worth_parsing(parts: list[bytes], kind: StreamKind) -> None:
+    """Which events are parsed (in the Python relay and, in C, which go back to Python from the native one) is decided
+    by the literal needles: they must find exactly a usage object (not the ``null`` every chunk carries), an engine
+    error, a new Responses id, with or without a space after the colon, or one would pass unread."""
     text = b"".join(parts)
-    assert (_SCAN[kind].search(text) is not None) == any(needle in text for needle in _NEEDLES[kind]), text
+    assert (_WORTH_PARSING[kind].search(text) is not None) == any(needle in text for needle in _NEEDLES[kind]), text
+
+
+# What the needles stand for, by stream framing (the relay's own scan, as patterns)
+_WORTH_PARSING: dict[StreamKind, re.Pattern[bytes]] = {
+    StreamKind.DATA: re.compile(rb'"(?:usage": ?\{|error")'),
+    StreamKind.RESPONSES: re.compile(rb'"(?:usage": ?\{|error": ?\{|type": ?"error"|response\.created")'),
+    StreamKind.ANTHROPIC: re.compile(rb'"(?:usage": ?\{|type": ?"error")'),
+}
 
