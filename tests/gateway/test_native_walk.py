@@ -73,3 +73,15 @@ def test_what_the_definition_cannot_describe_fails_the_same_way(value: Any) -> N
 def test_the_guard_uses_the_native_walks_where_they_are_built() -> None:
     assert shapes.describe is _walk.describe
     assert schemas.deeper_than is _walk.deeper_than
+
+
+@settings(max_examples=300, deadline=None)
+@given(body=st.dictionaries(st.sampled_from(["model", "messages", "stream", "a", "b", "tools"]) | st.text(max_size=4), _JSON, max_size=80))
+def test_a_request_shape_is_its_route_and_each_field_but_the_models_described(body: dict[str, Any]) -> None:
+    """The shape is described in one walk of the body less its model where it has at most 64 fields (the walk's cap),
+    field by field otherwise: the same text either way."""
+    fields = ",".join(f"{key}:{_describe(body[key], 3)}" for key in sorted(body) if key != "model")
+    assert shapes.request_shape("/v1/chat/completions", body) == f"/v1/chat/completions {{{fields}}}"
+    many = {f"f{index:03d}": index for index in range(70)} | body
+    fields = ",".join(f"{key}:{_describe(many[key], 3)}" for key in sorted(many) if key != "model")
+    assert shapes.request_shape("/v1/chat/completions", many) == f"/v1/chat/completions {{{fields}}}"
