@@ -69,11 +69,6 @@ def _refuse(field: str, message: str, code: str = "request_too_large") -> Refuse
     return Refused(f"{field}: {message}", code=code, param=field)
 
 
-def _count(field: str, value: Any, bound: int, what: str, setting: str) -> None:
-    if isinstance(value, (list, dict)) and len(value) > bound:
-        raise _refuse(field, f"{len(value)} {what}; at most {bound} ({setting})")
-
-
 def _prompt_count(prompt: Any) -> int:
     """How many engine requests a completions prompt makes (a list of strings or of token lists: one each)."""
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
@@ -95,20 +90,36 @@ def check_bounds(path: str, body: dict[str, Any], bounds: RequestBounds, setting
     if prompts * choices > bounds.max_generations:
         field = "n" if prompts == 1 else "prompt"
         raise _refuse(field, f"{prompts} prompt(s) x {choices} choices; at most {bounds.max_generations} generations ({setting}.max_generations)")
-    for field in _INPUT_LISTS.get(path, ()):
-        _count(field, body.get(field), bounds.max_inputs, "entries", setting)
-    for field in ("messages", "input"):
-        if path not in _INPUT_LISTS:
-            _count(field, body.get(field), bounds.max_messages, "messages or input items", setting)
+    for field, bound, what in _list_limits(path, bounds):
+        value = body.get(field)
+        if isinstance(value, (list, dict)) and len(value) > bound:
+            raise _refuse(field, f"{len(value)} {what}; at most {bound} ({setting})")
     input_ids = body.get("input_ids")
-    if isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list):
-        _count("input_ids", input_ids, bounds.max_prompts, "prompts", setting)
-    _count("tools", body.get("tools"), bounds.max_tools, "tools", setting)
-    for field in ("stop", "stop_sequences", "stop_regex"):
-        _count(field, body.get(field), bounds.max_stop, "entries", setting)
-    for field in ("stop_token_ids", "logit_bias"):
-        _count(field, body.get(field), bounds.max_token_list, "entries", setting)
+    if isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list) and len(input_ids) > bounds.max_prompts:
+        raise _refuse("input_ids", f"{len(input_ids)} prompts; at most {bounds.max_prompts} ({setting})")
     return _check_grammars(body, bounds, setting)
+
+
+# path -> (the bounds they were read from, each list field's (name, bound, what it counts)), in the order checked
+_LIMITS: dict[str, tuple[RequestBounds, tuple[tuple[str, int, str], ...]]] = {}
+
+
+def _list_limits(path: str, bounds: RequestBounds) -> tuple[tuple[str, int, str], ...]:
+    """The list fields of a body for ``path`` with their bounds, read once per route and bounds (every request looked
+    each of them up, eight calls, though most requests carry one of these lists)."""
+    known = _LIMITS.get(path)
+    if known is not None and known[0] is bounds:
+        return known[1]
+    limits = [(field, bounds.max_inputs, "entries") for field in _INPUT_LISTS.get(path, ())]
+    if path not in _INPUT_LISTS:
+        limits += [(field, bounds.max_messages, "messages or input items") for field in ("messages", "input")]
+    limits.append(("tools", bounds.max_tools, "tools"))
+    limits += [(field, bounds.max_stop, "entries") for field in ("stop", "stop_sequences", "stop_regex")]
+    limits += [(field, bounds.max_token_list, "entries") for field in ("stop_token_ids", "logit_bias")]
+    if len(_LIMITS) > 256:  # (routes are few; bounds objects come and go with reloads)
+        _LIMITS.clear()
+    _LIMITS[path] = (bounds, tuple(limits))
+    return _LIMITS[path][1]
 
 
 # Every field grammar_inputs looks into.

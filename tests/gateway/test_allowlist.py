@@ -216,6 +216,29 @@ def test_fan_out_and_grammar_bounds() -> None:
     check_bounds("/v1/score", {"query": "q", "items": ["a"] * 3}, bounds)
 
 
+@pytest.mark.parametrize(
+    ("field", "bound", "value", "what"),
+    [
+        ("messages", "max_messages", HELLO * 3, "3 messages or input items; at most 2"),
+        ("tools", "max_tools", [{"type": "function", "function": {"name": "f"}}] * 3, "3 tools; at most 2"),
+        ("stop", "max_stop", ["a", "b", "c"], "3 entries; at most 2"),
+        ("stop_token_ids", "max_token_list", [1, 2, 3], "3 entries; at most 2"),
+        ("logit_bias", "max_token_list", {"1": 1, "2": 1, "3": 1}, "3 entries; at most 2"),
+        ("input_ids", "max_prompts", [[1], [2], [3]], "3 prompts; at most 2"),
+    ],
+)
+def test_each_list_bound_holds_for_the_bounds_each_caller_gives(field: str, bound: str, value: Any, what: str) -> None:
+    """Each list past its bound is refused naming it, by the bounds given with the request: a route checked against one
+    set of bounds and then another (the gateway's and an MLflow model's) is held to each in turn."""
+    tight, loose = RequestBounds(**{bound: 2}), RequestBounds()
+    body = {"messages": HELLO, field: value}
+    for _ in range(2):
+        with pytest.raises(Refused) as refused:
+            check_bounds(CHAT, body, tight, "the.setting")
+        assert refused.value.param == field and refused.value.message == f"{field}: {what} (the.setting)"
+        check_bounds(CHAT, body, loose)
+
+
 def test_structural_tags_the_engine_builds_pass_and_those_it_cannot_are_refused() -> None:
     """Built as SGLang builds them (with the xgrammar the engine runs): the legacy form and a ``format``, a missing
     schema filled in as the engine fills it; an empty trigger, or a tag that no trigger begins, refused with the
