@@ -91,9 +91,10 @@ def check_bounds(path: str, body: dict[str, Any], bounds: RequestBounds, setting
         field = "n" if prompts == 1 else "prompt"
         raise _refuse(field, f"{prompts} prompt(s) x {choices} choices; at most {bounds.max_generations} generations ({setting}.max_generations)")
     for field, bound, what in _list_limits(path, bounds):
-        value = body.get(field)
-        if isinstance(value, (list, dict)) and len(value) > bound:
-            raise _refuse(field, f"{len(value)} {what}; at most {bound} ({setting})")
+        if field in body:
+            value = body[field]
+            if isinstance(value, (list, dict)) and len(value) > bound:
+                raise _refuse(field, f"{len(value)} {what}; at most {bound} ({setting})")
     input_ids = body.get("input_ids")
     if isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list) and len(input_ids) > bounds.max_prompts:
         raise _refuse("input_ids", f"{len(input_ids)} prompts; at most {bounds.max_prompts} ({setting})")

@@ -81,12 +81,22 @@ class RequestTrace:
         return self.wall_ns + int((at - self.started) * 1e9)
 
 
-@dataclass
 class RequestInfo:
+    """What one request notes as it goes, for its log line, metrics, ledger row and trace.
+
+    Not a dataclass: its twenty fields are class-level defaults, and a request assigns only those it sets (a dataclass's
+    ``__init__`` wrote all twenty, every request)."""
+
+    def __init__(self, request_id: str, method: str, path: str, started: float | None = None) -> None:
+        self.request_id = request_id
+        self.method = method
+        self.path = path
+        self.started = time.perf_counter() if started is None else started
+
     request_id: str
     method: str
     path: str
-    started: float = field(default_factory=time.perf_counter)
+    started: float
     model: str | None = None  # the route's model name, set once the name resolved (bounded label set)
     replica: int | None = None  # which of the model's replicas served it
     stream: bool = False
