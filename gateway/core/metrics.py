@@ -98,6 +98,12 @@ class Metrics:
         summed.register(_Resident(self.models))
         return generate_latest(summed)
 
+    def in_flight_count(self, model: str) -> Any:
+        """What counts ``model``'s requests in flight (its gauge child's value): ``inc(1)`` and ``inc(-1)`` are the
+        child's ``inc()`` and ``dec()`` less their check that a labelled child is observable, which it always is (the
+        checks were a fifth of the metrics' Python a request)."""
+        return self.child(self.in_flight, model)._value
+
     def child(self, metric: Any, *labels: str) -> Any:
         """``metric.labels(*labels)``, remembered: the hot path asks for the same few children every request."""
         key = (metric, labels)

@@ -46,7 +46,7 @@ async def exchange(call: Call, lease: Lease, sender: UpstreamSender, quarantine:
     while True:
         # chosen once per attempt: a swap mid-request must not split it across backends
         backend = _choose(call, failed, retry_after_s)
-        lease.take(backend, metrics.child(metrics.in_flight, route.name))
+        lease.take(backend, metrics.in_flight_count(route.name))
         call.info.replica = backend.replica if len(route.replicas) > 1 and not backend.is_router else None
         body["model"] = backend.served_name if call.adapter is None else f"{backend.served_name}:{call.adapter}"
         if call.priority is not None and backend.schedules_by_priority:

@@ -41,13 +41,14 @@ class Lease:
         self.lingers = False  # its engine work can outlive it (a grammar to compile): a suspect for a while if it leaves early
 
     def take(self, backend: Backend, gauge: Any) -> None:
-        """Count this request on ``backend`` (and in the model's in-flight gauge)."""
+        """Count this request on ``backend`` (and in the model's in-flight gauge: ``gauge.inc(1)``, the count of
+        :meth:`gateway.core.metrics.Metrics.in_flight_count`)."""
         backend.in_flight += 1
         backend.active.add(self)
         self.backend = backend
         if self.gauge is None:
             self.gauge = gauge
-            gauge.inc()
+            gauge.inc(1)
 
     def let_go(self) -> None:
         """Give back the backend (and its upstream response) but keep the slot: for a retry elsewhere."""
@@ -101,7 +102,7 @@ class Lease:
             self.backend.note_lingering(self._suspicion(self.backend))  # gone, but its engine work may not be
         gauge, self.gauge = self.gauge, None
         if gauge is not None:
-            gauge.dec()
+            gauge.inc(-1)
         backend, self.backend = self.backend, None
         if backend is not None:
             backend.in_flight -= 1
