@@ -514,6 +514,7 @@ def costs_command(
     agent: Annotated[bool, typer.Option(help="Short requests as an agent loop sends them: 8 tools, 16 messages of calls and results.")] = False,
     plain: Annotated[bool, typer.Option(help="Short requests unstreamed (the answer whole, as a plain chat call).")] = False,
     short_only: Annotated[bool, typer.Option(help="Only the short requests' figures (no paced streams, no idle).")] = False,
+    floor: Annotated[bool, typer.Option(help="The short requests through the least a Python proxy on uvloop and httptools costs too.")] = False,
     baseline: Baseline = None,
     out: Out = None,
 ) -> None:
@@ -527,7 +528,7 @@ def costs_command(
     run_costs(
         _out_dir(out, "costs"), streams=_levels(streams), tokens=tokens, step_ms=step_ms, idle_s=idle_s, rounds=rounds,
         levels=_levels(concurrency), requests=requests, short_rounds=short_rounds, baseline_env=base_env, sdk_headers=sdk_headers,
-        agent=agent, plain=plain, short_only=short_only,
+        agent=agent, plain=plain, short_only=short_only, floor=floor,
     )  # fmt: skip
 
 

@@ -139,7 +139,7 @@ def _rows(streams: list[int], levels: list[int]) -> list[tuple[str, str, int]]:
 def summarize(paced: dict[str, list[dict[str, Any]]], short: dict[str, dict[int, float | None]]) -> dict[str, dict[str, float | None]]:
     """Per target: the median over the rounds of every paced figure, and the short requests' CPU per level."""
     summary: dict[str, dict[str, float | None]] = {}
-    for name in paced or short:
+    for name in dict.fromkeys([*paced, *short]):  # (the floor has short requests only)
         runs = paced.get(name, [])
         figures: dict[str, float | None] = {key: statistics.median(run[key] for run in runs) for key in runs[0]} if runs else {}
         figures.update({f"short_ms@{level}": value for level, value in short.get(name, {}).items()})
@@ -185,10 +185,11 @@ def _paced_run(
 def run_costs(
     out: Path, *, streams: list[int], tokens: int, step_ms: float, idle_s: float, rounds: int, levels: list[int], requests: int,
     short_rounds: int, baseline_env: dict[str, str] | None = None, on_phase: Callable[[str], None] = console.print,
-    sdk_headers: bool = False, agent: bool = False, plain: bool = False, short_only: bool = False,
+    sdk_headers: bool = False, agent: bool = False, plain: bool = False, short_only: bool = False, floor: bool = False,
 ) -> dict[str, Any]:
     """Every figure for the gateway, ``baseline_env``'s gateway when given, and the router; printed and saved.
-    ``short_only``: the short requests' alone (no paced streams, no idle)."""
+    ``short_only``: the short requests' alone (no paced streams, no idle). ``floor``: the short requests through the
+    least a Python proxy on the gateway's stack costs too (:mod:`benchmarks.floor_proxy`)."""
     paced: dict[str, list[dict[str, Any]]] = {}
     if short_only:
         streams = []
@@ -199,6 +200,9 @@ def run_costs(
         stub_logs.mkdir(parents=True, exist_ok=True)
         stub_url, _ = stack.enter_context(processes.fake_upstream("starlette", stub_logs))
         targets = _proxies(stack, stub_url, out, baseline_env, "stub")
+        if floor:
+            url, child = stack.enter_context(processes.floor_proxy(stub_url, out / "floor-stub"))
+            targets[processes.FLOOR_TARGET] = (url, child.pid)
         kind = ("plain" if plain else "streamed") + (" agent" if agent else "") + " chat requests"
         sent = " with the OpenAI SDK's headers" if sdk_headers else ""
         on_phase(f"fast fake at {stub_url}: short {kind}{sent} at c={','.join(map(str, levels))}")
@@ -209,7 +213,7 @@ def run_costs(
     result = {
         "kind": "costs", "machine": machine_info(), "streams": streams, "tokens": tokens, "step_ms": step_ms, "idle_s": idle_s,
         "rounds": rounds, "levels": levels, "requests": requests, "short_rounds": short_rounds, "sdk_headers": sdk_headers,
-        "agent": agent, "plain": plain,
+        "agent": agent, "plain": plain, "floor": floor,
         "paced": paced, "short": {name: {str(k): v for k, v in by.items()} for name, by in short.items()}, "summary": summary,
     }  # fmt: skip
     (out / "result.json").write_text(json.dumps(result, indent=2, default=str))

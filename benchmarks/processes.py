@@ -94,6 +94,24 @@ def fake_upstream(kind: str, logs: Path, step_ms: float = 20.0) -> Iterator[tupl
         child.stop()
 
 
+@contextmanager
+def floor_proxy(upstream_url: str, logs: Path) -> Iterator[tuple[str, Child]]:
+    """The floor under a Python proxy (:mod:`benchmarks.floor_proxy`) in front of ``upstream_url``."""
+    port = pick_free_port()
+    argv = [sys.executable, "-m", "benchmarks.floor_proxy", "--port", str(port), "--upstream", upstream_url]
+    logs.mkdir(parents=True, exist_ok=True)
+    child = Child("the Python floor proxy", argv, logs / "floor-proxy.log")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_http(url + "/health", child, 60)
+        yield url, child
+    finally:
+        child.stop()
+
+
+FLOOR_TARGET = "python-floor"  # costs --floor: the least a proxy on the gateway's stack costs (benchmarks.floor_proxy)
+
+
 def gateway_config(upstream_url: str, port: int, path: Path, model: str = "bench", settings: dict[str, Any] | None = None) -> Path:
     """The gateway YAML for one external model at ``upstream_url``: no auth, no request log lines.
 

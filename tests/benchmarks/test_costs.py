@@ -40,13 +40,15 @@ def test_a_tiny_run_prints_every_figure_as_a_ratio_to_the_router(tmp_path: Path,
     assert summary["gateway"]["sparse_wakeups_per_event"] >= 0
 
 
-def test_short_only_measures_the_plain_requests_alone(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["costs", "--short-only", "--plain", "-c", "1", "-n", "8", "--short-rounds", "1", "--out", str(tmp_path)]
+def test_short_only_measures_the_plain_requests_alone_and_the_floor_beside_them(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["costs", "--short-only", "--plain", "--floor", "-c", "1", "-n", "8", "--short-rounds", "1", "--out", str(tmp_path)]
     outcome = CliRunner().invoke(app, argv)
     assert outcome.exit_code == 0, outcome.output
     printed = outcome.output + capsys.readouterr().out
     assert "| short request, c=1: CPU ms per request |" in printed and "sparse" not in printed, printed
+    assert "| figure | gateway | router | python-floor | gateway / router | python-floor / router |" in printed, printed
     result = json.loads((tmp_path / "result.json").read_text())
-    assert result["plain"] is True and result["paced"] == {}
-    for name in ("gateway", "router"):  # (8 plain requests can take less than the CPU clock's tick: 0 is a figure)
+    assert result["plain"] is True and result["floor"] is True and result["paced"] == {}
+    for name in ("gateway", "router", "python-floor"):  # (8 plain requests can take less than the CPU clock's tick: 0 is a figure)
         assert result["summary"][name]["short_ms@1"] is not None, result["summary"]
+        assert result["short"][name]["1"] is not None
