@@ -24,7 +24,7 @@ from gateway.core.call import Call
 from gateway.core.context import RequestInfo, request_info
 from gateway.core.endpoints import PROXIED, RESPONSE_BY_ID, RESPONSE_CANCEL, ModelChoice, ProxiedRoute
 from gateway.core.errors import Dialect, GatewayError, error_body, error_response, refused, shaped_for, unknown_model
-from gateway.core.headers import header_text
+from gateway.core.headers import header_map, header_text
 from gateway.core.health import HealthProbes
 from gateway.core.metrics_scope import scoped_exposition
 from gateway.core.registry import ModelRoute
@@ -63,7 +63,8 @@ async def _proxied(request: Request, endpoint: ProxiedRoute) -> Response:
     info: RequestInfo = request_info(request.scope) or RequestInfo("-", request.method, endpoint.path)
     tenant: Tenant | None = request.scope.get(TENANT_SCOPE_KEY)
     priority = request_priority(request.scope, tenant)  # a proxied route is never an open path: None is no client keys
-    raw = await _body(request)
+    cycle = request.scope.get("extensions", {}).get(HTTP_CYCLE)
+    raw = await _body(request, cycle)
     body, route, grammar_size = guard_request(state, endpoint, raw, tenant, info)
     owner = request_owner(request.scope)
     pinned = await _continued_response(state, body, route, owner) if endpoint.response_ids else None
@@ -79,15 +80,21 @@ async def _proxied(request: Request, endpoint: ProxiedRoute) -> Response:
         grammar_size=grammar_size,
         priority=priority,
         keep_extensions=keep_extensions,
-        cycle=request.scope.get("extensions", {}).get(HTTP_CYCLE),
+        cycle=cycle,
     )  # fmt: skip
     assert state.proxy is not None, "the app's lifespan did not run"
     return await state.proxy.forward(call)
 
 
-async def _body(request: Request) -> bytes:
+async def _body(request: Request, cycle: Any = None) -> bytes:
     """``await request.body()`` without Starlette's async generator (registered with the loop and closed per
-    request): the body's messages read in a loop, kept on the request as Starlette keeps it."""
+    request): the body's messages read in a loop, kept on the request as Starlette keeps it; under the gateway's
+    protocol, a body already whole is taken from its ``cycle`` at once (:meth:`GatewayCycle.whole_body`)."""
+    # (only a body of declared length: the body-size layer held that to its cap; a chunked one is counted as it is read)
+    whole = cycle.whole_body() if cycle is not None and b"content-length" in header_map(request.scope) else None
+    if whole is not None:
+        request._body = whole
+        return whole
     receive = request.receive
     chunks: list[bytes] = []
     while True:

@@ -46,6 +46,18 @@ class GatewayCycle(RequestResponseCycle):
         elif not self.response_complete:
             self.flow.resume_reading()
 
+    def whole_body(self) -> bytes | None:
+        """The request's body when all of it is here (what ``receive()`` would return without waiting), taken as
+        ``receive()`` takes it; None when ``receive()`` must be awaited: more to come, a ``100 Continue`` owed, the
+        client gone, or nothing read yet. Spares a request the coroutine, the event's wait and the message around a
+        body that came with its head."""
+        if self.more_body or self.waiting_for_100_continue or self.disconnected or self.response_complete or not self.message_event.is_set():
+            return None
+        self.flow.resume_reading()
+        self.message_event.clear()
+        body, self.body = bytes(self.body), bytearray()
+        return body
+
     def client_gone(self) -> None:
         """The connection was lost (the protocol's ``connection_lost``): the callback, once, if the response was not
         complete."""

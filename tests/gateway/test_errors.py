@@ -145,6 +145,13 @@ def test_413_by_content_length_and_by_streamed_size(tiny_engine: EngineProcess) 
                 yield b" " * 1024
 
         assert_openai_error(http.post(CHAT, content=chunks()), 413, "request_too_large")
+        # the same chunked body whole, in one write with its head: the app finds it all read, and it is still counted
+        chunked = b"".join(b"400\r\n" + b" " * 1024 + b"\r\n" for _ in range(4)) + b"0\r\n\r\n"
+        head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+        url = httpx.URL(gw.url)
+        with socket.create_connection((url.host, url.port), timeout=30) as sock:
+            sock.sendall(head + chunked)
+            assert sock.recv(65536).startswith(b"HTTP/1.1 413 ")
         ok = http.post(CHAT, json={"model": "tiny", "messages": HELLO, "max_tokens": 2})
         assert ok.status_code == 200
 

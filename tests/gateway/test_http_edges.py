@@ -149,6 +149,23 @@ def test_idle_and_slow_header_connections_are_closed(edge: GatewayServer) -> Non
         assert closed_by_peer(kept, within_s=10)
 
 
+def test_a_body_sent_after_100_continue_is_read_and_answered(edge: GatewayServer) -> None:
+    """A client that waits for ``100 Continue`` gets it, then its body is read: the request reaches the model (whose
+    engine is down here: 503), not a 400 for a body missing or a 408 for one never asked for."""
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %b\r\nContent-Type: application/json\r\n"
+        b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % (KEY.encode(), len(body))
+    )
+    with raw_connection(edge) as sock:
+        sock.sendall(head)
+        assert sock.recv(65536) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        sock.sendall(body)
+        answer = sock.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 503 "), answer
+    assert b'"engine_unavailable"' in answer, answer
+
+
 def test_slow_body_is_408(edge: GatewayServer) -> None:
     with raw_connection(edge) as sock:
         sock.sendall(
