@@ -64,7 +64,22 @@ async def answer(
             await responses.publish(data["id"], model, backend.identity, call.owner)
     if endpoint.renames_model:  # SGLang names an embedding model by its path (a file path on this host)
         content = _with_model(content or b"", data, backend.served_name)
-    return Response(content or b"", status_code=200, media_type=upstream.content_type or "application/json")
+    return PlainAnswer(content or b"", upstream.content_type or "application/json")
+
+
+class PlainAnswer(Response):
+    """A 200 with ``content`` as ``media_type``: Starlette's ``Response`` with the same two headers (its length, its
+    type, a ``text/`` type given Starlette's charset), set in one step instead of through ``init_headers``' general
+    case (a plain answer's Python is a tenth cheaper than a stream's, the router's half: every step shows)."""
+
+    def __init__(self, content: bytes, media_type: str) -> None:
+        self.status_code = 200
+        self.media_type = media_type
+        self.background = None
+        self.body = content
+        if media_type.startswith("text/") and "charset=" not in media_type.lower():
+            media_type += "; charset=" + self.charset
+        self.raw_headers = [(b"content-length", b"%d" % len(content)), (b"content-type", media_type.encode("latin-1"))]
 
 
 def _with_model(content: bytes, data: dict[str, Any] | None, name: str) -> bytes:

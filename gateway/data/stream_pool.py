@@ -231,6 +231,9 @@ class _Connection(asyncio.Protocol):
         return not self.lost and self.transport is not None and not self.transport.is_closing()
 
 
+_FRAMING = frozenset({b"content-length", b"transfer-encoding"})  # the headers that say where an answer's body ends
+
+
 class _TypedConnection(_Connection):
     """A connection whose responses keep their ``Content-Type`` (a plain answer goes back with it; a stream's is the
     relay's own, so stream connections run no Python per header), and whose body may end where the connection does.
@@ -250,7 +253,7 @@ class _TypedConnection(_Connection):
         if name == b"content-type":
             if self.exchange is not None:
                 self.exchange.content_type = value.decode("latin-1")
-        elif name == b"content-length" or name == b"transfer-encoding":
+        elif name in _FRAMING:
             self.framed = True
 
     def connection_lost(self, exc: Exception | None) -> None:
