@@ -106,6 +106,17 @@ class SSEProxyResponse(Response):
     response's start and its last message pass through the middlewares as ASGI messages.
     """
 
+    # What every stream starts with (class defaults, assigned per stream only once they change)
+    status_code, media_type, background, body = 200, "text/event-stream", None, b""
+    events = 0  # events relayed: a stream that ends without the engine's usage is charged by them
+    _uncounted = False  # the prompt is still to be counted, once the client has what it gets
+    _last = (b"", b"")  # the last two pieces written before [DONE]: where a stream's finish and ending are
+    _done = b""  # the piece that ended with [DONE] (written as it came): kept apart, so _last still names the finish
+    _pending = b""  # a partial event held back until its end comes
+    _writer: _TransportWriter | _MessageWriter | None = None
+    _native_tries = False  # hand the stream to the native relay once it shows itself a long one
+    _first_read_at = 0.0
+
     def __init__(
         self,
         lease: Lease,
@@ -118,8 +129,8 @@ class SSEProxyResponse(Response):
         hide_usage: bool = False,
         count_prompt: PromptCounter | None = None,
     ) -> None:
-        # (not Response.__init__: its body and headers are never sent, __call__ sends the start itself)
-        self.status_code, self.media_type, self.background, self.body = 200, "text/event-stream", None, b""
+        # (not Response.__init__: its body and headers are never sent, __call__ sends the start itself; the state every
+        # stream starts with is the class's, above)
         self.raw_headers = list(SSE_HEADERS)
         assert isinstance(lease.upstream, StreamExchange)
         self.upstream: StreamExchange = lease.upstream
@@ -131,18 +142,10 @@ class SSEProxyResponse(Response):
         self.on_created = on_created  # told the id of a Responses API response when its creation event passes
         self.request = request  # the body sent: an engine error event may be about its input (gateway.core.client_mistakes)
         self.hide_usage = hide_usage  # the gateway asked for the usage event, the client did not: it is not forwarded
-        self.events = 0  # events relayed: a stream that ends without the engine's usage is charged by them
         self.count_prompt = count_prompt  # ... and its prompt counted by the engine's tokenizer, where it can say
-        self._uncounted = False  # the prompt is still to be counted, once the client has what it gets
         self._needles = _NEEDLES[kind]
         self._finish = _FINISH[kind]
         self._endings = _ENDINGS[kind]
-        self._last = (b"", b"")  # the last two pieces written before [DONE]: where a stream's finish and ending are
-        self._done = b""  # the piece that ended with [DONE] (written as it came): kept apart, so _last still names the finish
-        self._pending = b""
-        self._writer: _TransportWriter | _MessageWriter | None = None
-        self._native_tries = False  # hand the stream to the native relay once it shows itself a long one
-        self._first_read_at = 0.0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:  # type: ignore[override]
         # The response's task waits for the end; the client leaving meanwhile cancels it.
