@@ -85,13 +85,8 @@ def fake_upstream(kind: str, logs: Path, step_ms: float = 20.0) -> Iterator[tupl
     argv = [sys.executable, "-m", "benchmarks.fake_upstream", "--port", str(port), "--kind", kind]
     if kind == "paced":
         argv = [sys.executable, "-m", "benchmarks.paced_upstream", "--port", str(port), "--step-ms", str(step_ms)]
-    child = Child(f"fake upstream ({kind})", argv, logs / "fake-upstream.log")
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_http(url + "/health", child, 60)
-        yield url, child
-    finally:
-        child.stop()
+    with _healthy(Child(f"fake upstream ({kind})", argv, logs / "fake-upstream.log"), port) as running:
+        yield running
 
 
 @contextmanager
@@ -100,7 +95,13 @@ def floor_proxy(upstream_url: str, logs: Path) -> Iterator[tuple[str, Child]]:
     port = pick_free_port()
     argv = [sys.executable, "-m", "benchmarks.floor_proxy", "--port", str(port), "--upstream", upstream_url]
     logs.mkdir(parents=True, exist_ok=True)
-    child = Child("the Python floor proxy", argv, logs / "floor-proxy.log")
+    with _healthy(Child("the Python floor proxy", argv, logs / "floor-proxy.log"), port) as running:
+        yield running
+
+
+@contextmanager
+def _healthy(child: Child, port: int) -> Iterator[tuple[str, Child]]:
+    """``child``'s base URL once its ``/health`` answers (60 s at most), and ``child``; stopped when the block ends."""
     try:
         url = f"http://127.0.0.1:{port}"
         wait_http(url + "/health", child, 60)
