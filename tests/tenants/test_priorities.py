@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from loguru import logger
 
 from benchmarks import processes
 from tests.fake_engine import fake_engine_python, running_fake_engine
@@ -26,9 +27,7 @@ from tests.waiting import wait_until
 
 BATCH, CHAT, PLAIN = "sk-batch-prio-0123456789", "sk-chat-prio-0123456789", "sk-plain-prio-0123456789"
 LIMITS = {"max_concurrent": 1, "max_queue": 40, "queue_timeout_s": 60}  # one request upstream, the others queued
-# each queued request holds the slot 10 steps (200 ms): the order is read from when each client saw its end, and two
-# ends one step apart were seen swapped on a loaded machine (a thread woken late)
-QUEUED_TOKENS = 10
+QUEUED_TOKENS = 10  # each queued request holds the slot 10 steps (200 ms)
 
 
 @pytest.fixture(scope="module")
@@ -37,14 +36,13 @@ def paced(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield url
 
 
-def _stream(url: str, key: str, tokens: int, done: dict[str, float], name: str, priority: str | None = None) -> threading.Thread:
+def _stream(url: str, key: str, tokens: int, name: str, priority: str | None = None) -> threading.Thread:
     def run() -> None:
         body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": tokens, "stream": True}
-        headers = {"authorization": f"Bearer {key}", **({"x-gateway-priority": priority} if priority else {})}
+        headers = {"authorization": f"Bearer {key}", "x-request-id": name, **({"x-gateway-priority": priority} if priority else {})}
         with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=headers, timeout=60) as response:
             assert response.status_code == 200, response.read()
             response.read()
-        done[name] = time.monotonic()
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
@@ -52,25 +50,37 @@ def _stream(url: str, key: str, tokens: int, done: dict[str, float], name: str, 
 
 
 def _served_order(server: GatewayServer, low: int, high: tuple[str, str | None], lows: int = 20) -> list[str]:
-    """The order in which requests ended: a 6 s holder of the model's one slot, ``lows`` requests of key ``low`` queued
-    behind it, then one of ``high`` (key, x-gateway-priority header)."""
+    """The order in which the gateway ended the requests (each named by its request id): a 6 s holder of the model's
+    one slot, ``lows`` requests of key ``low`` queued behind it, then one of ``high`` (key, x-gateway-priority header).
+
+    Read from the gateway's own request records, in the order its loop wrote them: with one slot, a request cannot end
+    before the one ahead of it has. (Read from when each client thread saw its end, two ends 200 ms apart were seen
+    swapped on a loaded machine: a thread woken late.)"""
     limiter = server.state.registry.route("m").limiter
 
     def queued(count: int) -> None:
         wait_until(lambda: limiter.waiting >= count, lambda: f"{limiter.waiting} of {count} queued", 30, every_s=0.005)
 
-    done: dict[str, float] = {}
-    threads = [_stream(server.url, BATCH, 300, done, "holder")]  # 6 s on the one slot: time to queue the others
-    while limiter.in_flight < 1:
-        time.sleep(0.005)
-    for index in range(lows):
-        threads.append(_stream(server.url, BATCH, QUEUED_TOKENS, done, f"low-{index}"))
-        queued(index + 1)
-    threads.append(_stream(server.url, high[0], QUEUED_TOKENS, done, "high", high[1]))
-    queued(lows + 1)
-    for thread in threads:
-        thread.join(60)
-    return sorted(done, key=done.__getitem__)
+    ended: list[str] = []
+    sink = logger.add(lambda message: ended.append(message.record["extra"]["request_id"]), filter=_a_request_record, level="INFO")
+    try:
+        threads = [_stream(server.url, BATCH, 300, "holder")]  # 6 s on the one slot: time to queue the others
+        while limiter.in_flight < 1:
+            time.sleep(0.005)
+        for index in range(lows):
+            threads.append(_stream(server.url, BATCH, QUEUED_TOKENS, f"low-{index}"))
+            queued(index + 1)
+        threads.append(_stream(server.url, high[0], QUEUED_TOKENS, "high", high[1]))
+        queued(lows + 1)
+        for thread in threads:
+            thread.join(60)
+    finally:
+        logger.remove(sink)
+    return [name for name in ended if name == "holder" or name == "high" or name.startswith("low-")]
+
+
+def _a_request_record(record: Any) -> bool:
+    return record["extra"].get("path") == "/v1/chat/completions" and "request_id" in record["extra"]
 
 
 def test_a_higher_class_waiting_behind_twenty_lower_ones_is_served_next(paced: str) -> None:
