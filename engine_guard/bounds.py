@@ -101,7 +101,8 @@ def check_bounds(path: str, body: dict[str, Any], bounds: RequestBounds, setting
     return _check_grammars(body, bounds, setting)
 
 
-# path -> (the bounds they were read from, each list field's (name, bound, what it counts)), in the order checked
+# route path -> (the bounds they were read from, each list field's (name, bound, what it counts), in the order checked);
+# one entry per route of the table, replaced when other bounds are given
 _LIMITS: dict[str, tuple[RequestBounds, tuple[tuple[str, int, str], ...]]] = {}
 
 
@@ -117,10 +118,9 @@ def _list_limits(path: str, bounds: RequestBounds) -> tuple[tuple[str, int, str]
     limits.append(("tools", bounds.max_tools, "tools"))
     limits += [(field, bounds.max_stop, "entries") for field in ("stop", "stop_sequences", "stop_regex")]
     limits += [(field, bounds.max_token_list, "entries") for field in ("stop_token_ids", "logit_bias")]
-    if len(_LIMITS) > 256:  # (routes are few; bounds objects come and go with reloads)
-        _LIMITS.clear()
-    _LIMITS[path] = (bounds, tuple(limits))
-    return _LIMITS[path][1]
+    checked = tuple(limits)
+    _LIMITS[path] = (bounds, checked)
+    return checked
 
 
 # Every field grammar_inputs looks into.

@@ -94,8 +94,6 @@ _NATIVE_AFTER_S = 0.01
 _SEQUENCE_NUMBER = re.compile(rb'"sequence_number": ?(\d+)')
 
 
-
-
 class SSEProxyResponse(Response):
     """An ASGI response relaying an upstream SSE stream; owns the upstream exchange and admission slot.
 
