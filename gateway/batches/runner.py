@@ -89,17 +89,24 @@ class BatchRunner:
         self._batches: dict[str, asyncio.Task[None]] = {}
         self._lines: set[asyncio.Task[None]] = set()
         self._task: asyncio.Task[None] | None = None
+        self._running_on: asyncio.AbstractEventLoop | None = None
 
     async def _db(self, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         result: T = await self.db(call, *args, **kwargs)
         return result
 
     def start(self) -> None:
+        self._running_on = asyncio.get_running_loop()
         self._task = asyncio.create_task(self._loop(), name="batch runner")
 
     def wake(self) -> None:
-        """A batch was created: look now, not at the next poll."""
-        self._wake.set()
+        """A batch was created: look now, not at the next poll. Safe from another thread (an ``asyncio.Event`` set
+        there would not wake a loop that sleeps until told)."""
+        loop = self._running_on
+        if loop is None or _on_loop(loop):
+            self._wake.set()
+        elif not loop.is_closed():
+            loop.call_soon_threadsafe(self._wake.set)
 
     def cancel(self, batch_id: str) -> None:
         """No line of ``batch_id`` starts from now on (its status is ``cancelling`` in the database already)."""
@@ -123,6 +130,7 @@ class BatchRunner:
     async def _loop(self) -> None:
         while not self._stop.is_set():
             quiet = False  # nothing to look for until woken (a create, a cancel, the stop)
+            self._wake.clear()  # before the read: a create committed while it runs leaves the wake set for the wait below
             try:
                 store = await self.connect(False)  # None: no database yet, so no batch
                 if store is not None:
@@ -143,7 +151,6 @@ class BatchRunner:
                     quiet = self.alone
             except Exception as error:  # noqa: BLE001 - a database down: try again at the next poll
                 self._store_state(error)
-            self._wake.clear()
             if quiet:
                 await self._wake.wait()
                 continue
@@ -412,3 +419,10 @@ def _end(answer: Answer, request_id: str) -> LineEnd:
     usage = body.get("usage") if isinstance(body, dict) else None
     prompt, completion, _ = usage_counts(usage if isinstance(usage, dict) else {})
     return LineEnd("done", answer.status, request_id, body, prompt, completion)
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:  # no loop runs in this thread
+        return False
