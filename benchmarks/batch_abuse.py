@@ -1,4 +1,4 @@
-"""One key against the batch API, and what another key (or /health) sees meanwhile: issue 58's items 4, 6 and 7.
+"""One key against the batch API, and what another key (or /health) sees meanwhile: a key that floods uploads, creates and message batches.
 
 Each scenario runs a real gateway process (``sglang-gateway serve``) in front of the FAKE upstream
 (:mod:`benchmarks.fake_upstream`), with two named keys, and prints its numbers with a baseline measured in the same

@@ -1,7 +1,7 @@
 """The seed of the engine fuzzes: a fresh one each run, printed, and replayable.
 
 A fuzz with a fixed seed sends the same requests every run and finds nothing new after its first; the crash of
-issue 58 hid from it for that reason, and a new seed found it. Each run draws its seed from the OS (not from
+an earlier seed hid from it for that reason, and a new seed found it. Each run draws its seed from the OS (not from
 ``random``, which pytest-randomly reseeds), prints it, and names it in every failure: ``SGLANG_GATEWAY_FUZZ_SEED=<n>``
 replays that run's requests (in the same order when run with the same counts).
 """

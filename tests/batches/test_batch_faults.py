@@ -59,7 +59,7 @@ def _sql(gateway: GatewayServer, statement: str, *args: object) -> list[tuple[ob
 
 
 def test_a_failed_record_pauses_the_batch_and_no_line_runs_or_is_charged_twice(gateway: GatewayServer, fake: tuple[str, Path]) -> None:
-    """Item 5 of issue 58: with every line's record refused, the batch stops after the lines in flight (their
+    """With every line's record refused, the batch stops after the lines in flight (their
     answers held), and once the database takes writes again every line reached the engine once and has one ledger row."""
     client = _client(gateway)
     lines = chat_lines(20)
@@ -97,7 +97,7 @@ def test_a_failed_record_pauses_the_batch_and_no_line_runs_or_is_charged_twice(g
 
 
 def test_the_cli_prints_server_text_as_it_is(gateway: GatewayServer, tmp_path: Path) -> None:
-    """Item 11 of issue 58: a custom_id of ``[/]`` in the server's error made rich raise MarkupError."""
+    """A custom_id of ``[/]`` in the server's error made rich raise MarkupError."""
     source = tmp_path / "bad.jsonl"
     source.write_bytes(jsonl([{**chat_lines(1)[0], "custom_id": "[/]", "body": {"model": "m", "messages": "x"}}]))
     env = {**os.environ, "SGLANG_GATEWAY_URL": gateway.url, "SGLANG_GATEWAY_KEY": ALPHA}
@@ -110,7 +110,7 @@ def test_the_cli_prints_server_text_as_it_is(gateway: GatewayServer, tmp_path: P
 def test_the_store_down_after_start_answers_503_on_a_kept_connection_and_the_runner_says_it_once(
     fake: tuple[str, Path], postgres: PostgresServer, tmp_path: Path
 ) -> None:
-    """Issue 57 item 2 (batch part): PostgreSQL stopped after the batch API opened it answers 503
+    """PostgreSQL stopped after the batch API opened it answers 503
     ``batches_unavailable`` (docs/batches.md) on a connection that stays open, not a 500 that drops it; the runner
     says so in one line, not a warning of several lines at every poll."""
     seen: list[str] = []
@@ -138,7 +138,7 @@ def test_the_store_down_after_start_answers_503_on_a_kept_connection_and_the_run
 
 @pytest.mark.parametrize("database", ["sqlite", "postgresql"])
 def test_concurrent_creates_of_one_key_hold_its_batch_limit(fake: tuple[str, Path], tmp_path: Path, database: str, request: pytest.FixtureRequest) -> None:
-    """Item 6 of issue 58: 8 creates at once, with 3 unfinished batches allowed per key: the limit is
+    """8 creates at once, with 3 unfinished batches allowed per key: the limit is
     taken before the lines are checked (under the key's lock: PostgreSQL's advisory lock, SQLite's one writer), so
     at most 3 are created (before: all 8, each checked while none existed)."""
     limits = {"max_active_batches_per_key": 3, "max_queued_lines_per_key": 10**6, "max_concurrency": 1, "poll_interval_s": 0.2}
@@ -169,7 +169,7 @@ def test_concurrent_creates_of_one_key_hold_its_batch_limit(fake: tuple[str, Pat
 
 
 def test_the_input_of_a_create_under_way_cannot_be_deleted(gateway: GatewayServer) -> None:
-    """Item 10 of issue 58: the file a create is checking is held by it (409 on delete), and the batch it makes runs."""
+    """The file a create is checking is held by it (409 on delete), and the batch it makes runs."""
     client = _client(gateway)
     file_id = upload(client, chat_lines(20000))
     created: list[object] = []
@@ -188,7 +188,7 @@ def test_the_input_of_a_create_under_way_cannot_be_deleted(gateway: GatewayServe
 
 
 def test_a_batch_whose_input_is_gone_fails_saying_why(gateway: GatewayServer) -> None:
-    """Item 10 of issue 58: a batch whose input file's bytes are gone (lost under the gateway) fails with a reason,
+    """A batch whose input file's bytes are gone (lost under the gateway) fails with a reason,
     instead of staying in_progress with a traceback at every poll."""
     client = _client(gateway)
     file_id = upload(client, chat_lines(3))
@@ -206,7 +206,7 @@ def test_a_batch_whose_input_is_gone_fails_saying_why(gateway: GatewayServer) ->
 
 
 def test_token_ids_are_checked_at_create(gateway: GatewayServer) -> None:
-    """Item 11 of issue 58: a line's token ids the engine's admission refuses are refused at the create."""
+    """A line's token ids the engine's admission refuses are refused at the create."""
     client = _client(gateway)
     lines = [{"custom_id": "neg", "method": "POST", "url": "/v1/completions", "body": {"model": "m", "prompt": [5, -1], "max_tokens": 2}}]
     with pytest.raises(openai.BadRequestError) as refused:
@@ -215,7 +215,7 @@ def test_token_ids_are_checked_at_create(gateway: GatewayServer) -> None:
 
 
 def test_a_key_keeps_no_more_files_than_its_quotas_and_an_upload_below_the_floor_is_refused(fake: tuple[str, Path], tmp_path: Path) -> None:
-    """Item 4 of issue 58: a key's ``limits.batch_files`` / ``batch_file_bytes`` refuse the upload that would take it
+    """A key's ``limits.batch_files`` / ``batch_file_bytes`` refuse the upload that would take it
     over (413 ``file_quota_exceeded``, nothing kept), another key unaffected, a delete gives the room back; a free-space
     floor above what the disk has refuses every upload (507 ``insufficient_storage``) before a byte is written."""
     keys = [
@@ -243,7 +243,7 @@ def test_a_key_keeps_no_more_files_than_its_quotas_and_an_upload_below_the_floor
 
 
 def test_the_batch_queue_of_every_key_is_not_shown_to_a_client_key(gateway: GatewayServer) -> None:
-    """Item 11 of issue 58: ``gateway_batch_queued_lines`` counts every key's waiting lines: the admin reads it, a
+    """The metric ``gateway_batch_queued_lines`` counts every key's waiting lines: the admin reads it, a
     client key's /metrics leaves it out (it had told each key how much the others had queued)."""
     def scrape(key: str) -> str:
         return httpx.get(gateway.url + "/metrics", headers={"Authorization": f"Bearer {key}"}, timeout=30).text
@@ -254,7 +254,7 @@ def test_the_batch_queue_of_every_key_is_not_shown_to_a_client_key(gateway: Gate
 
 
 def test_a_delete_frees_the_bytes_before_it_needs_the_database(gateway: GatewayServer) -> None:
-    """Item 4 of issue 58: on a full disk the database cannot write the delete of a file's row until space is
+    """On a full disk the database cannot write the delete of a file's row until space is
     freed, so the bytes go first (before: the row first, which failed, and the bytes stayed: nothing could free
     space). Here the row's delete is refused (a trigger, as a full disk refuses it): the bytes are gone all the same,
     the answer is a 503, and a second delete, once the database writes, ends it; the content meanwhile is a 404."""
@@ -279,7 +279,7 @@ HANG_S = 30  # a client's wait that only a hang reaches (the deadline is 1 s)
 
 
 def test_a_frozen_store_answers_503_at_its_deadline_loses_no_line_and_holds_no_shutdown(postgres: PostgresServer, tmp_path: Path) -> None:
-    """Issue 57 item 2 (batch part): PostgreSQL frozen by SIGSTOP (server and backends: the kernel accepts, nothing
+    """PostgreSQL frozen by SIGSTOP (server and backends: the kernel accepts, nothing
     answers) for longer than ``usage.database_timeout_s`` (1 s) under a ``serve`` process running a batch. While
     frozen: the batch API and the Message Batches API answer 503 (each in its dialect) on a kept connection, a create
     too; the runner holds the answers it cannot record. Thawed: the API answers again and the batch completes with

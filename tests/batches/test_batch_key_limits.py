@@ -1,4 +1,4 @@
-"""A key over its budget or its rate still reaches its own batches and files (issue 58, item 9), in front of a FAKE
+"""A key over its budget or its rate still reaches its own batches and files, in front of a FAKE
 engine (``url:`` model): listing, reading, downloading and cancelling generate nothing, so they spend none of the
 key's generation limits; they have a modest limit of their own (gateway.edge.quota.MANAGEMENT_PER_MINUTE)."""
 
@@ -84,7 +84,7 @@ def test_management_calls_have_a_modest_limit_of_their_own(limited: GatewayServe
 
 @pytest.mark.parametrize("limited", [{"tokens_per_day": 300}], indirect=True)
 def test_batch_lines_wait_while_the_budget_is_held_and_fail_only_once_it_is_spent(limited: GatewayServer) -> None:
-    """Issue 58 item 8: each line may cost more than the whole day (it holds its body's bytes plus 280; the FAKE
+    """Each line may cost more than the whole day (it holds its body's bytes plus 280; the FAKE
     engine answers 5 + 280). The first runs alone; the others met 429 insufficient_quota while it held the budget,
     and failed for good (1 line of 10 completed). Held is not spent: they wait (rate_limit_exceeded), the second
     runs once the first settled (285 of 300 used), and only then is the budget spent for the rest."""
@@ -99,7 +99,7 @@ def test_batch_lines_wait_while_the_budget_is_held_and_fail_only_once_it_is_spen
 
 @pytest.mark.parametrize("limited", [{"requests_per_minute": 6}], indirect=True)
 def test_the_cli_waits_for_a_batch_of_a_key_at_a_few_requests_a_minute(limited: GatewayServer, tmp_path: Path) -> None:
-    """Issue 58 item 9: at 6 requests a minute, ``batch submit --wait`` of 6 lines had not finished after 120 s (its
+    """At 6 requests a minute, ``batch submit --wait`` of 6 lines had not finished after 120 s (its
     upload, create and status polls spent the key's rate, its lines waited for what was left). Now they spend none."""
     source = tmp_path / "jobs.jsonl"
     source.write_bytes(jsonl(chat_lines(6)))

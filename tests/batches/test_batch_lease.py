@@ -160,7 +160,7 @@ def test_a_file_in_the_database_reads_back_whole_from_another_store(url: str) ->
 
 
 def test_of_many_reservations_at_once_no_more_pass_than_the_key_may_have(url: str) -> None:
-    """Item 6 of issue 58, below the API: 4 stores (as 4 worker processes or replicas) reserve 10 batches each for
+    """Below the API: 4 stores (as 4 worker processes or replicas) reserve 10 batches each for
     one key at once, with 3 unfinished batches allowed: the count and the insert are one step under the key's lock,
     so exactly 3 pass (PostgreSQL's advisory lock; SQLite's one writer)."""
     stores = [BatchStore(url) for _ in range(4)]

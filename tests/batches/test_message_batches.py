@@ -173,7 +173,7 @@ def test_cancel_starts_no_new_request_and_the_rest_read_canceled(gateway: Gatewa
 
 
 def test_the_documented_example_runs(gateway: GatewayServer) -> None:
-    """docs/batches.md's ``anthropic`` example, run as it is against this gateway: it prints each request's answer."""
+    """Docs/batches.md's ``anthropic`` example, run as it is against this gateway: it prints each request's answer."""
     (block,) = marked_blocks("message-batches")
     code = block.code.replace('"http://127.0.0.1:8000"', repr(gateway.url)).replace('"sk-..."', repr(ALPHA))
     assert code != block.code
@@ -191,7 +191,7 @@ def test_metrics_fold_message_batch_ids() -> None:
 
 
 def test_a_create_is_read_as_it_arrives_and_refused_before_the_rest_of_its_body(gateway: GatewayServer) -> None:
-    """Item 7 of issue 58: the body is checked as it arrives (off the event loop, one request in memory at a time),
+    """The body is checked as it arrives (off the event loop, one request in memory at a time),
     so a request over ``max_line_bytes`` is refused once its first bytes are read: here the answer comes while
     19.9 of the body's 20 MB were never sent (before: the body was read and parsed whole first)."""
     host, port = gateway.url.removeprefix("http://").rsplit(":", 1)

@@ -148,7 +148,7 @@ def test_a_malformed_usage_database_url_is_refused_by_check_and_serve_in_one_lin
 
 @pytest.mark.usefixtures("starts_engine")
 def test_serve_a_model_whose_config_is_empty_exits_1_with_sglangs_error_and_the_log_tail(tmp_path: Path, tiny_model_dir: Path) -> None:
-    """Issue 57: ``serve`` exited 0 without a word (the boot's fail-fast abort was taken for a stop request)."""
+    """``serve`` once exited 0 without a word (the boot's fail-fast abort was taken for a stop request)."""
     model = model_dir(tmp_path, tiny_model_dir, "empty-config", {})
     with leaves_nothing():
         done = run_cli("serve", str(deployment(tmp_path, model)))

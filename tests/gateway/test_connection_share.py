@@ -1,4 +1,4 @@
-"""A key's share of the client connections, and the lingering close of every rejection (issue 58, item 11).
+"""A key's share of the client connections, and the lingering close of every rejection.
 
 An fd-starved gateway has few connections (``http.max_connections`` is lowered to what the open-file limit fits:
 14 at 300 descriptors). One key holding them all denied every other key; now a key gets at most its share (half,

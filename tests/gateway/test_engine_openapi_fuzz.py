@@ -8,7 +8,7 @@ hostile JSON. The real engine must never crash, and no answer may be a
 500 or a 502: a client's request is either served or refused (4xx). Lengths are clamped (``max_tokens`` and
 friends at most 8) so that thousands of requests fit in minutes; their edges are the other fuzzer's job. Every
 field also draws empty values (``""``, ``[]``, ``[""]``, ``null``...), and so do each route's input fields: an input
-of no token crashed the engine through the guard (issue 58); a deterministic sweep of every route's inputs left out
+of no token crashed the engine through the guard; a deterministic sweep of every route's inputs left out
 or empty, alone and in pairs (180 requests), covers that class on every run.
 ``SGLANG_GATEWAY_OPENAPI_FUZZ`` sets how many requests (default 150; the hardening was checked with 5,000); the
 seed is fresh each run, printed, and replayable (:mod:`tests.fuzz_seed`).
@@ -56,7 +56,7 @@ hostile = st.recursive(
     lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)),
     max_leaves=12,
 )
-# Inputs of no token (issue 58: an empty score item with no query crashed the engine through the guard): drawn for
+# Inputs of no token (an empty score item with no query crashed the engine through the guard): drawn for
 # any field, and for the fields that carry a route's input (ABSENT: the field left out) in two requests of three
 ABSENT = object()
 EMPTIES: list[Any] = [ABSENT, None, "", [], [""], [[]], ["", "a"], [[1], []]]
@@ -131,7 +131,7 @@ def from_schema(schema: Any, components: dict[str, Any], depth: int = 0) -> st.S
 
 
 def _field_strategies(openapi: dict[str, Any]) -> dict[str, list[tuple[str, st.SearchStrategy[Any]]]]:
-    """path -> (field, values from the engine's schema for it, or hostile JSON) for every field of every route."""
+    """Path -> (field, values from the engine's schema for it, or hostile JSON) for every field of every route."""
     components = openapi.get("components", {})
     result: dict[str, list[tuple[str, st.SearchStrategy[Any]]]] = {}
     for path in BASES:
@@ -206,7 +206,7 @@ def test_engine_schema_fuzz_never_crashes_the_engine_nor_answers_5xx(
 def test_empty_inputs_on_every_route_never_crash_the_engine(fuzzed_gateway: GatewayServer, tiny_engine: EngineProcess) -> None:
     """Every route with each of its input fields left out or empty (``""``, ``[]``, ``[""]``, ``[[]]``, ``null``), alone
     and in pairs: served or refused, never a 5xx; the engine's pid is unchanged (an empty score item with no query
-    crashed it through the guard: issue 58). Deterministic: the random fuzz above explores, this covers the class."""
+    crashed it through the guard). Deterministic: the random fuzz above explores, this covers the class."""
     pid = tiny_engine.pid
     values = [ABSENT, None, "", [""], [[]]]
     statuses: Counter[int] = Counter()

@@ -93,7 +93,7 @@ def test_requests_that_crashed_or_froze_the_engine_are_refused_and_the_model_kee
         ("/v1/chat/completions", {"model": "tiny", "messages": HELLO, "logit_bias": {str(vocab + 5): 1.0}}, "logit_bias"),
         ("/v1/score", {**score, "query": [], "items": [[]]}, "query"),
         ("/v1/score", {**score, "query": [1], "items": [[], []]}, "items"),
-        # Found by the same fuzz under a new seed (issue 58): a text item joined to no query is 0 tokens
+        # Found by the same fuzz under a new seed: a text item joined to no query is 0 tokens
         ("/v1/score", {**score, "items": [""]}, "items"),
         ("/v1/score", {**score, "query": None, "items": ["a", ""], "item_first": True}, "items"),
         ("/v1/score", {**score, "query": "q", "items": ["a"] * 20_000}, "items"),

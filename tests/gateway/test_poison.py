@@ -370,7 +370,7 @@ def test_records_of_other_replicas_merge_and_clears_are_said() -> None:
 
 
 def test_a_shape_the_engine_answered_before_is_not_evidence() -> None:
-    """The bystander case (issue 58): a steady client's ordinary shape, answered many times, in flight at each of
+    """The bystander case: a steady client's ordinary shape, answered many times, in flight at each of
     an attacker's crashes with crafted shapes. The crafted one is the only evidence: refused at once for its key."""
     quarantine = Quarantine()
     ordinary = request_shape("/v1/chat/completions", {"messages": [{"role": "user", "content": "line"}], "max_tokens": 4})

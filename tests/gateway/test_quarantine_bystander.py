@@ -1,4 +1,4 @@
-"""The quarantine does not blame a bystander (issue 58, item 3), on a FAKE engine that a request crashes on demand.
+"""The quarantine does not blame a bystander, on a FAKE engine that a request crashes on demand.
 
 A victim key runs a 200-line batch of one ordinary shape; meanwhile an attacker key sends two crashing requests of
 two shapes of its own, each while victim lines are in flight. The victim's shape had been answered in full before

@@ -236,7 +236,7 @@ def test_databricks_model_serving_is_recognised_by_the_variable_mlflow_reads(hos
 
 
 def test_a_hung_nvidia_smi_is_killed_with_its_children(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 58 item 11: a FAKE ``nvidia-smi`` that starts a child and hangs (a wedged driver): the doctor gives up
+    """A FAKE ``nvidia-smi`` that starts a child and hangs (a wedged driver): the doctor gives up
     on it after its timeout and leaves neither of them running."""
     from launch.doctor.host import run
     from launch.procgroup import pid_alive

@@ -72,7 +72,7 @@ def _refused(model: Any, custom_inputs: dict[str, Any], stream: bool = False) ->
         ("off", {"extra_body": {"n": 100000}}, "n", "invalid_request"),  # the schema bounds n (128)
         ("off", {"extra_body": {"regex": "x{200}", "stop_regex": "(x+x+)+y"}}, "stop_regex", "invalid_grammar"),
         ("off", {"extra_body": {"no_such_field": 1}}, "no_such_field", "unknown_field"),
-        # the engine answers 500 (an error event in a stream) where the gateway answers 400 (issue 58)
+        # the engine answers 500 (an error event in a stream) where the gateway answers 400
         ("off", {"extra_body": {"ebnf": "root ::= root"}}, "ebnf", "invalid_grammar"),
         # the engine refuses it only once its stream has begun (an error event, under 200: the fuzz found it)
         ("off", {"extra_body": {"response_format": {"type": "structural_tag", "structures": [], "triggers": [""]}}}, "response_format", "invalid_grammar"),

@@ -230,7 +230,7 @@ def test_concurrent_requests_of_one_key(upstream: str) -> None:
 
 
 def test_a_budget_held_by_a_request_in_flight_is_not_spent(upstream: str) -> None:
-    """Issue 58 item 8: 300 tokens a day, one request in flight holding more than that (alone, it runs): another
+    """300 tokens a day, one request in flight holding more than that (alone, it runs): another
     request meanwhile gets 429 rate_limit_exceeded with Retry-After 1 (the budget is held), not insufficient_quota
     until midnight; once the hold is given back (504: nothing used) the same request is served."""
     with fake_stalled_upstream() as stalled:

@@ -177,7 +177,7 @@ def test_reports_the_sums_hold_are_not_subtracted_again() -> None:
 
 
 def test_a_hold_in_flight_is_not_a_spent_budget() -> None:
-    """Issue 58 item 8: 300 tokens a day, one request holding 520 that will cost 55. Another request meanwhile is
+    """300 tokens a day, one request holding 520 that will cost 55. Another request meanwhile is
     told the budget is held (rate_limit_exceeded, retry in 1 s), not spent until midnight; once the hold is settled
     it runs; only the tokens really used spend the budget."""
     quota = KeyQuota(KeyLimits(tokens_per_day=300), JAN_1 + 60)
