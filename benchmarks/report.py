@@ -10,6 +10,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,7 @@ def machine_info() -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "cpu_model": cpu,
         "python": platform.python_version(),
+        "python_build": f"{sys.version} at {sys.base_prefix}",  # builds of one version differ (docs/development.md)
         "platform": platform.platform(),
         "loadavg_at_start": os.getloadavg() if hasattr(os, "getloadavg") else None,
         "versions": {name: _version(name) for name in _PACKAGES},

@@ -2,7 +2,7 @@
 # Create or refresh the project's virtual environment, idempotently.
 #
 # The dependencies live in a shared environment, cached under a hash of everything that decides its
-# contents (pyproject.toml's dependency lists, requirements/*.txt, the python version, the GPU/CPU
+# contents (pyproject.toml's dependency lists, requirements/*.txt, the interpreter (scripts/lib.sh: project_python), the GPU/CPU
 # flavour), so a second run, or another clone of the repository on the same machine, reuses it in
 # seconds. It holds dependencies only, never this project. `.venv` in the checkout is a small
 # environment of the checkout's own, layered on the shared one (a .pth file puts the shared
@@ -18,7 +18,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
 
-python=${PYTHON:-python3}
+# pip_quiet and project_python (the interpreter: $PYTHON, else the distribution's optimised CPython, else python3).
+source "$root/scripts/lib.sh"
+python=$(project_python)
 flavor=${SGLANG_GATEWAY_FLAVOR:-}
 if [ -z "$flavor" ]; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then flavor=gpu; else flavor=cpu; fi
@@ -39,7 +41,7 @@ deps=$("$python" -c 'import tomllib, json; p = tomllib.load(open("pyproject.toml
 # Bump ENV_RECIPE when a change to the install steps below must rebuild existing environments.
 ENV_RECIPE=1
 key=$( {
-  echo "$flavor $ENV_RECIPE"; "$python" --version; echo "$deps"; cat requirements/*.txt
+  echo "$flavor $ENV_RECIPE"; python_identity "$python"; echo "$deps"; cat requirements/*.txt
   if [ "$flavor" = gpu ]; then echo "$gpu_stack"; fi
 } | sha256sum | cut -c1-16)
 cache=${SGLANG_GATEWAY_VENV_CACHE:-$HOME/.cache/sglang-gateway}
@@ -68,9 +70,6 @@ check_cpu_environment() {
   echo "  ($(echo $cpu_left_out_gpu | sed 's/ /, /g')): no CPU builds exist;" >&2
   echo "  and its media, dataset and training extras ($(echo $cpu_left_out_extras | sed 's/ /, /g')): a text server does not use them." >&2
 }
-
-# pip_quiet: pip with this machine's absent-local-index warnings filtered out, its status kept.
-source "$root/scripts/lib.sh"
 
 if [ ! -f "$venv/.complete" ]; then
   echo "bootstrap: building the $flavor environment in $venv (first run: several minutes)" >&2

@@ -8,7 +8,7 @@
 # (openai-agents and llama-index disagree on openai 3; SGLang pins openai 2.x), and none of their pins may move the
 # gateway's. Nothing of this checkout is installed there: the tests in tests_frameworks/ talk HTTP to a gateway that
 # the main environment's `sglang-gateway serve` runs. Exact pins, the whole tree (requirements/frameworks/
-# frameworks.txt); cached under a hash of that file and the python version: a second run prints the path in well
+# frameworks.txt); cached under a hash of that file and the interpreter: a second run prints the path in well
 # under a second. Same cache as scripts/bootstrap.sh (SGLANG_GATEWAY_VENV_CACHE).
 set -euo pipefail
 cd "$(dirname "$0")/.."
