@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 from bisect import bisect_left
 from collections import Counter, defaultdict
+from functools import partial
+from operator import is_not, itemgetter
 from typing import Any, NamedTuple
 
 FLUSH_S = 1.0  # the longest a request's series wait to be added (none wait while no request comes: no timer runs)
@@ -59,6 +61,33 @@ class RequestTally:
         pending, self._pending = self._pending, []
         if not pending:
             return
+        series = set(map(_SERIES, pending))
+        if len(series) == 1:  # one model, route, replica and key (a client's burst): counted without a loop in Python
+            self._add_one_series(*series.pop(), pending)
+        else:
+            self._add_each(pending)
+
+    def _add_one_series(self, model: str, route: str, replica: int | None, key: str, pending: list[Finished]) -> None:
+        m = self.metrics
+        child = m.child
+        classes: Counter[str] = Counter()
+        for status, count in Counter(map(_STATUS, pending)).items():
+            child(m.requests, model, route, str(status)).inc(count)
+            classes[_status_class(status)] += count
+        for status_class, count in classes.items():
+            child(m.key_requests, key, model, status_class).inc(count)
+        if replica is not None:
+            child(m.replica_requests, model, str(replica)).inc(len(pending))
+        for kind, tokens in (("prompt", sum(filter(None, map(_PROMPT, pending)))), ("completion", sum(filter(None, map(_COMPLETION, pending))))):
+            if tokens:
+                child(m.tokens, model, kind).inc(tokens)
+                child(m.key_tokens, key, model, kind).inc(tokens)
+        _observe_all(child(m.latency, model, route), list(map(_ELAPSED, pending)))
+        ttfts = list(filter(_IS_VALUE, map(_TTFT, pending)))
+        if ttfts:
+            _observe_all(child(m.ttft, model), ttfts)
+
+    def _add_each(self, pending: list[Finished]) -> None:
         m = self.metrics
         child = m.child
         requests: Counter[tuple[str, str, str]] = Counter()
@@ -81,7 +110,7 @@ class RequestTally:
                 key_tokens[(key, model, "completion")] += completion
             if replica is not None:
                 replicas[(model, str(replica))] += 1
-            by_key[(key, model, _STATUS_CLASSES[status // 100 if status < 600 else 0])] += 1
+            by_key[(key, model, _status_class(status))] += 1
         for counts, metric in (
             (requests, m.requests), (by_key, m.key_requests), (replicas, m.replica_requests), (tokens, m.tokens),
             (key_tokens, m.key_tokens),
@@ -93,14 +122,20 @@ class RequestTally:
                 _observe_all(child(histogram, *labels) if isinstance(labels, tuple) else child(histogram, labels), values)
 
 
+def _status_class(status: int) -> str:
+    return _STATUS_CLASSES[status // 100 if status < 600 else 0]
+
+
+# A finished request's fields, read in C (map over a batch of them): its series, and each value
+_SERIES = itemgetter(0, 1, 7, 8)  # model, route, replica, key
+_STATUS, _ELAPSED, _TTFT, _PROMPT, _COMPLETION = (itemgetter(index) for index in (2, 3, 4, 5, 6))
+_IS_VALUE = partial(is_not, None)
+
+
 def _observe_all(series: Any, values: list[float]) -> None:
     """``series.observe(value)`` for each of ``values`` (a prometheus_client histogram child), as one update per bucket
     that got values: each value in the first bucket whose upper bound it does not exceed, as ``observe`` puts it."""
-    bounds = series._upper_bounds
-    counts = [0] * len(bounds)
-    for value in values:
-        counts[bisect_left(bounds, value)] += 1
+    buckets = series._buckets
     series._sum.inc(sum(values))
-    for bucket, count in zip(series._buckets, counts, strict=True):
-        if count:
-            bucket.inc(count)
+    for bucket, count in Counter(map(partial(bisect_left, series._upper_bounds), values)).items():
+        buckets[bucket].inc(count)

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from gateway.core.metrics import Metrics
 from gateway.core.registry import Registry
 from gateway.core.request_tally import Finished
@@ -87,3 +91,38 @@ def test_a_batch_fills_each_histogram_bucket_as_observing_one_by_one_does() -> N
         return {(sample.name, sample.labels.get("le", "")): sample.value for sample in family.samples if not sample.name.endswith("_created")}
 
     assert latency_samples(batched) == latency_samples(one_by_one)
+
+
+_finished = st.builds(
+    Finished,
+    model=st.sampled_from(["m", "other"]),
+    route=st.sampled_from(["/v1/chat/completions", "/v1/responses"]),
+    status=st.sampled_from([200, 200, 200, 400, 429, 503, 101, 302, 600]),
+    elapsed_s=st.floats(0, 700, allow_nan=False),
+    ttft_s=st.none() | st.floats(0, 100, allow_nan=False),
+    prompt_tokens=st.none() | st.integers(0, 5000),
+    completion_tokens=st.none() | st.integers(0, 5000),
+    replica=st.none() | st.sampled_from([0, 1]),
+    key=st.sampled_from(["unnamed", "alice"]),
+)
+
+
+def _samples(metrics: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in metrics.registry.collect() for sample in family.samples if not sample.name.endswith("_created")
+    }  # fmt: skip
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(_finished, min_size=1, max_size=40) | st.lists(_finished, min_size=1, max_size=1).map(lambda one: one * 30))
+def test_a_batch_adds_what_its_requests_add_one_at_a_time(requests: list[Finished]) -> None:
+    """Whatever the batch (one client's series many times over, or a mix of models, routes, keys and replicas), flushed
+    together it leaves every series as each of its requests flushed alone does."""
+    alone, together = Metrics(Registry(), multiprocess_dir=""), Metrics(Registry(), multiprocess_dir="")
+    for request in requests:
+        alone.tally._pending.append(request)
+        alone.tally.flush()
+    together.tally._pending.extend(requests)
+    together.tally.flush()
+    assert _samples(together) == pytest.approx(_samples(alone), rel=1e-9, abs=1e-9)
