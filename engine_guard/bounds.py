@@ -90,9 +90,12 @@ def check_bounds(path: str, body: dict[str, Any], bounds: RequestBounds, setting
     if prompts * choices > bounds.max_generations:
         field = "n" if prompts == 1 else "prompt"
         raise _refuse(field, f"{prompts} prompt(s) x {choices} choices; at most {bounds.max_generations} generations ({setting}.max_generations)")
-    for field, bound, what in _list_limits(path, bounds):
-        if field in body:
+    limits = _list_limits(path, bounds)
+    present = limits.keys() & body.keys()  # most bodies carry one or two of the lists: only those are looked at
+    if present:
+        for field in present if len(present) == 1 else [field for field in limits if field in present]:  # (in order)
             value = body[field]
+            bound, what = limits[field]
             if isinstance(value, (list, dict)) and len(value) > bound:
                 raise _refuse(field, f"{len(value)} {what}; at most {bound} ({setting})")
     input_ids = body.get("input_ids")
@@ -101,12 +104,12 @@ def check_bounds(path: str, body: dict[str, Any], bounds: RequestBounds, setting
     return _check_grammars(body, bounds, setting)
 
 
-# route path -> (the bounds they were read from, each list field's (name, bound, what it counts), in the order checked);
-# one entry per route of the table, replaced when other bounds are given
-_LIMITS: dict[str, tuple[RequestBounds, tuple[tuple[str, int, str], ...]]] = {}
+# route path -> (the bounds they were read from, each list field's name -> (bound, what it counts), in the order
+# checked); one entry per route of the table, replaced when other bounds are given
+_LIMITS: dict[str, tuple[RequestBounds, dict[str, tuple[int, str]]]] = {}
 
 
-def _list_limits(path: str, bounds: RequestBounds) -> tuple[tuple[str, int, str], ...]:
+def _list_limits(path: str, bounds: RequestBounds) -> dict[str, tuple[int, str]]:
     """The list fields of a body for ``path`` with their bounds, read once per route and bounds (every request looked
     each of them up, eight calls, though most requests carry one of these lists)."""
     known = _LIMITS.get(path)
@@ -118,7 +121,7 @@ def _list_limits(path: str, bounds: RequestBounds) -> tuple[tuple[str, int, str]
     limits.append(("tools", bounds.max_tools, "tools"))
     limits += [(field, bounds.max_stop, "entries") for field in ("stop", "stop_sequences", "stop_regex")]
     limits += [(field, bounds.max_token_list, "entries") for field in ("stop_token_ids", "logit_bias")]
-    checked = tuple(limits)
+    checked = {field: (bound, what) for field, bound, what in limits}
     _LIMITS[path] = (bounds, checked)
     return checked
 

@@ -239,6 +239,17 @@ def test_each_list_bound_holds_for_the_bounds_each_caller_gives(field: str, boun
         check_bounds(CHAT, body, loose)
 
 
+def test_a_body_over_several_list_bounds_is_refused_naming_the_first_in_a_fixed_order() -> None:
+    """The field named does not depend on the body's key order or on the process (string hashes differ between
+    processes): messages before tools before stop before the token lists."""
+    tight = RequestBounds(max_messages=1, max_tools=1, max_stop=1, max_token_list=1)
+    over = {"messages": HELLO * 2, "tools": [{"type": "function", "function": {"name": "f"}}] * 2, "stop": ["a", "b"], "logit_bias": {"1": 1, "2": 1}}
+    for names in (["logit_bias", "stop", "tools", "messages"], ["stop", "tools", "logit_bias"], ["logit_bias", "tools"]):
+        with pytest.raises(Refused) as refused:
+            check_bounds(CHAT, {name: over[name] for name in names}, tight)
+        assert refused.value.param == min(names, key=["messages", "tools", "stop", "logit_bias"].index), (names, refused.value.message)
+
+
 def test_structural_tags_the_engine_builds_pass_and_those_it_cannot_are_refused() -> None:
     """Built as SGLang builds them (with the xgrammar the engine runs): the legacy form and a ``format``, a missing
     schema filled in as the engine fills it; an empty trigger, or a tag that no trigger begins, refused with the
