@@ -1,11 +1,12 @@
-"""uvicorn's request-response cycle with a cheaper response start: the same checks and head, in fewer steps.
+"""uvicorn's request-response cycle with a cheaper response: the same checks, head and body, in fewer steps.
 
 uvicorn's ``send`` checks each response header's name and value with a regular expression of its own, one search per
 name and one per value (about twelve for a proxied answer, whose every request pays them). Each expression is a
 class of single characters, so one search over all the names joined (and one over the values) finds what the
 per-header searches find: a header with a character that would break the response head is refused the same way
-(``RuntimeError``). The head written is uvicorn's, byte for byte; every other message (the body, a start while
-writing is paused or after a disconnect) is uvicorn's own ``send``.
+(``RuntimeError``). The head written is uvicorn's, byte for byte, and so is a body's (in one write, without the
+coroutine uvicorn's ``send`` is); every other message (one while writing is paused, after a disconnect or the
+response's end, a HEAD response's body) goes to uvicorn's own ``send``.
 
 It also tells what waits on the client's behalf (a stream's relay, a plain request's exchange) when its client leaves
 (:meth:`GatewayCycle.on_disconnect`, :class:`CancelOnLeave`), from the connection's loss, without a task waiting on
@@ -25,8 +26,8 @@ _SPECIAL = frozenset({b"content-length", b"transfer-encoding", b"connection"})  
 
 class GatewayCycle(RequestResponseCycle):
     """:class:`RequestResponseCycle` (its class replaced once uvicorn made it: the gateway's protocol,
-    :mod:`gateway.edge.connection`) with :meth:`send` writing the response start as uvicorn does, checked in two
-    searches, and a callback for the client leaving (:meth:`on_disconnect`)."""
+    :mod:`gateway.edge.connection`) with :meth:`send` writing the response start (checked in two searches) and body as uvicorn does,
+    and a callback for the client leaving (:meth:`on_disconnect`)."""
 
     _on_disconnect: Callable[[], None] | None = None  # (a class default: uvicorn's __init__ has run, not ours)
 
@@ -66,8 +67,15 @@ class GatewayCycle(RequestResponseCycle):
             callback()
 
     def send(self, message: Any) -> Awaitable[None]:  # type: ignore[override]
-        """uvicorn's ``send`` (its coroutine), or for the start written at once: nothing left to wait for."""
-        if self.response_started or self.disconnected or self.flow.write_paused or self.access_log or message["type"] != "http.response.start":
+        """uvicorn's ``send`` (its coroutine), or, for a start or a body written at once, nothing left to wait for."""
+        if self.disconnected or self.flow.write_paused or self.response_complete:
+            return super().send(message)  # (uvicorn waits for the drain, or drops or refuses the message)
+        if self.response_started:
+            if message["type"] != "http.response.body" or self.scope["method"] == "HEAD":
+                return super().send(message)
+            self._write_body(message.get("body", b""), message.get("more_body", False))
+            return _WRITTEN
+        if self.access_log or message["type"] != "http.response.start":
             return super().send(message)
         self.response_started = True  # (before the checks, as uvicorn: a refused head is not followed by a 500)
         self.waiting_for_100_continue = False
@@ -100,6 +108,29 @@ class GatewayCycle(RequestResponseCycle):
         content.append(b"\r\n")
         self.transport.write(b"".join(content))
         return _WRITTEN
+
+    def _write_body(self, body: bytes, more_body: bool) -> None:
+        """uvicorn's body write (not for HEAD), in one write: a chunk or the bytes of the declared length, and at the
+        end the last chunk, the checks of the length and the response's completion."""
+        if self.chunked_encoding:
+            if more_body:
+                if body:
+                    self.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+            else:
+                self.transport.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(body), body) if body else b"0\r\n\r\n")
+        else:
+            if len(body) > self.expected_content_length:
+                raise RuntimeError("Response content longer than Content-Length")
+            self.expected_content_length -= len(body)
+            self.transport.write(body)
+        if not more_body:
+            if self.expected_content_length != 0:
+                raise RuntimeError("Response content shorter than Content-Length")
+            self.response_complete = True
+            self.message_event.set()
+            if not self.keep_alive:
+                self.transport.close()
+            self.on_response()
 
 
 class _Written:

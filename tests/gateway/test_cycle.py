@@ -81,3 +81,55 @@ def test_the_start_is_uvicorns_byte_for_byte(headers: list[tuple[bytes, bytes]],
 def test_a_header_that_would_break_the_head_is_refused() -> None:
     assert _start(GatewayCycle, [(b"x-ok", b"a\r\nb")])[0] == ("refused", "Invalid HTTP header value.")
     assert _start(GatewayCycle, [(b"x:colon", b"v")])[0] == ("refused", "Invalid HTTP header name.")
+
+
+def _respond(cls: type[RequestResponseCycle], headers: list[tuple[bytes, bytes]], bodies: list[dict[str, Any]], *, keep_alive: bool = True, method: str = "POST") -> Any:
+    """A start, then ``bodies`` in turn: what was written, each send's outcome and the cycle's state after each."""
+
+    async def run() -> Any:
+        transport = _Transport()
+        ended: list[int] = []
+        scope: Any = {"type": "http", "method": method, "path": "/v1/chat/completions", "headers": []}
+        cycle = cls(
+            scope=scope, transport=transport, flow=FlowControl(transport), logger=logging.getLogger("t"),  # type: ignore[arg-type]
+            access_logger=logging.getLogger("t.access"), access_log=False, default_headers=list(DEFAULT),
+            message_event=asyncio.Event(), expect_100_continue=False, keep_alive=keep_alive, on_response=lambda: ended.append(1),
+        )  # fmt: skip
+        await cycle.send({"type": "http.response.start", "status": 200, "headers": headers})
+        steps = []
+        for message in bodies:
+            try:
+                await cycle.send(message)
+                outcome = "sent"
+            except RuntimeError as error:
+                outcome = str(error)
+            state = (cycle.response_complete, cycle.expected_content_length, cycle.message_event.is_set(), transport.closed, len(ended))
+            steps.append((outcome, b"".join(transport.written), state))
+        return steps
+
+    return asyncio.run(run())
+
+
+CHUNKED = [(b"content-type", b"text/event-stream")]
+SIZED = [(b"content-type", b"application/json"), (b"content-length", b"10")]
+BODY = "http.response.body"
+BODIES = [
+    (CHUNKED, [{"type": BODY, "body": b"data: a\n\n", "more_body": True}, {"type": BODY, "body": b"", "more_body": True}, {"type": BODY, "body": b"data: [DONE]\n\n"}], True, "POST"),
+    (CHUNKED, [{"type": BODY, "body": b"x" * 300, "more_body": True}, {"type": BODY}], False, "POST"),
+    (CHUNKED, [{"type": BODY, "body": b"whole"}, {"type": BODY, "body": b"after the end"}], True, "POST"),
+    (SIZED, [{"type": BODY, "body": b"12345", "more_body": True}, {"type": BODY, "body": b"67890"}], True, "POST"),
+    (SIZED, [{"type": BODY, "body": b"1234567890"}], False, "POST"),
+    (SIZED, [{"type": BODY, "body": b"12345678901"}], True, "POST"),
+    (SIZED, [{"type": BODY, "body": b"123"}], True, "POST"),
+    (SIZED, [{"type": "http.response.start", "status": 200}], True, "POST"),
+    (SIZED, [{"type": BODY, "body": b"1234567890"}], True, "HEAD"),
+]
+
+
+@pytest.mark.parametrize(("headers", "bodies", "keep_alive", "method"), BODIES)
+def test_the_body_is_uvicorns_byte_for_byte(headers: list[tuple[bytes, bytes]], bodies: list[dict[str, Any]], keep_alive: bool, method: str) -> None:
+    """Chunks, an empty chunk, the last one; a declared length met, exceeded and short; the connection closed after
+    the end when not kept alive; a message after the end, or of the wrong type; a HEAD response's body."""
+    assert _respond(GatewayCycle, headers, bodies, keep_alive=keep_alive, method=method) == _respond(
+        RequestResponseCycle, headers, bodies, keep_alive=keep_alive, method=method
+    )
