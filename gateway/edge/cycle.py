@@ -22,6 +22,8 @@ from typing import Any
 from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE, STATUS_LINE, RequestResponseCycle
 
 _SPECIAL = frozenset({b"content-length", b"transfer-encoding", b"connection"})  # the names uvicorn's start acts on
+_LENGTH = frozenset({b"content-length"})
+_FIELD = b"%s: %s\r\n"  # a head's field, formatted in C over the start's (name, value) pairs
 
 
 class GatewayCycle(RequestResponseCycle):
@@ -81,10 +83,24 @@ class GatewayCycle(RequestResponseCycle):
         self.waiting_for_100_continue = False
         status_code = message["status"]
         headers = self.default_headers + list(message.get("headers", []))
-        if HEADER_RE.search(b"".join([name for name, _ in headers])):
+        names, values = zip(*headers, strict=True) if headers else ((), ())
+        if HEADER_RE.search(b"".join(names)):
             raise RuntimeError("Invalid HTTP header name.")
-        if HEADER_VALUE_RE.search(b"".join([value for _, value in headers])):
+        if HEADER_VALUE_RE.search(b"".join(values)):
             raise RuntimeError("Invalid HTTP header value.")
+        lowered = b"\0".join(names).lower().split(b"\0") if names else []  # (a name with a NUL was refused above)
+        special = _SPECIAL.intersection(lowered)
+        if special and special != _LENGTH:
+            return self._start_in_order(status_code, headers)
+        if special and self.chunked_encoding is None:  # content-length (the first one, where there are several)
+            self.expected_content_length = int(values[lowered.index(b"content-length")].decode())
+            self.chunked_encoding = False
+        return self._write_head([STATUS_LINE[status_code], *map(_FIELD.__mod__, zip(lowered, values, strict=True))], status_code, False)
+
+    def _start_in_order(self, status_code: int, headers: list[tuple[bytes, bytes]]) -> Awaitable[None]:
+        """The head of a start whose fields frame the body or the connection otherwise than by a content-length
+        (transfer-encoding, connection): read in order, as uvicorn reads them (a chunked encoding wins over an earlier
+        length, not over a later one)."""
         content = [STATUS_LINE[status_code]]
         has_connection_close = False
         for name, value in headers:
@@ -100,6 +116,10 @@ class GatewayCycle(RequestResponseCycle):
                     self.keep_alive = False
                     has_connection_close = True
             content += (name, b": ", value, b"\r\n")
+        return self._write_head(content, status_code, has_connection_close)
+
+    def _write_head(self, content: list[bytes], status_code: int, has_connection_close: bool) -> Awaitable[None]:
+        """The head's fields ``content`` (after its status line) ended as uvicorn ends them, and written."""
         if not self.keep_alive and not has_connection_close:
             content.append(b"connection: close\r\n")
         if self.chunked_encoding is None and self.scope["method"] != "HEAD" and status_code not in (204, 304):

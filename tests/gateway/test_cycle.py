@@ -36,13 +36,16 @@ class _Transport:
     def resume_reading(self) -> None: ...
 
 
-def _start(cls: type[RequestResponseCycle], headers: list[tuple[bytes, bytes]], status: int = 200, *, keep_alive: bool = True, method: str = "POST") -> tuple[Any, Any]:
+def _start(
+    cls: type[RequestResponseCycle], headers: list[tuple[bytes, bytes]], status: int = 200, *, keep_alive: bool = True, method: str = "POST",
+    default: list[tuple[bytes, bytes]] = DEFAULT,
+) -> tuple[Any, Any]:
     async def run() -> tuple[Any, Any]:
         transport = _Transport()
         scope: Any = {"type": "http", "method": method, "path": "/v1/chat/completions", "headers": []}
         cycle = cls(
             scope=scope, transport=transport, flow=FlowControl(transport), logger=logging.getLogger("t"),  # type: ignore[arg-type]
-            access_logger=logging.getLogger("t.access"), access_log=False, default_headers=list(DEFAULT),
+            access_logger=logging.getLogger("t.access"), access_log=False, default_headers=list(default),
             message_event=asyncio.Event(), expect_100_continue=False, keep_alive=keep_alive, on_response=lambda: None,
         )  # fmt: skip
         try:
@@ -68,6 +71,14 @@ HEADS = [
     ([(b"x-ok", b"line\r\nx-injected: 1")], 200, True, "POST"),
     ([(b"x-ok", b"nul\x00")], 200, True, "POST"),
     ([(b"x(paren)", b"v"), (b"x-ok", b"v\x7f")], 200, True, "POST"),
+    ([(b"Content-Length", b"5")], 200, False, "POST"),
+    ([(b"content-length", b"5"), (b"content-length", b"7")], 200, True, "POST"),
+    ([(b"content-length", b"5"), (b"transfer-encoding", b"chunked")], 200, True, "POST"),
+    ([(b"transfer-encoding", b"chunked"), (b"content-length", b"5")], 200, True, "POST"),
+    ([(b"content-length", b"5"), (b"connection", b"close")], 200, True, "POST"),
+    ([(b"transfer-encoding", b"gzip")], 200, True, "POST"),
+    ([(b"content-length", b"0")], 304, True, "GET"),
+    ([(b"x-nul\x00", b"v")], 200, True, "POST"),
 ]
 
 
@@ -76,6 +87,12 @@ def test_the_start_is_uvicorns_byte_for_byte(headers: list[tuple[bytes, bytes]],
     assert _start(GatewayCycle, headers, status, keep_alive=keep_alive, method=method) == _start(
         RequestResponseCycle, headers, status, keep_alive=keep_alive, method=method
     )
+
+
+@pytest.mark.parametrize("headers", [[], [(b"content-type", b"text/plain")], [(b"content-length", b"3")]])
+def test_a_start_without_default_headers_is_uvicorns(headers: list[tuple[bytes, bytes]]) -> None:
+    """No ``server`` or ``date`` header (both turned off): a start with no field at all has a head too."""
+    assert _start(GatewayCycle, headers, default=[]) == _start(RequestResponseCycle, headers, default=[])
 
 
 def test_a_header_that_would_break_the_head_is_refused() -> None:
