@@ -31,6 +31,7 @@ from gateway.tenants.keys import UNNAMED
 from gateway.tenants.ledger import Ledger, UsageRow
 
 _GOOD_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+_REQUEST_ID_FIELD = b"\0x-request-id\0"  # among a response's field names, each lowered and between NULs
 
 
 # Probes and scrapes (a Kubernetes probe every few seconds) would bury the requests' traces.
@@ -69,7 +70,9 @@ class RequestContextMiddleware:
         def send_with_id(message: Message) -> Awaitable[None]:  # (the server's send itself: no coroutine around it)
             if message["type"] == "http.response.start":
                 info.status = message["status"]
-                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+                headers = message.get("headers", ())
+                if headers and _REQUEST_ID_FIELD in b"\0%b\0" % b"\0".join(next(zip(*headers, strict=True))).lower():  # (one a worker answered with)
+                    headers = [(k, v) for k, v in headers if k.lower() != b"x-request-id"]
                 message = {**message, "headers": [*headers, (b"x-request-id", request_id.encode()), *self._extra, *info.extra_headers]}
             return send(message)
 

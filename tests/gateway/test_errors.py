@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -9,11 +10,16 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
+import pytest
 
 from gateway.core.errors import readable_validation_dump, sanitize_message, upstream_error
+from gateway.core.metrics import Metrics
+from gateway.core.registry import Registry
+from gateway.edge.middleware import RequestContextMiddleware
 from launch.process import EngineProcess
 from tests.admin_client import prometheus_value
 from tests.fake_engine import running_fake_engine
@@ -295,6 +301,35 @@ def test_request_id_echoed_or_generated(gateway: GatewayServer) -> None:
         generated = http.get("/health", headers={"X-Request-Id": "bad id\twith junk"}).headers["x-request-id"]
         assert generated != "bad id\twith junk" and len(generated) == 32
         assert http.get("/v1/models").headers["x-request-id"]  # 401s carry one too
+
+
+@pytest.mark.parametrize(
+    "answered",
+    [
+        [(b"content-type", b"application/json")],
+        [(b"X-Request-Id", b"the-workers"), (b"content-type", b"application/json")],
+        [(b"content-type", b"application/json"), (b"x-request-id", b"a"), (b"x-request-id-of", b"kept")],
+        [],
+    ],
+)
+def test_a_response_carries_the_gateways_request_id_once(answered: list[tuple[bytes, bytes]]) -> None:
+    """Whatever request id the app's answer carried (a worker's, in any case) gives way to the gateway's; a field
+    whose name only starts like it stays."""
+    sent: list[dict[str, Any]] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": list(answered)})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    middleware = RequestContextMiddleware(app, Metrics(Registry(), multiprocess_dir=""), log_requests=False, record=False)
+    scope = {"type": "http", "method": "GET", "path": "/v1/models", "headers": [(b"x-request-id", b"the-clients")]}
+    asyncio.run(middleware(scope, None, send))
+    headers = sent[0]["headers"]
+    assert [value for name, value in headers if name.lower() == b"x-request-id"] == [b"the-clients"], headers
+    assert [field for field in headers if field[0].lower() != b"x-request-id"] == [field for field in answered if field[0].lower() != b"x-request-id"]
 
 
 def test_metrics_after_traffic(gateway: GatewayServer, client: openai.OpenAI) -> None:
