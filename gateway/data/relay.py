@@ -32,8 +32,7 @@ from gateway.data.stream_pool import (
 )
 from gateway.data.upstream_errors import transport_error
 from gateway.data.usage_request import prompt_bound
-from gateway.edge.connection import HTTP_CYCLE
-from gateway.edge.cycle import CancelOnLeave
+from gateway.edge.cycle import HTTP_CYCLE, CancelOnLeave
 
 _MAX_PENDING = 4 * 1024 * 1024  # an SSE event larger than this is forwarded unsplit, unscanned
 

@@ -34,7 +34,7 @@ from gateway.core.state import GatewayState
 from gateway.data.answer_extensions import DROP, KEEP, keeps_extensions
 from gateway.data.answer_extensions import HEADER as EXTENSIONS_HEADER
 from gateway.edge.auth import OPEN_OWNER, request_owner
-from gateway.edge.connection import HTTP_CYCLE
+from gateway.edge.cycle import HTTP_CYCLE
 from gateway.tenants.keys import TENANT_SCOPE_KEY, Tenant
 from gateway.tenants.priority import request_priority
 

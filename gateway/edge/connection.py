@@ -44,14 +44,10 @@ from gateway.core.endpoints import dialect_for_path
 from gateway.core.errors import Dialect, GatewayError
 from gateway.core.headers import HEADER_MAP, first_values
 from gateway.core.state import GatewayState
-from gateway.edge.cycle import GatewayCycle
+from gateway.edge.cycle import HTTP_CYCLE, GatewayCycle
 
 LINGER_S = 2.0  # after a rejection, how long what the client still sends is read and dropped before the socket closes
 LINGER_BYTES = 1 << 20  # ... and how much of it (a request body; a head that never ends is cut off sooner)
-
-HTTP_CYCLE = "gateway.http_cycle"
-"""``scope["extensions"]`` key of uvicorn's request-response cycle: a stream relay writes its events to the
-client's transport through it (:class:`gateway.data.relay.SSEProxyResponse`) instead of one ASGI message each."""
 
 
 class _Rejected(Exception):

@@ -21,8 +21,15 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE, STATUS_LINE, RequestResponseCycle
 
+HTTP_CYCLE = "gateway.http_cycle"
+"""``scope["extensions"]`` key of uvicorn's request-response cycle: a stream relay writes its events to the
+client's transport through it (:class:`gateway.data.relay.SSEProxyResponse`) instead of one ASGI message each. The
+cycle holds the scope: the key is taken out once the response is complete (:meth:`GatewayCycle._write_body`), so that
+the two are freed by their counts, not left as a reference cycle (a dozen objects a request) for the collector."""
+
 _SPECIAL = frozenset({b"content-length", b"transfer-encoding", b"connection"})  # the names uvicorn's start acts on
 _LENGTH = frozenset({b"content-length"})
+_NONE: dict[str, Any] = {}
 _FIELD = b"%s: %s\r\n"  # a head's field, formatted in C over the start's (name, value) pairs
 
 
@@ -151,6 +158,7 @@ class GatewayCycle(RequestResponseCycle):
             if not self.keep_alive:
                 self.transport.close()
             self.on_response()
+            self.scope.get("extensions", _NONE).pop(HTTP_CYCLE, None)  # (read only as the request starts)
 
 
 class _Written:

@@ -26,7 +26,7 @@ from gateway.core.headers import header_text
 from gateway.core.metrics import Metrics
 from gateway.core.request_tally import Finished
 from gateway.core.tracing import Tracing
-from gateway.edge.connection import HTTP_CYCLE
+from gateway.edge.cycle import HTTP_CYCLE
 from gateway.tenants.keys import UNNAMED
 from gateway.tenants.ledger import Ledger, UsageRow
 
