@@ -74,8 +74,12 @@ class ModelRoute:
 
     @property
     def asleep(self) -> bool:
-        """Its engine is stopped by design (residency): a request wakes it."""
-        return all(backend.asleep for backend in self.replicas)
+        """Its engine is stopped by design (residency): a request wakes it. (A loop, not ``all()`` over a generator:
+        asked for every request, whose awake engine would close the generator with an exception.)"""
+        for backend in self.replicas:
+            if not backend.asleep:
+                return False
+        return True
 
     @property
     def in_flight(self) -> int:
