@@ -41,8 +41,8 @@ python_identity() {
 }
 
 # requirements_venv NAME RECIPE REQUIREMENTS: the path of a side environment built from one requirements file, cached
-# (SGLANG_GATEWAY_VENV_CACHE) under NAME and a hash of RECIPE (a line naming the recipe's version), the python
-# version and the file. Used by the engine and framework environments (scripts/bootstrap_engine.sh,
+# (SGLANG_GATEWAY_VENV_CACHE) under NAME and a hash of RECIPE (a line naming the recipe's version), the interpreter
+# (project_python, by python_identity) and the file. Used by the engine and framework environments (scripts/bootstrap_engine.sh,
 # scripts/bootstrap_frameworks.sh).
 requirements_venv() {
   local key

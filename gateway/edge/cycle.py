@@ -24,8 +24,10 @@ from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE, ST
 HTTP_CYCLE = "gateway.http_cycle"
 """``scope["extensions"]`` key of uvicorn's request-response cycle: a stream relay writes its events to the
 client's transport through it (:class:`gateway.data.relay.SSEProxyResponse`) instead of one ASGI message each. The
-cycle holds the scope: the key is taken out once the response is complete (:meth:`GatewayCycle._write_body`), so that
-the two are freed by their counts, not left as a reference cycle (a dozen objects a request) for the collector."""
+cycle holds the scope: the key is taken out once a response the cycle writes itself is complete
+(:meth:`GatewayCycle._write_body`), so that the two are freed by their counts, not left as a reference cycle (a dozen
+objects a request) for the collector. A response that uvicorn's own ``send`` ends (HEAD, one ended while writing was
+paused) or that its client left keeps the key, and the collector frees the pair as before."""
 
 _SPECIAL = frozenset({b"content-length", b"transfer-encoding", b"connection"})  # the names uvicorn's start acts on
 _LENGTH = frozenset({b"content-length"})
@@ -35,8 +37,8 @@ _FIELD = b"%s: %s\r\n"  # a head's field, formatted in C over the start's (name,
 
 class GatewayCycle(RequestResponseCycle):
     """:class:`RequestResponseCycle` (its class replaced once uvicorn made it: the gateway's protocol,
-    :mod:`gateway.edge.connection`) with :meth:`send` writing the response start (checked in two searches) and body as uvicorn does,
-    and a callback for the client leaving (:meth:`on_disconnect`)."""
+    :mod:`gateway.edge.connection`) with :meth:`send` writing the response start (checked in two searches) and body
+    as uvicorn does, and a callback for the client leaving (:meth:`on_disconnect`)."""
 
     _on_disconnect: Callable[[], None] | None = None  # (a class default: uvicorn's __init__ has run, not ours)
 
